@@ -1,0 +1,324 @@
+"""Model architecture read from a checkpoint's config.json (through transformers' AutoConfig).
+
+`ModelArgs` is the single frozen description of the architecture that every other module reads; nothing else looks
+at the Hugging Face config object. DeepSeek-V3 and V2 differ only in defaults here (router scoring and top-k method),
+so both map onto the same fields.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
+
+# Fields that must be present in config.json itself: AutoConfig would silently fill class defaults (the full 671B
+# shape) for a missing one, and a model built from the wrong shape fails much later with a confusing error.
+REQUIRED_CONFIG_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+)
+
+SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
+
+
+@dataclass(frozen=True)
+class RopeArgs:
+    """Rotary embedding parameters (default RoPE or YaRN)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"  # "default" | "yarn"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    interleave: bool = True  # DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ...
+
+
+@dataclass(frozen=True)
+class QuantArgs:
+    """FP8 block quantisation of a checkpoint (DeepSeek-V3 style `*_scale_inv` tensors)."""
+
+    method: str = "fp8"
+    block_rows: int = 128
+    block_cols: int = 128
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    scoring_func: str  # "sigmoid" (V3) | "softmax" (V2)
+    topk_method: str  # "noaux_tc" (V3) | "greedy" | "group_limited_greedy" (V2)
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeArgs
+    num_nextn_predict_layers: int
+    tie_word_embeddings: bool
+    hidden_act: str
+    attention_bias: bool
+    mlp_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+    quant: QuantArgs | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- derived shapes -------------------------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def mtp_layer_index(self) -> int:
+        """The checkpoint layer index of the (first) MTP layer: the id after the main layers."""
+        return self.num_hidden_layers
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """A main layer is MoE iff it is past the dense prefix and on the MoE stride; MTP layers are always MoE."""
+        if layer >= self.num_hidden_layers:
+            return True
+        return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_moe_layer(i))
+
+    @property
+    def softmax_scale(self) -> float:
+        """Attention scale: 1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under YaRN."""
+        scale = self.qk_head_dim**-0.5
+        if self.rope.rope_type == "yarn" and self.rope.mscale_all_dim:
+            m = yarn_mscale(self.rope.factor, self.rope.mscale_all_dim)
+            scale = scale * m * m
+        return scale
+
+    def expert_param_count(self) -> int:
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _read_raw_config(path: Path) -> dict[str, Any]:
+    config_file = path / "config.json"
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist or is not a directory")
+    if not config_file.is_file():
+        raise CheckpointError(f"{config_file} is missing: a checkpoint directory needs a config.json")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{config_file} is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config_file} must hold a JSON object, not {type(raw).__name__}")
+    return raw
+
+
+def _rope_args(hf_config: Any, raw: dict[str, Any]) -> RopeArgs:
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    legacy = raw.get("rope_scaling") or {}
+    for key, value in legacy.items():  # older configs carry YaRN under rope_scaling
+        params.setdefault(key, value)
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if rope_type not in ("default", "yarn"):
+        raise CheckpointError(f"rope type {rope_type!r} is not supported (supported: default, yarn)")
+    factor = params.get("factor")
+    original = params.get("original_max_position_embeddings") or raw.get("max_position_embeddings", 4096)
+    if rope_type == "yarn" and factor is None:
+        factor = raw.get("max_position_embeddings", original) / original
+    interleave = True
+    if raw.get("model_type") == "deepseek_v3":
+        interleave = bool(raw.get("rope_interleave", True))
+    return RopeArgs(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(factor or 1.0),
+        original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        attention_factor=params.get("attention_factor"),
+        truncate=bool(params.get("truncate", True)),
+        interleave=interleave,
+    )
+
+
+def _quant_args(raw: dict[str, Any]) -> QuantArgs | None:
+    qc = raw.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method", "fp8")
+    if method != "fp8":
+        raise CheckpointError(f"quantization method {method!r} is not supported (supported: fp8 block quantisation)")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt not in ("e4m3", "float8_e4m3fn"):
+        raise CheckpointError(f"FP8 format {fmt!r} is not supported (supported: e4m3)")
+    block = qc.get("weight_block_size") or [128, 128]
+    if len(block) != 2 or min(block) <= 0:
+        raise CheckpointError(f"quantization_config.weight_block_size must be two positive ints, got {block!r}")
+    return QuantArgs(method="fp8", block_rows=int(block[0]), block_cols=int(block[1]))
+
+
+def load_model_args(path: str | Path) -> ModelArgs:
+    """Read `path/config.json` through transformers' AutoConfig and validate what the engine relies on."""
+    path = Path(path)
+    raw = _read_raw_config(path)
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"{path / 'config.json'} has model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    missing = [name for name in REQUIRED_CONFIG_FIELDS if raw.get(name) is None]
+    if missing:
+        raise CheckpointError(f"{path / 'config.json'} is missing required field(s): {', '.join(missing)}")
+
+    from transformers import AutoConfig  # imported lazily: it is slow to import
+
+    try:
+        hf = AutoConfig.from_pretrained(str(path))
+    except Exception as exc:  # transformers validates strictly and raises many types
+        raise CheckpointError(f"{path / 'config.json'} was rejected by transformers' AutoConfig: {exc}") from None
+
+    def get(name: str, default: Any = None) -> Any:
+        value = raw.get(name, getattr(hf, name, default))
+        return default if value is None else value
+
+    is_v3 = model_type == "deepseek_v3"
+    scoring = get("scoring_func", "sigmoid" if is_v3 else "softmax")
+    topk_method = get("topk_method", "noaux_tc" if is_v3 else "greedy")
+    if scoring not in ("sigmoid", "softmax"):
+        raise CheckpointError(f"scoring_func {scoring!r} is not supported (supported: sigmoid, softmax)")
+    if topk_method not in ("noaux_tc", "greedy", "group_limited_greedy"):
+        raise CheckpointError(
+            f"topk_method {topk_method!r} is not supported (supported: noaux_tc, greedy, group_limited_greedy)"
+        )
+    n_experts = int(get("n_routed_experts"))
+    n_group = int(get("n_group", 1) or 1)
+    topk_group = int(get("topk_group", n_group) or n_group)
+    top_k = int(get("num_experts_per_tok"))
+    if n_experts % n_group:
+        raise CheckpointError(f"n_routed_experts ({n_experts}) is not a multiple of n_group ({n_group})")
+    if not 0 < topk_group <= n_group:
+        raise CheckpointError(f"topk_group ({topk_group}) must lie in 1..n_group ({n_group})")
+    if not 0 < top_k <= n_experts:
+        raise CheckpointError(f"num_experts_per_tok ({top_k}) must lie in 1..n_routed_experts ({n_experts})")
+    if topk_method != "greedy" and top_k > topk_group * (n_experts // n_group):
+        raise CheckpointError(
+            f"num_experts_per_tok ({top_k}) exceeds the experts in the {topk_group} selected group(s)"
+        )
+    act = get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise CheckpointError(f"hidden_act {act!r} is not supported (supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
+    eos = get("eos_token_id", None)
+    eos_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    first_dense = int(get("first_k_dense_replace", 0))
+    num_layers = int(get("num_hidden_layers"))
+    if first_dense > 0 and raw.get("intermediate_size") is None:
+        raise CheckpointError(f"{path / 'config.json'} is missing required field intermediate_size (dense layers)")
+    nextn = raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 0)) or 0
+    args = ModelArgs(
+        model_type=model_type,
+        vocab_size=int(get("vocab_size")),
+        hidden_size=int(get("hidden_size")),
+        intermediate_size=int(get("intermediate_size", 0)),
+        moe_intermediate_size=int(get("moe_intermediate_size")),
+        num_hidden_layers=num_layers,
+        num_attention_heads=int(get("num_attention_heads")),
+        q_lora_rank=raw.get("q_lora_rank", getattr(hf, "q_lora_rank", None)),
+        kv_lora_rank=int(get("kv_lora_rank")),
+        qk_nope_head_dim=int(get("qk_nope_head_dim")),
+        qk_rope_head_dim=int(get("qk_rope_head_dim")),
+        v_head_dim=int(get("v_head_dim")),
+        n_routed_experts=n_experts,
+        n_shared_experts=int(get("n_shared_experts", 0) or 0),
+        num_experts_per_tok=top_k,
+        n_group=n_group,
+        topk_group=topk_group,
+        first_k_dense_replace=first_dense,
+        moe_layer_freq=int(get("moe_layer_freq", 1) or 1),
+        scoring_func=scoring,
+        topk_method=topk_method,
+        norm_topk_prob=bool(get("norm_topk_prob", is_v3)),
+        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(get("max_position_embeddings", 4096)),
+        rope=_rope_args(hf, raw),
+        num_nextn_predict_layers=int(nextn),
+        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        hidden_act=act,
+        attention_bias=bool(get("attention_bias", False)),
+        mlp_bias=bool(get("mlp_bias", False)),
+        bos_token_id=get("bos_token_id", None),
+        eos_token_ids=tuple(int(e) for e in eos_ids),
+        pad_token_id=get("pad_token_id", None),
+        quant=_quant_args(raw),
+        extra={k: v for k, v in raw.items() if k not in ("architectures",)},
+    )
+    _validate_shapes(args, path)
+    return args
+
+
+def _validate_shapes(args: ModelArgs, path: Path) -> None:
+    positive = {
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.num_hidden_layers,
+        "num_attention_heads": args.num_attention_heads,
+        "kv_lora_rank": args.kv_lora_rank,
+        "qk_rope_head_dim": args.qk_rope_head_dim,
+        "v_head_dim": args.v_head_dim,
+        "moe_intermediate_size": args.moe_intermediate_size,
+    }
+    bad = [f"{k}={v}" for k, v in positive.items() if v <= 0]
+    if bad:
+        raise CheckpointError(f"{path / 'config.json'} has non-positive size(s): {', '.join(bad)}")
+    if args.qk_rope_head_dim % 2:
+        raise CheckpointError(f"qk_rope_head_dim ({args.qk_rope_head_dim}) must be even for rotary embeddings")
+    if args.q_lora_rank is not None and args.q_lora_rank <= 0:
+        raise CheckpointError(f"q_lora_rank ({args.q_lora_rank}) must be positive or null")

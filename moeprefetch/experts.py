@@ -1,0 +1,277 @@
+"""Routed experts: the packed byte format of one expert, reading experts from a checkpoint, and the expert math.
+
+One expert is one contiguous byte record (gate rows, then up rows, then down, then block scales when quantised), so
+moving it host->device is a single DMA and a VRAM slot is one row of a `[n_slots, record_bytes]` uint8 pool. Typed
+views over the pool give `gate_up [n, 2I, H]` and `down [n, H, I]` without copies.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import FLOAT_DTYPES, CheckpointReader
+from .config import ModelArgs
+from .errors import CheckpointError
+from .quant import FP8_DTYPE, dequantize_blocks, quantize_fp8_blocks, quantize_int8_blocks, scale_grid_shape
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 64  # byte alignment of each region inside a record (and of the record stride)
+EXPERT_DTYPES = ("model", "fp8", "int8")  # "model" = the engine's compute dtype
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Region:
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.tensor([], dtype=self.dtype).element_size()
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class ExpertFormat:
+    """Byte layout of one packed expert: payload regions and, when quantised, their block scales."""
+
+    hidden: int
+    intermediate: int
+    payload_dtype: torch.dtype  # compute dtype, float8_e4m3fn or int8
+    compute_dtype: torch.dtype
+    block: tuple[int, int] | None  # quantisation block, None for unquantised
+    regions: dict[str, Region]
+    record_bytes: int
+
+    @property
+    def quantized(self) -> bool:
+        return self.block is not None
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(r.nbytes for name, r in self.regions.items() if not name.endswith("_scale"))
+
+    @property
+    def scale_bytes(self) -> int:
+        return sum(r.nbytes for name, r in self.regions.items() if name.endswith("_scale"))
+
+    @staticmethod
+    def build(
+        hidden: int,
+        intermediate: int,
+        compute_dtype: torch.dtype,
+        expert_dtype: str = "model",
+        block: tuple[int, int] = (128, 128),
+    ) -> "ExpertFormat":
+        if expert_dtype not in EXPERT_DTYPES:
+            raise ValueError(f"expert_dtype must be one of {EXPERT_DTYPES}, got {expert_dtype!r}")
+        payload_dtype = {"model": compute_dtype, "fp8": FP8_DTYPE, "int8": torch.int8}[expert_dtype]
+        quant_block = None if expert_dtype == "model" else block
+        regions: dict[str, Region] = {}
+        offset = 0
+        # gate and up are adjacent with no padding so that gate_up is one [2I, H] view for unquantised experts
+        for name, shape in (("gate", (intermediate, hidden)), ("up", (intermediate, hidden))):
+            regions[name] = Region(offset, payload_dtype, shape)
+            offset += regions[name].nbytes
+        offset = _align(offset)
+        regions["down"] = Region(offset, payload_dtype, (hidden, intermediate))
+        offset = _align(offset + regions["down"].nbytes)
+        if quant_block is not None:
+            for name in ("gate", "up", "down"):
+                grid = scale_grid_shape(*regions[name].shape, quant_block)
+                regions[f"{name}_scale"] = Region(offset, torch.float32, grid)
+                offset = _align(offset + regions[f"{name}_scale"].nbytes)
+        return ExpertFormat(hidden, intermediate, payload_dtype, compute_dtype, quant_block, regions, _align(offset))
+
+    # ---- views ----------------------------------------------------------------------------------------------------
+    def view(self, records: torch.Tensor, name: str) -> torch.Tensor:
+        """records uint8 [n, record_bytes] -> typed view [n, *shape] of one region (no copy)."""
+        region = self.regions[name]
+        raw = records[:, region.offset : region.offset + region.nbytes]
+        return raw.view(region.dtype).unflatten(1, region.shape)
+
+    def gate_up_view(self, records: torch.Tensor) -> torch.Tensor:
+        """[n, 2I, H] over gate and up (unquantised formats only)."""
+        assert not self.quantized
+        gate = self.regions["gate"]
+        raw = records[:, gate.offset : gate.offset + 2 * gate.nbytes]
+        return raw.view(gate.dtype).unflatten(1, (2 * self.intermediate, self.hidden))
+
+    def pack(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, out: torch.Tensor) -> None:
+        """Write one expert (float tensors [I,H], [I,H], [H,I]) into `out` (uint8 [record_bytes]), quantising if needed."""
+        record = out.view(1, -1)
+        for name, tensor in (("gate", gate), ("up", up), ("down", down)):
+            if self.block is None:
+                self.view(record, name)[0].copy_(tensor.to(self.payload_dtype))
+            else:
+                quantize = quantize_fp8_blocks if self.payload_dtype == FP8_DTYPE else quantize_int8_blocks
+                payload, scale = quantize(tensor.float(), self.block)
+                self.view(record, name)[0].copy_(payload)
+                self.view(record, f"{name}_scale")[0].copy_(scale)
+
+    def pack_quantized(self, parts: dict[str, tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor) -> None:
+        """Write FP8 payloads with their checkpoint scales verbatim (no requantisation)."""
+        record = out.view(1, -1)
+        for name, (payload, scale) in parts.items():
+            self.view(record, name)[0].copy_(payload.view(self.payload_dtype))
+            self.view(record, f"{name}_scale")[0].copy_(scale)
+
+    def dequantize(self, records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """records uint8 [n, record_bytes] -> (gate_up [n, 2I, H], down [n, H, I]) in the compute dtype."""
+        if self.block is None:
+            return self.gate_up_view(records), self.view(records, "down")
+        parts = {}
+        for name in ("gate", "up", "down"):
+            payload = self.view(records, name)
+            scale = self.view(records, f"{name}_scale")
+            parts[name] = torch.stack(
+                [dequantize_blocks(payload[i], scale[i], self.block, self.compute_dtype) for i in range(len(records))]
+            )
+        return torch.cat((parts["gate"], parts["up"]), dim=1), parts["down"]
+
+
+# ---- reading experts from a checkpoint -----------------------------------------------------------------------------
+
+
+class CheckpointExperts:
+    """Reads routed expert (layer, e) from per-expert or fused checkpoint tensors, validated against the config."""
+
+    def __init__(self, reader: CheckpointReader, args: ModelArgs, block: tuple[int, int]):
+        self.reader = reader
+        self.args = args
+        self.block = block
+        self._fused: dict[int, bool] = {}
+
+    def _is_fused(self, layer: int) -> bool:
+        if layer not in self._fused:
+            p = f"model.layers.{layer}.mlp.experts"
+            fused = any(f"{p}.{n}" in self.reader for n in ("gate_up_proj", "gate_up_proj.weight"))
+            per_expert = f"{p}.0.gate_proj.weight" in self.reader
+            if not fused and not per_expert:
+                raise CheckpointError(
+                    f"routed experts of layer {layer} are missing: expected {p}.0.gate_proj.weight "
+                    f"(per expert) or {p}.gate_up_proj (fused)"
+                )
+            self._fused[layer] = fused
+        return self._fused[layer]
+
+    def _fused_name(self, layer: int, base: str) -> str:
+        p = f"model.layers.{layer}.mlp.experts.{base}"
+        return p if p in self.reader else f"{p}.weight"
+
+    def _check(self, name: str, shape: tuple[int, ...]) -> str:
+        info = self.reader.info(name)
+        if info.shape != shape:
+            raise CheckpointError(
+                f"tensor {name!r} in {info.file.name} has shape {list(info.shape)}, but the config implies {list(shape)}"
+            )
+        if info.dtype not in FLOAT_DTYPES and info.dtype not in ("F8_E4M3",):
+            raise CheckpointError(
+                f"tensor {name!r} in {info.file.name} has dtype {info.dtype}; expert weights must be float or FP8"
+            )
+        return info.dtype
+
+    def is_fp8(self, layer: int) -> bool:
+        if self._is_fused(layer):
+            return False
+        return self.reader.info(f"model.layers.{layer}.mlp.experts.0.gate_proj.weight").dtype == "F8_E4M3"
+
+    def read_float(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [I,H], up [I,H], down [H,I]) in fp32 (FP8 dequantised)."""
+        a = self.args
+        h, i = a.hidden_size, a.moe_intermediate_size
+        if self._is_fused(layer):
+            gu_name = self._fused_name(layer, "gate_up_proj")
+            d_name = self._fused_name(layer, "down_proj")
+            self._check(gu_name, (a.n_routed_experts, 2 * i, h))
+            self._check(d_name, (a.n_routed_experts, h, i))
+            gate_up = self.reader.read_slice(gu_name, expert).float()
+            down = self.reader.read_slice(d_name, expert).float()
+            tensors = (gate_up[:i], gate_up[i:], down)
+        else:
+            tensors = tuple(self._read_one(layer, expert, proj).float() for proj in ("gate_proj", "up_proj", "down_proj"))
+        for t, proj in zip(tensors, ("gate", "up", "down")):
+            if not torch.isfinite(t).all():
+                raise CheckpointError(f"expert {expert} of layer {layer} ({proj}) holds NaN or infinite values")
+        return tensors  # type: ignore[return-value]
+
+    def _read_one(self, layer: int, expert: int, proj: str) -> torch.Tensor:
+        a = self.args
+        shape = (a.hidden_size, a.moe_intermediate_size) if proj == "down_proj" else (a.moe_intermediate_size, a.hidden_size)
+        name = f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+        dtype = self._check(name, shape)
+        tensor = self.reader.read(name)
+        if dtype == "F8_E4M3":
+            payload, scale = self._fp8_parts(name, tensor)
+            return dequantize_blocks(payload, scale, self.block, torch.float32)
+        return tensor
+
+    def _fp8_parts(self, name: str, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale_name = name.removesuffix(".weight") + ".weight_scale_inv"
+        if scale_name not in self.reader:
+            raise CheckpointError(f"FP8 tensor {name!r} has no {scale_name!r} scale tensor")
+        scale = self.reader.read(scale_name).float()
+        expected = scale_grid_shape(*payload.shape, self.block)
+        if tuple(scale.shape) != expected:
+            raise CheckpointError(f"scale tensor {scale_name!r} has shape {list(scale.shape)}, expected {list(expected)}")
+        return payload, scale
+
+    def read_fp8(self, layer: int, expert: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Raw FP8 payloads and scales of an FP8 checkpoint's expert, for storing without requantisation."""
+        parts = {}
+        for proj, short in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+            a = self.args
+            shape = (a.hidden_size, a.moe_intermediate_size) if proj == "down_proj" else (a.moe_intermediate_size, a.hidden_size)
+            name = f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+            self._check(name, shape)
+            parts[short] = self._fp8_parts(name, self.reader.read(name))
+        return parts
+
+    def pack(self, fmt: ExpertFormat, layer: int, expert: int, out: torch.Tensor) -> None:
+        """Read and pack one expert into `out` (uint8 [record_bytes])."""
+        if fmt.quantized and fmt.payload_dtype == FP8_DTYPE and fmt.block == self.block and self.is_fp8(layer):
+            fmt.pack_quantized(self.read_fp8(layer, expert), out)  # keep the checkpoint's own FP8 bytes
+        else:
+            fmt.pack(*self.read_float(layer, expert), out)
+
+
+# ---- expert math --------------------------------------------------------------------------------------------------
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    return {
+        "silu": F.silu,
+        "gelu": F.gelu,
+        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+        "relu": F.relu,
+    }[name]
+
+
+def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Callable) -> torch.Tensor:
+    """One expert on the tokens routed to it: x [M, H], gate_up [2I, H], down [H, I] -> [M, H]."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(act(gate) * up, down)
+
+
+def gathered_expert_ffn(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Callable
+) -> torch.Tensor:
+    """One (row, expert) pair per batch entry: x [N, H], gate_up [N, 2I, H], down [N, H, I] -> [N, H].
+
+    Each entry is an independent batched GEMV, so an entry's result does not depend on the other entries — which is
+    what keeps decode outputs bit-identical whatever the cache holds."""
+    gu = torch.bmm(gate_up, x.unsqueeze(-1)).squeeze(-1)  # [N, 2I]
+    gate, up = gu.chunk(2, dim=-1)
+    return torch.bmm(down, (act(gate) * up).unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,210 @@
+"""Pure compute of the DeepSeek-V2/V3 blocks: RMSNorm, MLA attention (expanded and absorbed forms), routers, MLPs.
+
+Functions take weights and activations and return activations; nothing here knows where weights live or how routed
+experts arrive (that is `runtime.py`). Shapes: B batch, T/L tokens per row, S key positions, h heads, H hidden,
+c = kv_lora_rank, r = qk_rope_head_dim, n = qk_nope_head_dim, v = v_head_dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelArgs
+from .rope import RotaryEmbedding
+from .weights import AttentionWeights, Linear, MLPWeights, RouterWeights
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32, returned in x's dtype and scaled by the weight (as the reference does)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def linear(x: torch.Tensor, layer: Linear) -> torch.Tensor:
+    return F.linear(x, layer.weight, layer.bias)
+
+
+def mlp(w: MLPWeights, x: torch.Tensor, act) -> torch.Tensor:
+    return linear(act(linear(x, w.gate_proj)) * linear(x, w.up_proj), w.down_proj)
+
+
+# ---- attention ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerKV:
+    """Compressed MLA cache of one layer: the normalised latent and the rotated shared rope key."""
+
+    latent: torch.Tensor  # [B, S_cap, c]
+    rope: torch.Tensor  # [B, S_cap, r]
+
+
+def _queries(args: ModelArgs, w: AttentionWeights, x: torch.Tensor) -> torch.Tensor:
+    """x [..., H] -> q [..., h, n + r]."""
+    if w.q_proj is not None:
+        q = linear(x, w.q_proj)
+    else:
+        q = linear(rms_norm(linear(x, w.q_a_proj), w.q_a_norm, args.rms_norm_eps), w.q_b_proj)
+    return q.unflatten(-1, (args.num_attention_heads, args.qk_head_dim))
+
+
+def _latent_kv(args: ModelArgs, w: AttentionWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., H] -> (normalised latent [..., c], un-rotated rope key [..., r])."""
+    kv = linear(x, w.kv_a_proj)
+    latent, k_rope = kv.split([args.kv_lora_rank, args.qk_rope_head_dim], dim=-1)
+    return rms_norm(latent, w.kv_a_norm, args.rms_norm_eps), k_rope
+
+
+def attention_expanded(
+    args: ModelArgs,
+    w: AttentionWeights,
+    rope: RotaryEmbedding,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    kv: LayerKV | None = None,
+    row: int = 0,
+    start: int = 0,
+) -> torch.Tensor:
+    """Attention over a block of T new tokens (prefill chunk or uncached forward), keys expanded per head.
+
+    x [B, T, H] at `positions` [B, T]. Without `kv`, keys are the T tokens themselves (uncached forward). With `kv`
+    (then B == 1), the new latents are written at [row, start:start+T] and the keys are the cache's [0, start+T).
+    """
+    b, t, _ = x.shape
+    heads, n = args.num_attention_heads, args.qk_nope_head_dim
+    q = _queries(args, w, x)  # [B, T, h, n+r]
+    q_nope, q_rope = q.split([n, args.qk_rope_head_dim], dim=-1)
+    latent, k_rope = _latent_kv(args, w, x)
+    cos, sin = rope.cos_sin(positions)  # [B, T, r/2]
+    q_rope = rope.apply(q_rope, cos[:, :, None], sin[:, :, None])
+    k_rope = rope.apply(k_rope, cos, sin)
+    if kv is not None:
+        kv.latent[row, start : start + t] = latent[0]
+        kv.rope[row, start : start + t] = k_rope[0]
+        latent = kv.latent[row : row + 1, : start + t]
+        k_rope = kv.rope[row : row + 1, : start + t]
+    s = latent.shape[1]
+    expanded = linear(latent, w.kv_b_proj).unflatten(-1, (heads, n + args.v_head_dim))  # [B, S, h, n+v]
+    k_nope, value = expanded.split([n, args.v_head_dim], dim=-1)
+    keys = torch.cat((k_nope, k_rope[:, :, None].expand(b, s, heads, -1)), dim=-1)  # [B, S, h, n+r]
+    queries = torch.cat((q_nope, q_rope), dim=-1)
+    scores = torch.einsum("bthd,bshd->bhts", queries, keys) * args.softmax_scale
+    key_pos = torch.arange(s, device=x.device)
+    query_pos = torch.arange(start, start + t, device=x.device)
+    causal = key_pos[None, :] <= query_pos[:, None]  # [T, S]
+    scores = scores.masked_fill(~causal, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
+    out = torch.einsum("bhts,bshv->bthv", probs, value).flatten(2)  # [B, T, h*v]
+    return linear(out, w.o_proj)
+
+
+def absorbed_weights(args: ModelArgs, w: AttentionWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj split per head: (W_uk [h, n, c], W_uv [h, v, c]) — views, no copy."""
+    per_head = w.kv_b_proj.weight.view(args.num_attention_heads, args.qk_nope_head_dim + args.v_head_dim, -1)
+    return per_head[:, : args.qk_nope_head_dim], per_head[:, args.qk_nope_head_dim :]
+
+
+def attention_absorbed(
+    args: ModelArgs,
+    w: AttentionWeights,
+    rope: RotaryEmbedding,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    kv: LayerKV,
+    slots: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention with the up-projections absorbed (MLA's decode form), over the cache's full capacity.
+
+    x [B, L, H] holds L new tokens per sequence at rotary `positions` [B, L], stored at cache index `slots`
+    (default: the positions); their latents are written into `kv` rows 0..B-1 first, then every token attends to the
+    cache entries up to its own index. Attending over the whole fixed-size cache (masked) keeps every shape static —
+    for CUDA graphs, and so that a row's result never depends on how far other rows or other modes have advanced.
+    """
+    slots = positions if slots is None else slots
+    b, l, _ = x.shape
+    n = args.qk_nope_head_dim
+    q = _queries(args, w, x)  # [B, L, h, n+r]
+    q_nope, q_rope = q.split([n, args.qk_rope_head_dim], dim=-1)
+    latent, k_rope = _latent_kv(args, w, x)
+    cos, sin = rope.cos_sin(positions)
+    q_rope = rope.apply(q_rope, cos[:, :, None], sin[:, :, None])
+    k_rope = rope.apply(k_rope, cos, sin)
+    rows = torch.arange(b, device=x.device)[:, None].expand(b, l)
+    kv.latent[rows, slots] = latent
+    kv.rope[rows, slots] = k_rope
+    cache_latent = kv.latent[:b]  # [B, S, c]
+    cache_rope = kv.rope[:b]  # [B, S, r]
+    w_uk, w_uv = absorbed_weights(args, w)
+    q_latent = torch.einsum("blhn,hnc->blhc", q_nope, w_uk)
+    scores = torch.einsum("blhc,bsc->blhs", q_latent, cache_latent) + torch.einsum(
+        "blhr,bsr->blhs", q_rope, cache_rope
+    )
+    scores = scores * args.softmax_scale
+    key_pos = torch.arange(cache_latent.shape[1], device=x.device)
+    visible = key_pos[None, None, :] <= slots[:, :, None]  # [B, L, S]
+    scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
+    out_latent = torch.einsum("blhs,bsc->blhc", probs, cache_latent)
+    out = torch.einsum("blhc,hvc->blhv", out_latent, w_uv).flatten(2)  # [B, L, h*v]
+    return linear(out, w.o_proj)
+
+
+# ---- routing ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Routing:
+    ids: torch.Tensor  # [N, k] int64, selected experts (unordered within a row)
+    weights: torch.Tensor  # [N, k] fp32 combination weights
+    scores: torch.Tensor  # [N, E] fp32 selection scores (biased for V3), for ranking predictions
+
+
+def route(args: ModelArgs, router: RouterWeights, x: torch.Tensor) -> Routing:
+    """x [N, H] -> top-k experts and weights, exactly as DeepSeek-V3 (sigmoid, bias for selection only,
+    group-limited) or V2 (softmax, greedy or group-limited greedy)."""
+    logits = F.linear(x.float(), router.weight)  # [N, E], fp32 like the reference implementations
+    if args.scoring_func == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        scores = logits.softmax(dim=-1)
+    choice = scores + router.bias if router.bias is not None else scores
+    groups, topk_group, k = args.n_group, args.topk_group, args.num_experts_per_tok
+    if args.topk_method != "greedy" and groups > 1 and topk_group < groups:
+        grouped = choice.view(-1, groups, args.n_routed_experts // groups)
+        if args.topk_method == "noaux_tc":
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        else:  # group_limited_greedy ranks groups by their best expert
+            group_scores = grouped.amax(dim=-1)
+        keep = group_scores.topk(topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        # -inf, never 0.0: biased V3 scores can be negative and a 0.0 mask would let masked groups win
+        choice = choice.masked_fill(~group_mask.repeat_interleave(args.n_routed_experts // groups, 1), float("-inf"))
+    ids = choice.topk(k, dim=-1).indices
+    weights = scores.gather(1, ids)  # unbiased scores: the bias only selects
+    if args.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * args.routed_scaling_factor
+    return Routing(ids=ids, weights=weights, scores=choice)
+
+
+def router_scores(args: ModelArgs, router: RouterWeights, x: torch.Tensor) -> torch.Tensor:
+    """Selection scores [N, E] of a router on x [N, H] (used by look-ahead predictors)."""
+    return route(args, router, x).scores
+
+
+def combine_expert_outputs(outputs: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """outputs [N, k, H], weights [N, k] fp32 -> [N, H] fp32, summed in fixed k order.
+
+    A fixed order of summation (not the order in which experts happened to be computed) is what makes the result
+    independent of which experts were cached."""
+    weighted = outputs.float() * weights[..., None]
+    if valid is not None:
+        weighted = torch.where(valid[..., None], weighted, torch.zeros((), dtype=weighted.dtype, device=weighted.device))
+    total = weighted[:, 0]
+    for j in range(1, weighted.shape[1]):
+        total = total + weighted[:, j]
+    return total

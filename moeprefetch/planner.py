@@ -1,0 +1,160 @@
+"""VRAM planning: resident weights and KV cache first, a working-space reserve, the rest to expert slots.
+
+If even the resident weights do not fit, whole non-expert layers are planned into host RAM and streamed a few layers
+ahead of the compute (see `streaming.py`); the plan says which and why.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from .errors import RequestError
+
+GiB = 1024**3
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+
+
+def parse_bytes(value: str | int | float) -> int:
+    """'12GiB', '12 GB', '512MiB', 1.5e9 -> bytes."""
+    if isinstance(value, bool):
+        raise RequestError(f"memory size must be a number of bytes or a string like '12GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value) or value <= 0:
+            raise RequestError(f"memory size must be positive, got {value!r}")
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise RequestError(f"cannot read memory size {value!r}; write it like '12GiB', '12GB' or '512MiB'")
+    size = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if size <= 0:
+        raise RequestError(f"memory size must be positive, got {value!r}")
+    return int(size)
+
+
+@dataclass
+class MemoryPlan:
+    budget_bytes: int | None
+    resident_bytes: int  # non-expert weights kept in VRAM
+    kv_bytes: int  # KV cache reserved for max_batch_size x max_seq_len
+    workspace_bytes: int  # activations and gathered expert weights during a step
+    expert_record_bytes: int
+    total_experts: int
+    expert_slots: int
+    all_resident: bool  # every expert preloaded, no host store
+    streamed_layers: list[int] = field(default_factory=list)  # layers whose weights stream from host RAM
+    streamed_bytes: int = 0
+    stream_ahead: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def expert_cache_bytes(self) -> int:
+        return self.expert_slots * self.expert_record_bytes
+
+    @property
+    def planned_vram_bytes(self) -> int:
+        return self.resident_bytes + self.kv_bytes + self.workspace_bytes + self.expert_cache_bytes
+
+    def describe(self) -> str:
+        parts = [
+            f"resident weights {self.resident_bytes / GiB:.2f} GiB",
+            f"KV cache {self.kv_bytes / GiB:.2f} GiB",
+            f"workspace {self.workspace_bytes / GiB:.2f} GiB",
+            f"expert cache {self.expert_slots}/{self.total_experts} slots = {self.expert_cache_bytes / GiB:.2f} GiB",
+        ]
+        if self.streamed_layers:
+            parts.append(
+                f"{len(self.streamed_layers)} layers ({self.streamed_bytes / GiB:.2f} GiB) streamed from host RAM, "
+                f"{self.stream_ahead} ahead"
+            )
+        budget = f" of a {self.budget_bytes / GiB:.2f} GiB budget" if self.budget_bytes else ""
+        return f"memory plan{budget}: " + ", ".join(parts)
+
+
+def plan_memory(
+    *,
+    resident_bytes: int,
+    layer_bytes: dict[int, int],
+    kv_bytes: int,
+    workspace_bytes: int,
+    expert_record_bytes: int,
+    total_experts: int,
+    top_k: int,
+    budget_bytes: int | None,
+    expert_cache_slots: int | None,
+    stream_ahead: int = 2,
+) -> MemoryPlan:
+    """Decide the expert-slot count (and layer streaming) for a VRAM budget or an explicit slot count.
+
+    `layer_bytes` are the streamable (per decoder layer, non-expert) weights included in `resident_bytes`."""
+    if expert_cache_slots is not None and budget_bytes is not None:
+        raise RequestError("give either expert_cache_slots or vram_budget, not both")
+    if expert_cache_slots is not None:
+        if not isinstance(expert_cache_slots, int) or isinstance(expert_cache_slots, bool):
+            raise RequestError(f"expert_cache_slots must be an integer, got {expert_cache_slots!r}")
+        if expert_cache_slots < top_k:
+            raise RequestError(
+                f"expert_cache_slots={expert_cache_slots} cannot hold one layer's working set: a token needs "
+                f"{top_k} experts per layer at once"
+            )
+        slots = min(expert_cache_slots, total_experts)
+        return MemoryPlan(None, resident_bytes, kv_bytes, workspace_bytes, expert_record_bytes, total_experts, slots, False)
+    if budget_bytes is None:
+        return MemoryPlan(
+            None, resident_bytes, kv_bytes, workspace_bytes, expert_record_bytes, total_experts, total_experts, True
+        )
+    fixed = kv_bytes + workspace_bytes
+    minimum_cache = top_k * expert_record_bytes
+    plan = MemoryPlan(budget_bytes, resident_bytes, kv_bytes, workspace_bytes, expert_record_bytes, total_experts, 0, False)
+    free = budget_bytes - fixed - resident_bytes
+    if free < minimum_cache:
+        # Stream the largest layers from host RAM until the rest fits, keeping `stream_ahead + 1` layer buffers.
+        streamable = sorted(layer_bytes.items(), key=lambda kv: -kv[1])
+        chosen: list[int] = []
+        streamed = 0
+        largest = streamable[0][1] if streamable else 0
+        for layer, nbytes in streamable:
+            buffers = (stream_ahead + 1) * largest
+            if budget_bytes - fixed - (resident_bytes - streamed) - buffers >= minimum_cache:
+                break
+            chosen.append(layer)
+            streamed += nbytes
+        buffers = (stream_ahead + 1) * largest if chosen else 0
+        free = budget_bytes - fixed - (resident_bytes - streamed) - buffers
+        if free < minimum_cache:
+            raise RequestError(
+                f"vram_budget of {budget_bytes / GiB:.2f} GiB cannot hold one layer's working set: the KV cache "
+                f"({kv_bytes / GiB:.2f} GiB), working space ({workspace_bytes / GiB:.2f} GiB), the unstreamable "
+                f"weights and {top_k} expert slots ({minimum_cache / GiB:.3f} GiB) need more"
+            )
+        plan.streamed_layers = sorted(chosen)
+        plan.streamed_bytes = streamed
+        plan.stream_ahead = stream_ahead
+        plan.resident_bytes = resident_bytes - streamed + buffers
+        plan.notes.append(
+            f"the non-expert weights ({resident_bytes / GiB:.2f} GiB) do not fit next to the KV cache and a minimal "
+            f"expert cache, so {len(chosen)} layer(s) stream from host RAM"
+        )
+    slots = int(free // expert_record_bytes)
+    if slots >= total_experts:
+        plan.expert_slots = total_experts
+        plan.all_resident = not plan.streamed_layers
+    else:
+        plan.expert_slots = slots
+    return plan

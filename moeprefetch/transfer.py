@@ -1,0 +1,118 @@
+"""Host->device expert copies: the only module that touches CUDA streams and events.
+
+Two copy streams: `demand` (high priority) for reactive misses and `prefetch` for predicted experts, so a miss is
+not queued behind speculative copies. Per slot, `ready` is recorded after the copy into it and `free` after the last
+compute that read it; a copy into a slot first waits for both, so a slot is never overwritten while a kernel may
+still read it, and copies into the same slot never race. Eviction writes nothing back: the host copy is the master.
+
+On the CPU the same interface copies synchronously, so cache, policies and accounting run unchanged in CI.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StallTimer:
+    """Compute-stream time spent waiting for copies, measured with CUDA events (or wall time on the CPU)."""
+
+    pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    cpu_seconds: float = 0.0
+
+    def collect(self) -> float:
+        """Seconds stalled since the last collect (synchronises on the recorded events)."""
+        total = self.cpu_seconds
+        for start, end in self.pairs:
+            end.synchronize()
+            total += start.elapsed_time(end) / 1000.0
+        self.pairs.clear()
+        self.cpu_seconds = 0.0
+        return total
+
+
+class TransferEngine:
+    """Copies packed expert records from the host store into device slots and orders compute after them."""
+
+    def __init__(self, device: torch.device, n_slots: int):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stall = StallTimer()
+        if self.cuda:
+            low, high = torch.cuda.Stream.priority_range()
+            self.demand_stream = torch.cuda.Stream(device=device, priority=high)
+            self.prefetch_stream = torch.cuda.Stream(device=device, priority=low)
+            self._ready: list[torch.cuda.Event | None] = [None] * n_slots
+            self._free: list[torch.cuda.Event | None] = [None] * n_slots
+
+    # ---- copies ---------------------------------------------------------------------------------------------------
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, slot: int, demand: bool) -> float:
+        """Copy one expert record into `slot`. Asynchronous on CUDA; returns the seconds it took on the CPU."""
+        if not self.cuda:
+            start = time.perf_counter()
+            dst.copy_(src)
+            elapsed = time.perf_counter() - start
+            if demand:
+                self.stall.cpu_seconds += elapsed
+            return elapsed
+        stream = self.demand_stream if demand else self.prefetch_stream
+        for event in (self._free[slot], self._ready[slot]):
+            if event is not None:
+                stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        self._ready[slot] = ready
+        return 0.0
+
+    def is_ready(self, slot: int) -> bool:
+        """Host-side, non-blocking: has the last copy into `slot` landed?"""
+        if not self.cuda:
+            return True
+        event = self._ready[slot]
+        return event is None or event.query()
+
+    def wait_for(self, slots: list[int]) -> None:
+        """Make the compute stream wait until every listed slot's copy has landed; time the wait."""
+        if not self.cuda:
+            return
+        pending = [self._ready[s] for s in slots if self._ready[s] is not None and not self._ready[s].query()]
+        if not pending:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(compute)
+        for event in pending:
+            compute.wait_event(event)
+        end.record(compute)
+        self.stall.pairs.append((start, end))
+
+    def release(self, slots: list[int]) -> None:
+        """Record, after the kernels just enqueued on the compute stream, that these slots may be overwritten."""
+        if not self.cuda or not slots:
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        for slot in slots:
+            self._free[slot] = done
+
+    def inflight(self, slots: list[int]) -> list[int]:
+        return [s for s in slots if not self.is_ready(s)]
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            self.demand_stream.synchronize()
+            self.prefetch_stream.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def collect_stall_seconds(self) -> float:
+        return self.stall.collect()
+
+
+def copy_from_pinned(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """A plain (blocking-safe) host->device copy used at load time, outside the decode loop."""
+    dst.copy_(src, non_blocking=src.is_pinned())

@@ -1,0 +1,303 @@
+"""Checkpoint tensors -> typed weight objects for everything except routed experts (see experts.py).
+
+The name table below is the only place that knows Hugging Face tensor names. Each tensor is checked against the shape
+the config implies and its dtype before it is used; FP8 block-quantised tensors are dequantised with their
+`*_scale_inv` here, so the compute code only ever sees the engine's dtype (routers and their bias stay fp32).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Iterator
+
+import torch
+
+from .checkpoint import FLOAT_DTYPES, CheckpointReader
+from .config import ModelArgs
+from .errors import CheckpointError
+from .quant import dequantize_blocks
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Linear:
+    weight: torch.Tensor  # [out, in]
+    bias: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionWeights:
+    q_proj: Linear | None  # when q_lora_rank is None
+    q_a_proj: Linear | None
+    q_a_norm: torch.Tensor | None
+    q_b_proj: Linear | None
+    kv_a_proj: Linear  # hidden -> kv_lora_rank + qk_rope_head_dim
+    kv_a_norm: torch.Tensor
+    kv_b_proj: Linear  # kv_lora_rank -> heads * (qk_nope + v)
+    o_proj: Linear
+
+
+@dataclass
+class MLPWeights:
+    gate_proj: Linear
+    up_proj: Linear
+    down_proj: Linear
+
+
+@dataclass
+class RouterWeights:
+    weight: torch.Tensor  # [n_experts, hidden] fp32
+    bias: torch.Tensor | None  # e_score_correction_bias [n_experts] fp32, selection only
+
+
+@dataclass
+class LayerWeights:
+    index: int
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    attn: AttentionWeights
+    mlp: MLPWeights | None  # dense layers
+    router: RouterWeights | None  # MoE layers
+    shared: MLPWeights | None  # MoE layers with shared experts
+
+
+@dataclass
+class MTPWeights:
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    eh_proj: Linear  # [hidden, 2*hidden]; input is cat(enorm(embed), hnorm(hidden)) — embedding first
+    layer: LayerWeights
+    head_norm: torch.Tensor  # shared_head.norm
+    head: torch.Tensor | None  # shared_head.head; None -> the main lm_head
+    embed: torch.Tensor | None  # embed_tokens of the MTP layer; None -> the main embedding
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+    layers: list[LayerWeights]
+    mtp: MTPWeights | None
+
+    def mtp_embed(self) -> torch.Tensor:
+        assert self.mtp is not None
+        return self.mtp.embed if self.mtp.embed is not None else self.embed
+
+    def mtp_head(self) -> torch.Tensor:
+        assert self.mtp is not None
+        return self.mtp.head if self.mtp.head is not None else self.lm_head
+
+
+def iter_tensors(obj: object) -> Iterator[torch.Tensor]:
+    """Every tensor held by a weights object (recursively), for byte counts and device moves."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, list):
+        for item in obj:
+            yield from iter_tensors(item)
+    elif obj is not None and hasattr(obj, "__dataclass_fields__"):
+        for f in fields(obj):
+            yield from iter_tensors(getattr(obj, f.name))
+
+
+def weights_nbytes(obj: object) -> int:
+    return sum(t.numel() * t.element_size() for t in iter_tensors(obj))
+
+
+# ---- reading with validation ---------------------------------------------------------------------------------------
+
+
+class TensorLoader:
+    """Reads named tensors, checks shape/dtype, dequantises FP8, converts and moves them to the target device."""
+
+    def __init__(self, reader: CheckpointReader, args: ModelArgs, dtype: torch.dtype, device: torch.device):
+        self.reader = reader
+        self.args = args
+        self.dtype = dtype
+        self.device = device
+
+    def exists(self, name: str) -> bool:
+        return name in self.reader
+
+    def raw(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Stored tensor (dequantised to fp32 if FP8), validated, on the CPU."""
+        info = self.reader.info(name)
+        if info.shape != shape:
+            raise CheckpointError(
+                f"tensor {name!r} in {info.file.name} has shape {list(info.shape)}, but the config implies {list(shape)}"
+            )
+        if info.dtype in ("F8_E4M3", "F8_E5M2"):
+            scale_name = name.removesuffix(".weight") + ".weight_scale_inv"
+            if scale_name not in self.reader:
+                raise CheckpointError(f"FP8 tensor {name!r} in {info.file.name} has no {scale_name!r} scale tensor")
+            quant = self.args.quant
+            block = (quant.block_rows, quant.block_cols) if quant else (128, 128)
+            payload = self.reader.read(name)
+            scale = self.reader.read(scale_name)
+            try:
+                tensor = dequantize_blocks(payload, scale, block, torch.float32)
+            except ValueError as exc:
+                raise CheckpointError(f"scale tensor {scale_name!r} does not fit {name!r}: {exc}") from None
+        elif info.dtype in FLOAT_DTYPES:
+            tensor = self.reader.read(name)
+        else:
+            raise CheckpointError(
+                f"tensor {name!r} in {info.file.name} has dtype {info.dtype}; weights must be floating point or FP8"
+            )
+        if not torch.isfinite(tensor).all():
+            raise CheckpointError(f"tensor {name!r} in {info.file.name} holds NaN or infinite values (corrupt data?)")
+        return tensor
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        tensor = self.raw(name, shape)
+        return tensor.to(device=self.device, dtype=dtype or self.dtype).contiguous()
+
+    def linear(self, prefix: str, out_features: int, in_features: int, bias: bool = False) -> Linear:
+        weight = self.get(f"{prefix}.weight", (out_features, in_features))
+        b = None
+        if bias or f"{prefix}.bias" in self.reader:
+            b = self.get(f"{prefix}.bias", (out_features,))
+        return Linear(weight, b)
+
+
+def _attention(loader: TensorLoader, p: str) -> AttentionWeights:
+    a = loader.args
+    heads = a.num_attention_heads
+    bias = a.attention_bias
+    if a.q_lora_rank is None:
+        q_proj = loader.linear(f"{p}.self_attn.q_proj", heads * a.qk_head_dim, a.hidden_size)
+        q_a = q_a_norm = q_b = None
+    else:
+        q_proj = None
+        q_a = loader.linear(f"{p}.self_attn.q_a_proj", a.q_lora_rank, a.hidden_size, bias)
+        q_a_norm = loader.get(f"{p}.self_attn.q_a_layernorm.weight", (a.q_lora_rank,))
+        q_b = loader.linear(f"{p}.self_attn.q_b_proj", heads * a.qk_head_dim, a.q_lora_rank)
+    return AttentionWeights(
+        q_proj=q_proj,
+        q_a_proj=q_a,
+        q_a_norm=q_a_norm,
+        q_b_proj=q_b,
+        kv_a_proj=loader.linear(
+            f"{p}.self_attn.kv_a_proj_with_mqa", a.kv_lora_rank + a.qk_rope_head_dim, a.hidden_size, bias
+        ),
+        kv_a_norm=loader.get(f"{p}.self_attn.kv_a_layernorm.weight", (a.kv_lora_rank,)),
+        kv_b_proj=loader.linear(
+            f"{p}.self_attn.kv_b_proj", heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank
+        ),
+        o_proj=loader.linear(f"{p}.self_attn.o_proj", a.hidden_size, heads * a.v_head_dim, bias),
+    )
+
+
+def _mlp(loader: TensorLoader, p: str, intermediate: int) -> MLPWeights:
+    h = loader.args.hidden_size
+    bias = loader.args.mlp_bias
+    return MLPWeights(
+        gate_proj=loader.linear(f"{p}.gate_proj", intermediate, h, bias),
+        up_proj=loader.linear(f"{p}.up_proj", intermediate, h, bias),
+        down_proj=loader.linear(f"{p}.down_proj", h, intermediate, bias),
+    )
+
+
+def load_layer(loader: TensorLoader, index: int) -> LayerWeights:
+    a = loader.args
+    p = f"model.layers.{index}"
+    moe = a.is_moe_layer(index)
+    router = shared = mlp = None
+    if moe:
+        bias_name = f"{p}.mlp.gate.e_score_correction_bias"
+        bias = loader.get(bias_name, (a.n_routed_experts,), torch.float32) if loader.exists(bias_name) else None
+        router = RouterWeights(
+            weight=loader.get(f"{p}.mlp.gate.weight", (a.n_routed_experts, a.hidden_size), torch.float32), bias=bias
+        )
+        if a.n_shared_experts > 0:
+            shared = _mlp(loader, f"{p}.mlp.shared_experts", a.moe_intermediate_size * a.n_shared_experts)
+    else:
+        mlp = _mlp(loader, f"{p}.mlp", a.intermediate_size)
+    return LayerWeights(
+        index=index,
+        input_norm=loader.get(f"{p}.input_layernorm.weight", (a.hidden_size,)),
+        post_attention_norm=loader.get(f"{p}.post_attention_layernorm.weight", (a.hidden_size,)),
+        attn=_attention(loader, p),
+        mlp=mlp,
+        router=router,
+        shared=shared,
+    )
+
+
+def mtp_tensor_names(args: ModelArgs, reader: CheckpointReader) -> tuple[list[str], list[str]]:
+    """(required names, names present) for the first MTP layer; routed experts excluded."""
+    n = args.mtp_layer_index
+    p = f"model.layers.{n}"
+    required = [f"{p}.enorm.weight", f"{p}.hnorm.weight", f"{p}.eh_proj.weight", f"{p}.shared_head.norm.weight"]
+    required += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight", f"{p}.mlp.gate.weight"]
+    required += [f"{p}.self_attn.kv_a_proj_with_mqa.weight", f"{p}.self_attn.kv_b_proj.weight"]
+    required += [f"{p}.self_attn.o_proj.weight", f"{p}.self_attn.kv_a_layernorm.weight"]
+    if args.q_lora_rank is None:
+        required.append(f"{p}.self_attn.q_proj.weight")
+    else:
+        required += [f"{p}.self_attn.q_a_proj.weight", f"{p}.self_attn.q_b_proj.weight"]
+    if args.n_shared_experts > 0:
+        required += [f"{p}.mlp.shared_experts.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+    present = [name for name in reader.tensors if name.startswith(f"{p}.")]
+    return required, present
+
+
+def load_model_weights(
+    reader: CheckpointReader, args: ModelArgs, dtype: torch.dtype, device: torch.device, progress: bool = True
+) -> ModelWeights:
+    """All resident (non-routed-expert) weights, validated, on `device` in `dtype`."""
+    from tqdm.auto import tqdm
+
+    loader = TensorLoader(reader, args, dtype, device)
+    h, v = args.hidden_size, args.vocab_size
+    embed = loader.get("model.embed_tokens.weight", (v, h))
+    if args.tie_word_embeddings and "lm_head.weight" not in reader:
+        lm_head = embed
+    else:
+        lm_head = loader.get("lm_head.weight", (v, h))
+    layers = [
+        load_layer(loader, i)
+        for i in tqdm(range(args.num_hidden_layers), desc="loading layers", disable=not progress, leave=False)
+    ]
+    weights = ModelWeights(
+        embed=embed,
+        final_norm=loader.get("model.norm.weight", (h,)),
+        lm_head=lm_head,
+        layers=layers,
+        mtp=_load_mtp(loader, reader, args),
+    )
+    return weights
+
+
+def _load_mtp(loader: TensorLoader, reader: CheckpointReader, args: ModelArgs) -> MTPWeights | None:
+    if args.num_nextn_predict_layers <= 0:
+        return None
+    required, present = mtp_tensor_names(args, reader)
+    if not present:
+        logger.info("checkpoint has no MTP layer (model.layers.%d.*): MTP is unavailable", args.mtp_layer_index)
+        return None
+    missing = [name for name in required if name not in reader]
+    if missing:
+        raise CheckpointError(
+            f"the MTP layer model.layers.{args.mtp_layer_index} is only partly present: missing {missing[0]}"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+        )
+    h, v = args.hidden_size, args.vocab_size
+    p = f"model.layers.{args.mtp_layer_index}"
+    head = embed = None
+    if f"{p}.shared_head.head.weight" in reader:
+        head = loader.get(f"{p}.shared_head.head.weight", (v, h))
+    if f"{p}.embed_tokens.weight" in reader:
+        embed = loader.get(f"{p}.embed_tokens.weight", (v, h))
+    return MTPWeights(
+        enorm=loader.get(f"{p}.enorm.weight", (h,)),
+        hnorm=loader.get(f"{p}.hnorm.weight", (h,)),
+        eh_proj=loader.linear(f"{p}.eh_proj", h, 2 * h),
+        layer=load_layer(loader, args.mtp_layer_index),
+        head_norm=loader.get(f"{p}.shared_head.norm.weight", (h,)),
+        head=head,
+        embed=embed,
+    )
