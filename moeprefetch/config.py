@@ -284,7 +284,7 @@ def load_model_args(path: str | Path) -> ModelArgs:
         moe_layer_freq=int(get("moe_layer_freq", 1) or 1),
         scoring_func=scoring,
         topk_method=topk_method,
-        norm_topk_prob=bool(get("norm_topk_prob", is_v3)),
+        norm_topk_prob=_norm_topk_prob(raw, hf, is_v3),
         routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
         rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(get("max_position_embeddings", 4096)),
@@ -302,6 +302,15 @@ def load_model_args(path: str | Path) -> ModelArgs:
     )
     _validate_shapes(args, path)
     return args
+
+
+def _norm_topk_prob(raw: dict[str, Any], hf: Any, is_v3: bool) -> bool:
+    value = bool(raw.get("norm_topk_prob", getattr(hf, "norm_topk_prob", is_v3)) or False)
+    if not is_v3 and value:
+        # transformers' DeepseekV2 router never renormalises; every released V2 checkpoint sets this to false
+        logger.warning("norm_topk_prob=true is ignored for deepseek_v2, as transformers' DeepseekV2 does")
+        return False
+    return value
 
 
 def _validate_shapes(args: ModelArgs, path: Path) -> None:
