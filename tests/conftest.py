@@ -63,7 +63,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         "deepseek_v2",
         dict(topk_method="group_limited_greedy", n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3),
     ),
-    "v2_qlora_yarn": (
+    "v2_qlora_yarn_norm": (
         "deepseek_v2",
         dict(q_lora_rank=24, rope_parameters=YARN, norm_topk_prob=True, routed_scaling_factor=1.5),
     ),

@@ -1,0 +1,183 @@
+"""Decoding with KV caches, batching, sampling, streaming and prompts of every accepted form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeprefetch import MoEPrefetchEngine, RequestError
+from moeprefetch.runner import KVCaches
+
+
+@pytest.fixture(scope="module")
+def v3(checkpoint_factory):
+    return MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False)
+
+
+@pytest.mark.parametrize("variant", ["v3", "v3_groups_qlora_yarn", "v2_greedy", "v2_qlora_yarn_norm"])
+def test_cached_decode_equals_uncached_forward(checkpoint_factory, variant):
+    engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory(variant), progress=False, prefill_chunk=4)
+    prompt = torch.randint(0, engine.args.vocab_size, (11,), generator=torch.Generator().manual_seed(1)).tolist()
+    result = engine.generate([prompt], max_new_tokens=12, stop_at_eos=False)
+    sequence = prompt + result.sequences[0]
+    full = engine.forward([sequence])[0]
+    # greedy decoding picks the uncached forward's argmax at every position
+    assert full[len(prompt) - 1 : -1].argmax(-1).tolist() == result.sequences[0]
+
+    # and the cached logits themselves match the uncached ones
+    caches = KVCaches.allocate(engine.args, 1, engine.options.max_seq_len, torch.float32, engine.device, False)
+    engine.runtime.begin_step(0, "prefill")
+    hidden, _ = engine._prefill(caches, 0, prompt, 0)
+    assert torch.allclose(engine.runner.logits(hidden), full[: len(prompt)], atol=1e-4)
+    for i, token in enumerate(result.sequences[0][:-1]):
+        position = len(prompt) + i
+        out = engine.runner.decode_step(
+            caches, torch.tensor([token]), torch.tensor([position]), torch.tensor([True])
+        )
+        assert (out.logits[0] - full[position]).abs().max().item() < 1e-4
+    engine.runtime.end_call()
+
+
+def test_batched_generation_equals_one_by_one(v3):
+    prompts = [[3, 4, 5], [10, 11, 12, 13, 14, 15, 16], [7], [20, 21, 22, 23]]
+    batched = v3.generate(prompts, max_new_tokens=9, stop_at_eos=False)
+    for prompt, tokens in zip(prompts, batched.sequences):
+        assert v3.generate([prompt], max_new_tokens=9, stop_at_eos=False).sequences[0] == tokens
+    assert [len(s) for s in batched.sequences] == [9] * 4
+
+
+def test_sampling_is_seeded_and_batch_independent(v3):
+    prompts = [[3, 4, 5], [30, 31]]
+    kwargs = dict(max_new_tokens=10, temperature=0.9, top_k=50, top_p=0.95, seed=1234, stop_at_eos=False)
+    first = v3.generate(prompts, **kwargs)
+    again = v3.generate(prompts, **kwargs)
+    assert first.sequences == again.sequences
+    alone = v3.generate([prompts[1]], **kwargs).sequences[0]
+    # per-token noise is seeded by (seed, sequence index, position): row 1 alone is row 0 of its own batch
+    assert v3.generate([prompts[0]], **kwargs).sequences[0] == first.sequences[0]
+    assert len(alone) == 10
+    other_seed = v3.generate(prompts, **{**kwargs, "seed": 99}).sequences
+    assert other_seed != first.sequences
+    greedy = v3.generate(prompts, max_new_tokens=10, stop_at_eos=False).sequences
+    assert greedy != first.sequences
+
+
+def test_top_k_one_is_greedy(v3):
+    prompts = [[3, 4, 5]]
+    sampled = v3.generate(prompts, max_new_tokens=8, temperature=1.5, top_k=1, seed=5, stop_at_eos=False)
+    greedy = v3.generate(prompts, max_new_tokens=8, stop_at_eos=False)
+    assert sampled.sequences == greedy.sequences
+
+
+def test_top_p_filter_keeps_the_smallest_mass_prefix():
+    from moeprefetch.sampling import SamplingParams, filter_logits
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    kept = filter_logits(probs.log(), SamplingParams(temperature=1.0, top_p=0.7, seed=0))
+    assert torch.isfinite(kept).tolist() == [True, True, False, False]
+    kept = filter_logits(probs.log(), SamplingParams(temperature=1.0, top_p=0.5, seed=0))
+    assert torch.isfinite(kept).tolist() == [True, False, False, False]
+    kept = filter_logits(probs.log(), SamplingParams(temperature=1.0, top_k=3, seed=0))
+    assert torch.isfinite(kept).tolist() == [True, True, True, False]
+
+
+def test_sampling_follows_the_distribution():
+    from moeprefetch.sampling import SamplingParams, sample
+
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]])
+    params = SamplingParams(temperature=1.0, seed=3)
+    counts = torch.zeros(4)
+    for position in range(4000):
+        counts[sample(logits, params, [0], [position])[0]] += 1
+    expected = torch.softmax(logits[0], -1) * 4000
+    assert ((counts - expected).abs() / expected.sqrt()).max() < 4.5  # within ~4 sigma per bin
+
+
+def test_stop_at_eos_and_finish_reasons(checkpoint_factory):
+    engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False)
+    free = engine.generate([[3, 4, 5]], max_new_tokens=20, stop_at_eos=False).sequences[0]
+    # pretend a token that first appears a few steps in is the end-of-sequence token
+    first_new = next(i for i in range(2, len(free)) if free[i] not in free[:i])
+    eos = free[first_new]
+    engine.args = engine.args.__class__(**{**engine.args.__dict__, "eos_token_ids": (eos,)})
+    stopped = engine.generate([[3, 4, 5]], max_new_tokens=20)
+    assert stopped.sequences[0] == free[: free.index(eos) + 1]
+    assert stopped.finish_reasons == ["eos"]
+    assert engine.generate([[3, 4, 5]], max_new_tokens=first_new).finish_reasons == ["length"]
+
+
+def test_streaming_callback_and_iterator(v3):
+    events = []
+    result = v3.generate([[3, 4], [5, 6, 7]], max_new_tokens=5, callback=events.append, stop_at_eos=False)
+    for b in range(2):
+        assert [e.token for e in events if e.sequence == b] == result.sequences[b]
+    streamed = list(v3.stream([[3, 4], [5, 6, 7]], max_new_tokens=5, stop_at_eos=False))
+    assert [(e.sequence, e.token) for e in streamed] == [(e.sequence, e.token) for e in events]
+
+
+def test_text_prompts_use_the_checkpoint_tokenizer(checkpoint_factory, tiny_tokenizer_dir):
+    path = checkpoint_factory("v3", tokenizer_from=str(tiny_tokenizer_dir))
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False)
+    assert engine.tokenizer is not None
+    text = "the quick brown fox"
+    ids = engine.tokenizer(text)["input_ids"]
+    by_text = engine.generate(text, max_new_tokens=6, stop_at_eos=False)
+    by_ids = engine.generate([ids], max_new_tokens=6, stop_at_eos=False)
+    assert by_text.sequences == by_ids.sequences
+    assert by_text.texts == [engine.tokenizer.decode(by_ids.sequences[0], skip_special_tokens=True)]
+    pieces = []
+    engine.generate(text, max_new_tokens=6, stop_at_eos=False, callback=lambda e: pieces.append(e.text))
+    assert "".join(pieces) == by_text.texts[0]
+
+
+def test_prompt_forms(v3):
+    a = v3.generate([3, 4, 5], max_new_tokens=4, stop_at_eos=False).sequences
+    b = v3.generate([[3, 4, 5]], max_new_tokens=4, stop_at_eos=False).sequences
+    c = v3.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=4, stop_at_eos=False).sequences
+    assert a == b == c
+    with pytest.raises(RequestError, match="no tokenizer"):
+        v3.generate("hello", max_new_tokens=4)
+
+
+def test_fused_expert_layout_loads_identically(checkpoint_factory):
+    per_expert = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False)
+    fused = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3", fused_experts=True), progress=False)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(per_expert.forward(ids), fused.forward(ids))
+    a, am = per_expert.forward(ids, return_mtp=True)
+    b, bm = fused.forward(ids, return_mtp=True)
+    assert torch.equal(am, bm)
+
+
+def test_single_file_checkpoint(checkpoint_factory):
+    sharded = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False)
+    single_path = checkpoint_factory("v3", max_shard_size=None)
+    assert (single_path / "model.safetensors").is_file()
+    single = MoEPrefetchEngine.from_pretrained(single_path, progress=False)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(sharded.forward(ids), single.forward(ids))
+
+
+def test_checkpoint_without_mtp_says_so(checkpoint_factory):
+    engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3", with_mtp=False), progress=False)
+    assert not engine.has_mtp
+    assert engine.options.predictor == "next_layer_gate"
+    with pytest.raises(RequestError, match="MTP"):
+        engine.forward([[1, 2, 3]], return_mtp=True)
+    with pytest.raises(RequestError, match="MTP"):
+        engine.generate([[1, 2]], max_new_tokens=3, predictor="mtp")
+    with pytest.raises(RequestError, match="MTP"):
+        engine.generate([[1, 2]], max_new_tokens=3, speculative="mtp")
+    assert len(engine.generate([[1, 2]], max_new_tokens=3).sequences[0]) >= 1
+
+
+def test_bfloat16_engine_runs_and_tracks_fp32(checkpoint_factory):
+    path = checkpoint_factory("v3")
+    fp32 = MoEPrefetchEngine.from_pretrained(path, progress=False)
+    bf16 = MoEPrefetchEngine.from_pretrained(path, dtype=torch.bfloat16, progress=False)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
+    a, b = fp32.forward(ids), bf16.forward(ids)
+    assert b.dtype == torch.float32  # logits are returned in fp32
+    rel = (a - b).norm() / a.norm()
+    assert rel < 0.05
+    assert len(bf16.generate([[3, 4]], max_new_tokens=5).sequences[0]) >= 1
