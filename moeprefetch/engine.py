@@ -24,6 +24,7 @@ from .errors import CheckpointError, MoEPrefetchError, RequestError, ResourceErr
 from .experts import EXPERT_DTYPES, CheckpointExperts, ExpertFormat
 from .planner import MemoryPlan, parse_bytes, plan_memory
 from .predictors import PredictorContext, Trace, make_predictor, parse_predictor
+from .decode import DecodeStep, GraphRunner, MTPStep
 from .runner import KVCaches, ModelRunner
 from .runtime import ExpertRuntime, prefetch_budget
 from .sampling import SamplingParams, sample
@@ -70,6 +71,7 @@ class EngineOptions:
     expert_dtype: str
     pin_memory: bool
     progress: bool
+    cuda_graphs: bool = True
 
 
 @dataclass
@@ -147,6 +149,9 @@ class MoEPrefetchEngine:
         self.options = options
         self.plan = plan
         self._closed = False
+        self._graphs = GraphRunner(options.cuda_graphs and options.device.type == "cuda")
+        self._kv: dict[tuple[int, bool], KVCaches] = {}
+        self._steps: dict[tuple, DecodeStep | MTPStep] = {}
 
     # ---- construction ---------------------------------------------------------------------------------------------
     @classmethod
@@ -169,6 +174,7 @@ class MoEPrefetchEngine:
         expert_dtype: str = "model",
         pin_memory: bool = True,
         hot_set: Sequence[ExpertKey] | None = None,
+        cuda_graphs: bool = True,
         progress: bool = True,
     ) -> "MoEPrefetchEngine":
         """Load a local Hugging Face checkpoint directory of a DeepSeek-V3/V2 model.
@@ -221,6 +227,7 @@ class MoEPrefetchEngine:
             expert_dtype=expert_dtype,
             pin_memory=pin_memory,
             progress=progress,
+            cuda_graphs=bool(cuda_graphs),
         )
         block = (args.quant.block_rows, args.quant.block_cols) if args.quant else (128, 128)
         fmt = ExpertFormat.build(args.hidden_size, args.moe_intermediate_size, torch_dtype, expert_dtype, block)
@@ -529,8 +536,16 @@ class MoEPrefetchEngine:
         predictor = make_predictor(request.predictor)
         uses_mtp = self.has_mtp and (request.speculative == "mtp" or "mtp" in names)
         speculative = request.speculative == "mtp"
-        shadow = predictor.uses_shadow and not speculative
+        # with every expert resident a shadow row predicts nothing worth fetching: skip its compute
+        shadow = predictor.uses_shadow and not speculative and not runtime.preloaded
         rows_per_step = batch * (2 if speculative else 1)
+        working_set = rows_per_step * args.num_experts_per_tok
+        if not runtime.preloaded and working_set > runtime.working_set_capacity():
+            raise RequestError(
+                f"the expert cache ({runtime.working_set_capacity()} usable slots) cannot hold one decode step's "
+                f"working set of {working_set} experts ({rows_per_step} rows x top-{args.num_experts_per_tok}); "
+                f"use more slots or a smaller batch"
+            )
         budget = prefetch_budget(self.options.prefetch_budget, args.num_experts_per_tok, rows_per_step)
         width = max(args.num_experts_per_tok, math.ceil(self.options.prefetch_budget * args.num_experts_per_tok))
         predictor.reset(PredictorContext(list(args.moe_layers), args.num_experts_per_tok, width, request.lookahead, trace))
@@ -549,7 +564,7 @@ class MoEPrefetchEngine:
         interrupted = False
         step = 0
         try:
-            caches = KVCaches.allocate(args, batch, self.options.max_seq_len, self.options.dtype, self.device, uses_mtp)
+            caches = self._caches(batch, uses_mtp)
             sync = self._sync
             t0 = time.perf_counter()
             hidden_last = torch.empty(batch, args.hidden_size, dtype=self.options.dtype, device=self.device)
@@ -581,13 +596,12 @@ class MoEPrefetchEngine:
             t1 = time.perf_counter()
             while bool(active.any()):
                 runtime.begin_step(step, "decode")
-                tokens_in = torch.tensor([g[-1] for g in generated], device=self.device)
-                extra = None
-                mode = None
-                if speculative or shadow:
-                    extra = torch.tensor(drafts, device=self.device)[:, None]
-                    mode = "verify" if speculative else "shadow"
-                out = runner.decode_step(caches, tokens_in, pos.to(self.device), active, extra, mode)
+                tokens_in = torch.tensor([g[-1] for g in generated])
+                extra = torch.tensor(drafts)[:, None] if (speculative or shadow) else None
+                mode = "verify" if speculative else ("shadow" if shadow else "none")
+                out = self._decode_step(caches, batch, 1 if extra is not None else 0, mode)(
+                    tokens_in, pos.clone(), active, extra
+                )
                 next_tok = sample(out.logits, request.sampling, list(range(batch)), (pos + 1).tolist()).tolist()
                 new_tokens: list[list[int]] = [[] for _ in range(batch)]
                 accepted = [False] * batch
@@ -608,7 +622,7 @@ class MoEPrefetchEngine:
                             accepted[b] = True
                             new_tokens[b].append(second[b])
                 if uses_mtp:
-                    drafts = self._mtp_step(caches, out, pos, next_tok, second, accepted, active, drafts, speculative)
+                    drafts = self._draft(caches, out, pos, next_tok, second, accepted, active, drafts, speculative)
                 stats.decode_steps += 1
                 step += 1
                 for b in range(batch):
@@ -681,19 +695,41 @@ class MoEPrefetchEngine:
             drafts.append(int(logits[0, -1].argmax()))
         return drafts, step
 
-    def _mtp_step(self, caches, out, pos, next_tok, second, accepted, active, drafts, speculative) -> list[int]:
+    def _caches(self, batch: int, with_mtp: bool) -> KVCaches:
+        """KV caches kept across calls (captured graphs point at them); only the latest batch size is kept."""
+        key = (batch, with_mtp)
+        if key not in self._kv:
+            self._kv.clear()
+            self._steps.clear()
+            self._kv[key] = KVCaches.allocate(
+                self.args, batch, self.options.max_seq_len, self.options.dtype, self.device, with_mtp
+            )
+        return self._kv[key]
+
+    def _decode_step(self, caches: KVCaches, batch: int, extra: int, mode: str) -> DecodeStep:
+        key = ("decode", batch, extra, mode, id(caches))
+        if key not in self._steps:
+            self._steps[key] = DecodeStep(self.runner, caches, batch, extra, mode, self._graphs)
+        return self._steps[key]  # type: ignore[return-value]
+
+    def _mtp_step(self, caches: KVCaches, batch: int, rows: int) -> MTPStep:
+        key = ("mtp", batch, rows, id(caches))
+        if key not in self._steps:
+            self._steps[key] = MTPStep(self.runner, caches, batch, rows, self._graphs)
+        return self._steps[key]  # type: ignore[return-value]
+
+    def _draft(self, caches, out, pos, next_tok, second, accepted, active, drafts, speculative) -> list[int]:
         """Draft the token after the next input: MTP over (H_q, t_{q+1}) [and (H_{q+1}, t_{q+2}) when verifying]."""
         b = len(next_tok)
-        dev = self.device
         if speculative:
-            toks = torch.tensor([[next_tok[i], second[i]] for i in range(b)], device=dev)
+            toks = torch.tensor([[next_tok[i], second[i]] for i in range(b)])
             hid = torch.stack((out.hidden, out.draft_hidden), dim=1)
-            positions = pos.to(dev)[:, None] + torch.arange(1, 3, device=dev)
+            positions = pos[:, None] + torch.arange(1, 3)
         else:
-            toks = torch.tensor(next_tok, device=dev)[:, None]
+            toks = torch.tensor(next_tok)[:, None]
             hid = out.hidden[:, None]
-            positions = pos.to(dev)[:, None] + 1
-        logits = self.runner.mtp_decode(caches, toks, hid, positions, active)
+            positions = pos[:, None] + 1
+        logits = self._mtp_step(caches, b, toks.shape[1])(toks, hid, positions, active)
         choice = logits.argmax(-1).tolist()  # [B, M]
         new = list(drafts)
         for i in range(b):

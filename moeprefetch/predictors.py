@@ -84,6 +84,7 @@ class Predictor(Protocol):
 class NoPredictor:
     name = "none"
     uses_shadow = False
+    uses_real_scores = False  # ranks by the real rows' router scores (costs a device->host copy per layer)
 
     def reset(self, ctx: PredictorContext) -> None:
         self.ctx = ctx
@@ -99,6 +100,7 @@ class PreviousStepPredictor(NoPredictor):
     """The previous token's experts at the same layer, predicted for the next step."""
 
     name = "previous"
+    uses_real_scores = True
 
     def on_layer(self, obs: LayerObservation) -> list[Prediction]:
         if obs.real_scores is not None and self.ctx.width > self.ctx.top_k:
@@ -167,6 +169,7 @@ class CombinedPredictor:
         self.parts = parts
         self.name = "+".join(p.name for p in parts)
         self.uses_shadow = any(p.uses_shadow for p in parts)
+        self.uses_real_scores = False  # each part emits only its primary top-k here
 
     def reset(self, ctx: PredictorContext) -> None:
         # Each part contributes its primary set (top-k per row); the queue's per-target budget caps the union.

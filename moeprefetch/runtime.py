@@ -81,6 +81,7 @@ class ExpertRuntime:
         self.score_layer: Callable[[int, torch.Tensor], torch.Tensor] | None = None
         self._prefetched_unused: dict[ExpertKey, Deadline] = {}
         self._inflight: list[tuple[int, ExpertKey]] = []
+        self._pending_release: list[ExpertKey] = []
         self.trace: dict[tuple[int, int], list[int]] | None = None  # filled while recording an oracle trace
         self.use_counts: dict[ExpertKey, int] = {}  # routing profile since the engine started (for `static`)
         if not fmt.quantized:
@@ -98,6 +99,7 @@ class ExpertRuntime:
         for key in tqdm(keys, desc="experts", unit="expert", disable=not progress, leave=False):
             pack(key[0], key[1], staging)
             alloc = self.cache.allocate(key)
+            assert alloc is not None and alloc.slot == self.preloaded_base(key[0]) + key[1]
             self.pool[alloc.slot].copy_(staging)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -149,8 +151,14 @@ class ExpertRuntime:
         self.score_layer = score_layer
         self.now = (-1, 0)
 
+    @property
+    def predictor_wants_scores(self) -> bool:
+        """Whether predictors rank by the real rows' router scores (worth a device->host copy per layer)."""
+        return self.queue.budget_per_target > 0 and getattr(self.predictor, "uses_real_scores", False)
+
     def end_call(self) -> float:
         """Finish a generate call: count still-unused prefetches as wasted; return stall seconds not yet collected."""
+        self.release_layer()
         self.transfer.synchronize()
         for key in self._prefetched_unused:
             self.accounting.unused_at_end(key[0])
@@ -165,6 +173,7 @@ class ExpertRuntime:
     def abort(self) -> None:
         """Bring the runtime back to a consistent state after an interrupted or failed step."""
         self.transfer.synchronize()
+        self._pending_release = []
         self.cache.unlock()
         self._inflight.clear()
 
@@ -180,21 +189,136 @@ class ExpertRuntime:
         self.queue.forget_before(now)
 
     # ---- the layer ------------------------------------------------------------------------------------------------
-    def run_layer(
-        self, layer: int, exact: list[RowBlock], shadow: RowBlock | None = None, decode: bool = True
-    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """Routed-expert output for each exact block ([N, H] fp32) and for the shadow block (resident experts only)."""
+    def run_layer(self, layer: int, exact: list[RowBlock]) -> list[torch.Tensor]:
+        """Prefill and uncached forwards: the routed-expert output ([N, H] fp32) of each block of rows, computing each
+        expert on all its tokens at once, in waves when the cache cannot hold the layer's experts together."""
         self._advance((self.step, self.position[layer]))
         exact_ids = [block.routing.ids.cpu() for block in exact]  # the per-layer host synchronisation
         needed = _distinct_experts(exact_ids, [block.active for block in exact])
+        real_scores = exact[0].routing.scores.cpu() if self.predictor_wants_scores and exact else None
+        self._observe(layer, needed, real_scores, None, exact[0].x if exact else None)
+        outputs = [
+            torch.zeros(
+                (block.x.shape[0], self.top_k, block.x.shape[1]), dtype=block.x.dtype, device=block.x.device
+            )
+            for block in exact
+        ]
+        valid = [self._valid_entries(ids, block.active) for ids, block in zip(exact_ids, exact)]
+        for wave, slots in self._waves(layer, needed, split_resident=True):
+            for block, ids, out, entry_valid in zip(exact, exact_ids, outputs, valid):
+                self._compute_per_expert(block.x, ids, entry_valid, layer, wave, slots, out)
+        return [
+            combine_expert_outputs(out, block.routing.weights, entry_valid.to(out.device))
+            for out, block, entry_valid in zip(outputs, exact, valid)
+        ]
+
+    def _valid_entries(self, ids: torch.Tensor, active: torch.Tensor | None) -> torch.Tensor:
+        valid = torch.ones(ids.shape, dtype=torch.bool)
+        if active is not None:
+            valid &= active[:, None]
+        return valid
+
+    # ---- decode: one host hook per MoE layer ---------------------------------------------------------------------
+    def working_set_capacity(self) -> int:
+        """Experts one decode layer can hold at once (slots not pinned by the static policy)."""
+        return self.n_slots - len(self.cache.pinned & set(self.cache.slot_of)) if not self.preloaded else self.n_slots
+
+    def decode_layer(
+        self,
+        layer: int,
+        exact: list[tuple[torch.Tensor, torch.Tensor]],
+        shadow: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        hidden: torch.Tensor | None,
+        real_scores: torch.Tensor | None,
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], tuple[torch.Tensor, torch.Tensor] | None]:
+        """Plan one decode layer on the host, between the router and the expert compute.
+
+        exact: (ids [N, k], active [N]) per block of rows that must be exact; shadow: (ids, active, scores) of the MTP
+        shadow rows. Makes every needed expert resident at once (misses fetched on the demand stream, prefetches
+        pumped behind them), orders the compute stream after the copies, and returns (slot ids [N, k], valid [N, k])
+        per block and for the shadow block (resident, landed experts only). The slots stay locked until
+        `release_layer()`, called once the expert compute that reads them has been enqueued."""
+        self.release_layer()
+        self._advance((self.step, self.position[layer]))
+        needed = _distinct_experts([ids for ids, _ in exact], [active for _, active in exact])
+        self._observe(layer, needed, real_scores, shadow[2] if shadow is not None else None, hidden)
+        for expert in needed:
+            key = (layer, expert)
+            if key in self.cache:
+                self._account_hit(key)
+                self.cache.lock([key])
+        for expert in needed:
+            key = (layer, expert)
+            if key in self.cache:
+                continue
+            alloc = self.cache.allocate(key)
+            if alloc is None:
+                raise RuntimeError(
+                    f"the expert cache ({self.n_slots} slots) cannot hold the {len(needed)} experts layer {layer} "
+                    f"needs in one decode step"
+                )
+            self._evicted(alloc.evicted)
+            self.transfer.copy(self._host_record(key), self.pool[alloc.slot], alloc.slot, demand=True)
+            self.accounting.copy(self.step, layer, expert, self.expert_bytes, prefetch=False)
+            self.accounting.use(self.step, self.phase, layer, expert, "miss")
+            self.cache.use(key)
+            self.cache.lock([key])
+        self._pump()
+        lut = torch.full((self.n_experts,), -1, dtype=torch.long)
+        for expert in needed:
+            lut[expert] = self.cache.slot_of[(layer, expert)]
+        self.transfer.wait_for([int(lut[e]) for e in needed])
+        locked = [(layer, e) for e in needed]
+        stand_in = int(lut[needed[0]]) if needed else 0
+        plans = [_slot_plan(lut, ids, active, stand_in) for ids, active in exact]
+        shadow_plan = None
+        if shadow is not None:
+            ids, active, _ = shadow
+            shadow_lut = torch.full((self.n_experts,), -1, dtype=torch.long)
+            for expert in set(ids[active].flatten().tolist()) if active.any() else ():
+                slot = self.cache.lookup((layer, expert))
+                if slot is not None and self.transfer.is_ready(slot):
+                    shadow_lut[expert] = slot
+                    locked.append((layer, expert))
+            self.cache.lock(locked)
+            present = shadow_lut[shadow_lut >= 0]
+            shadow_plan = _slot_plan(shadow_lut, ids, active, int(present[0]) if len(present) else stand_in)
+        self._pending_release = locked
+        return plans, shadow_plan
+
+    def release_layer(self) -> None:
+        """The expert compute of the last planned layer has been enqueued: its slots may be reused after it."""
+        if not self._pending_release:
+            return
+        slots = [self.cache.slot_of[k] for k in self._pending_release if k in self.cache]
+        self.transfer.release(slots)
+        self.cache.unlock(self._pending_release)
+        self._pending_release = []
+
+    def record_resident_step(self, layer_ids: dict[int, torch.Tensor], active: torch.Tensor) -> None:
+        """All-resident decode computed its routing on the device; account the step's uses afterwards."""
+        for layer, ids in layer_ids.items():
+            self._advance((self.step, self.position[layer]))
+            needed = _distinct_experts([ids], [active])
+            self._observe(layer, needed, None, None, None)
+            for expert in needed:
+                self._account_hit((layer, expert))
+        self.queue.clear_items()
+
+    def _observe(
+        self,
+        layer: int,
+        needed: list[int],
+        real_scores: torch.Tensor | None,
+        shadow_scores: torch.Tensor | None,
+        hidden: torch.Tensor | None,
+    ) -> None:
         if self.trace is not None:
             self.trace[(self.step, layer)] = needed
         for expert in needed:
             self.use_counts[(layer, expert)] = self.use_counts.get((layer, expert), 0) + 1
         if self.phase == "decode":
             self.accounting.truth(self.step, layer, needed)
-        shadow_scores = shadow.routing.scores.cpu() if shadow is not None else None
-        real_scores = exact[0].routing.scores.cpu() if exact and exact[0].routing.scores is not None else None
         self._enqueue(
             self.predictor.on_layer(
                 LayerObservation(
@@ -204,36 +328,11 @@ class ExpertRuntime:
                     real_experts=needed,
                     real_scores=real_scores,
                     shadow_scores=shadow_scores,
-                    hidden=exact[0].x if exact else None,
+                    hidden=hidden,
                     score_layer=self.score_layer,
                 )
             )
         )
-        outputs = [
-            torch.zeros(
-                (block.x.shape[0], self.top_k, block.x.shape[1]), dtype=block.x.dtype, device=block.x.device
-            )
-            for block in exact
-        ]
-        valid = [self._valid_entries(ids, block.active) for ids, block in zip(exact_ids, exact)]
-        for wave, slots in self._waves(layer, needed, split_resident=not decode):
-            for block, ids, out, entry_valid in zip(exact, exact_ids, outputs, valid):
-                if decode:
-                    self._compute_gathered(block.x, ids, entry_valid, layer, wave, slots, out)
-                else:
-                    self._compute_per_expert(block.x, ids, entry_valid, layer, wave, slots, out)
-        results = [
-            combine_expert_outputs(out, block.routing.weights, entry_valid.to(out.device))
-            for out, block, entry_valid in zip(outputs, exact, valid)
-        ]
-        shadow_out = self._shadow(layer, shadow) if shadow is not None else None
-        return results, shadow_out
-
-    def _valid_entries(self, ids: torch.Tensor, active: torch.Tensor | None) -> torch.Tensor:
-        valid = torch.ones(ids.shape, dtype=torch.bool)
-        if active is not None:
-            valid &= active[:, None]
-        return valid
 
     # ---- residency ------------------------------------------------------------------------------------------------
     def _waves(self, layer: int, needed: list[int], split_resident: bool) -> Iterator[tuple[set[int], dict[int, int]]]:
@@ -339,31 +438,22 @@ class ExpertRuntime:
             return self._gate_up[slot_ids], self._down[slot_ids]
         return self.fmt.dequantize(self.pool[slot_ids])
 
-    def _compute_gathered(
-        self,
-        x: torch.Tensor,
-        ids: torch.Tensor,
-        valid: torch.Tensor,
-        layer: int,
-        wave: set[int],
-        slots: dict[int, int],
-        out: torch.Tensor,
-    ) -> None:
-        """Decode: one batched GEMV per (row, k) entry over the slot pool; entries outside this wave are computed on
-        a stand-in slot and discarded, so every wave has the same shapes."""
-        n, k = ids.shape
-        in_wave = torch.tensor([[bool(valid[r, j]) and int(ids[r, j]) in wave for j in range(k)] for r in range(n)])
-        if not in_wave.any():
-            return
-        stand_in = next(iter(slots.values()))
-        slot_ids = torch.tensor(
-            [[slots.get(int(ids[r, j]), stand_in) if in_wave[r, j] else stand_in for j in range(k)] for r in range(n)]
-        ).to(self.device, non_blocking=True)
-        gate_up, down = self._weights(slot_ids.flatten())
+    def compute_gathered(
+        self, x: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Decode: x [N, H], slots/valid/weights [N, k] (device) -> routed output [N, H] fp32.
+
+        One batched GEMV per (row, k) entry over the slot pool; invalid entries point at a stand-in slot and are
+        masked out of the fixed-order sum, so the shapes (and each entry's bits) never depend on the cache."""
+        n, k = slots.shape
+        gate_up, down = self._weights(slots.flatten())
         x_rep = x[:, None, :].expand(n, k, x.shape[-1]).reshape(n * k, -1)
         y = gathered_expert_ffn(x_rep, gate_up, down, self.act).view(n, k, -1)
-        mask = in_wave.to(self.device, non_blocking=True)[..., None]
-        out.copy_(torch.where(mask, y, out))
+        return combine_expert_outputs(y, weights, valid)
+
+    def preloaded_base(self, layer: int) -> int:
+        """All-resident mode: the slot of expert 0 of `layer` (experts are laid out layer by layer)."""
+        return self.position[layer] * self.n_experts
 
     def _compute_per_expert(
         self,
@@ -384,30 +474,6 @@ class ExpertRuntime:
             gate_up, down = self._weights(torch.tensor([slots[expert]], device=self.device))
             out[rows_d, kpos_d] = expert_ffn(x[rows_d], gate_up[0], down[0], self.act).to(out.dtype)
 
-    def _shadow(self, layer: int, block: RowBlock) -> torch.Tensor:
-        """Shadow rows: experts that are resident and landed are used, missing ones skipped, and the remaining
-        weights renormalised to the full weight mass. Reads no copies and changes no cache state."""
-        ids = block.routing.ids.cpu()
-        n, k = ids.shape
-        present: dict[int, int] = {}
-        for expert in set(ids.flatten().tolist()):
-            slot = self.cache.lookup((layer, expert))
-            if slot is not None and self.transfer.is_ready(slot):
-                present[expert] = slot
-        valid = torch.tensor([[int(ids[r, j]) in present for j in range(k)] for r in range(n)])
-        if block.active is not None:
-            valid &= block.active[:, None]
-        out = torch.zeros((n, k, block.x.shape[1]), dtype=block.x.dtype, device=block.x.device)
-        if present:
-            self._compute_gathered(block.x, ids, valid, layer, set(present), present, out)
-        weights = block.routing.weights
-        valid_d = valid.to(weights.device)
-        kept = torch.where(valid_d, weights, torch.zeros_like(weights)).sum(-1, keepdim=True)
-        scale = torch.where(kept > 0, weights.sum(-1, keepdim=True) / kept.clamp(min=1e-20), torch.zeros_like(kept))
-        result = combine_expert_outputs(out, weights * scale, valid_d)
-        self.transfer.release(list(present.values()))
-        return result
-
     # ---- reporting ------------------------------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
         return {
@@ -427,6 +493,16 @@ def _distinct_experts(ids_blocks: list[torch.Tensor], active_blocks: list[torch.
         for expert in rows.flatten().tolist():
             seen.setdefault(int(expert), None)
     return list(seen)
+
+
+def _slot_plan(
+    lut: torch.Tensor, ids: torch.Tensor, active: torch.Tensor, stand_in: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot ids [N, k], valid [N, k]) from an expert->slot table (-1 = absent); invalid entries point at a real
+    slot so the gathered compute keeps its shape, and are masked out of the sum."""
+    slots = lut[ids]
+    valid = (slots >= 0) & active[:, None]
+    return torch.where(valid, slots, torch.full_like(slots, stand_in)), valid
 
 
 def prefetch_budget(multiple: float, top_k: int, rows: int) -> int:

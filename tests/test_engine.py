@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moeprefetch import MoEPrefetchEngine, RequestError
+from moeprefetch.decode import DecodeStep, GraphRunner
 from moeprefetch.runner import KVCaches
 
 
@@ -29,11 +30,11 @@ def test_cached_decode_equals_uncached_forward(checkpoint_factory, variant):
     engine.runtime.begin_step(0, "prefill")
     hidden, _ = engine._prefill(caches, 0, prompt, 0)
     assert torch.allclose(engine.runner.logits(hidden), full[: len(prompt)], atol=1e-4)
+    step = DecodeStep(engine.runner, caches, 1, 0, "none", GraphRunner(False))
     for i, token in enumerate(result.sequences[0][:-1]):
         position = len(prompt) + i
-        out = engine.runner.decode_step(
-            caches, torch.tensor([token]), torch.tensor([position]), torch.tensor([True])
-        )
+        engine.runtime.begin_step(1 + i, "decode")
+        out = step(torch.tensor([token]), torch.tensor([position]), torch.tensor([True]))
         assert (out.logits[0] - full[position]).abs().max().item() < 1e-4
     engine.runtime.end_call()
 
