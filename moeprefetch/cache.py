@@ -123,6 +123,7 @@ class ExpertCache:
         self._free: list[int] = list(range(n_slots - 1, -1, -1))
         self.locked: set[ExpertKey] = set()
         self.protected: dict[ExpertKey, Deadline] = {}
+        self._expiry: list[tuple[Deadline, ExpertKey]] = []  # heap over `protected`, for cheap expiry
 
     # ---- queries --------------------------------------------------------------------------------------------------
     def __contains__(self, key: ExpertKey) -> bool:
@@ -158,26 +159,35 @@ class ExpertCache:
         current = self.protected.get(key)
         if current is None or deadline < current:
             self.protected[key] = deadline
+            heapq.heappush(self._expiry, (deadline, key))
+
+    def clear_protection(self) -> None:
+        self.protected.clear()
+        self._expiry.clear()
 
     def expire_protection(self, now: Deadline) -> None:
         """Drop protections whose deadline has passed (the need either happened or the prediction was wrong)."""
-        for key in [k for k, d in self.protected.items() if d < now]:
-            del self.protected[key]
+        while self._expiry and self._expiry[0][0] < now:
+            deadline, key = heapq.heappop(self._expiry)
+            if self.protected.get(key) == deadline:
+                del self.protected[key]
 
     def _victim(self, prefetch_deadline: Deadline | None) -> ExpertKey | None:
         pinned = self.pinned
-        fallback = None
+        farthest: ExpertKey | None = None  # among protected keys, the one needed last (Belady's choice)
         for key in self.policy.eviction_order():
             if key in self.locked or key in pinned:
                 continue
             guard = self.protected.get(key)
             if guard is None:
                 return key
-            if prefetch_deadline is None:
-                fallback = fallback or key  # demand miss: protected keys only as a last resort
-            elif guard > prefetch_deadline:
-                return key  # needed later than what the prefetch brings in
-        return fallback
+            if farthest is None or guard > self.protected[farthest]:
+                farthest = key
+        if farthest is None:
+            return None
+        if prefetch_deadline is not None and self.protected[farthest] <= prefetch_deadline:
+            return None  # a prefetch never evicts what is needed sooner than what it brings in
+        return farthest
 
     def allocate(self, key: ExpertKey, prefetch_deadline: Deadline | None = None) -> Allocation | None:
         """A slot for `key` (not yet present): a free one, or one freed by evicting a victim. None if every slot
@@ -211,3 +221,4 @@ class ExpertCache:
             self.remove(key)
         self.locked.clear()
         self.protected.clear()
+        self._expiry.clear()

@@ -16,6 +16,7 @@ exactly (speculative decoding).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -44,6 +45,11 @@ class GraphRunner:
         self._seen: set[object] = set()
         self._pool = torch.cuda.graph_pool_handle() if self.enabled else None
         self.failed = False
+
+    def clear(self) -> None:
+        """Drop every captured graph (their buffers are about to be freed)."""
+        self._graphs.clear()
+        self._seen.clear()
 
     def run(self, key: object, fn: Callable[[], None]) -> None:
         if not self.enabled or self.failed:
@@ -135,10 +141,14 @@ def _buffers(runner: ModelRunner, layers: list[LayerWeights], batch: int, extra:
     )
 
 
+_STEP_IDS = itertools.count()  # graph keys must never be reused while a graph with that key exists
+
+
 class _Segments:
     """Shared machinery: building segments, running them with hooks, computing experts from slot buffers."""
 
     def __init__(self, runner: ModelRunner, graphs: GraphRunner, key: object):
+        key = (key, next(_STEP_IDS))
         self.runner = runner
         self.runtime = runner.runtime
         self.args = runner.args
@@ -193,7 +203,7 @@ class DecodeStep(_Segments):
 
     def __init__(self, runner: ModelRunner, caches: KVCaches, batch: int, extra: int, mode: str, graphs: GraphRunner):
         assert mode in MODES and (mode == "none") == (extra == 0)
-        super().__init__(runner, graphs, ("decode", batch, extra, mode, id(caches)))
+        super().__init__(runner, graphs, ("decode", batch, extra, mode))
         self.caches = caches
         self.batch, self.extra, self.mode = batch, extra, mode
         self.layers = runner.weights.layers
@@ -278,13 +288,13 @@ class DecodeStep(_Segments):
     # ---- host side ------------------------------------------------------------------------------------------------
     def _hook(self, layer: int) -> None:
         b, runtime = self.buf, self.runtime
-        ids = b.ids[layer].cpu()  # the per-layer synchronisation: which experts does this layer need?
+        ids = b.ids[layer].cpu().tolist()  # the per-layer synchronisation: which experts does this layer need?
         exact = [(ids, self._active_host)]
         shadow = None
         if self.mode == "verify":
-            exact.append((b.ids_e[layer].cpu(), self._active_extra))
+            exact.append((b.ids_e[layer].cpu().tolist(), self._active_extra))
         elif self.mode == "shadow":
-            shadow = (b.ids_e[layer].cpu(), self._active_extra, b.scores_e[layer].cpu())
+            shadow = (b.ids_e[layer].cpu().tolist(), self._active_extra, b.scores_e[layer].cpu())
         real_scores = b.scores[layer].cpu() if runtime.predictor_wants_scores else None
         plans, shadow_plan = runtime.decode_layer(layer, exact, shadow, b.h[layer], real_scores)
         _upload(plans[0], b.slots[layer], b.valid[layer])
@@ -302,8 +312,8 @@ class DecodeStep(_Segments):
     ) -> DecodeOutput:
         """tokens [B], positions [B] and active [B] (host tensors); extra_tokens [B, L] when the step has extra rows."""
         b = self.buf
-        self._active_host = active.clone()
-        self._active_extra = active.repeat_interleave(self.extra) if self.extra else active
+        self._active_host = active.tolist()
+        self._active_extra = active.repeat_interleave(self.extra).tolist() if self.extra else self._active_host
         b.tokens.copy_(tokens, non_blocking=True)
         b.positions.copy_(positions, non_blocking=True)
         b.active.copy_(active, non_blocking=True)
@@ -311,7 +321,7 @@ class DecodeStep(_Segments):
             b.extra_tokens.copy_(extra_tokens, non_blocking=True)
         self._run_segments(self._hook)
         if self.preloaded:
-            self.runtime.record_resident_step({layer: ids.cpu() for layer, ids in b.ids.items()}, active)
+            self.runtime.record_resident_step({layer: ids.cpu().tolist() for layer, ids in b.ids.items()}, self._active_host)
         out = DecodeOutput(b.logits.clone(), b.hidden.clone(), None, None)
         if self.mode == "verify":
             out.draft_logits, out.draft_hidden = b.draft_logits.clone(), b.draft_hidden.clone()
@@ -322,7 +332,7 @@ class MTPStep(_Segments):
     """The MTP head over `rows` (token, hidden) pairs per sequence: draft logits for the token after each pair."""
 
     def __init__(self, runner: ModelRunner, caches: KVCaches, batch: int, rows: int, graphs: GraphRunner):
-        super().__init__(runner, graphs, ("mtp", batch, rows, id(caches)))
+        super().__init__(runner, graphs, ("mtp", batch, rows))
         mtp = runner.weights.mtp
         assert mtp is not None and caches.mtp is not None
         self.caches, self.batch, self.rows = caches, batch, rows
@@ -366,7 +376,7 @@ class MTPStep(_Segments):
         self.logits.copy_(self.runner.mtp_logits(self.x))
 
     def _hook(self, layer: int) -> None:
-        plans, _ = self.runtime.decode_layer(layer, [(self.ids.cpu(), self._active_host)], None, self.h, None)
+        plans, _ = self.runtime.decode_layer(layer, [(self.ids.cpu().tolist(), self._active_host)], None, self.h, None)
         _upload(plans[0], self.slots, self.valid)
 
     def __call__(
@@ -374,14 +384,15 @@ class MTPStep(_Segments):
     ) -> torch.Tensor:
         """tokens [B, M] (host), hidden [B, M, H] (device), positions [B, M] (host), active [B] (host) ->
         logits [B, M, V]."""
-        self._active_host = active.repeat_interleave(self.rows)
+        active_rows = active.repeat_interleave(self.rows)
+        self._active_host = active_rows.tolist()
         self.tokens.copy_(tokens, non_blocking=True)
         self.hidden_in.copy_(hidden)
         self.positions.copy_(positions, non_blocking=True)
-        self.active.copy_(self._active_host, non_blocking=True)
+        self.active.copy_(active_rows, non_blocking=True)
         self._run_segments(self._hook)
         if self.preloaded:
-            self.runtime.record_resident_step({self.lw.index: self.ids.cpu()}, self._active_host)
+            self.runtime.record_resident_step({self.lw.index: self.ids.cpu().tolist()}, self._active_host)
         return self.logits.clone()
 
 
@@ -393,6 +404,8 @@ def _renormalise(weights: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return weights * scale
 
 
-def _upload(plan: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, valid: torch.Tensor) -> None:
-    slots.copy_(plan[0], non_blocking=True)
-    valid.copy_(plan[1], non_blocking=True)
+def _upload(plan: tuple[list[list[int]], list[list[bool]]], slots: torch.Tensor, valid: torch.Tensor) -> None:
+    """Host plan -> device slot buffers, in stream order before the segment that reads them."""
+    slots.copy_(torch.tensor(plan[0], dtype=torch.long).pin_memory() if slots.is_cuda else torch.tensor(plan[0]),
+                non_blocking=True)
+    valid.copy_(torch.tensor(plan[1], dtype=torch.bool), non_blocking=slots.is_cuda)

@@ -701,6 +701,7 @@ class MoEPrefetchEngine:
         if key not in self._kv:
             self._kv.clear()
             self._steps.clear()
+            self._graphs.clear()
             self._kv[key] = KVCaches.allocate(
                 self.args, batch, self.options.max_seq_len, self.options.dtype, self.device, with_mtp
             )

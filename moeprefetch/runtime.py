@@ -165,7 +165,7 @@ class ExpertRuntime:
         self._prefetched_unused.clear()
         self._inflight.clear()
         self.queue.clear()
-        self.cache.protected.clear()
+        self.cache.clear_protection()
         self.cache.unlock()
         self.accounting.discard_predictions()
         return self.transfer.collect_stall_seconds()
@@ -226,32 +226,34 @@ class ExpertRuntime:
     def decode_layer(
         self,
         layer: int,
-        exact: list[tuple[torch.Tensor, torch.Tensor]],
-        shadow: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        exact: list[tuple[list[list[int]], list[bool]]],
+        shadow: tuple[list[list[int]], list[bool], torch.Tensor] | None,
         hidden: torch.Tensor | None,
         real_scores: torch.Tensor | None,
-    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], tuple[torch.Tensor, torch.Tensor] | None]:
+    ) -> tuple[list[tuple[list[list[int]], list[list[bool]]]], tuple[list[list[int]], list[list[bool]]] | None]:
         """Plan one decode layer on the host, between the router and the expert compute.
 
-        exact: (ids [N, k], active [N]) per block of rows that must be exact; shadow: (ids, active, scores) of the MTP
-        shadow rows. Makes every needed expert resident at once (misses fetched on the demand stream, prefetches
-        pumped behind them), orders the compute stream after the copies, and returns (slot ids [N, k], valid [N, k])
-        per block and for the shadow block (resident, landed experts only). The slots stay locked until
-        `release_layer()`, called once the expert compute that reads them has been enqueued."""
+        exact: (ids [N][k], active [N]) per block of rows that must be exact; shadow: (ids, active, scores [M, E]) of
+        the MTP shadow rows. Makes every needed expert resident at once (misses fetched on the demand stream,
+        prefetches pumped behind them), orders the compute stream after the copies, and returns (slot ids, valid) per
+        block and for the shadow block (resident, landed experts only). The slots stay locked until
+        `release_layer()`, called once the expert compute that reads them has been enqueued. Plain Python lists: this
+        runs once per MoE layer per token, and tiny tensors cost more than the work."""
         self.release_layer()
         self._advance((self.step, self.position[layer]))
-        needed = _distinct_experts([ids for ids, _ in exact], [active for _, active in exact])
+        needed = _distinct_lists(exact)
         self._observe(layer, needed, real_scores, shadow[2] if shadow is not None else None, hidden)
-        for expert in needed:
-            key = (layer, expert)
-            if key in self.cache:
+        cache = self.cache
+        slot_of = cache.slot_of
+        locked = [(layer, e) for e in needed]
+        for key in locked:
+            if key in slot_of:
                 self._account_hit(key)
-                self.cache.lock([key])
-        for expert in needed:
-            key = (layer, expert)
-            if key in self.cache:
+        cache.lock(locked)
+        for key in locked:
+            if key in slot_of:
                 continue
-            alloc = self.cache.allocate(key)
+            alloc = cache.allocate(key)
             if alloc is None:
                 raise RuntimeError(
                     f"the expert cache ({self.n_slots} slots) cannot hold the {len(needed)} experts layer {layer} "
@@ -259,30 +261,30 @@ class ExpertRuntime:
                 )
             self._evicted(alloc.evicted)
             self.transfer.copy(self._host_record(key), self.pool[alloc.slot], alloc.slot, demand=True)
-            self.accounting.copy(self.step, layer, expert, self.expert_bytes, prefetch=False)
-            self.accounting.use(self.step, self.phase, layer, expert, "miss")
-            self.cache.use(key)
-            self.cache.lock([key])
+            self.accounting.copy(self.step, layer, key[1], self.expert_bytes, prefetch=False)
+            self.accounting.use(self.step, self.phase, layer, key[1], "miss")
+            cache.use(key)
         self._pump()
-        lut = torch.full((self.n_experts,), -1, dtype=torch.long)
-        for expert in needed:
-            lut[expert] = self.cache.slot_of[(layer, expert)]
-        self.transfer.wait_for([int(lut[e]) for e in needed])
-        locked = [(layer, e) for e in needed]
-        stand_in = int(lut[needed[0]]) if needed else 0
-        plans = [_slot_plan(lut, ids, active, stand_in) for ids, active in exact]
+        lut = {e: slot_of[(layer, e)] for e in needed}
+        self.transfer.wait_for(list(lut.values()))
+        stand_in = lut[needed[0]] if needed else 0
+        plans = [_plan_lists(lut, ids, active, stand_in) for ids, active in exact]
         shadow_plan = None
         if shadow is not None:
             ids, active, _ = shadow
-            shadow_lut = torch.full((self.n_experts,), -1, dtype=torch.long)
-            for expert in set(ids[active].flatten().tolist()) if active.any() else ():
-                slot = self.cache.lookup((layer, expert))
-                if slot is not None and self.transfer.is_ready(slot):
-                    shadow_lut[expert] = slot
-                    locked.append((layer, expert))
-            self.cache.lock(locked)
-            present = shadow_lut[shadow_lut >= 0]
-            shadow_plan = _slot_plan(shadow_lut, ids, active, int(present[0]) if len(present) else stand_in)
+            present: dict[int, int] = {}
+            for row, row_active in zip(ids, active):
+                if not row_active:
+                    continue
+                for expert in row:
+                    if expert not in present:
+                        slot = slot_of.get((layer, expert))
+                        if slot is not None and self.transfer.is_ready(slot):
+                            present[expert] = slot
+            extra = [(layer, e) for e in present if e not in lut]
+            cache.lock(extra)
+            locked += extra
+            shadow_plan = _plan_lists(present, ids, active, next(iter(present.values()), stand_in))
         self._pending_release = locked
         return plans, shadow_plan
 
@@ -295,11 +297,11 @@ class ExpertRuntime:
         self.cache.unlock(self._pending_release)
         self._pending_release = []
 
-    def record_resident_step(self, layer_ids: dict[int, torch.Tensor], active: torch.Tensor) -> None:
+    def record_resident_step(self, layer_ids: dict[int, list[list[int]]], active: list[bool]) -> None:
         """All-resident decode computed its routing on the device; account the step's uses afterwards."""
         for layer, ids in layer_ids.items():
             self._advance((self.step, self.position[layer]))
-            needed = _distinct_experts([ids], [active])
+            needed = _distinct_lists([(ids, active)])
             self._observe(layer, needed, None, None, None)
             for expert in needed:
                 self._account_hit((layer, expert))
@@ -423,7 +425,10 @@ class ExpertRuntime:
                 continue
             alloc = self.cache.allocate(key, prefetch_deadline=item.deadline)
             if alloc is None:
-                continue  # nothing may be evicted for it: drop this prediction
+                # Nothing may be evicted for it now; later items could evict even less. Retry at the next pump,
+                # when this step's earlier needs have been served and their protection has lapsed.
+                self.queue.push_back(item)
+                return
             self._evicted(alloc.evicted)
             self.transfer.copy(self._host_record(key), self.pool[alloc.slot], alloc.slot, demand=False)
             self.accounting.copy(self.step, key[0], key[1], self.expert_bytes, prefetch=True)
@@ -495,14 +500,27 @@ def _distinct_experts(ids_blocks: list[torch.Tensor], active_blocks: list[torch.
     return list(seen)
 
 
-def _slot_plan(
-    lut: torch.Tensor, ids: torch.Tensor, active: torch.Tensor, stand_in: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slot ids [N, k], valid [N, k]) from an expert->slot table (-1 = absent); invalid entries point at a real
-    slot so the gathered compute keeps its shape, and are masked out of the sum."""
-    slots = lut[ids]
-    valid = (slots >= 0) & active[:, None]
-    return torch.where(valid, slots, torch.full_like(slots, stand_in)), valid
+def _distinct_lists(blocks: list[tuple[list[list[int]], list[bool]]]) -> list[int]:
+    """Distinct experts of the active rows, in first-use order."""
+    seen: dict[int, None] = {}
+    for ids, active in blocks:
+        for row, row_active in zip(ids, active):
+            if row_active:
+                for expert in row:
+                    seen[expert] = None
+    return list(seen)
+
+
+def _plan_lists(
+    lut: dict[int, int], ids: list[list[int]], active: list[bool], stand_in: int
+) -> tuple[list[list[int]], list[list[bool]]]:
+    """(slot ids [N][k], valid [N][k]) from an expert->slot table; absent or inactive entries point at a real slot
+    so the gathered compute keeps its shape, and are masked out of the sum."""
+    slots, valid = [], []
+    for row, row_active in zip(ids, active):
+        slots.append([lut.get(e, stand_in) if row_active else stand_in for e in row])
+        valid.append([row_active and e in lut for e in row])
+    return slots, valid
 
 
 def prefetch_budget(multiple: float, top_k: int, rows: int) -> int:

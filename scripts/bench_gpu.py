@@ -1,0 +1,725 @@
+#!/usr/bin/env python
+"""GPU benchmark: moeprefetch against the PCIe floor and the Hugging Face peer, on one GPU.
+
+Workloads
+  ref17      the shipped reference model with each routed expert padded to ~17 MB (extra gate/up rows random, the
+             matching down-projection columns zero, so the function is unchanged): learned routing and MTP drafts at
+             DeepSeek-V2-Lite's transfer size;
+  v2lite     DeepSeek-V2-Lite's shape (27 layers, 64 experts top-6, hidden 2048) with random weights, written as a
+             sharded safetensors checkpoint and loaded through the normal path;
+  v3layers   DeepSeek-V3's layer shape (hidden 7168, 256 experts top-8, 88 MB bf16 experts), 1 dense + 2 MoE layers.
+
+Rows per workload (same prompts, same budget): all_resident (compute-only bound), hf_accelerate (transformers +
+accelerate device_map offload at the same budget), none (reactive LRU), next_layer_gate, mtp, mtp+next_layer_gate,
+oracle, speculative_mtp; and the floor = max(all-resident time, bytes Belady-optimal replacement must move / measured
+host->device bandwidth). Every measured run starts from an empty expert cache after a warm-up run; medians over runs.
+
+    python scripts/bench_gpu.py --out experiments/results/bench_h200.json
+    python scripts/bench_gpu.py --device cpu --scale tiny --out /tmp/bench.json   # exercise the script on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from moeprefetch import MoEPrefetchEngine  # noqa: E402
+from moeprefetch.checkpoint import CheckpointReader  # noqa: E402
+
+logger = logging.getLogger("bench_gpu")
+GiB = 1024**3
+
+# ---- shapes -------------------------------------------------------------------------------------------------------
+
+V2LITE = dict(
+    model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+    num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64,
+    num_experts_per_tok=6, first_k_dense_replace=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+    topk_method="greedy", n_group=1, topk_group=1, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+    v_head_dim=128, qk_nope_head_dim=128, max_position_embeddings=163840, rms_norm_eps=1e-6, bos_token_id=0,
+    eos_token_id=1, tie_word_embeddings=False, hidden_act="silu", scoring_func="softmax",
+    rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                  "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}, rope_theta=10000,
+)
+V3LAYERS = dict(
+    model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_hidden_layers=3, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+    num_experts_per_tok=8, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    topk_method="noaux_tc", n_group=8, topk_group=4, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+    v_head_dim=128, qk_nope_head_dim=128, max_position_embeddings=163840, rms_norm_eps=1e-6, bos_token_id=0,
+    eos_token_id=1, tie_word_embeddings=False, hidden_act="silu", scoring_func="sigmoid", num_nextn_predict_layers=0,
+    rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                  "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}, rope_theta=10000,
+)
+
+
+def tiny(shape: dict[str, Any]) -> dict[str, Any]:
+    """A CPU-sized version of a shape, for checking the script itself."""
+    small = dict(shape, vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                 num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16,
+                 qk_nope_head_dim=16, n_routed_experts=16, max_position_embeddings=4096)
+    small["num_hidden_layers"] = min(shape["num_hidden_layers"], 4)
+    if shape.get("q_lora_rank"):
+        small["q_lora_rank"] = 24
+    small["n_group"] = min(shape["n_group"], 4)
+    small["topk_group"] = min(shape["topk_group"], 2)
+    small["num_experts_per_tok"] = min(shape["num_experts_per_tok"], 4)
+    return small
+
+
+# ---- environment --------------------------------------------------------------------------------------------------
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    env: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0], "device": str(device)}
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+        env["gpu_memory_gib"] = torch.cuda.get_device_properties(device).total_memory / GiB
+        try:
+            query = "pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,driver_version"
+            line = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
+                                  text=True, timeout=20).stdout.strip().splitlines()[0]
+            gen, gen_max, width, driver = [p.strip() for p in line.split(",")]
+            env.update(pcie_gen=gen, pcie_gen_max=gen_max, pcie_width=width, driver=driver)
+        except Exception as exc:  # nvidia-smi is informative only
+            env["pcie_error"] = str(exc)
+    try:
+        env["host_ram_gib"] = int(open("/proc/meminfo").readline().split()[1]) / 1024**2
+    except OSError:
+        pass
+    try:
+        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                           cwd=ROOT).stdout.strip() or None
+    except Exception:
+        env["git_commit"] = None
+    return env
+
+
+def _median_time(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
+    times = []
+    for i in range(repeats + 2):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end) / 1000
+        else:
+            t = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - t
+        if i >= 2:  # two warm-up repetitions excluded
+            times.append(elapsed)
+    return statistics.median(times)
+
+
+def link_bandwidth(device: torch.device, sizes_mib: tuple[int, ...] = (17, 88, 256)) -> dict[str, float]:
+    """Measured host->device GB/s (pinned and pageable) and device-memory copy GB/s (read + write)."""
+    out: dict[str, float] = {}
+    if device.type != "cuda":
+        return out
+    for mib in sizes_mib:
+        n = mib * 1024**2
+        dst = torch.empty(n, dtype=torch.uint8, device=device)
+        pinned = torch.empty(n, dtype=torch.uint8).pin_memory()
+        pageable = torch.empty(n, dtype=torch.uint8)
+        pinned.fill_(1)
+        pageable.fill_(1)
+        out[f"h2d_pinned_{mib}mib_gbps"] = n / _median_time(lambda: dst.copy_(pinned, non_blocking=True), device, 10) / 1e9
+        out[f"h2d_pageable_{mib}mib_gbps"] = n / _median_time(lambda: dst.copy_(pageable), device, 5) / 1e9
+        del dst, pinned, pageable
+    n = 4 * GiB
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty(n, dtype=torch.uint8, device=device)
+    out["hbm_copy_gbps"] = 2 * n / _median_time(lambda: b.copy_(a), device, 10) / 1e9
+    del a, b
+    torch.cuda.empty_cache()
+    out["h2d_peak_gbps"] = max(v for k, v in out.items() if k.startswith("h2d_pinned"))
+    return out
+
+
+# ---- checkpoints --------------------------------------------------------------------------------------------------
+
+
+def write_random_checkpoint(out: Path, shape: dict[str, Any], device: torch.device, seed: int = 0,
+                            shard_bytes: int = 4 * GiB) -> Path:
+    """A random-weight checkpoint with real tensor names, generated shard by shard (bounded host RAM)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = dict(shape)
+    (out / "config.json").write_text(json.dumps({**cfg, "architectures": [
+        "DeepseekV3ForCausalLM" if cfg["model_type"] == "deepseek_v3" else "DeepseekV2ForCausalLM"],
+        "torch_dtype": "bfloat16"}, indent=1))
+    generator = torch.Generator(device=device).manual_seed(seed)
+    names = _tensor_shapes(cfg)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    weight_map, files = {}, []
+
+    def flush() -> None:
+        index = len(files) + 1
+        name = f"model-{index:05d}.safetensors"
+        save_file(shards[-1], str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shards[-1]})
+        files.append(name)
+
+    for name, tensor_shape in names:
+        if name.endswith("norm.weight"):
+            tensor = torch.ones(tensor_shape, dtype=torch.bfloat16)
+        elif name.endswith("e_score_correction_bias"):
+            tensor = torch.zeros(tensor_shape, dtype=torch.float32)
+        else:
+            std = 0.02 if not name.endswith("mlp.gate.weight") else 0.05
+            tensor = (torch.randn(tensor_shape, generator=generator, device=device) * std).to(torch.bfloat16).cpu()
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            flush()
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    flush()
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
+
+
+def _tensor_shapes(c: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (c["vocab_size"], h))]
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        shapes += [(f"{p}.input_layernorm.weight", (h,)), (f"{p}.post_attention_layernorm.weight", (h,))]
+        if c.get("q_lora_rank"):
+            shapes += [(f"{p}.self_attn.q_a_proj.weight", (c["q_lora_rank"], h)),
+                       (f"{p}.self_attn.q_a_layernorm.weight", (c["q_lora_rank"],)),
+                       (f"{p}.self_attn.q_b_proj.weight", (heads * qk, c["q_lora_rank"]))]
+        else:
+            shapes.append((f"{p}.self_attn.q_proj.weight", (heads * qk, h)))
+        shapes += [
+            (f"{p}.self_attn.kv_a_proj_with_mqa.weight", (c["kv_lora_rank"] + c["qk_rope_head_dim"], h)),
+            (f"{p}.self_attn.kv_a_layernorm.weight", (c["kv_lora_rank"],)),
+            (f"{p}.self_attn.kv_b_proj.weight", (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])),
+            (f"{p}.self_attn.o_proj.weight", (h, heads * c["v_head_dim"])),
+        ]
+        if layer < c["first_k_dense_replace"]:
+            i = c["intermediate_size"]
+            shapes += [(f"{p}.mlp.gate_proj.weight", (i, h)), (f"{p}.mlp.up_proj.weight", (i, h)),
+                       (f"{p}.mlp.down_proj.weight", (h, i))]
+            continue
+        e, i = c["n_routed_experts"], c["moe_intermediate_size"]
+        shapes.append((f"{p}.mlp.gate.weight", (e, h)))
+        if c["model_type"] == "deepseek_v3":
+            shapes.append((f"{p}.mlp.gate.e_score_correction_bias", (e,)))
+        s = i * c["n_shared_experts"]
+        shapes += [(f"{p}.mlp.shared_experts.gate_proj.weight", (s, h)), (f"{p}.mlp.shared_experts.up_proj.weight", (s, h)),
+                   (f"{p}.mlp.shared_experts.down_proj.weight", (h, s))]
+        for x in range(e):
+            shapes += [(f"{p}.mlp.experts.{x}.gate_proj.weight", (i, h)), (f"{p}.mlp.experts.{x}.up_proj.weight", (i, h)),
+                       (f"{p}.mlp.experts.{x}.down_proj.weight", (h, i))]
+    shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (c["vocab_size"], h))]
+    return shapes
+
+
+def write_padded_reference(src: Path, out: Path, target_expert_bytes: int, seed: int = 0) -> Path:
+    """The reference model with routed experts padded to ~target bytes: extra gate/up rows random, the matching
+    down-projection columns zero, so every expert computes the same function at a large model's transfer size."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    h, i = config["hidden_size"], config["moe_intermediate_size"]
+    padded = max(i, int(round(target_expert_bytes / (3 * h * 2) / 64)) * 64)
+    config["moe_intermediate_size"] = padded
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (src / name).is_file():
+            (out / name).write_bytes((src / name).read_bytes())
+    reader = CheckpointReader(src)
+    generator = torch.Generator().manual_seed(seed)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size, weight_map, files = 0, {}, []
+
+    def flush() -> None:
+        name = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(shards[-1], str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shards[-1]})
+        files.append(name)
+
+    for name in sorted(reader.tensors):
+        tensor = reader.read(name)
+        if ".mlp.experts." in name or ".mlp.shared_experts." in name:
+            # shared experts have n_shared x moe_intermediate_size rows: pad them the same way (function unchanged)
+            width = tensor.shape[0] if not name.endswith("down_proj.weight") else tensor.shape[1]
+            extra = width // i * padded - width
+            std = float(tensor.float().std())
+            if name.endswith(("gate_proj.weight", "up_proj.weight")):
+                pad = (torch.randn(extra, h, generator=generator) * std).to(tensor.dtype)
+                tensor = torch.cat((tensor, pad), dim=0)
+            else:
+                tensor = torch.cat((tensor, torch.zeros(h, extra, dtype=tensor.dtype)), dim=1)
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > 2 * GiB:
+            flush()
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.contiguous()
+        size += nbytes
+    flush()
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
+
+
+# ---- measurement --------------------------------------------------------------------------------------------------
+
+
+def belady_misses(uses: list[tuple[int, int]], slots: int, count_from: int) -> int:
+    """Misses of Belady's optimal replacement over a sequence of (layer, expert) uses, counting from `count_from`."""
+    next_use: list[int] = [0] * len(uses)
+    last: dict[tuple[int, int], int] = {}
+    for index in range(len(uses) - 1, -1, -1):
+        next_use[index] = last.get(uses[index], math.inf)  # type: ignore[arg-type]
+        last[uses[index]] = index
+    import heapq
+
+    resident: dict[tuple[int, int], float] = {}
+    heap: list[tuple[float, tuple[int, int]]] = []
+    misses = 0
+    for index, key in enumerate(uses):
+        upcoming = next_use[index]
+        if key in resident:
+            resident[key] = upcoming
+            heapq.heappush(heap, (-upcoming, key))
+            continue
+        if index >= count_from:
+            misses += 1
+        if len(resident) >= slots:
+            while True:
+                neg, victim = heapq.heappop(heap)
+                if resident.get(victim) == -neg:
+                    del resident[victim]
+                    break
+        resident[key] = upcoming
+        heapq.heappush(heap, (-upcoming, key))
+    return misses
+
+
+def trace_uses(trace: dict[tuple[int, int], list[int]], positions: dict[int, int]) -> list[tuple[tuple[int, int], int]]:
+    """Flatten a recorded routing trace into ((layer, expert), step) uses in execution order."""
+    ordered = sorted(trace, key=lambda key: (key[0], positions[key[1]]))
+    return [((layer, e), step) for step, layer in ordered for e in trace[(step, layer)]]
+
+
+def rss_gib() -> float:
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024**2
+    except OSError:
+        pass
+    return float("nan")
+
+
+def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], new_tokens: int, *,
+            predictor: str = "none", speculative: str | None = None, runs: int = 3) -> dict[str, Any]:
+    """Warm-up once, then `runs` measured generations (one per prompt, cold expert cache each); medians."""
+    device = engine.device
+    kwargs = dict(predictor=predictor, speculative=speculative, stop_at_eos=False)
+    engine.reset_expert_cache()
+    engine.generate([prompts[0]], max_new_tokens=min(8, new_tokens), **kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    results, sequences = [], []
+    for run in range(runs):
+        engine.reset_expert_cache()
+        result = engine.generate([prompts[run % len(prompts)]], max_new_tokens=new_tokens, **kwargs)
+        results.append(result.stats.to_dict())
+        sequences.append(result.sequences[0])
+    med = lambda key: statistics.median(r[key] or 0.0 for r in results)  # noqa: E731
+    decode_tokens = statistics.median(r["generated_tokens"] - 1 for r in results)
+    row = {
+        "system": system,
+        "predictor": predictor,
+        "speculative": speculative,
+        "runs": runs,
+        "new_tokens": new_tokens,
+        "ms_per_token": med("ms_per_token"),
+        "decode_tokens_per_s": med("decode_tokens_per_s"),
+        "prefill_tokens_per_s": med("prefill_tokens_per_s"),
+        "hit_rate": med("hit_rate"),
+        "misses_per_token": med("misses") / max(decode_tokens, 1),
+        "stall_ms_per_token": 1000 * med("stall_seconds") / max(decode_tokens, 1),
+        "h2d_gbps": statistics.median(
+            (r["bytes_h2d"] / 1e9) / max(r["decode_seconds"] + r["prefill_seconds"], 1e-9) for r in results),
+        "bytes_h2d_per_token": med("bytes_h2d") / max(decode_tokens, 1),
+        "prediction_recall": med("prediction_recall"),
+        "prediction_precision": med("prediction_precision"),
+        "prefetch_issued": med("prefetch_issued"),
+        "prefetch_useful": med("prefetch_useful"),
+        "prefetch_late": med("prefetch_late"),
+        "prefetch_wasted": med("prefetch_wasted"),
+        "draft_acceptance": med("draft_acceptance") if speculative else None,
+        "mtp_draft_accuracy": med("mtp_draft_accuracy"),
+        "cache_slots": engine.runtime.n_slots,
+        "peak_vram_gib": torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None,
+        "host_ram_gib": rss_gib(),
+        "host_pinned_gib": engine.memory_stats()["host_pinned_bytes"] / GiB,
+        "cuda_graphs": engine._graphs.enabled and not engine._graphs.failed,
+        "sequences": sequences,
+    }
+    return row
+
+
+def profile_split(engine: MoEPrefetchEngine, prompt: list[int], new_tokens: int, predictor: str) -> dict[str, float]:
+    """Per-token time split (ms) of an eager decode: attention, routing, expert compute, dense/shared, host hooks.
+
+    Device time of each op is taken with CUDA events around it; host hooks (routing read-back, cache planning,
+    waiting for copies) with the wall clock. Graphs are off for this run, so the totals exceed the graph run's."""
+    from moeprefetch import decode as decode_module
+
+    totals: dict[str, float] = {}
+    events: list[tuple[str, Any, Any]] = []
+    cuda = engine.device.type == "cuda"
+
+    def timed(name: str, fn: Callable) -> Callable:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = fn(*args, **kwargs)
+                end.record()
+                events.append((name, start, end))
+                return out
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            totals[name] = totals.get(name, 0.0) + time.perf_counter() - t
+            return out
+
+        return run
+
+    def host_timed(name: str, fn: Callable) -> Callable:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            totals[name] = totals.get(name, 0.0) + time.perf_counter() - t
+            return out
+
+        return run
+
+    saved = engine._graphs.enabled
+    engine._graphs.enabled = False
+    originals = {name: getattr(decode_module.DecodeStep, name) for name in
+                 ("_attention", "_route", "_experts", "_dense", "_head", "_hook")}
+    try:
+        decode_module.DecodeStep._attention = timed("attention", originals["_attention"])
+        decode_module.DecodeStep._route = timed("routing", originals["_route"])
+        decode_module.DecodeStep._experts = timed("experts", originals["_experts"])
+        decode_module.DecodeStep._dense = timed("dense", originals["_dense"])
+        decode_module.DecodeStep._head = timed("head", originals["_head"])
+        decode_module.DecodeStep._hook = host_timed("host_hook", originals["_hook"])
+        engine._steps.clear()
+        engine._graphs.clear()
+        engine.reset_expert_cache()
+        result = engine.generate([prompt], max_new_tokens=new_tokens, predictor=predictor, stop_at_eos=False)
+    finally:
+        for name, fn in originals.items():
+            setattr(decode_module.DecodeStep, name, fn)
+        engine._graphs.enabled = saved
+        engine._steps.clear()
+        engine._graphs.clear()
+    if cuda:
+        torch.cuda.synchronize()
+        for name, start, end in events:
+            totals[name] = totals.get(name, 0.0) + start.elapsed_time(end) / 1000
+    stats = result.stats.to_dict()
+    tokens = max(stats["generated_tokens"] - 1, 1)
+    split = {f"{k}_ms_per_token": 1000 * v / tokens for k, v in totals.items()}
+    split["stall_ms_per_token"] = 1000 * stats["stall_seconds"] / tokens
+    split["eager_ms_per_token"] = stats["ms_per_token"]
+    return split
+
+
+def hf_accelerate_row(path: Path, budget_gib: float, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+    """transformers + accelerate device_map offload under max_memory: what a Hugging Face user would do."""
+    from transformers import AutoModelForCausalLM
+
+    torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.bfloat16, device_map="auto",
+        max_memory={0: f"{budget_gib}GiB", "cpu": "200GiB"},
+    ).eval()
+    load_s = time.perf_counter() - t
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
+        torch.cuda.synchronize()
+        total = time.perf_counter() - t
+    generated = out.shape[1] - ids.shape[1]
+    row = {"system": "hf_accelerate", "load_seconds": load_s, "new_tokens": generated,
+           "ms_per_token": 1000 * total / generated, "decode_tokens_per_s": generated / total,
+           "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB, "host_ram_gib": rss_gib(),
+           "note": "prefill included in the per-token time (generate() does not split it); warm-up excluded"}
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+# ---- workloads ----------------------------------------------------------------------------------------------------
+
+
+def prompts_for(path: Path, corpus: Path | None, vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
+    if corpus is not None and (corpus / "eval_prompts.jsonl").is_file() and (path / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        lines = [json.loads(line) for line in (corpus / "eval_prompts.jsonl").read_text().splitlines() if line.strip()]
+        step = max(len(lines) // count, 1)
+        return [tokenizer(lines[i * step]["text"])["input_ids"] for i in range(count)]
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length,), generator=generator).tolist() for _ in range(count)]
+
+
+def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torch.device, link: dict[str, float],
+                   emit: Callable[[dict[str, Any]], None]) -> None:
+    config = json.loads((path / "config.json").read_text())
+    prompts = prompts_for(path, args.corpus if name == "ref17" else None, config["vocab_size"], args.runs,
+                          args.prompt_tokens, seed=1)
+    common = dict(device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                  max_seq_len=args.max_seq_len, max_batch_size=1, progress=False)
+    base = {"workload": name, "batch": 1, "prompt_tokens": [len(p) for p in prompts], "vram_budget_gib": args.budget_gib}
+    budget = args.budget_gib if name != "ref17" else None
+
+    # all-resident: the compute-only bound
+    resident_ms = None
+    try:
+        engine = MoEPrefetchEngine.from_pretrained(path, **common)
+        row = run_row(engine, "all_resident", prompts, args.new_tokens, runs=args.runs)
+        resident_ms = row["ms_per_token"]
+        total_experts = engine.plan.total_experts
+        expert_bytes = engine.runtime.expert_bytes
+        active = _active_bytes(engine)
+        row.update(active_bytes_per_token=active, hbm_gbps=active / (resident_ms / 1000) / 1e9,
+                   cache_fraction=1.0, expert_bytes=expert_bytes, total_experts=total_experts)
+        emit({**base, **row, "vram_budget_gib": None})
+        if args.profile:
+            emit({**base, "system": "all_resident_split", **profile_split(engine, prompts[0], args.new_tokens, "none")})
+        reference_sequences = row["sequences"]
+        engine.close()
+        del engine
+    except Exception as exc:
+        emit({**base, "system": "all_resident", "failed": f"{type(exc).__name__}: {exc}",
+              "traceback": traceback.format_exc(limit=3)})
+        reference_sequences = None
+        total_experts = expert_bytes = None
+    _free()
+
+    # offloaded: one engine (one store fill), every predictor on the same prompts and budget
+    offload_kwargs = dict(common)
+    if budget is not None:
+        offload_kwargs["vram_budget"] = f"{budget}GiB"
+    else:
+        offload_kwargs["expert_cache_slots"] = max(int(round(args.cache_fraction * total_experts)), 8) \
+            if total_experts else 40
+    try:
+        engine = MoEPrefetchEngine.from_pretrained(path, **offload_kwargs)
+        if engine.runtime.store is None:  # the budget holds every expert: offload a fixed share instead
+            engine.close()
+            offload_kwargs.pop("vram_budget", None)
+            offload_kwargs["expert_cache_slots"] = max(int(round(args.cache_fraction * engine.plan.total_experts)), 8)
+            engine = MoEPrefetchEngine.from_pretrained(path, **offload_kwargs)
+    except Exception as exc:
+        emit({**base, "system": "offload_load", "failed": f"{type(exc).__name__}: {exc}"})
+        return
+    fraction = engine.runtime.n_slots / engine.plan.total_experts
+    emit({**base, "system": "plan", "plan": engine.plan.describe(), "cache_fraction": fraction,
+          "cache_slots": engine.runtime.n_slots, "store_load_seconds": engine.runtime.store.load_seconds,
+          "pin_seconds": engine.runtime.store.pin_seconds, "host_expert_gib": engine.runtime.store.nbytes / GiB,
+          "host_pinned_gib": engine.runtime.store.pinned_bytes / GiB,
+          "store_fill_gbps": engine.runtime.store.nbytes / max(engine.runtime.store.load_seconds, 1e-9) / 1e9})
+    systems = [("none", "none", None), ("next_layer_gate", "next_layer_gate", None), ("oracle", "oracle", None)]
+    if engine.has_mtp:
+        systems += [("mtp", "mtp", None), ("mtp+next_layer_gate", "mtp+next_layer_gate", None),
+                    ("speculative_mtp", "none", "mtp"), ("speculative_mtp+next_layer_gate", "next_layer_gate", "mtp")]
+    for system, predictor, speculative in systems:
+        try:
+            row = run_row(engine, system, prompts, args.new_tokens, predictor=predictor, speculative=speculative,
+                          runs=args.runs)
+            row["cache_fraction"] = fraction
+            if reference_sequences is not None:
+                row["same_tokens_as_all_resident"] = row["sequences"] == reference_sequences
+            emit({**base, **row})
+        except Exception as exc:
+            emit({**base, "system": system, "failed": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc(limit=4)})
+    if args.profile:
+        try:
+            emit({**base, "system": "offload_split_none", **profile_split(engine, prompts[0], args.new_tokens, "none")})
+            best = "mtp+next_layer_gate" if engine.has_mtp else "next_layer_gate"
+            emit({**base, "system": f"offload_split_{best}", **profile_split(engine, prompts[0], args.new_tokens, best)})
+        except Exception as exc:
+            emit({**base, "system": "offload_split", "failed": f"{type(exc).__name__}: {exc}"})
+    # the floor: Belady-optimal replacement on the true routing of the measured runs
+    try:
+        floors = []
+        for prompt in prompts:
+            engine.reset_expert_cache()
+            trace: dict = {}
+            engine.runtime.trace = trace
+            result = engine.generate([prompt], max_new_tokens=args.new_tokens, predictor="none", stop_at_eos=False)
+            engine.runtime.trace = None
+            positions = engine.runtime.position
+            uses = trace_uses(trace, positions)
+            first_decode = _first_decode_index(uses, trace, result)
+            misses = belady_misses([u for u, _ in uses], engine.runtime.n_slots, first_decode)
+            tokens = result.stats.generated_tokens - 1
+            floors.append(misses * engine.runtime.expert_bytes / max(tokens, 1))
+        bytes_per_token = statistics.median(floors)
+        transfer_ms = 1000 * bytes_per_token / (link.get("h2d_peak_gbps", float("nan")) * 1e9)
+        floor = max(resident_ms or 0.0, transfer_ms)
+        emit({**base, "system": "floor", "belady_bytes_per_token": bytes_per_token,
+              "transfer_floor_ms_per_token": transfer_ms, "floor_ms_per_token": floor,
+              "h2d_peak_gbps": link.get("h2d_peak_gbps"), "cache_slots": engine.runtime.n_slots,
+              "cache_fraction": fraction})
+    except Exception as exc:
+        emit({**base, "system": "floor", "failed": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+    engine.close()
+    del engine
+    _free()
+    if name == "v2lite" and args.hf_baseline and device.type == "cuda":
+        try:
+            emit({**base, **hf_accelerate_row(path, args.budget_gib, prompts[0], args.hf_tokens)})
+        except Exception as exc:
+            emit({**base, "system": "hf_accelerate", "failed": f"{type(exc).__name__}: {exc}"})
+        _free()
+
+
+def _first_decode_index(uses: list[tuple[tuple[int, int], int]], trace: dict, result) -> int:
+    """Index of the first use belonging to a decode step (decode steps follow every prefill step)."""
+    decode_steps = result.stats.decode_steps
+    steps = sorted({step for step, _ in trace})
+    first_step = steps[-decode_steps] if decode_steps else steps[-1] + 1
+    for index, (_, step) in enumerate(uses):
+        if step >= first_step:
+            return index
+    return len(uses)
+
+
+def _active_bytes(engine: MoEPrefetchEngine) -> int:
+    """Bytes a decode step must read from device memory at batch 1: resident weights except the embedding table
+    (one row is read), plus top-k routed experts per MoE layer."""
+    from moeprefetch.weights import weights_nbytes
+
+    resident = weights_nbytes(engine.weights) - engine.weights.embed.numel() * engine.weights.embed.element_size()
+    if engine.weights.mtp is not None:
+        resident -= weights_nbytes(engine.weights.mtp)  # the all-resident row runs no MTP head
+    experts = len(engine.args.moe_layers) * engine.args.num_experts_per_tok * engine.runtime.expert_bytes
+    return int(resident + experts)
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/bench_h200.json")
+    parser.add_argument("--workloads", default="ref17,v2lite,v3layers")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--scale", choices=["full", "tiny"], default="full")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/moeprefetch-bench"))
+    parser.add_argument("--corpus", type=Path, default=ROOT / ".device-data/corpus")
+    parser.add_argument("--budget-gib", type=float, default=12.0)
+    parser.add_argument("--cache-fraction", type=float, default=0.25, help="ref17: share of experts cached")
+    parser.add_argument("--expert-mb", type=float, default=17.3, help="ref17: padded expert size (MB)")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--max-seq-len", type=int, default=1024)
+    parser.add_argument("--profile", action="store_true", help="also record per-op time splits (eager runs)")
+    parser.add_argument("--hf-baseline", action="store_true", help="v2lite: run transformers + accelerate offload")
+    parser.add_argument("--hf-tokens", type=int, default=4)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    report.setdefault("rows", [])
+    report["environment"] = environment(device)
+    link = link_bandwidth(device)
+    report["link"] = link
+    report.setdefault("runs", []).append({"argv": sys.argv[1:], "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+    def emit(row: dict[str, Any]) -> None:
+        row = {k: v for k, v in row.items() if k != "sequences"} | ({"sequences": row["sequences"][:1]}
+                                                                     if "sequences" in row else {})
+        report["rows"] = [r for r in report["rows"] if not (r.get("workload") == row.get("workload")
+                                                           and r.get("system") == row.get("system"))]
+        report["rows"].append(row)
+        args.out.write_text(json.dumps(report, indent=1, default=str))
+        brief = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+                 if k in ("workload", "system", "ms_per_token", "hit_rate", "stall_ms_per_token", "h2d_gbps",
+                          "prediction_recall", "floor_ms_per_token", "failed", "same_tokens_as_all_resident",
+                          "hbm_gbps", "draft_acceptance", "cache_fraction", "peak_vram_gib")}
+        print(json.dumps(brief), flush=True)
+
+    for name in args.workloads.split(","):
+        start = time.perf_counter()
+        try:
+            if name == "ref17":
+                path = write_padded_reference(ROOT / "moeprefetch/reference_model", args.workdir / "ref17",
+                                              int(args.expert_mb * 1e6 if args.scale == "full" else 3e5))
+            elif name in ("v2lite", "v3layers"):
+                shape = V2LITE if name == "v2lite" else V3LAYERS
+                shape = tiny(shape) if args.scale == "tiny" else shape
+                path = write_random_checkpoint(args.workdir / name, shape, device)
+            else:
+                raise ValueError(f"unknown workload {name}")
+            logger.info("%s checkpoint ready in %.1f s", name, time.perf_counter() - start)
+            bench_workload(name, path, args, device, link, emit)
+        except Exception as exc:
+            emit({"workload": name, "system": "setup", "failed": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc()})
+        finally:
+            if name != "ref17":
+                subprocess.run(["rm", "-rf", str(args.workdir / name)])
+        logger.info("%s done in %.1f s", name, time.perf_counter() - start)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
