@@ -1,0 +1,187 @@
+"""Command line: `moeprefetch generate [PATH] --prompt ...`, `moeprefetch report RESULTS`, `moeprefetch info PATH`.
+
+Errors the engine raises on bad input are printed as one line (no traceback) with a non-zero exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from .errors import MoEPrefetchError
+
+REFERENCE_MODEL = Path(__file__).resolve().parent / "reference_model"
+DEFAULT_PROMPT = "The kernel's memory manager"
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moeprefetch", description="Run DeepSeek-style MoE models with expert "
+                                     "offloading and MTP-driven prefetching.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress and memory plans")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a checkpoint directory")
+    gen.add_argument("path", nargs="?", default=str(REFERENCE_MODEL),
+                     help="Hugging Face checkpoint directory (default: the embedded reference model)")
+    gen.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    gen.add_argument("--prompt-ids", action="append", help="comma-separated token ids (repeat for a batch)")
+    gen.add_argument("--max-new-tokens", type=int, default=48)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--device", default="cpu", help="cpu or cuda")
+    gen.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
+    gen.add_argument("--cache-slots", type=int, default=None, help="routed-expert slots in device memory")
+    gen.add_argument("--cache-fraction", type=float, default=None,
+                     help="expert slots as a share of all routed experts (default 0.25 for the reference model)")
+    gen.add_argument("--vram-budget", default=None, help="device-memory budget, e.g. 12GiB (sizes the cache)")
+    gen.add_argument("--all-resident", action="store_true", help="keep every expert in device memory")
+    gen.add_argument("--policy", default="lru", help="lru, lfu or static")
+    gen.add_argument("--predictor", default=None, help="none, previous, next_layer_gate, mtp, oracle or a+b")
+    gen.add_argument("--lookahead", type=int, default=None)
+    gen.add_argument("--prefetch-budget", type=float, default=1.5, help="experts prefetched per layer, x top-k")
+    gen.add_argument("--speculative", choices=["mtp"], default=None)
+    gen.add_argument("--max-seq-len", type=int, default=None)
+    gen.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming it")
+    gen.add_argument("--stats-json", default=None, help="write result.stats.to_dict() here")
+    gen.add_argument("--events-jsonl", default=None, help="write every expert event here")
+
+    rep = sub.add_parser("report", help="markdown report (tables, plots) from a sweep's results.jsonl")
+    rep.add_argument("results", help="results.jsonl of a sweep, or a stats JSON written by generate --stats-json")
+    rep.add_argument("--out", default=None, help="output directory (default: next to the results)")
+
+    info = sub.add_parser("info", help="describe a checkpoint: architecture, experts, memory")
+    info.add_argument("path", nargs="?", default=str(REFERENCE_MODEL))
+    return parser
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    import torch
+
+    from .engine import MoEPrefetchEngine
+    from .report import summary_lines
+
+    dtype = ns.dtype or ("bfloat16" if ns.device.startswith("cuda") else "float32")
+    kwargs: dict[str, Any] = dict(device=ns.device, dtype=dtype, policy=ns.policy, prefetch_budget=ns.prefetch_budget,
+                                  progress=ns.verbose)
+    if ns.max_seq_len:
+        kwargs["max_seq_len"] = ns.max_seq_len
+    if ns.predictor:
+        kwargs["predictor"] = ns.predictor
+    if ns.lookahead:
+        kwargs["lookahead"] = ns.lookahead
+    if ns.vram_budget:
+        kwargs["vram_budget"] = ns.vram_budget
+    elif ns.cache_slots is not None:
+        kwargs["expert_cache_slots"] = ns.cache_slots
+    elif not ns.all_resident:
+        fraction = ns.cache_fraction if ns.cache_fraction is not None else 0.25
+        kwargs["expert_cache_slots"] = _slots_for_fraction(Path(ns.path), fraction)
+    prompts: list[Any] = list(ns.prompt or [])
+    for ids in ns.prompt_ids or []:
+        try:
+            prompts.append([int(t) for t in ids.split(",") if t.strip()])
+        except ValueError:
+            raise MoEPrefetchError(f"--prompt-ids must be comma-separated integers, got {ids!r}") from None
+    if not prompts:
+        prompts = [DEFAULT_PROMPT]
+    kwargs["max_batch_size"] = max(len(prompts), 1)
+    engine = MoEPrefetchEngine.from_pretrained(ns.path, **kwargs)
+    streaming = not ns.no_stream and len(prompts) == 1 and engine.tokenizer is not None
+    if streaming:
+        print(prompts[0] if isinstance(prompts[0], str) else "", end="", flush=True)
+
+    def on_token(event) -> None:
+        if streaming and event.text:
+            print(event.text, end="", flush=True)
+
+    result = engine.generate(prompts, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_k=ns.top_k,
+                             top_p=ns.top_p, seed=ns.seed, speculative=ns.speculative, callback=on_token,
+                             event_log=ns.events_jsonl)
+    if streaming:
+        print()
+    else:
+        for i, prompt in enumerate(prompts):
+            text = result.texts[i] if result.texts is not None else " ".join(map(str, result.sequences[i]))
+            head = prompt if isinstance(prompt, str) else f"<{len(prompt)} token ids>"
+            print(f"[{i}] {head}{text}" if result.texts is not None else f"[{i}] {head} -> {text}")
+    stats = result.stats.to_dict()
+    memory = engine.memory_stats()
+    print("\n" + "\n".join(summary_lines(stats, memory, str(torch.device(ns.device)))))
+    if result.interrupted:
+        print("(interrupted: the tokens above are those produced before Ctrl-C)")
+    if ns.stats_json:
+        Path(ns.stats_json).write_text(json.dumps({"stats": stats, "memory": memory}, indent=1, default=str))
+    engine.close()
+    return EXIT_INTERRUPTED if result.interrupted else 0
+
+
+def _slots_for_fraction(path: Path, fraction: float) -> int:
+    from .checkpoint import CheckpointReader
+    from .config import load_model_args
+
+    if not 0 < fraction <= 1:
+        raise MoEPrefetchError(f"--cache-fraction must lie in (0, 1], got {fraction}")
+    args = load_model_args(path)
+    reader = CheckpointReader(path)
+    has_mtp = any(name.startswith(f"model.layers.{args.mtp_layer_index}.") for name in reader.tensors)
+    layers = len(args.moe_layers) + (1 if has_mtp and args.num_nextn_predict_layers else 0)
+    return max(round(fraction * layers * args.n_routed_experts), args.num_experts_per_tok)
+
+
+def _report(ns: argparse.Namespace) -> int:
+    from .report import write_report
+
+    out = write_report(Path(ns.results), Path(ns.out) if ns.out else None)
+    print(f"wrote {out}")
+    return 0
+
+
+def _info(ns: argparse.Namespace) -> int:
+    from .checkpoint import CheckpointReader
+    from .config import load_model_args
+
+    args = load_model_args(ns.path)
+    reader = CheckpointReader(ns.path)
+    has_mtp = any(name.startswith(f"model.layers.{args.mtp_layer_index}.") for name in reader.tensors)
+    expert_bytes = 3 * args.hidden_size * args.moe_intermediate_size * 2
+    moe_layers = len(args.moe_layers) + (1 if has_mtp else 0)
+    print(f"{ns.path}: {args.model_type}, {args.num_hidden_layers} layers ({len(args.moe_layers)} MoE), hidden "
+          f"{args.hidden_size}, vocab {args.vocab_size}")
+    print(f"routed experts: {args.n_routed_experts} per layer, top-{args.num_experts_per_tok}, "
+          f"{args.n_shared_experts} shared; router {args.scoring_func}/{args.topk_method}, groups "
+          f"{args.n_group}/{args.topk_group}")
+    print(f"MTP layer: {'present (model.layers.%d)' % args.mtp_layer_index if has_mtp else 'absent'}")
+    print(f"experts: {moe_layers * args.n_routed_experts} x {expert_bytes / 1e6:.2f} MB (bf16) = "
+          f"{moe_layers * args.n_routed_experts * expert_bytes / 1e9:.2f} GB; checkpoint {reader.total_bytes() / 1e9:.2f} GB")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if ns.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    if not ns.verbose:
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+    handlers = {"generate": _generate, "report": _report, "info": _info}
+    try:
+        return handlers[ns.command](ns)
+    except MoEPrefetchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except OSError as exc:
+        print(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

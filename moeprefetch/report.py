@@ -1,0 +1,221 @@
+"""Reports: a short summary of one run, per-layer prediction tables, and the markdown + PNG report of a sweep.
+
+Imports only `accounting` (and matplotlib, lazily): reports read results, they never run models.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable
+
+from .accounting import prediction_table
+
+GiB = 1024**3
+
+
+def summary_lines(stats: dict[str, Any], memory: dict[str, Any] | None = None, device: str = "") -> list[str]:
+    """A few human-readable lines about one generate call."""
+    lines = [
+        f"-- {stats['generated_tokens']} tokens, decode {stats['decode_tokens_per_s']:.1f} tok/s "
+        f"({stats['ms_per_token']:.1f} ms/token{', ' + device if device else ''}), prefill "
+        f"{stats['prefill_tokens_per_s']:.0f} tok/s",
+        f"-- experts: {stats['expert_uses']} uses, hit rate {stats['hit_rate']:.1%} ({stats['misses']} misses), "
+        f"{stats['bytes_h2d'] / 1e6:.1f} MB moved host->device, stall {1000 * stats['stall_seconds']:.1f} ms, "
+        f"{stats['cache_slots']} slots, policy {stats['policy']}",
+        f"-- predictor {stats['predictor']} (lookahead {stats['lookahead']}): next-step recall "
+        f"{stats['prediction_recall']:.1%}, precision {stats['prediction_precision']:.1%}; prefetches "
+        f"{stats['prefetch_issued']} issued, {stats['prefetch_useful']} in time, {stats['prefetch_late']} late, "
+        f"{stats['prefetch_wasted']} wasted",
+    ]
+    if stats.get("mtp_draft_accuracy") is not None:
+        lines.append(f"-- MTP draft = next token {stats['mtp_draft_accuracy']:.1%} of the time")
+    if stats.get("speculative"):
+        lines.append(f"-- speculative MTP: {stats['draft_accepted']}/{stats['draft_proposed']} drafts accepted "
+                     f"({stats['draft_acceptance']:.1%})")
+    if memory:
+        lines.append(
+            f"-- memory: {memory['host_expert_bytes'] / GiB:.2f} GiB experts in host RAM "
+            f"({memory['host_pinned_bytes'] / GiB:.2f} GiB page-locked), {memory['vram_expert_cache_bytes'] / GiB:.2f} "
+            f"GiB expert cache, {memory['vram_resident_bytes'] / GiB:.2f} GiB resident weights"
+        )
+    return lines
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[str], formats: dict[str, str] | None = None) -> str:
+    formats = formats or {}
+    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = []
+        for col in columns:
+            value = row.get(col)
+            if value is None or (isinstance(value, float) and math.isnan(value)):
+                cells.append("–")
+            elif isinstance(value, float):
+                cells.append(format(value, formats.get(col, ".3g")))
+            else:
+                cells.append(str(value))
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def per_layer_markdown(stats: dict[str, Any]) -> str:
+    """Per-layer prediction and cache table of one run (`result.stats.to_dict()`)."""
+    rows = prediction_table(stats)
+    return markdown_table(rows, ["layer", "expert_uses", "hit_rate", "misses", "prediction_recall",
+                                 "prediction_precision", "prefetch_issued", "prefetch_useful", "prefetch_late",
+                                 "prefetch_wasted"], {"hit_rate": ".1%", "prediction_recall": ".1%",
+                                                      "prediction_precision": ".1%"})
+
+
+# ---- sweep reports ------------------------------------------------------------------------------------------------
+
+
+def load_rows(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rows.append(json.loads(line))
+    return rows
+
+
+def _conditions(rows: list[dict[str, Any]]) -> str:
+    first = rows[0]
+    parts = [f"model {Path(str(first.get('model', '?'))).name}", f"device {first.get('device_name', first.get('device'))}",
+             f"batch {first.get('batch')}", f"{first.get('new_tokens')} new tokens",
+             f"{first.get('prompt_count', '?')} held-out prompts", "warm-up excluded"]
+    return ", ".join(str(p) for p in parts)
+
+
+def write_report(results: Path, out: Path | None = None) -> Path:
+    """Markdown report with tables and PNG plots from a sweep's results.jsonl (or one --stats-json file)."""
+    out = out or results.parent
+    out.mkdir(parents=True, exist_ok=True)
+    if results.suffix == ".json":
+        data = json.loads(results.read_text())
+        stats = data.get("stats", data)
+        text = "# moeprefetch run\n\n" + "\n".join(summary_lines(stats, data.get("memory"))) + "\n\n"
+        text += "## Per layer\n\n" + per_layer_markdown(stats) + "\n"
+        path = out / "report.md"
+        path.write_text(text)
+        return path
+    rows = load_rows(results)
+    ok = [r for r in rows if r.get("status") == "ok"]
+    failed = [r for r in rows if r.get("status") != "ok"]
+    if not ok:
+        raise ValueError(f"{results} holds no successful sweep points")
+    conditions = _conditions(ok)
+    text = [f"# Sweep report: `{results.name}`", "", f"Conditions: {conditions}.", ""]
+    text += _summary_section(ok)
+    text += _figures(ok, out, conditions)
+    text += _per_layer_section(ok)
+    if failed:
+        text += ["## Failed points", "", markdown_table(
+            [{**r.get("config", r), "error": r.get("error", "")} for r in failed],
+            ["predictor", "cache_slots", "lookahead", "policy", "error"]), ""]
+    path = out / "report.md"
+    path.write_text("\n".join(text) + "\n")
+    return path
+
+
+def _summary_section(rows: list[dict[str, Any]]) -> list[str]:
+    columns = ["predictor", "lookahead", "policy", "cache_slots", "cache_fraction", "hit_rate", "prediction_recall",
+               "prediction_precision", "misses_per_token", "mb_per_token", "stall_ms_per_token", "decode_tokens_per_s",
+               "prefetch_wasted"]
+    table_rows = sorted((_derived(r) for r in rows), key=lambda r: (r["cache_slots"], r["predictor"], r["lookahead"]))
+    return ["## All points", "", markdown_table(table_rows, columns, {
+        "hit_rate": ".1%", "prediction_recall": ".1%", "prediction_precision": ".1%", "cache_fraction": ".0%",
+        "mb_per_token": ".2f", "stall_ms_per_token": ".2f", "decode_tokens_per_s": ".1f", "misses_per_token": ".2f"}),
+        ""]
+
+
+def _derived(row: dict[str, Any]) -> dict[str, Any]:
+    tokens = max(row.get("generated_tokens", 0) - row.get("batch", 1), 1)
+    return {
+        **row,
+        "misses_per_token": row.get("misses", 0) / tokens,
+        "mb_per_token": row.get("bytes_h2d", 0) / 1e6 / tokens,
+        "stall_ms_per_token": 1000 * row.get("stall_seconds", 0.0) / tokens,
+    }
+
+
+def _series(rows: Iterable[dict[str, Any]], key: str) -> dict[str, list[tuple[float, float]]]:
+    """predictor (and lookahead) -> sorted (cache_fraction, value) points, averaging duplicates."""
+    groups: dict[str, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        label = row["predictor"] + (f" (la {row['lookahead']})" if row.get("lookahead", 1) != 1 else "")
+        groups[label][row["cache_fraction"]].append(row[key])
+    return {label: sorted((x, sum(v) / len(v)) for x, v in points.items()) for label, points in groups.items()}
+
+
+def _figures(rows: list[dict[str, Any]], out: Path, conditions: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    derived = [_derived(r) for r in rows]
+    plots = [
+        ("hit_rate", "hit rate", "hit_rate_vs_cache.png"),
+        ("mb_per_token", "MB moved host->device per token", "bytes_vs_cache.png"),
+        ("stall_ms_per_token", "stall ms per token", "stall_vs_cache.png"),
+        ("prediction_recall", "next-step prediction recall", "recall_vs_cache.png"),
+    ]
+    if any(r.get("device", "cpu").startswith("cuda") for r in rows):
+        plots.append(("decode_tokens_per_s", "decode tokens/s", "tokens_per_s_vs_cache.png"))
+    text = ["## Figures", ""]
+    for key, label, name in plots:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for series, points in sorted(_series(derived, key).items()):
+            xs, ys = zip(*points)
+            style = dict(color="black", linestyle="--", linewidth=2) if series.startswith("oracle") else {}
+            ax.plot([100 * x for x in xs], ys, marker="o", label=series, **style)
+        ax.set_xlabel("experts cached (% of all routed experts)")
+        ax.set_ylabel(label)
+        ax.set_title(f"{label} vs cache size", fontsize=11)
+        fig.text(0.01, 0.01, conditions, fontsize=6.5, color="0.35")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout(rect=(0, 0.04, 1, 1))
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        text += [f"![{label}]({name})", ""]
+    text += _per_layer_figure(rows, out, conditions, plt)
+    return text
+
+
+def _per_layer_figure(rows: list[dict[str, Any]], out: Path, conditions: str, plt) -> list[str]:
+    """Recall and precision per layer for each predictor, at the smallest cache size swept."""
+    smallest = min(r["cache_fraction"] for r in rows)
+    chosen = [r for r in rows if r["cache_fraction"] == smallest and r.get("per_layer") and r["predictor"] != "none"]
+    if not chosen:
+        return []
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for row in sorted(chosen, key=lambda r: (r["predictor"], r.get("lookahead", 1))):
+        layers = sorted(row["per_layer"], key=int)
+        label = row["predictor"] + (f" (la {row['lookahead']})" if row.get("lookahead", 1) != 1 else "")
+        for ax, key in zip(axes, ("prediction_recall", "prediction_precision")):
+            ax.plot([int(l) for l in layers], [row["per_layer"][l][key] for l in layers], marker="o", label=label)
+    for ax, title in zip(axes, ("recall per layer", "precision per layer")):
+        ax.set_title(f"{title} ({smallest:.0%} cached)", fontsize=11)
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.text(0.01, 0.01, conditions, fontsize=6.5, color="0.35")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(out / "recall_precision_per_layer.png", dpi=110)
+    plt.close(fig)
+    return ["![recall and precision per layer](recall_precision_per_layer.png)", ""]
+
+
+def _per_layer_section(rows: list[dict[str, Any]]) -> list[str]:
+    smallest = min(r["cache_fraction"] for r in rows)
+    text = [f"## Per layer, {smallest:.0%} of experts cached", ""]
+    for row in sorted(rows, key=lambda r: (r["predictor"], r.get("lookahead", 1))):
+        if row["cache_fraction"] != smallest or not row.get("per_layer"):
+            continue
+        text += [f"### {row['predictor']} (lookahead {row.get('lookahead', 1)}, {row['policy']})", "",
+                 per_layer_markdown(row), ""]
+    return text
