@@ -122,8 +122,11 @@ class ExpertCache:
         self.key_of: list[ExpertKey | None] = [None] * n_slots
         self._free: list[int] = list(range(n_slots - 1, -1, -1))
         self.locked: set[ExpertKey] = set()
+        # key -> its earliest known upcoming need; `_needs` keeps every known need so a key stays protected until
+        # its last predicted use (eviction then picks the key needed farthest away: Belady within the horizon)
         self.protected: dict[ExpertKey, Deadline] = {}
-        self._expiry: list[tuple[Deadline, ExpertKey]] = []  # heap over `protected`, for cheap expiry
+        self._needs: dict[ExpertKey, list[Deadline]] = {}
+        self._expiry: list[tuple[Deadline, ExpertKey]] = []  # every recorded need, so expiry touches only those due
 
     # ---- queries --------------------------------------------------------------------------------------------------
     def __contains__(self, key: ExpertKey) -> bool:
@@ -156,21 +159,32 @@ class ExpertCache:
             self.locked.difference_update(keys)
 
     def protect(self, key: ExpertKey, deadline: Deadline) -> None:
-        current = self.protected.get(key)
-        if current is None or deadline < current:
-            self.protected[key] = deadline
+        needs = self._needs.setdefault(key, [])
+        if deadline not in needs:
+            heapq.heappush(needs, deadline)
             heapq.heappush(self._expiry, (deadline, key))
+        self.protected[key] = needs[0]
 
     def clear_protection(self) -> None:
         self.protected.clear()
+        self._needs.clear()
         self._expiry.clear()
 
     def expire_protection(self, now: Deadline) -> None:
-        """Drop protections whose deadline has passed (the need either happened or the prediction was wrong)."""
+        """Drop needs whose time has passed (they happened, or the prediction was wrong); a key stays protected by
+        its next known need."""
         while self._expiry and self._expiry[0][0] < now:
-            deadline, key = heapq.heappop(self._expiry)
-            if self.protected.get(key) == deadline:
-                del self.protected[key]
+            _, key = heapq.heappop(self._expiry)
+            needs = self._needs.get(key)
+            if not needs:
+                continue
+            while needs and needs[0] < now:
+                heapq.heappop(needs)
+            if needs:
+                self.protected[key] = needs[0]
+            else:
+                self.protected.pop(key, None)
+                del self._needs[key]
 
     def _victim(self, prefetch_deadline: Deadline | None) -> ExpertKey | None:
         pinned = self.pinned
@@ -214,11 +228,11 @@ class ExpertCache:
         self._free.append(slot)
         self.policy.removed(key)
         self.protected.pop(key, None)
+        self._needs.pop(key, None)
         return slot
 
     def clear(self) -> None:
         for key in list(self.slot_of):
             self.remove(key)
         self.locked.clear()
-        self.protected.clear()
-        self._expiry.clear()
+        self.clear_protection()

@@ -587,11 +587,11 @@ class MoEPrefetchEngine:
             active = torch.ones(batch, dtype=torch.bool)
             for b in range(batch):
                 generated[b].append(first[b])
-                event = self._token_event(b, first[b], generated, texts_so_far)
-                if self._finished(b, first[b], generated, request):
+                done = self._finished(b, first[b], generated, request)
+                if done:
                     active[b] = False
                     finish[b] = "eos" if first[b] in args.eos_token_ids else "length"
-                yield event
+                yield self._token_event(b, first[b], generated, texts_so_far, final=done)
             pos = torch.tensor(positions, dtype=torch.long)  # position of each sequence's next input token
             t1 = time.perf_counter()
             while bool(active.any()):
@@ -631,11 +631,11 @@ class MoEPrefetchEngine:
                             break
                         generated[b].append(token)
                         pos[b] += 1
-                        event = self._token_event(b, token, generated, texts_so_far)
-                        if self._finished(b, token, generated, request):
+                        done = self._finished(b, token, generated, request)
+                        if done:
                             active[b] = False
                             finish[b] = "eos" if token in args.eos_token_ids and request.stop_at_eos else "length"
-                        yield event
+                        yield self._token_event(b, token, generated, texts_so_far, final=done)
             sync()
             stats.decode_seconds = time.perf_counter() - t1
         except KeyboardInterrupt:
@@ -745,11 +745,22 @@ class MoEPrefetchEngine:
         """Whether appending `token` ends sequence b (then a verified second token must not be used)."""
         return (request.stop_at_eos and token in self.args.eos_token_ids) or len(generated[b]) + 1 >= request.max_new_tokens
 
-    def _token_event(self, b: int, token: int, generated: list[list[int]], texts: list[str]) -> TokenEvent:
+    def _token_event(
+        self, b: int, token: int, generated: list[list[int]], texts: list[str], final: bool = False
+    ) -> TokenEvent:
+        """The text a token adds. A token can end inside a multi-byte character (decoded as U+FFFD until the rest
+        arrives), so such text is held back until it is complete or the sequence ends."""
         piece = None
         if self.tokenizer is not None:
             text = self._decode_text(generated[b])
-            piece = text[len(texts[b]) :] if text.startswith(texts[b]) else text
+            if text.endswith("\ufffd") and not final:
+                return TokenEvent(b, token, "")
+            common = 0
+            for a, c in zip(text, texts[b]):
+                if a != c:
+                    break
+                common += 1
+            piece = text[common:]
             texts[b] = text
         return TokenEvent(b, token, piece)
 

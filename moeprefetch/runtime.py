@@ -408,6 +408,9 @@ class ExpertRuntime:
                 continue
             accepted = self.queue.add(deadline, p.layer, p.experts, self.now)
             self.accounting.predicted(p.step, p.layer, accepted, 0)
+            for expert in accepted:  # a predicted expert that is already here is kept until it is needed
+                if (p.layer, expert) in self.cache:
+                    self.cache.protect((p.layer, expert), deadline)
 
     def _pump(self) -> None:
         """Issue queued prefetches, most urgent first, while the bytes in flight stay under the cap."""

@@ -182,3 +182,21 @@ def test_bfloat16_engine_runs_and_tracks_fp32(checkpoint_factory):
     rel = (a - b).norm() / a.norm()
     assert rel < 0.05
     assert len(bf16.generate([[3, 4]], max_new_tokens=5).sequences[0]) >= 1
+
+
+def test_streamed_pieces_never_split_a_character():
+    """Byte-level BPE can end a token inside a multi-byte character; streamed pieces must still add up exactly."""
+    from moeprefetch.cli import REFERENCE_MODEL
+
+    engine = MoEPrefetchEngine.from_pretrained(REFERENCE_MODEL, progress=False)
+    text = "naïve café 🙂 Ελληνικά — 日本語"
+    ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert any("\ufffd" in engine.tokenizer.decode(ids[: i + 1]) for i in range(len(ids)))  # the hard case occurs
+    generated: list[list[int]] = [[]]
+    texts = [""]
+    pieces = []
+    for i, token in enumerate(ids):
+        generated[0].append(token)
+        pieces.append(engine._token_event(0, token, generated, texts, final=i == len(ids) - 1).text)
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
