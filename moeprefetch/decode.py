@@ -201,13 +201,31 @@ def _chain(ops: list[Callable[[], None]]) -> Callable[[], None]:
 class DecodeStep(_Segments):
     """One decode step of the main layers for `batch` sequences (+ `extra` rows each, in `mode`)."""
 
-    def __init__(self, runner: ModelRunner, caches: KVCaches, batch: int, extra: int, mode: str, graphs: GraphRunner):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        caches: KVCaches,
+        batch: int,
+        extra: int,
+        mode: str,
+        graphs: GraphRunner,
+        gate_targets: dict[int, list[int]] | None = None,
+        gate_width: int = 0,
+    ):
         assert mode in MODES and (mode == "none") == (extra == 0)
         super().__init__(runner, graphs, ("decode", batch, extra, mode))
         self.caches = caches
         self.batch, self.extra, self.mode = batch, extra, mode
         self.layers = runner.weights.layers
         self.buf = _buffers(runner, self.layers, batch, extra, caches.layers[0].latent.dtype)
+        # next_layer_gate: layer -> the MoE layers whose routers score this layer's router input, inside the graph
+        self.gate_targets = gate_targets or {}
+        self.gate_width = min(gate_width, runner.args.n_routed_experts)
+        self.gate_ids = {
+            layer: torch.zeros(len(targets), batch, self.gate_width, dtype=torch.long, device=runner.device)
+            for layer, targets in self.gate_targets.items() if targets and self.gate_width
+        }
+        self._routers = {lw.index: lw.router for lw in self.layers if lw.router is not None}
         ops: list[tuple[Callable[[], None], int | None]] = [(self._embed, None)]
         for lw in self.layers:
             ops.append((lambda lw=lw: self._attention(lw), None))
@@ -250,6 +268,10 @@ class DecodeStep(_Segments):
         b.ids[layer].copy_(r.ids)
         b.weights[layer].copy_(r.weights)
         b.scores[layer].copy_(r.scores)
+        if layer in self.gate_ids:
+            for i, target in enumerate(self.gate_targets[layer]):
+                scores = route(self.args, self._routers[target], h).scores
+                self.gate_ids[layer][i].copy_(scores.topk(self.gate_width, dim=-1).indices)
         if b.xe is not None:
             he = rms_norm(b.xe, lw.post_attention_norm, self.eps).reshape(self.batch * self.extra, -1)
             b.he[layer].copy_(he)
@@ -296,7 +318,11 @@ class DecodeStep(_Segments):
         elif self.mode == "shadow":
             shadow = (b.ids_e[layer].cpu().tolist(), self._active_extra, b.scores_e[layer].cpu())
         real_scores = b.scores[layer].cpu() if runtime.predictor_wants_scores else None
-        plans, shadow_plan = runtime.decode_layer(layer, exact, shadow, b.h[layer], real_scores)
+        gate_ranked = None
+        if layer in self.gate_ids:
+            ranked = self.gate_ids[layer].cpu().tolist()  # [targets][B][width]
+            gate_ranked = {t: rank_merge(rows) for t, rows in zip(self.gate_targets[layer], ranked)}
+        plans, shadow_plan = runtime.decode_layer(layer, exact, shadow, b.h[layer], real_scores, gate_ranked)
         _upload(plans[0], b.slots[layer], b.valid[layer])
         if self.mode == "verify":
             _upload(plans[1], b.slots_e[layer], b.valid_e[layer])
@@ -331,7 +357,9 @@ class DecodeStep(_Segments):
 class MTPStep(_Segments):
     """The MTP head over `rows` (token, hidden) pairs per sequence: draft logits for the token after each pair."""
 
-    def __init__(self, runner: ModelRunner, caches: KVCaches, batch: int, rows: int, graphs: GraphRunner):
+    def __init__(
+        self, runner: ModelRunner, caches: KVCaches, batch: int, rows: int, graphs: GraphRunner, router_width: int = 0
+    ):
         super().__init__(runner, graphs, ("mtp", batch, rows))
         mtp = runner.weights.mtp
         assert mtp is not None and caches.mtp is not None
@@ -351,6 +379,11 @@ class MTPStep(_Segments):
         self.slots = torch.zeros(n, k, dtype=torch.long, device=dev)
         self.valid = torch.zeros(n, k, dtype=torch.bool, device=dev)
         self.logits = torch.zeros(batch, rows, args.vocab_size, dtype=torch.float32, device=dev)
+        # mtp_router: every main MoE layer's router on the MTP output -> top-`router_width` experts per layer
+        self.router_layers = [lw for lw in runner.weights.layers if lw.router is not None] if router_width else []
+        self.router_width = min(router_width, args.n_routed_experts)
+        self.router_ids = torch.zeros(len(self.router_layers), n, max(self.router_width, 1), dtype=torch.long,
+                                      device=dev)
         self._build([(self._front, self.lw.index), (self._back, None)])
         self._active_host = torch.zeros(n, dtype=torch.bool)
 
@@ -374,6 +407,10 @@ class MTPStep(_Segments):
         routed = self._routed(self.h, self.slots, self.valid, self.weights)
         self.x.add_(self._ffn_out(self.lw, self.h, routed).view_as(self.x))
         self.logits.copy_(self.runner.mtp_logits(self.x))
+        flat = self.x.reshape(self.batch * self.rows, -1)
+        for i, lw in enumerate(self.router_layers):
+            scores = route(self.args, lw.router, rms_norm(flat, lw.post_attention_norm, self.eps)).scores
+            self.router_ids[i].copy_(scores.topk(self.router_width, dim=-1).indices)
 
     def _hook(self, layer: int) -> None:
         plans, _ = self.runtime.decode_layer(layer, [(self.ids.cpu().tolist(), self._active_host)], None, self.h, None)
@@ -393,7 +430,23 @@ class MTPStep(_Segments):
         self._run_segments(self._hook)
         if self.preloaded:
             self.runtime.record_resident_step({self.lw.index: self.ids.cpu().tolist()}, self._active_host)
+        if self.router_layers:
+            ranked = self.router_ids.cpu().tolist()  # [layers][rows][width]
+            keep = [r for r, a in enumerate(self._active_host) if a]
+            self.runtime.observe_mtp_output(
+                {lw.index: rank_merge([ranked[i][r] for r in keep]) for i, lw in enumerate(self.router_layers)}
+            )
         return self.logits.clone()
+
+
+def rank_merge(rows: list[list[int]]) -> tuple[int, ...]:
+    """Rows' ranked expert lists merged by rank: every row's first choice, then every row's second, ..."""
+    merged: dict[int, None] = {}
+    for rank in range(max((len(r) for r in rows), default=0)):
+        for row in rows:
+            if rank < len(row):
+                merged.setdefault(row[rank], None)
+    return tuple(merged)
 
 
 def _renormalise(weights: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

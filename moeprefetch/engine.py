@@ -517,7 +517,7 @@ class MoEPrefetchEngine:
         snapshot = self.runtime.snapshot()
         # Keep the MTP head running if the measured pass runs it: its prefill chunks count as steps, and the trace's
         # step numbers must line up with the measured pass. Routing does not depend on the predictor.
-        recorder = "mtp" if "mtp" in parse_predictor(request.predictor) else "none"
+        recorder = "mtp_router" if {"mtp", "mtp_router"} & set(parse_predictor(request.predictor)) else "none"
         recording = replace(request, predictor=recorder, event_log=None)
         trace: Trace = {}
         self.runtime.trace = trace
@@ -534,7 +534,7 @@ class MoEPrefetchEngine:
         batch = len(request.prompts)
         names = parse_predictor(request.predictor)
         predictor = make_predictor(request.predictor)
-        uses_mtp = self.has_mtp and (request.speculative == "mtp" or "mtp" in names)
+        uses_mtp = self.has_mtp and (request.speculative == "mtp" or "mtp" in names or "mtp_router" in names)
         speculative = request.speculative == "mtp"
         # with every expert resident a shadow row predicts nothing worth fetching: skip its compute
         shadow = predictor.uses_shadow and not speculative and not runtime.preloaded
@@ -548,6 +548,9 @@ class MoEPrefetchEngine:
             )
         budget = prefetch_budget(self.options.prefetch_budget, args.num_experts_per_tok, rows_per_step)
         width = max(args.num_experts_per_tok, math.ceil(self.options.prefetch_budget * args.num_experts_per_tok))
+        part_width = width if len(names) == 1 else args.num_experts_per_tok  # CombinedPredictor narrows each part
+        gate_targets = _gate_targets(list(args.moe_layers), request.lookahead) if "next_layer_gate" in names else {}
+        router_width = part_width if "mtp_router" in names else 0
         predictor.reset(PredictorContext(list(args.moe_layers), args.num_experts_per_tok, width, request.lookahead, trace))
         accounting = Accounting(keep_events=request.event_log is not None)
         stats = accounting.stats
@@ -599,9 +602,8 @@ class MoEPrefetchEngine:
                 tokens_in = torch.tensor([g[-1] for g in generated])
                 extra = torch.tensor(drafts)[:, None] if (speculative or shadow) else None
                 mode = "verify" if speculative else ("shadow" if shadow else "none")
-                out = self._decode_step(caches, batch, 1 if extra is not None else 0, mode)(
-                    tokens_in, pos.clone(), active, extra
-                )
+                out = self._decode_step(caches, batch, 1 if extra is not None else 0, mode, gate_targets,
+                                        part_width)(tokens_in, pos.clone(), active, extra)
                 next_tok = sample(out.logits, request.sampling, list(range(batch)), (pos + 1).tolist()).tolist()
                 new_tokens: list[list[int]] = [[] for _ in range(batch)]
                 accepted = [False] * batch
@@ -622,7 +624,8 @@ class MoEPrefetchEngine:
                             accepted[b] = True
                             new_tokens[b].append(second[b])
                 if uses_mtp:
-                    drafts = self._draft(caches, out, pos, next_tok, second, accepted, active, drafts, speculative)
+                    drafts = self._draft(caches, out, pos, next_tok, second, accepted, active, drafts, speculative,
+                                         router_width)
                 stats.decode_steps += 1
                 step += 1
                 for b in range(batch):
@@ -707,19 +710,22 @@ class MoEPrefetchEngine:
             )
         return self._kv[key]
 
-    def _decode_step(self, caches: KVCaches, batch: int, extra: int, mode: str) -> DecodeStep:
-        key = ("decode", batch, extra, mode, id(caches))
+    def _decode_step(
+        self, caches: KVCaches, batch: int, extra: int, mode: str, gate_targets: dict[int, list[int]], width: int
+    ) -> DecodeStep:
+        key = ("decode", batch, extra, mode, tuple(sorted((k, tuple(v)) for k, v in gate_targets.items())), width)
         if key not in self._steps:
-            self._steps[key] = DecodeStep(self.runner, caches, batch, extra, mode, self._graphs)
+            self._steps[key] = DecodeStep(self.runner, caches, batch, extra, mode, self._graphs, gate_targets, width)
         return self._steps[key]  # type: ignore[return-value]
 
-    def _mtp_step(self, caches: KVCaches, batch: int, rows: int) -> MTPStep:
-        key = ("mtp", batch, rows, id(caches))
+    def _mtp_step(self, caches: KVCaches, batch: int, rows: int, router_width: int) -> MTPStep:
+        key = ("mtp", batch, rows, router_width)
         if key not in self._steps:
-            self._steps[key] = MTPStep(self.runner, caches, batch, rows, self._graphs)
+            self._steps[key] = MTPStep(self.runner, caches, batch, rows, self._graphs, router_width)
         return self._steps[key]  # type: ignore[return-value]
 
-    def _draft(self, caches, out, pos, next_tok, second, accepted, active, drafts, speculative) -> list[int]:
+    def _draft(self, caches, out, pos, next_tok, second, accepted, active, drafts, speculative,
+               router_width: int) -> list[int]:
         """Draft the token after the next input: MTP over (H_q, t_{q+1}) [and (H_{q+1}, t_{q+2}) when verifying]."""
         b = len(next_tok)
         if speculative:
@@ -730,7 +736,7 @@ class MoEPrefetchEngine:
             toks = torch.tensor(next_tok)[:, None]
             hid = out.hidden[:, None]
             positions = pos[:, None] + 1
-        logits = self._mtp_step(caches, b, toks.shape[1])(toks, hid, positions, active)
+        logits = self._mtp_step(caches, b, toks.shape[1], router_width)(toks, hid, positions, active)
         choice = logits.argmax(-1).tolist()  # [B, M]
         new = list(drafts)
         for i in range(b):
@@ -773,6 +779,11 @@ class MoEPrefetchEngine:
             torch.cuda.empty_cache()
 
 
+def _gate_targets(moe_layers: list[int], depth: int) -> dict[int, list[int]]:
+    """next_layer_gate: MoE layer -> the next `depth` MoE layers whose routers look at its router input."""
+    return {layer: moe_layers[i + 1 : i + 1 + depth] for i, layer in enumerate(moe_layers)}
+
+
 def _check_positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise RequestError(f"{name} must be a positive integer, got {value!r}")
@@ -783,7 +794,7 @@ def _validate_predictor(spec: str, has_mtp: bool) -> None:
         names = parse_predictor(spec)
     except ValueError as exc:
         raise RequestError(str(exc)) from None
-    if "mtp" in names and not has_mtp:
+    if ("mtp" in names or "mtp_router" in names) and not has_mtp:
         raise RequestError(f"predictor {spec!r} needs an MTP layer, and this checkpoint has none")
 
 

@@ -134,11 +134,11 @@ class ExpertFormat:
             return self.gate_up_view(records), self.view(records, "down")
         parts = {}
         for name in ("gate", "up", "down"):
-            payload = self.view(records, name)
-            scale = self.view(records, f"{name}_scale")
-            parts[name] = torch.stack(
-                [dequantize_blocks(payload[i], scale[i], self.block, self.compute_dtype) for i in range(len(records))]
-            )
+            payload = self.view(records, name)  # [n, M, N]
+            scale = self.view(records, f"{name}_scale")  # [n, ceil(M/br), ceil(N/bc)]
+            rows, cols = payload.shape[1:]
+            full = scale.repeat_interleave(self.block[0], dim=1)[:, :rows].repeat_interleave(self.block[1], dim=2)
+            parts[name] = (payload.float() * full[:, :, :cols]).to(self.compute_dtype)
         return torch.cat((parts["gate"], parts["up"]), dim=1), parts["down"]
 
 

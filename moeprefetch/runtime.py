@@ -230,6 +230,7 @@ class ExpertRuntime:
         shadow: tuple[list[list[int]], list[bool], torch.Tensor] | None,
         hidden: torch.Tensor | None,
         real_scores: torch.Tensor | None,
+        gate_ranked: dict[int, tuple[int, ...]] | None = None,
     ) -> tuple[list[tuple[list[list[int]], list[list[bool]]]], tuple[list[list[int]], list[list[bool]]] | None]:
         """Plan one decode layer on the host, between the router and the expert compute.
 
@@ -242,7 +243,7 @@ class ExpertRuntime:
         self.release_layer()
         self._advance((self.step, self.position[layer]))
         needed = _distinct_lists(exact)
-        self._observe(layer, needed, real_scores, shadow[2] if shadow is not None else None, hidden)
+        self._observe(layer, needed, real_scores, shadow[2] if shadow is not None else None, hidden, gate_ranked)
         cache = self.cache
         slot_of = cache.slot_of
         locked = [(layer, e) for e in needed]
@@ -314,6 +315,7 @@ class ExpertRuntime:
         real_scores: torch.Tensor | None,
         shadow_scores: torch.Tensor | None,
         hidden: torch.Tensor | None,
+        gate_ranked: dict[int, tuple[int, ...]] | None = None,
     ) -> None:
         if self.trace is not None:
             self.trace[(self.step, layer)] = needed
@@ -332,9 +334,15 @@ class ExpertRuntime:
                     shadow_scores=shadow_scores,
                     hidden=hidden,
                     score_layer=self.score_layer,
+                    gate_ranked=gate_ranked,
                 )
             )
         )
+
+    def observe_mtp_output(self, ranked: dict[int, tuple[int, ...]]) -> None:
+        """Predictions from the main routers applied to the MTP head's output (end of a decode step)."""
+        self._enqueue(self.predictor.on_mtp_output(self.step, ranked))
+        self._pump()
 
     # ---- residency ------------------------------------------------------------------------------------------------
     def _waves(self, layer: int, needed: list[int], split_resident: bool) -> Iterator[tuple[set[int], dict[int, int]]]:

@@ -159,7 +159,43 @@ def link_bandwidth(device: torch.device, sizes_mib: tuple[int, ...] = (17, 88, 2
     del a, b
     torch.cuda.empty_cache()
     out["h2d_peak_gbps"] = max(v for k, v in out.items() if k.startswith("h2d_pinned"))
+    out.update(scale_placement(device))
     return out
+
+
+def scale_placement(device: torch.device) -> dict[str, float]:
+    """Do FP8 block scales need to stay in VRAM while the payload streams? Time moving 8 FP8 experts of
+    V2-Lite shape (payload + scales in one record) against moving the payload alone (scales kept resident) and
+    against payload and scales as two copies each."""
+    from moeprefetch.experts import ExpertFormat
+
+    fmt = ExpertFormat.build(2048, 1408, torch.bfloat16, "fp8")
+    n = 8
+    host = torch.empty(n, fmt.record_bytes, dtype=torch.uint8).pin_memory()
+    host.fill_(3)
+    dev = torch.empty(n, fmt.record_bytes, dtype=torch.uint8, device=device)
+    payload = fmt.payload_bytes + 2 * 64  # the payload regions incl. alignment padding, scales excluded
+    first_scale = min(r.offset for k, r in fmt.regions.items() if k.endswith("_scale"))
+
+    def whole() -> None:
+        for i in range(n):
+            dev[i].copy_(host[i], non_blocking=True)
+
+    def payload_only() -> None:
+        for i in range(n):
+            dev[i, :first_scale].copy_(host[i, :first_scale], non_blocking=True)
+
+    def split() -> None:
+        for i in range(n):
+            dev[i, :first_scale].copy_(host[i, :first_scale], non_blocking=True)
+            dev[i, first_scale:].copy_(host[i, first_scale:], non_blocking=True)
+
+    t_whole = _median_time(whole, device, 20)
+    t_payload = _median_time(payload_only, device, 20)
+    t_split = _median_time(split, device, 20)
+    return {"fp8_record_bytes": fmt.record_bytes, "fp8_scale_bytes": fmt.scale_bytes,
+            "fp8_8_records_ms": 1000 * t_whole, "fp8_8_payloads_only_ms": 1000 * t_payload,
+            "fp8_8_records_two_copies_ms": 1000 * t_split, "fp8_payload_bytes": payload}
 
 
 # ---- checkpoints --------------------------------------------------------------------------------------------------
@@ -346,10 +382,11 @@ def rss_gib() -> float:
 
 
 def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], new_tokens: int, *,
-            predictor: str = "none", speculative: str | None = None, runs: int = 3) -> dict[str, Any]:
+            predictor: str = "none", speculative: str | None = None, runs: int = 3,
+            lookahead: int | None = None) -> dict[str, Any]:
     """Warm-up once, then `runs` measured generations (one per prompt, cold expert cache each); medians."""
     device = engine.device
-    kwargs = dict(predictor=predictor, speculative=speculative, stop_at_eos=False)
+    kwargs = dict(predictor=predictor, speculative=speculative, stop_at_eos=False, lookahead=lookahead)
     engine.reset_expert_cache()
     engine.generate([prompts[0]], max_new_tokens=min(8, new_tokens), **kwargs)
     if device.type == "cuda":
@@ -366,7 +403,9 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
     row = {
         "system": system,
         "predictor": predictor,
+        "lookahead": lookahead or engine.options.lookahead,
         "speculative": speculative,
+        "expert_dtype": engine.options.expert_dtype,
         "runs": runs,
         "new_tokens": new_tokens,
         "ms_per_token": med("ms_per_token"),
@@ -567,14 +606,18 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
           "pin_seconds": engine.runtime.store.pin_seconds, "host_expert_gib": engine.runtime.store.nbytes / GiB,
           "host_pinned_gib": engine.runtime.store.pinned_bytes / GiB,
           "store_fill_gbps": engine.runtime.store.nbytes / max(engine.runtime.store.load_seconds, 1e-9) / 1e9})
-    systems = [("none", "none", None), ("next_layer_gate", "next_layer_gate", None), ("oracle", "oracle", None)]
+    systems = [("none", "none", None, None), ("next_layer_gate", "next_layer_gate", None, None),
+               ("oracle", "oracle", None, 4)]
     if engine.has_mtp:
-        systems += [("mtp", "mtp", None), ("mtp+next_layer_gate", "mtp+next_layer_gate", None),
-                    ("speculative_mtp", "none", "mtp"), ("speculative_mtp+next_layer_gate", "next_layer_gate", "mtp")]
-    for system, predictor, speculative in systems:
+        systems += [("mtp", "mtp", None, None), ("mtp+next_layer_gate", "mtp+next_layer_gate", None, None),
+                    ("mtp_router", "mtp_router", None, None),
+                    ("mtp_router+next_layer_gate", "mtp_router+next_layer_gate", None, None),
+                    ("speculative_mtp", "none", "mtp", None),
+                    ("speculative_mtp+next_layer_gate", "next_layer_gate", "mtp", None)]
+    for system, predictor, speculative, lookahead in systems:
         try:
             row = run_row(engine, system, prompts, args.new_tokens, predictor=predictor, speculative=speculative,
-                          runs=args.runs)
+                          runs=args.runs, lookahead=lookahead)
             row["cache_fraction"] = fraction
             if reference_sequences is not None:
                 row["same_tokens_as_all_resident"] = row["sequences"] == reference_sequences
@@ -616,6 +659,26 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
     engine.close()
     del engine
     _free()
+    for expert_dtype in args.expert_dtypes.split(",") if args.expert_dtypes else []:
+        # compressed experts on the wire: same budget / slot count, fewer bytes per expert
+        try:
+            quantized = MoEPrefetchEngine.from_pretrained(path, **offload_kwargs, expert_dtype=expert_dtype)
+            best = "mtp+next_layer_gate" if quantized.has_mtp else "next_layer_gate"
+            for predictor in ("none", best):
+                row = run_row(quantized, f"{predictor}@{expert_dtype}", prompts, args.new_tokens, predictor=predictor,
+                              runs=args.runs)
+                row.update(cache_fraction=quantized.runtime.n_slots / quantized.plan.total_experts,
+                           expert_bytes=quantized.runtime.expert_bytes,
+                           host_expert_gib=quantized.runtime.store.nbytes / GiB)
+                if reference_sequences is not None:
+                    row["same_tokens_as_all_resident"] = row["sequences"] == reference_sequences
+                emit({**base, **row})
+            quantized.close()
+            del quantized
+        except Exception as exc:
+            emit({**base, "system": f"quantized@{expert_dtype}", "failed": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc(limit=4)})
+        _free()
     if name == "v2lite" and args.hf_baseline and device.type == "cuda":
         try:
             emit({**base, **hf_accelerate_row(path, args.budget_gib, prompts[0], args.hf_tokens)})
@@ -671,6 +734,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="also record per-op time splits (eager runs)")
     parser.add_argument("--hf-baseline", action="store_true", help="v2lite: run transformers + accelerate offload")
     parser.add_argument("--hf-tokens", type=int, default=4)
+    parser.add_argument("--expert-dtypes", default="", help="also run offloaded rows with these expert formats, "
+                        "e.g. fp8,int8")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     device = torch.device(args.device)
