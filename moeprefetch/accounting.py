@@ -67,6 +67,8 @@ class Stats:
     totals: LayerCounters = field(default_factory=LayerCounters)
     per_layer: dict[int, LayerCounters] = field(default_factory=dict)
     stall_seconds: float = 0.0
+    prefill_stall_seconds: float = 0.0
+    decode_stall_seconds: float = 0.0
     prompt_tokens: int = 0
     generated_tokens: int = 0
     decode_steps: int = 0
@@ -91,6 +93,9 @@ class Stats:
         out.update(
             {
                 "stall_seconds": self.stall_seconds,
+                "prefill_stall_seconds": self.prefill_stall_seconds,
+                "decode_stall_seconds": self.decode_stall_seconds,
+                "stall_ms_per_token": 1000.0 * self.decode_stall_seconds / decode_tokens if decode_tokens else 0.0,
                 "prompt_tokens": self.prompt_tokens,
                 "generated_tokens": self.generated_tokens,
                 "decode_steps": self.decode_steps,

@@ -585,6 +585,7 @@ class MoEPrefetchEngine:
                 drafts, step = self._mtp_prefill(caches, request.prompts, prefill_hidden, first, step)
             sync()
             stats.prefill_seconds = time.perf_counter() - t0
+            stats.prefill_stall_seconds = runtime.transfer.collect_stall_seconds()
             del prefill_hidden
 
             active = torch.ones(batch, dtype=torch.bool)
@@ -658,7 +659,8 @@ class MoEPrefetchEngine:
             runtime.abort()
             raise
         finally:
-            stats.stall_seconds += runtime.end_call()
+            stats.decode_stall_seconds = runtime.end_call()
+            stats.stall_seconds = stats.prefill_stall_seconds + stats.decode_stall_seconds
         stats.generated_tokens = sum(len(g) for g in generated)
         if request.event_log is not None:
             accounting.write_jsonl(request.event_log)
