@@ -56,6 +56,9 @@ class LayerCounters:
             "prefetch_wasted": self.prefetch_wasted,
             "prediction_recall": self.predicted_correct / self.truth if self.truth else 0.0,
             "prediction_precision": self.predicted_correct / self.predicted if self.predicted else 0.0,
+            "predicted": self.predicted,  # raw counts, so runs can be merged exactly
+            "truth": self.truth,
+            "predicted_correct": self.predicted_correct,
         }
         return out
 
@@ -92,6 +95,8 @@ class Stats:
         decode_tokens = max(self.generated_tokens - self._first_tokens(), 0)
         out.update(
             {
+                "mtp_drafts_checked": self.mtp_drafts_checked,
+                "mtp_drafts_correct": self.mtp_drafts_correct,
                 "stall_seconds": self.stall_seconds,
                 "prefill_stall_seconds": self.prefill_stall_seconds,
                 "decode_stall_seconds": self.decode_stall_seconds,

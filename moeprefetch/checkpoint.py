@@ -95,7 +95,7 @@ def _parse_entry(file: Path, name: str, entry: object, data_start: int, data_siz
     dtype = entry.get("dtype")
     shape = entry.get("shape")
     offsets = entry.get("data_offsets")
-    if dtype not in SAFETENSORS_DTYPES:
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
         raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {dtype!r}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise CheckpointError(f"{file}: tensor {name!r} has an invalid shape {shape!r}")
@@ -170,6 +170,8 @@ class CheckpointReader:
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
         ):
             raise CheckpointError(f"{index_file} has no valid 'weight_map' object of tensor name -> shard file")
+        if not weight_map:
+            raise CheckpointError(f"{index_file} has an empty 'weight_map': it names no tensors")
         return weight_map
 
     def _weight_files(self) -> list[Path]:

@@ -403,8 +403,17 @@ class MoEPrefetchEngine:
                 event = next(events)
             except StopIteration as stop:
                 return stop.value
-            if callback is not None:
+            if callback is None:
+                continue
+            try:
                 callback(event)
+            except KeyboardInterrupt:
+                # Ctrl-C while the callback ran: hand it to the generation loop, which cleans up and returns the
+                # tokens produced so far
+                try:
+                    events.throw(KeyboardInterrupt())
+                except StopIteration as stop:
+                    return stop.value
 
     def stream(self, prompts: Any, max_new_tokens: int = 32, **kwargs: Any) -> Iterator[TokenEvent]:
         """Iterate over tokens as they are generated (same arguments as `generate`)."""

@@ -167,17 +167,20 @@ def _figures(rows: list[dict[str, Any]], out: Path, conditions: str) -> list[str
         plots.append(("decode_tokens_per_s", "decode tokens/s", "tokens_per_s_vs_cache.png"))
     text = ["## Figures", ""]
     for key, label, name in plots:
-        fig, ax = plt.subplots(figsize=(7, 4.2))
-        for series, points in sorted(_series(derived, key).items()):
+        fig, ax = plt.subplots(figsize=(8.5, 4.2))
+        colours = plt.get_cmap("tab20").colors
+        for index, (series, points) in enumerate(sorted(_series(derived, key).items())):
             xs, ys = zip(*points)
-            style = dict(color="black", linestyle="--", linewidth=2) if series.startswith("oracle") else {}
+            style = dict(color=colours[(2 * index) % 20 + (index // 10) % 2], linewidth=1.5)
+            if series.startswith("oracle"):  # the bound any predictor can reach
+                style = dict(color="black", linestyle="--" if series == "oracle" else ":", linewidth=2)
             ax.plot([100 * x for x in xs], ys, marker="o", label=series, **style)
         ax.set_xlabel("experts cached (% of all routed experts)")
         ax.set_ylabel(label)
         ax.set_title(f"{label} vs cache size", fontsize=11)
         fig.text(0.01, 0.01, conditions, fontsize=6.5, color="0.35")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
         fig.tight_layout(rect=(0, 0.04, 1, 1))
         fig.savefig(out / name, dpi=110)
         plt.close(fig)

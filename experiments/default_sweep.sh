@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The committed default sweep: the reference model on the CPU, 3 cache sizes x 7 predictors (lookahead 1), plus the
+# look-ahead predictors at lookahead 2 and 4; 8 held-out prompts x 32 new tokens per point; then its report.
+# About five minutes on 2 cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=experiments/results/sweep_reference
+rm -rf "$out"
+common=(hydra.sweep.dir="$out" hydra.output_subdir=null)
+python experiments/sweep.py -m cache.fraction=0.125,0.25,0.5 \
+  predictor=none,previous,next_layer_gate,mtp,mtp_router,mtp_gate,oracle "${common[@]}"
+python experiments/sweep.py -m cache.fraction=0.125,0.25,0.5 predictor=next_layer_gate,oracle lookahead=2,4 \
+  "${common[@]}"
+find "$out" -mindepth 1 -type d -empty -delete
+python experiments/report.py "$out/results.jsonl"

@@ -1,0 +1,206 @@
+#!/usr/bin/env python
+"""Hydra sweeps over cache size, policy, predictor and lookahead; one tidy JSON row per point.
+
+    python experiments/sweep.py -m cache.fraction=0.125,0.25,0.5 \\
+        predictor=none,previous,next_layer_gate,mtp,mtp_router,mtp_gate,oracle lookahead=1,2
+    moeprefetch report multirun/<date>/<time>/results.jsonl
+
+Every point runs the same held-out prompts: one untimed warm-up generation, then one measured generation per prompt,
+each from an empty expert cache. A point that fails is recorded as failed and the sweep goes on; rows are appended
+one at a time, so rows already written are never lost. Only this directory imports hydra; the package never does.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+logger = logging.getLogger("sweep")
+
+COUNTERS = ("expert_uses", "hits", "misses", "bytes_h2d", "evictions", "prefetch_issued", "prefetch_useful",
+            "prefetch_late", "prefetch_wasted", "predicted", "truth", "predicted_correct")
+
+
+def _resolve(path: str) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() else ROOT / p
+
+
+@lru_cache(maxsize=4)
+def _engine(path: str, device: str, dtype: str | None, slots: int | None, budget: str | None, policy: str,
+            expert_dtype: str, prefetch_budget: float, max_inflight: int | None, cuda_graphs: bool, batch: int):
+    """Engines are reused across points that differ only in per-call settings (predictor, lookahead)."""
+    from moeprefetch import MoEPrefetchEngine
+
+    kwargs: dict[str, Any] = dict(device=device, policy=policy, expert_dtype=expert_dtype,
+                                  prefetch_budget=prefetch_budget, max_inflight_experts=max_inflight,
+                                  cuda_graphs=cuda_graphs, max_batch_size=batch, progress=False)
+    kwargs["dtype"] = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    if budget:
+        kwargs["vram_budget"] = budget
+    elif slots is not None:
+        kwargs["expert_cache_slots"] = slots
+    return MoEPrefetchEngine.from_pretrained(_resolve(path), **kwargs)
+
+
+def _slots(cfg: DictConfig) -> int | None:
+    if cfg.cache.slots is not None:
+        return int(cfg.cache.slots)
+    if cfg.cache.fraction is None:
+        return None
+    from moeprefetch.cli import _slots_for_fraction
+
+    return _slots_for_fraction(_resolve(cfg.model.path), float(cfg.cache.fraction))
+
+
+def load_prompts(cfg: DictConfig) -> list[str]:
+    lines = _resolve(cfg.workload.prompts_file).read_text().splitlines()
+    prompts = [json.loads(line)["text"] for line in lines if line.strip()]
+    return prompts[: int(cfg.workload.num_prompts)]
+
+
+def merge_stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Sum the counters of several generate calls (totals and per layer); recompute the ratios."""
+    merged: dict[str, Any] = {k: sum(r.get(k, 0) for r in runs) for k in COUNTERS}
+    merged.update(_ratios(merged))
+    for key in ("stall_seconds", "prefill_stall_seconds", "decode_stall_seconds", "decode_seconds", "prefill_seconds",
+                "generated_tokens", "prompt_tokens", "decode_steps", "mtp_drafts_checked", "mtp_drafts_correct",
+                "draft_proposed", "draft_accepted"):
+        merged[key] = sum(r.get(key) or 0 for r in runs)
+    for key in ("decode_tokens_per_s", "ms_per_token", "prefill_tokens_per_s", "stall_ms_per_token"):
+        merged[key] = statistics.median(r.get(key) or 0.0 for r in runs)
+    per_layer: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        for layer, counters in run.get("per_layer", {}).items():
+            target = per_layer.setdefault(layer, {k: 0 for k in COUNTERS})
+            for k in COUNTERS:
+                target[k] += counters.get(k, 0)
+    for counters in per_layer.values():
+        counters.update(_ratios(counters))
+    merged["per_layer"] = per_layer
+    checked = sum(r.get("mtp_drafts_checked", 0) or 0 for r in runs)
+    merged["mtp_draft_accuracy"] = (sum(r.get("mtp_drafts_correct", 0) or 0 for r in runs) / checked) if checked else None
+    proposed = merged["draft_proposed"]
+    merged["draft_acceptance"] = merged["draft_accepted"] / proposed if proposed else None
+    return merged
+
+
+def _ratios(c: dict[str, Any]) -> dict[str, float]:
+    return {
+        "hit_rate": c["hits"] / c["expert_uses"] if c["expert_uses"] else 0.0,
+        "prediction_recall": c["predicted_correct"] / c["truth"] if c["truth"] else 0.0,
+        "prediction_precision": c["predicted_correct"] / c["predicted"] if c["predicted"] else 0.0,
+    }
+
+
+def _environment(device: str) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+           "host": platform.node(), "timestamp": _dt.datetime.now().isoformat(timespec="seconds")}
+    env["device_name"] = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
+    try:
+        env["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                           cwd=ROOT, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        env["git_commit"] = None
+    return env
+
+
+def run_point(cfg: DictConfig) -> dict[str, Any]:
+    """Run one sweep point and return its row (config, environment, merged statistics)."""
+    config = {
+        "model": cfg.model.path,
+        "device": cfg.device.name,
+        "dtype": cfg.model.dtype,
+        "expert_dtype": cfg.model.expert_dtype,
+        "cache_slots_requested": cfg.cache.slots,
+        "cache_fraction_requested": cfg.cache.fraction,
+        "cache_budget": cfg.cache.budget,
+        "policy": cfg.cache.policy,
+        "predictor": cfg.predictor.name,
+        "prefetch_budget": cfg.predictor.prefetch_budget,
+        "lookahead": int(cfg.lookahead),
+        "speculative": cfg.speculative,
+        "batch": int(cfg.workload.batch),
+        "new_tokens": int(cfg.workload.new_tokens),
+        "temperature": float(cfg.workload.temperature),
+    }
+    row: dict[str, Any] = {**config, **_environment(cfg.device.name)}
+    start = time.perf_counter()
+    try:
+        engine = _engine(cfg.model.path, cfg.device.name, cfg.model.dtype, _slots(cfg), cfg.cache.budget,
+                         cfg.cache.policy, cfg.model.expert_dtype, float(cfg.predictor.prefetch_budget),
+                         cfg.predictor.max_inflight_experts, bool(cfg.device.cuda_graphs), int(cfg.workload.batch))
+        prompts = load_prompts(cfg)
+        batch = int(cfg.workload.batch)
+        batches = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+        kwargs = dict(max_new_tokens=int(cfg.workload.new_tokens), temperature=float(cfg.workload.temperature),
+                      seed=int(cfg.workload.seed), predictor=cfg.predictor.name, lookahead=int(cfg.lookahead),
+                      speculative=cfg.speculative, stop_at_eos=False)
+        if cfg.warmup:
+            engine.reset_expert_cache()
+            engine.generate(batches[0], **{**kwargs, "max_new_tokens": min(8, kwargs["max_new_tokens"])})
+        runs = []
+        for prompt_batch in batches:
+            engine.reset_expert_cache()
+            runs.append(engine.generate(prompt_batch, **kwargs).stats.to_dict())
+        row.update(merge_stats(runs))
+        row.update(status="ok", cache_slots=engine.runtime.n_slots, total_experts=engine.plan.total_experts,
+                   cache_fraction=engine.runtime.n_slots / engine.plan.total_experts, prompt_count=len(prompts),
+                   expert_bytes=engine.runtime.expert_bytes, memory=engine.memory_stats())
+    except Exception as exc:  # a failed point is recorded, and the sweep goes on
+        row.update(status="failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=5))
+        logger.error("point failed: %s", row["error"])
+    row["wall_seconds"] = time.perf_counter() - start
+    return row
+
+
+def results_path(cfg: DictConfig) -> Path:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    out = Path(hc.runtime.output_dir)
+    base = out.parent if hc.mode == RunMode.MULTIRUN else out
+    return base / cfg.results_file
+
+
+def append_row(path: Path, row: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:  # append-only: a crash later never loses rows already written
+        fh.write(json.dumps(row, default=str) + "\n")
+        fh.flush()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    row = run_point(cfg)
+    path = results_path(cfg)
+    append_row(path, row)
+    brief = {k: row.get(k) for k in ("status", "predictor", "lookahead", "policy", "cache_slots", "hit_rate",
+                                      "prediction_recall", "ms_per_token")}
+    logger.info("%s -> %s", json.dumps(brief, default=str), path)
+    OmegaConf.save(cfg, Path(path.parent, ".last_config.yaml"))
+
+
+if __name__ == "__main__":
+    main()

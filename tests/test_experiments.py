@@ -1,0 +1,108 @@
+"""Hydra configs compose, a tiny sweep runs end to end (including a failing point), and its report is produced."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+hydra = pytest.importorskip("hydra")
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf"
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group", ["model", "cache", "predictor", "workload", "device"])
+def test_every_config_composes(group):
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        for option in _options(group):
+            overrides = [f"{group}={option}"]
+            if group == "model" and option == "custom":
+                overrides.append("model.path=/some/checkpoint")
+            cfg = compose(config_name="config", overrides=overrides)
+            assert cfg[group] is not None
+            if group == "predictor":
+                from moeprefetch.predictors import parse_predictor
+
+                assert parse_predictor(cfg.predictor.name)  # every predictor config names a real predictor
+            if group == "cache":
+                given = [k for k in ("slots", "fraction", "budget") if cfg.cache[k] is not None]
+                assert len(given) <= 1
+
+
+def test_prompts_are_held_out_text():
+    """Sweep prompts come from the held-out split, never from training documents."""
+    prompts = [json.loads(line) for line in (ROOT / "experiments/prompts/heldout.jsonl").read_text().splitlines()]
+    assert len(prompts) >= 8
+    assert {p["source"] for p in prompts} <= {"kjv", "python-doc"}
+    card = (ROOT / "moeprefetch/reference_model/README.md").read_text()
+    # the model card lists the held-out documents (Ezra, Judges are the KJV ones)
+    assert all(p["doc"] in ("Ezra", "Judges") for p in prompts if p["source"] == "kjv")
+    assert "held-out" in card.lower()
+
+
+def test_tiny_sweep_end_to_end(tmp_path, checkpoint_factory, tiny_tokenizer_dir):
+    model = checkpoint_factory("v3", tokenizer_from=str(tiny_tokenizer_dir))
+    sweep_dir = tmp_path / "sweep"
+    command = [
+        sys.executable, str(ROOT / "experiments/sweep.py"), "-m",
+        f"model=custom", f"model.path={model}", "cache.fraction=0.5,1.0", "predictor=none,mtp,oracle",
+        "workload.num_prompts=2", "workload.new_tokens=5", f"hydra.sweep.dir={sweep_dir}", "hydra.output_subdir=null",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in (sweep_dir / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 6
+    assert all(r["status"] == "ok" for r in rows)
+    for row in rows:
+        assert row["hits"] + row["misses"] == row["expert_uses"] > 0
+        assert row["bytes_h2d"] == (row["misses"] + row["prefetch_issued"]) * row["expert_bytes"]
+        assert row["git_commit"] is not None and row["torch"]
+    oracle = [r for r in rows if r["predictor"] == "oracle"]
+    assert all(r["prediction_recall"] == 1.0 for r in oracle)
+
+    # a point that fails is recorded and the sweep goes on; earlier rows stay
+    bad = command[:3] + [f"model=custom", f"model.path={model}", "cache.slots=1,16", "predictor=none",
+                         "workload.num_prompts=1", "workload.new_tokens=3", f"hydra.sweep.dir={sweep_dir}",
+                         "hydra.output_subdir=null"]
+    done = subprocess.run(bad, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in (sweep_dir / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 8
+    assert rows[6]["status"] == "failed"
+    assert "expert_cache_slots=1" in rows[6]["error"]
+    assert rows[7]["status"] == "ok"
+
+    report = subprocess.run([sys.executable, str(ROOT / "experiments/report.py"), str(sweep_dir / "results.jsonl")],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert report.returncode == 0, report.stderr[-2000:]
+    text = (sweep_dir / "report.md").read_text()
+    assert "![hit rate](hit_rate_vs_cache.png)" in text and "Failed points" in text
+    for png in ("hit_rate_vs_cache.png", "recall_vs_cache.png", "bytes_vs_cache.png", "recall_precision_per_layer.png"):
+        assert (sweep_dir / png).stat().st_size > 5000
+
+
+def test_merge_stats_sums_counters_exactly():
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from sweep import merge_stats
+
+    def run(uses, hits, truth, correct, predicted):
+        return {"expert_uses": uses, "hits": hits, "misses": uses - hits, "bytes_h2d": 10 * (uses - hits),
+                "evictions": 0, "prefetch_issued": 0, "prefetch_useful": 0, "prefetch_late": 0, "prefetch_wasted": 0,
+                "predicted": predicted, "truth": truth, "predicted_correct": correct, "decode_tokens_per_s": 1.0,
+                "per_layer": {"1": {"expert_uses": uses, "hits": hits, "misses": uses - hits, "truth": truth,
+                                    "predicted": predicted, "predicted_correct": correct}}}
+
+    merged = merge_stats([run(10, 5, 8, 4, 8), run(30, 27, 20, 18, 24)])
+    assert merged["hit_rate"] == pytest.approx(32 / 40)
+    assert merged["prediction_recall"] == pytest.approx(22 / 28)
+    assert merged["prediction_precision"] == pytest.approx(22 / 32)
+    assert merged["per_layer"]["1"]["hit_rate"] == pytest.approx(32 / 40)

@@ -1,0 +1,217 @@
+"""Bad requests, resource limits and faults: a clear error, nothing lost, and the same engine keeps serving."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from moeprefetch import MoEPrefetchEngine, RequestError, ResourceError
+from moeprefetch.store import HostExpertStore, PinResult
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint_factory, tiny_tokenizer_dir):
+    return MoEPrefetchEngine.from_pretrained(
+        checkpoint_factory("v3", tokenizer_from=str(tiny_tokenizer_dir)), progress=False, expert_cache_slots=8
+    )
+
+
+@pytest.fixture(scope="module")
+def expected(engine):
+    return engine.generate([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False).sequences
+
+
+BAD_REQUESTS = [
+    (dict(prompts=""), "prompt 0 is empty"),
+    (dict(prompts=[]), "non-empty list"),
+    (dict(prompts=[[]]), "prompt 0 is empty"),
+    (dict(prompts=[[3, 999999]]), "token id 999999 is outside the vocabulary"),
+    (dict(prompts=[[3, -1]]), "token id -1 is outside the vocabulary"),
+    (dict(prompts=[[3, 4.5]]), "must be a string or a list of integer token ids"),
+    (dict(prompts=[[3] * 600]), "more than the model's 512 positions"),
+    (dict(prompts=[[3] * 400], max_new_tokens=200), "needs 602 positions, more than max_seq_len=512"),
+    (dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
+    (dict(max_new_tokens=-3), "max_new_tokens must be a positive integer"),
+    (dict(max_new_tokens=2.5), "max_new_tokens must be a positive integer"),
+    (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
+    (dict(temperature="hot"), "temperature must be a number"),
+    (dict(top_k=-1), "top_k must be an integer >= 0"),
+    (dict(top_k=2.0), "top_k must be an integer >= 0"),
+    (dict(top_p=0.0), r"top_p must be a number in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]"),
+    (dict(seed="x"), "seed must be an integer"),
+    (dict(predictor="magic"), "unknown predictor 'magic'"),
+    (dict(predictor="mtp+magic"), "unknown predictor 'magic'"),
+    (dict(predictor="none+mtp"), "cannot be combined"),
+    (dict(predictor=""), "non-empty name"),
+    (dict(lookahead=0), "lookahead must be a positive integer"),
+    (dict(speculative="eagle"), "speculative must be None or 'mtp'"),
+    (dict(prompts=[[3]] * 9), "exceed max_batch_size=8"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD_REQUESTS)
+def test_bad_request_then_the_same_engine_serves(engine, expected, kwargs, message):
+    request = {"prompts": [[3, 4, 5]], "max_new_tokens": 6, "stop_at_eos": False, **kwargs}
+    with pytest.raises(RequestError, match=message):
+        engine.generate(request.pop("prompts"), **request)
+    assert engine.generate([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False).sequences == expected
+    assert not engine.runtime.cache.locked
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (dict(policy="fifo"), RequestError, "unknown cache policy 'fifo'"),
+        (dict(expert_cache_slots=1), RequestError, "cannot hold one layer's working set"),
+        (dict(expert_cache_slots=4, vram_budget="1GiB"), RequestError, "either expert_cache_slots or vram_budget"),
+        (dict(vram_budget="12 parsecs"), RequestError, "cannot read memory size"),
+        (dict(vram_budget="1KiB"), RequestError, "cannot hold one layer's working set"),
+        (dict(predictor="oracle+oracle"), RequestError, "names a component twice"),
+        (dict(dtype="int4"), RequestError, "dtype 'int4' is not supported"),
+        (dict(device="tpu"), RequestError, "not a valid torch device|not supported"),
+        (dict(expert_dtype="fp4"), RequestError, "expert_dtype must be one of"),
+        (dict(max_seq_len=100000), RequestError, "exceeds the model's max_position_embeddings"),
+        (dict(prefetch_budget=-1), RequestError, "prefetch_budget must be a number >= 0"),
+    ],
+)
+def test_bad_engine_options(checkpoint_factory, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised on a machine without CUDA")
+def test_cuda_requested_without_cuda(checkpoint_factory):
+    with pytest.raises(ResourceError, match="device='cuda' was requested but CUDA is not available"):
+        MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), device="cuda", progress=False)
+
+
+def test_batch_larger_than_the_cache_working_set(checkpoint_factory):
+    engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False, expert_cache_slots=3)
+    with pytest.raises(RequestError, match="cannot hold one decode step's working set of 4 experts"):
+        engine.generate([[3, 4], [5, 6]], max_new_tokens=4)
+    assert len(engine.generate([[3, 4]], max_new_tokens=4).sequences[0]) >= 1
+
+
+def test_cli_bad_arguments_exit_without_traceback(checkpoint_factory, capsys):
+    from moeprefetch.cli import main
+
+    path = str(checkpoint_factory("v3"))
+    for argv, message in [
+        (["generate", path, "--prompt-ids", "1,2", "--max-new-tokens", "0"], "max_new_tokens must be a positive"),
+        (["generate", path, "--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
+        (["generate", path, "--prompt", "hi"], "no tokenizer"),
+        (["generate", path, "--prompt-ids", "1,2", "--predictor", "crystal_ball"], "unknown predictor"),
+        (["generate", path, "--prompt-ids", "1,2", "--cache-fraction", "1.5"], "--cache-fraction must lie in"),
+    ]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+# ---- limits and faults --------------------------------------------------------------------------------------------
+
+
+def test_host_ram_too_small_fails_before_allocating(checkpoint_factory):
+    from moeprefetch.experts import ExpertFormat
+
+    fmt = ExpertFormat.build(64, 32, torch.float32)
+    with pytest.raises(ResourceError, match=r"host RAM is too small: the expert store .* needs"):
+        HostExpertStore(fmt, [1, 2], 8, pin=False, available_ram=1024)
+
+
+def test_pinning_refused_falls_back_to_pageable_with_a_warning(caplog):
+    from moeprefetch.experts import ExpertFormat
+
+    fmt = ExpertFormat.build(64, 32, torch.float32)
+    store = HostExpertStore(fmt, [1, 2], 4, pin=True, pin_fn=lambda t: PinResult(False, 0.0, "cudaErrorNotPermitted"))
+    with caplog.at_level(logging.WARNING, logger="moeprefetch.store"):
+        store.fill(lambda layer, expert, out: out.fill_(expert), progress=False)
+    assert not store.pinned and store.pinned_bytes == 0
+    assert "falling back to pageable memory" in caplog.text and "4x slower" in caplog.text
+    assert store.record(2, 3)[0].item() == 3
+
+
+def test_out_of_memory_during_a_step_leaves_the_engine_usable(checkpoint_factory, monkeypatch):
+    engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False, expert_cache_slots=8)
+    expected = engine.generate([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False).sequences
+    from moeprefetch import decode
+
+    calls = {"n": 0}
+    original = decode.DecodeStep._experts
+
+    def failing(self, lw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(self, lw)
+
+    monkeypatch.setattr(decode.DecodeStep, "_experts", failing)
+    with pytest.raises(ResourceError, match="ran out of memory during generation"):
+        engine.generate([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False)
+    monkeypatch.setattr(decode.DecodeStep, "_experts", original)
+    assert not engine.runtime.cache.locked and not engine.runtime._pending_release
+    assert engine.generate([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False).sequences == expected
+
+
+def test_ctrl_c_returns_the_tokens_so_far_and_leaves_a_consistent_cache(checkpoint_factory):
+    engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False, expert_cache_slots=8)
+    full = engine.generate([[3, 4, 5]], max_new_tokens=12, stop_at_eos=False, predictor="mtp").sequences[0]
+    seen = []
+
+    def interrupt_after_five(event):
+        seen.append(event.token)
+        if len(seen) == 5:
+            raise KeyboardInterrupt
+
+    result = engine.generate([[3, 4, 5]], max_new_tokens=12, stop_at_eos=False, predictor="mtp",
+                             callback=interrupt_after_five)
+    assert result.interrupted and result.finish_reasons == ["interrupted"]
+    assert result.sequences[0] == full[: len(result.sequences[0])] and 5 <= len(result.sequences[0]) < 12
+    runtime = engine.runtime
+    assert not runtime.cache.locked and not runtime._pending_release and not runtime._prefetched_unused
+    assert len(runtime.cache.slot_of) <= runtime.n_slots
+    assert all(runtime.cache.key_of[s] == k for k, s in runtime.cache.slot_of.items())
+    again = engine.generate([[3, 4, 5]], max_new_tokens=12, stop_at_eos=False, predictor="mtp").sequences[0]
+    assert again == full
+
+
+def test_ctrl_c_from_the_streaming_iterator_consumer_stops_cleanly(checkpoint_factory):
+    engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False, expert_cache_slots=8)
+    stream = engine.stream([[3, 4, 5]], max_new_tokens=12, stop_at_eos=False)
+    next(stream), next(stream)
+    stream.close()  # the consumer walks away mid-generation
+    assert not engine.runtime.cache.locked
+    assert len(engine.generate([[3, 4, 5]], max_new_tokens=4).sequences[0]) >= 1
+
+
+# ---- long runs ----------------------------------------------------------------------------------------------------
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@pytest.mark.slow
+def test_thousands_of_decode_steps_and_many_calls_keep_memory_flat(checkpoint_factory):
+    path = checkpoint_factory("v3", max_position_embeddings=4096)
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=8, max_seq_len=4096)
+    engine.generate([[3, 4]], max_new_tokens=200, stop_at_eos=False, predictor="mtp+next_layer_gate")
+    before = _rss_mib()
+    result = engine.generate([[3, 4]], max_new_tokens=3000, stop_at_eos=False, predictor="mtp+next_layer_gate")
+    assert len(result.sequences[0]) == 3000
+    after_long = _rss_mib()
+    for _ in range(60):  # many sweep points on one engine
+        engine.reset_expert_cache()
+        engine.generate([[3, 4, 5]], max_new_tokens=8, stop_at_eos=False, predictor="oracle")
+    after_many = _rss_mib()
+    assert after_long - before < 64, (before, after_long)
+    assert after_many - after_long < 64, (after_long, after_many)
+    assert len(engine.runtime.use_counts) <= engine.plan.total_experts
