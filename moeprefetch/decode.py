@@ -228,12 +228,14 @@ class DecodeStep(_Segments):
         self._routers = {lw.index: lw.router for lw in self.layers if lw.router is not None}
         ops: list[tuple[Callable[[], None], int | None]] = [(self._embed, None)]
         for lw in self.layers:
+            ops.append((lambda lw=lw: runner.enter(lw.index), None))  # streamed layers: weights land first
             ops.append((lambda lw=lw: self._attention(lw), None))
             if lw.router is None:
                 ops.append((lambda lw=lw: self._dense(lw), None))
             else:
                 ops.append((lambda lw=lw: self._route(lw), lw.index))
                 ops.append((lambda lw=lw: self._experts(lw), None))
+            ops.append((lambda lw=lw: runner.leave(lw.index), None))
         ops.append((self._head, None))
         self._build(ops)
         self._active_host = torch.zeros(batch, dtype=torch.bool)

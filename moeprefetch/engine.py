@@ -29,6 +29,7 @@ from .runner import KVCaches, ModelRunner
 from .runtime import ExpertRuntime, prefetch_budget
 from .sampling import SamplingParams, sample
 from .store import HostExpertStore
+from .streaming import LayerStreamer
 from .weights import ModelWeights, load_model_weights, weights_nbytes
 
 logger = logging.getLogger(__name__)
@@ -139,17 +140,20 @@ class MoEPrefetchEngine:
         tokenizer: Any,
         options: EngineOptions,
         plan: MemoryPlan,
+        streamer: LayerStreamer | None = None,
     ):
         self.path = path
         self.args = args
         self.weights = weights
         self.runtime = runtime
-        self.runner = ModelRunner(args, weights, runtime, options.device)
+        self.streamer = streamer
+        self.runner = ModelRunner(args, weights, runtime, options.device, streamer)
         self.tokenizer = tokenizer
         self.options = options
         self.plan = plan
         self._closed = False
-        self._graphs = GraphRunner(options.cuda_graphs and options.device.type == "cuda")
+        # streamed layers are copied in by the host between layers, which a CUDA graph cannot contain
+        self._graphs = GraphRunner(options.cuda_graphs and options.device.type == "cuda" and streamer is None)
         self._kv: dict[tuple[int, bool], KVCaches] = {}
         self._steps: dict[tuple, DecodeStep | MTPStep] = {}
 
@@ -175,6 +179,8 @@ class MoEPrefetchEngine:
         pin_memory: bool = True,
         hot_set: Sequence[ExpertKey] | None = None,
         cuda_graphs: bool = True,
+        stream_layers: int | None = None,
+        stream_ahead: int = 2,
         progress: bool = True,
     ) -> "MoEPrefetchEngine":
         """Load a local Hugging Face checkpoint directory of a DeepSeek-V3/V2 model.
@@ -183,6 +189,8 @@ class MoEPrefetchEngine:
         routed-expert slots (across all layers) in device memory and the experts in (page-locked) host RAM;
         `vram_budget="12GiB"` lets the planner size the slots. `predictor` (default: `mtp` when the checkpoint has an
         MTP layer, else `next_layer_gate`), `lookahead` and `policy` are defaults that `generate` may override.
+        When the non-expert weights do not fit the budget, the largest layers stream from host RAM `stream_ahead`
+        layers ahead of the compute; `stream_layers=N` asks for N streamed layers explicitly.
         """
         path = Path(path)
         dev = _resolve_device(device)
@@ -196,6 +204,9 @@ class MoEPrefetchEngine:
         _check_positive_int("prefill_chunk", prefill_chunk)
         if max_inflight_experts is not None:
             _check_positive_int("max_inflight_experts", max_inflight_experts)
+        _check_positive_int("stream_ahead", stream_ahead)
+        if stream_layers is not None:
+            _check_positive_int("stream_layers", stream_layers)
         if not isinstance(prefetch_budget, (int, float)) or isinstance(prefetch_budget, bool) or prefetch_budget < 0:
             raise RequestError(f"prefetch_budget must be a number >= 0 (a multiple of top-k), got {prefetch_budget!r}")
         budget_bytes = parse_bytes(vram_budget) if vram_budget is not None else None
@@ -233,19 +244,31 @@ class MoEPrefetchEngine:
         fmt = ExpertFormat.build(args.hidden_size, args.moe_intermediate_size, torch_dtype, expert_dtype, block)
         expert_layers = list(args.moe_layers) + ([args.mtp_layer_index] if has_mtp else [])
         total_experts = len(expert_layers) * args.n_routed_experts
-        plan = _plan(args, reader, options, fmt, total_experts, has_mtp, budget_bytes, expert_cache_slots)
+        plan = _plan(args, reader, options, fmt, total_experts, has_mtp, budget_bytes, expert_cache_slots,
+                     stream_layers, stream_ahead)
         logger.info(plan.describe())
-        if plan.streamed_layers:
-            raise ResourceError(
-                "the non-expert weights do not fit in vram_budget even with a minimal expert cache; layer streaming "
-                "is planned (" + plan.describe() + ") but not available in this build"
-            )
+        for note in plan.notes:
+            logger.info(note)
 
         start = time.perf_counter()
-        weights = load_model_weights(reader, args, torch_dtype, dev, progress)
+        weights = load_model_weights(reader, args, torch_dtype, dev, progress, frozenset(plan.streamed_layers))
+        streamer = None
+        if plan.streamed_layers:
+            streamer = LayerStreamer([weights.layers[i] for i in plan.streamed_layers], dev, plan.stream_ahead,
+                                     pin=pin_memory and dev.type == "cuda")
+            for i, layer in zip(plan.streamed_layers, streamer.layers):
+                weights.layers[i] = layer
         if has_mtp and weights.mtp is None:
             has_mtp = False
         experts = CheckpointExperts(reader, args, block)
+        hot = list(hot_set or [])
+        if hot and policy != "static":
+            raise RequestError("hot_set is only used by policy='static'")
+        if not plan.all_resident and len(hot) > plan.expert_slots - args.num_experts_per_tok:
+            raise RequestError(
+                f"the static hot set ({len(hot)} experts) leaves fewer than top-k ({args.num_experts_per_tok}) of the "
+                f"{plan.expert_slots} cache slots free"
+            )
         store = None
         if not plan.all_resident:
             store = HostExpertStore(fmt, expert_layers, args.n_routed_experts, pin=pin_memory and dev.type == "cuda")
@@ -259,7 +282,7 @@ class MoEPrefetchEngine:
             args.hidden_act,
             store,
             policy,
-            list(hot_set or []),
+            hot,
         )
         def pack(layer: int, expert: int, out: torch.Tensor) -> None:
             experts.pack(fmt, layer, expert, out)
@@ -270,7 +293,7 @@ class MoEPrefetchEngine:
             store.fill(pack, progress)
         reader.close()
         logger.info("loaded %s in %.1f s", path, time.perf_counter() - start)
-        return cls(path, args, weights, runtime, tokenizer, options, plan)
+        return cls(path, args, weights, runtime, tokenizer, options, plan, streamer)
 
     # ---- properties -----------------------------------------------------------------------------------------------
     @property
@@ -292,6 +315,7 @@ class MoEPrefetchEngine:
                 "planned_vram_bytes": self.plan.planned_vram_bytes,
                 "all_resident": self.plan.all_resident,
                 "streamed_layers": list(self.plan.streamed_layers),
+                "host_streamed_layer_bytes": self.streamer.host.numel() if self.streamer else 0,
                 "total_experts": self.plan.total_experts,
             }
         )
@@ -305,6 +329,23 @@ class MoEPrefetchEngine:
         """How often each (layer, expert) was needed since the engine was loaded (for the `static` policy)."""
         return dict(self.runtime.use_counts)
 
+    def set_hot_set_from_profile(
+        self, share: float = 0.5, profile: dict[ExpertKey, int] | None = None
+    ) -> list[ExpertKey]:
+        """`static` policy: pin the most-used experts of a routing profile (default: what this engine has routed so
+        far) in `share` of the usable cache slots; the rest stays LRU. Returns the hot set."""
+        if self.options.policy != "static":
+            raise RequestError("a hot set is only used by policy='static'")
+        if not 0 <= share < 1:
+            raise RequestError(f"share must lie in [0, 1), got {share!r}")
+        counts = profile if profile is not None else self.routing_profile
+        room = max(self.runtime.n_slots - self.args.num_experts_per_tok * self.options.max_batch_size * 2, 0)
+        size = min(int(share * self.runtime.n_slots), room)
+        hot = [key for key, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]]
+        self.runtime.cache.policy.hot_set = set(hot)  # type: ignore[union-attr]
+        logger.info("static policy: %d experts pinned from a profile of %d", len(hot), len(counts))
+        return hot
+
     def reset_expert_cache(self) -> None:
         """Empty the expert cache (a cold start for the next call); no effect when every expert is resident."""
         self.runtime.reset()
@@ -312,6 +353,8 @@ class MoEPrefetchEngine:
     def close(self) -> None:
         if not self._closed and self.runtime.store is not None:
             self.runtime.store.close()
+        if not self._closed and self.streamer is not None:
+            self.streamer.close()
         self._closed = True
 
     def __enter__(self) -> "MoEPrefetchEngine":
@@ -570,6 +613,7 @@ class MoEPrefetchEngine:
         inflight = self.options.max_inflight_experts or max(2 * args.num_experts_per_tok * rows_per_step, 4)
         runtime.begin_call(accounting, predictor, budget, inflight, runner.score_layer)
 
+        stream_bytes_before = self.streamer.bytes_copied if self.streamer is not None else 0
         generated: list[list[int]] = [[] for _ in range(batch)]
         finish = ["length"] * batch
         texts_so_far = [""] * batch
@@ -653,23 +697,26 @@ class MoEPrefetchEngine:
             stats.decode_seconds = time.perf_counter() - t1
         except KeyboardInterrupt:
             interrupted = True
-            runtime.abort()
+            self._abort()
             finish = ["interrupted" if f == "length" and len(g) < request.max_new_tokens else f
                       for f, g in zip(finish, generated)]
             logger.warning("generation interrupted; returning the %d tokens produced so far", sum(map(len, generated)))
         except torch.OutOfMemoryError:
-            runtime.abort()
+            self._abort()
             self._free_cuda()
             raise ResourceError(
                 f"the device ran out of memory during generation (batch {batch}, max_seq_len "
                 f"{self.options.max_seq_len}); lower the batch, max_seq_len or the expert cache size"
             ) from None
         except BaseException:
-            runtime.abort()
+            self._abort()
             raise
         finally:
             stats.decode_stall_seconds = runtime.end_call()
             stats.stall_seconds = stats.prefill_stall_seconds + stats.decode_stall_seconds
+            if self.streamer is not None:
+                stats.extra["layer_stream_bytes"] = self.streamer.bytes_copied - stream_bytes_before
+                stats.extra["layer_stream_stall_seconds"] = self.streamer.transfer.collect_stall_seconds()
         stats.generated_tokens = sum(len(g) for g in generated)
         if request.event_log is not None:
             accounting.write_jsonl(request.event_log)
@@ -781,6 +828,11 @@ class MoEPrefetchEngine:
             texts[b] = text
         return TokenEvent(b, token, piece)
 
+    def _abort(self) -> None:
+        self.runtime.abort()
+        if self.streamer is not None:
+            self.streamer.abort()
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -818,6 +870,8 @@ def _plan(
     has_mtp: bool,
     budget_bytes: int | None,
     slots: int | None,
+    stream_layers: int | None = None,
+    stream_ahead: int = 2,
 ) -> MemoryPlan:
     element = torch.tensor([], dtype=options.dtype).element_size()
     layer_bytes: dict[int, int] = {}
@@ -832,7 +886,8 @@ def _plan(
         resident += nbytes
         if name.startswith("model.layers."):
             layer = int(name.split(".")[2])
-            layer_bytes[layer] = layer_bytes.get(layer, 0) + nbytes
+            if layer < args.num_hidden_layers:  # the MTP layer stays resident
+                layer_bytes[layer] = layer_bytes.get(layer, 0) + nbytes
     kv = KVCaches.bytes_per_token(args, options.dtype, has_mtp) * options.max_seq_len * options.max_batch_size
     rows = options.max_batch_size * 2
     workspace = (
@@ -851,4 +906,6 @@ def _plan(
         top_k=args.num_experts_per_tok,
         budget_bytes=budget_bytes,
         expert_cache_slots=slots,
+        stream_layers=stream_layers,
+        stream_ahead=stream_ahead,
     )

@@ -99,10 +99,41 @@ def plan_memory(
     budget_bytes: int | None,
     expert_cache_slots: int | None,
     stream_ahead: int = 2,
+    stream_layers: int | None = None,
 ) -> MemoryPlan:
     """Decide the expert-slot count (and layer streaming) for a VRAM budget or an explicit slot count.
 
-    `layer_bytes` are the streamable (per decoder layer, non-expert) weights included in `resident_bytes`."""
+    `layer_bytes` are the streamable (per decoder layer, non-expert) weights included in `resident_bytes`;
+    `stream_layers=N` streams the N largest layers whatever the budget."""
+    plan = _plan_slots(resident_bytes=resident_bytes, layer_bytes=layer_bytes, kv_bytes=kv_bytes,
+                       workspace_bytes=workspace_bytes, expert_record_bytes=expert_record_bytes,
+                       total_experts=total_experts, top_k=top_k, budget_bytes=budget_bytes,
+                       expert_cache_slots=expert_cache_slots, stream_ahead=stream_ahead)
+    if stream_layers and not plan.streamed_layers:
+        chosen = sorted(layer_bytes, key=lambda layer: -layer_bytes[layer])[:stream_layers]
+        largest = max((layer_bytes[layer] for layer in chosen), default=0)
+        streamed = sum(layer_bytes[layer] for layer in chosen)
+        plan.streamed_layers = sorted(chosen)
+        plan.streamed_bytes = streamed
+        plan.stream_ahead = stream_ahead
+        plan.resident_bytes = resident_bytes - streamed + min(stream_ahead + 1, len(chosen)) * largest
+        plan.notes.append(f"{len(chosen)} layer(s) stream from host RAM as requested (stream_layers={stream_layers})")
+    return plan
+
+
+def _plan_slots(
+    *,
+    resident_bytes: int,
+    layer_bytes: dict[int, int],
+    kv_bytes: int,
+    workspace_bytes: int,
+    expert_record_bytes: int,
+    total_experts: int,
+    top_k: int,
+    budget_bytes: int | None,
+    expert_cache_slots: int | None,
+    stream_ahead: int,
+) -> MemoryPlan:
     if expert_cache_slots is not None and budget_bytes is not None:
         raise RequestError("give either expert_cache_slots or vram_budget, not both")
     if expert_cache_slots is not None:

@@ -7,6 +7,7 @@ The runner composes `model.py`'s blocks layer by layer and hands each MoE layer'
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ from .model import LayerKV, attention_expanded, linear, mlp, rms_norm, route
 from .rope import RotaryEmbedding
 from .runtime import ExpertRuntime, RowBlock
 from .weights import LayerWeights, ModelWeights
+
+if TYPE_CHECKING:
+    from .streaming import LayerStreamer
 
 
 @dataclass
@@ -55,10 +59,18 @@ class DecodeOutput:
 
 
 class ModelRunner:
-    def __init__(self, args: ModelArgs, weights: ModelWeights, runtime: ExpertRuntime, device: torch.device):
+    def __init__(
+        self,
+        args: ModelArgs,
+        weights: ModelWeights,
+        runtime: ExpertRuntime,
+        device: torch.device,
+        streamer: "LayerStreamer | None" = None,
+    ):
         self.args = args
         self.weights = weights
         self.runtime = runtime
+        self.streamer = streamer
         self.device = device
         self.rope = RotaryEmbedding(args.rope, args.qk_rope_head_dim, device)
         self.act = activation(args.hidden_act)
@@ -104,8 +116,19 @@ class ModelRunner:
         x = F.embedding(tokens, self.weights.embed)
         for lw in self.weights.layers:
             kv = caches.layers[lw.index] if caches is not None else None
+            self.enter(lw.index)
             x = self.layer_block(lw, x, positions, kv, row, start)
+            self.leave(lw.index)
         return rms_norm(x, self.weights.final_norm, self.args.rms_norm_eps)
+
+    def enter(self, layer: int) -> None:
+        """Before a layer's kernels: a streamed layer's weights must have landed."""
+        if self.streamer is not None and self.streamer.streams(layer):
+            self.streamer.begin(layer)
+
+    def leave(self, layer: int) -> None:
+        if self.streamer is not None and self.streamer.streams(layer):
+            self.streamer.end(layer)
 
     def mtp_block(
         self,

@@ -221,7 +221,8 @@ class ExpertRuntime:
     # ---- decode: one host hook per MoE layer ---------------------------------------------------------------------
     def working_set_capacity(self) -> int:
         """Experts one decode layer can hold at once (slots not pinned by the static policy)."""
-        return self.n_slots - len(self.cache.pinned & set(self.cache.slot_of)) if not self.preloaded else self.n_slots
+        # every hot-set key may become pinned, resident or not yet
+        return self.n_slots - len(self.cache.pinned) if not self.preloaded else self.n_slots
 
     def decode_layer(
         self,

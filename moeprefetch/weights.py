@@ -246,12 +246,19 @@ def mtp_tensor_names(args: ModelArgs, reader: CheckpointReader) -> tuple[list[st
 
 
 def load_model_weights(
-    reader: CheckpointReader, args: ModelArgs, dtype: torch.dtype, device: torch.device, progress: bool = True
+    reader: CheckpointReader,
+    args: ModelArgs,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: bool = True,
+    host_layers: frozenset[int] = frozenset(),
 ) -> ModelWeights:
-    """All resident (non-routed-expert) weights, validated, on `device` in `dtype`."""
+    """All non-routed-expert weights, validated, on `device` in `dtype` — except `host_layers`, kept on the CPU for
+    layer streaming."""
     from tqdm.auto import tqdm
 
     loader = TensorLoader(reader, args, dtype, device)
+    host_loader = TensorLoader(reader, args, dtype, torch.device("cpu"))
     h, v = args.hidden_size, args.vocab_size
     embed = loader.get("model.embed_tokens.weight", (v, h))
     if args.tie_word_embeddings and "lm_head.weight" not in reader:
@@ -259,7 +266,7 @@ def load_model_weights(
     else:
         lm_head = loader.get("lm_head.weight", (v, h))
     layers = [
-        load_layer(loader, i)
+        load_layer(host_loader if i in host_layers else loader, i)
         for i in tqdm(range(args.num_hidden_layers), desc="loading layers", disable=not progress, leave=False)
     ]
     weights = ModelWeights(

@@ -1,0 +1,119 @@
+"""Layer streaming: non-expert layer weights kept in host RAM and copied into a small VRAM ring ahead of compute.
+
+When even attention, dense layers and shared experts exceed the budget (DeepSeek-V3's are ~20 GB in bf16), the planner
+picks layers to stream. Each such layer's tensors are packed into one page-locked host record (one DMA per layer). A
+ring of `ahead + 1` VRAM buffers holds the layer being computed and the next `ahead` streamed layers; layer i of the
+streamed list always lives in ring slot i mod (ahead + 1), so its weight views never move. Copies and their ordering
+go through a `TransferEngine` (ready / free events per ring slot), like expert copies.
+
+Streamed layers run eagerly: their copies are issued by the host between layers, which a CUDA graph cannot contain.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import fields, is_dataclass, replace
+from typing import Any, Callable
+
+import torch
+
+from .store import check_host_ram, register_pinned, unregister_pinned
+from .transfer import TransferEngine
+from .weights import LayerWeights, iter_tensors
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 64
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """A copy of a weights dataclass (recursively) with every tensor replaced by fn(tensor)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, list):
+        return [_map_tensors(item, fn) for item in obj]
+    if obj is not None and is_dataclass(obj):
+        return replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn) for f in fields(obj)})
+    return obj
+
+
+class LayerStreamer:
+    def __init__(self, layers: list[LayerWeights], device: torch.device, ahead: int, pin: bool):
+        """`layers`: the streamed layers' weights on the CPU, in execution order."""
+        self.order = [lw.index for lw in layers]
+        self.position = {index: i for i, index in enumerate(self.order)}
+        self.ring_size = min(ahead + 1, len(layers))
+        self.device = device
+        layouts = [self._layout(lw) for lw in layers]
+        self.record_bytes = max(size for _, size in layouts)
+        check_host_ram(self.record_bytes * len(layers), f"{len(layers)} streamed layers")
+        self.host = torch.empty((len(layers), self.record_bytes), dtype=torch.uint8)
+        for row, (lw, (offsets, _)) in enumerate(zip(layers, layouts)):
+            for tensor, offset in zip(iter_tensors(lw), offsets):
+                n = tensor.numel() * tensor.element_size()
+                self.host[row, offset : offset + n].copy_(tensor.contiguous().view(-1).view(torch.uint8))
+        self.pinned = pin and register_pinned(self.host).pinned
+        self.ring = torch.empty((self.ring_size, self.record_bytes), dtype=torch.uint8, device=device)
+        self.transfer = TransferEngine(device, self.ring_size)
+        self.occupant: list[int | None] = [None] * self.ring_size
+        self.in_use: list[bool] = [False] * self.ring_size  # between begin() and end() of its occupant
+        self.bytes_copied = 0
+        self.layers = [self._views(lw, offsets, i % self.ring_size) for i, (lw, (offsets, _)) in
+                       enumerate(zip(layers, layouts))]
+        logger.info("streaming %d layers (%.2f GiB) through a ring of %d x %.1f MiB", len(layers),
+                    self.host.numel() / 1024**3, self.ring_size, self.record_bytes / 1024**2)
+
+    @staticmethod
+    def _layout(lw: LayerWeights) -> tuple[list[int], int]:
+        offsets, offset = [], 0
+        for tensor in iter_tensors(lw):
+            offsets.append(offset)
+            offset += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+        return offsets, offset
+
+    def _views(self, lw: LayerWeights, offsets: list[int], slot: int) -> LayerWeights:
+        it = iter(offsets)
+
+        def view(tensor: torch.Tensor) -> torch.Tensor:
+            offset = next(it)
+            n = tensor.numel() * tensor.element_size()
+            return self.ring[slot, offset : offset + n].view(tensor.dtype).view(tensor.shape)
+
+        return _map_tensors(lw, view)
+
+    def streams(self, layer: int) -> bool:
+        return layer in self.position
+
+    def _load(self, i: int, demand: bool) -> None:
+        slot = i % self.ring_size
+        if self.occupant[slot] == self.order[i] or self.in_use[slot]:
+            return  # already there, or its slot still serves a layer being computed
+        self.transfer.copy(self.host[i], self.ring[slot], slot, demand=demand)
+        self.occupant[slot] = self.order[i]
+        self.bytes_copied += self.record_bytes
+
+    def begin(self, layer: int) -> None:
+        """Before computing `layer`: its weights are (or are made) resident; the next layers start streaming."""
+        i = self.position[layer]
+        self._load(i, demand=True)
+        self.in_use[i % self.ring_size] = True
+        self.transfer.wait_for([i % self.ring_size])
+        for k in range(1, self.ring_size):  # the next layers, into slots whose layers are done
+            self._load((i + k) % len(self.order), demand=False)
+
+    def end(self, layer: int) -> None:
+        """After the kernels that read `layer`'s weights are enqueued: its ring slot may be refilled after them."""
+        slot = self.position[layer] % self.ring_size
+        self.transfer.release([slot])
+        self.in_use[slot] = False
+
+    def abort(self) -> None:
+        """After an interrupted step: nothing is being computed any more."""
+        self.transfer.synchronize()
+        self.in_use = [False] * self.ring_size
+
+    def close(self) -> None:
+        self.transfer.synchronize()
+        if self.pinned:
+            unregister_pinned(self.host)
+            self.pinned = False

@@ -1,0 +1,61 @@
+"""planner.py: budgets, slot counts, layer streaming and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeprefetch.errors import RequestError
+from moeprefetch.planner import GiB, parse_bytes, plan_memory
+
+MiB = 1024**2
+
+
+def plan(**kwargs):
+    defaults = dict(resident_bytes=2 * GiB, layer_bytes={i: 64 * MiB for i in range(32)}, kv_bytes=GiB // 4,
+                    workspace_bytes=GiB // 2, expert_record_bytes=17 * MiB, total_experts=1664, top_k=6,
+                    budget_bytes=None, expert_cache_slots=None)
+    return plan_memory(**{**defaults, **kwargs})
+
+
+def test_parse_bytes():
+    assert parse_bytes("12GiB") == 12 * GiB
+    assert parse_bytes("12 GB") == 12 * 10**9
+    assert parse_bytes("512MiB") == 512 * MiB
+    assert parse_bytes(1.5e9) == 1_500_000_000
+    for bad in ("lots", "-1GiB", "0", True, float("nan")):
+        with pytest.raises(RequestError):
+            parse_bytes(bad)
+
+
+def test_budget_fills_the_rest_with_slots_and_never_exceeds_it():
+    p = plan(budget_bytes=12 * GiB)
+    assert p.expert_slots == (12 * GiB - 2 * GiB - GiB // 4 - GiB // 2) // (17 * MiB)
+    assert p.planned_vram_bytes <= 12 * GiB
+    assert not p.all_resident and not p.streamed_layers
+
+
+def test_no_budget_means_all_resident_and_slots_are_clamped():
+    assert plan().all_resident and plan().expert_slots == 1664
+    assert plan(expert_cache_slots=5000).expert_slots == 1664
+    assert plan(budget_bytes=200 * GiB).all_resident
+
+
+def test_too_small_is_a_clear_error():
+    with pytest.raises(RequestError, match="cannot hold one layer's working set"):
+        plan(expert_cache_slots=5)
+    with pytest.raises(RequestError, match="cannot hold one layer's working set"):
+        plan(budget_bytes=GiB // 2)
+
+
+def test_streaming_kicks_in_when_resident_weights_do_not_fit():
+    # 3.4 GiB of resident weights in a 3.5 GiB budget: not even 6 expert slots would be left without streaming
+    p = plan(resident_bytes=int(3.4 * GiB), budget_bytes=int(3.5 * GiB), workspace_bytes=GiB // 8, kv_bytes=GiB // 8)
+    assert p.streamed_layers and p.stream_ahead == 2
+    assert p.planned_vram_bytes <= int(3.5 * GiB)
+    assert p.expert_slots >= 6
+    assert "stream from host RAM" in p.notes[0] and "streamed from host RAM" in p.describe()
+
+
+def test_requested_streaming():
+    p = plan(stream_layers=4, stream_ahead=1)
+    assert len(p.streamed_layers) == 4 and p.stream_ahead == 1
