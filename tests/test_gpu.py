@@ -107,3 +107,21 @@ def test_cuda_graphs_change_nothing(checkpoint_factory):
             if graphs:
                 assert engine._graphs.captured > 0
         assert runs[0] == runs[1] == runs[2] == runs[3]
+
+
+@pytest.mark.parametrize("expert_dtype", ["fp8", "int8"])
+def test_dequantisation_on_the_gpu_matches_the_cpu(checkpoint_factory, expert_dtype):
+    """Compressed experts travel as FP8/int8 and are dequantised on the GPU after landing; the result matches the
+    CPU's dequantisation of the same bytes, and host RAM holds the compact records."""
+    path = checkpoint_factory("v3_groups_qlora_yarn")
+    kwargs = dict(progress=False, expert_dtype=expert_dtype, expert_cache_slots=12)
+    cpu = MoEPrefetchEngine.from_pretrained(path, **kwargs)
+    cuda = MoEPrefetchEngine.from_pretrained(path, device="cuda", **kwargs)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
+    assert (cpu.forward(ids) - cuda.forward(ids).cpu()).abs().max().item() < 1e-3
+    prompts = [[3, 4, 5], [6, 7]]
+    assert cpu.generate(prompts, max_new_tokens=8, stop_at_eos=False).sequences == \
+        cuda.generate(prompts, max_new_tokens=8, stop_at_eos=False).sequences
+    stats = cuda.memory_stats()
+    assert stats["host_pinned_bytes"] == stats["host_expert_bytes"]
+    assert cuda.runtime.expert_bytes < 0.3 * 3 * 64 * 32 * 4  # about a quarter of the fp32 record
