@@ -187,8 +187,8 @@ class MoEPrefetchEngine:
 
         Without `expert_cache_slots` or `vram_budget` every expert is resident. `expert_cache_slots=N` keeps N
         routed-expert slots (across all layers) in device memory and the experts in (page-locked) host RAM;
-        `vram_budget="12GiB"` lets the planner size the slots. `predictor` (default: `mtp` when the checkpoint has an
-        MTP layer, else `next_layer_gate`), `lookahead` and `policy` are defaults that `generate` may override.
+        `vram_budget="12GiB"` lets the planner size the slots. `predictor` (default: `mtp+next_layer_gate` when the
+        checkpoint has an MTP layer, else `next_layer_gate`), `lookahead` and `policy` are defaults that `generate` may override.
         When the non-expert weights do not fit the budget, the largest layers stream from host RAM `stream_ahead`
         layers ahead of the compute; `stream_layers=N` asks for N streamed layers explicitly.
         """
@@ -215,7 +215,8 @@ class MoEPrefetchEngine:
         reader = CheckpointReader(path)
         tokenizer = _load_tokenizer(path)
         has_mtp = _has_mtp(args, reader)
-        default_predictor = "mtp" if has_mtp else "next_layer_gate"
+        # measured best recall, precision and hit rate of the predictors (BENCHMARKS.md, experiments/results)
+        default_predictor = "mtp+next_layer_gate" if has_mtp else "next_layer_gate"
         predictor = predictor or default_predictor
         _validate_predictor(predictor, has_mtp)
         seq_len = max_seq_len or min(args.max_position_embeddings, 4096)
