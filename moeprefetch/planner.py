@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import RequestError
 
@@ -87,53 +88,46 @@ class MemoryPlan:
         return f"memory plan{budget}: " + ", ".join(parts)
 
 
-def plan_memory(
-    *,
-    resident_bytes: int,
-    layer_bytes: dict[int, int],
-    kv_bytes: int,
-    workspace_bytes: int,
-    expert_record_bytes: int,
-    total_experts: int,
-    top_k: int,
-    budget_bytes: int | None,
-    expert_cache_slots: int | None,
-    stream_ahead: int = 2,
-    stream_layers: int | None = None,
-) -> MemoryPlan:
-    """Decide the expert-slot count (and layer streaming) for a VRAM budget or an explicit slot count.
+@dataclass(frozen=True)
+class PlanInputs:
+    resident_bytes: int  # non-expert weights, all of them
+    layer_bytes: dict[int, int]  # the streamable part of resident_bytes, per main decoder layer
+    kv_bytes: int
+    workspace_bytes: int
+    expert_record_bytes: int
+    total_experts: int
+    top_k: int
+    budget_bytes: int | None
+    expert_cache_slots: int | None
+    stream_ahead: int = 2
+    stream_layers: int | None = None  # stream the N largest layers whatever the budget
 
-    `layer_bytes` are the streamable (per decoder layer, non-expert) weights included in `resident_bytes`;
-    `stream_layers=N` streams the N largest layers whatever the budget."""
-    plan = _plan_slots(resident_bytes=resident_bytes, layer_bytes=layer_bytes, kv_bytes=kv_bytes,
-                       workspace_bytes=workspace_bytes, expert_record_bytes=expert_record_bytes,
-                       total_experts=total_experts, top_k=top_k, budget_bytes=budget_bytes,
-                       expert_cache_slots=expert_cache_slots, stream_ahead=stream_ahead)
-    if stream_layers and not plan.streamed_layers:
-        chosen = sorted(layer_bytes, key=lambda layer: -layer_bytes[layer])[:stream_layers]
+
+def plan_memory(**inputs: Any) -> MemoryPlan:
+    """Decide the expert-slot count (and layer streaming) for a VRAM budget or an explicit slot count
+    (keyword arguments: the fields of `PlanInputs`)."""
+    request = PlanInputs(**inputs)
+    plan = _plan_slots(request)
+    if request.stream_layers and not plan.streamed_layers:
+        layer_bytes = request.layer_bytes
+        chosen = sorted(layer_bytes, key=lambda layer: -layer_bytes[layer])[: request.stream_layers]
         largest = max((layer_bytes[layer] for layer in chosen), default=0)
         streamed = sum(layer_bytes[layer] for layer in chosen)
         plan.streamed_layers = sorted(chosen)
         plan.streamed_bytes = streamed
-        plan.stream_ahead = stream_ahead
-        plan.resident_bytes = resident_bytes - streamed + min(stream_ahead + 1, len(chosen)) * largest
-        plan.notes.append(f"{len(chosen)} layer(s) stream from host RAM as requested (stream_layers={stream_layers})")
+        plan.stream_ahead = request.stream_ahead
+        plan.resident_bytes = request.resident_bytes - streamed + min(request.stream_ahead + 1, len(chosen)) * largest
+        plan.notes.append(
+            f"{len(chosen)} layer(s) stream from host RAM as requested (stream_layers={request.stream_layers})"
+        )
     return plan
 
 
-def _plan_slots(
-    *,
-    resident_bytes: int,
-    layer_bytes: dict[int, int],
-    kv_bytes: int,
-    workspace_bytes: int,
-    expert_record_bytes: int,
-    total_experts: int,
-    top_k: int,
-    budget_bytes: int | None,
-    expert_cache_slots: int | None,
-    stream_ahead: int,
-) -> MemoryPlan:
+def _plan_slots(request: PlanInputs) -> MemoryPlan:
+    resident_bytes, layer_bytes, kv_bytes = request.resident_bytes, request.layer_bytes, request.kv_bytes
+    workspace_bytes, expert_record_bytes = request.workspace_bytes, request.expert_record_bytes
+    total_experts, top_k, budget_bytes = request.total_experts, request.top_k, request.budget_bytes
+    expert_cache_slots, stream_ahead = request.expert_cache_slots, request.stream_ahead
     if expert_cache_slots is not None and budget_bytes is not None:
         raise RequestError("give either expert_cache_slots or vram_budget, not both")
     if expert_cache_slots is not None:
