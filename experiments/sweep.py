@@ -94,6 +94,10 @@ def merge_stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for counters in per_layer.values():
         counters.update(_ratios(counters))
     merged["per_layer"] = per_layer
+    main = [str(layer) for layer in runs[0].get("main_moe_layers", [])] if runs else []
+    main_counts = {k: sum(per_layer[layer][k] for layer in main if layer in per_layer) for k in COUNTERS}
+    merged["prediction_recall_main_layers"] = _ratios(main_counts)["prediction_recall"]
+    merged["prediction_precision_main_layers"] = _ratios(main_counts)["prediction_precision"]
     checked = sum(r.get("mtp_drafts_checked", 0) or 0 for r in runs)
     merged["mtp_draft_accuracy"] = (sum(r.get("mtp_drafts_correct", 0) or 0 for r in runs) / checked) if checked else None
     proposed = merged["draft_proposed"]

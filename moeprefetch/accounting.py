@@ -132,6 +132,18 @@ class Stats:
         out.update(self.extra)
         return out
 
+    def main_layer_prediction(self, main_layers: set[int]) -> dict[str, float]:
+        """Recall/precision over the model's main MoE layers only: the MTP head's own layer is the drafter, not part
+        of the next step's routing, and no predictor predicts it."""
+        counters = [c for layer, c in self.per_layer.items() if layer in main_layers]
+        truth = sum(c.truth for c in counters)
+        predicted = sum(c.predicted for c in counters)
+        correct = sum(c.predicted_correct for c in counters)
+        return {
+            "prediction_recall_main_layers": correct / truth if truth else 0.0,
+            "prediction_precision_main_layers": correct / predicted if predicted else 0.0,
+        }
+
     def _first_tokens(self) -> int:
         # The first generated token of each sequence comes out of prefill; decode throughput excludes it.
         return int(self.extra.get("sequences", 0))

@@ -719,6 +719,8 @@ class MoEPrefetchEngine:
                 stats.extra["layer_stream_bytes"] = self.streamer.bytes_copied - stream_bytes_before
                 stats.extra["layer_stream_stall_seconds"] = self.streamer.transfer.collect_stall_seconds()
         stats.generated_tokens = sum(len(g) for g in generated)
+        stats.extra.update(stats.main_layer_prediction(set(args.moe_layers)))
+        stats.extra["main_moe_layers"] = list(args.moe_layers)
         if request.event_log is not None:
             accounting.write_jsonl(request.event_log)
         texts = [self._decode_text(g) for g in generated] if self.tokenizer is not None else None

@@ -26,7 +26,9 @@ def summary_lines(stats: dict[str, Any], memory: dict[str, Any] | None = None, d
         f"{stats['bytes_h2d'] / 1e6:.1f} MB moved host->device, stall {1000 * stats['stall_seconds']:.1f} ms, "
         f"{stats['cache_slots']} slots, policy {stats['policy']}",
         f"-- predictor {stats['predictor']} (lookahead {stats['lookahead']}): next-step recall "
-        f"{stats['prediction_recall']:.1%}, precision {stats['prediction_precision']:.1%}; prefetches "
+        f"{stats.get('prediction_recall_main_layers', stats['prediction_recall']):.1%}, precision "
+        f"{stats.get('prediction_precision_main_layers', stats['prediction_precision']):.1%} (main MoE layers); "
+        f"prefetches "
         f"{stats['prefetch_issued']} issued, {stats['prefetch_useful']} in time, {stats['prefetch_late']} late, "
         f"{stats['prefetch_wasted']} wasted",
     ]
@@ -121,19 +123,22 @@ def write_report(results: Path, out: Path | None = None) -> Path:
 
 
 def _summary_section(rows: list[dict[str, Any]]) -> list[str]:
-    columns = ["predictor", "lookahead", "policy", "cache_slots", "cache_fraction", "hit_rate", "prediction_recall",
-               "prediction_precision", "misses_per_token", "mb_per_token", "stall_ms_per_token", "decode_tokens_per_s",
-               "prefetch_wasted"]
+    columns = ["predictor", "lookahead", "policy", "cache_slots", "cache_fraction", "hit_rate",
+               "prediction_recall_main_layers", "prediction_precision_main_layers", "prediction_recall",
+               "misses_per_token", "mb_per_token", "stall_ms_per_token", "decode_tokens_per_s", "prefetch_wasted"]
     table_rows = sorted((_derived(r) for r in rows), key=lambda r: (r["cache_slots"], r["predictor"], r["lookahead"]))
     return ["## All points", "", markdown_table(table_rows, columns, {
         "hit_rate": ".1%", "prediction_recall": ".1%", "prediction_precision": ".1%", "cache_fraction": ".0%",
+        "prediction_recall_main_layers": ".1%", "prediction_precision_main_layers": ".1%",
         "mb_per_token": ".2f", "stall_ms_per_token": ".2f", "decode_tokens_per_s": ".1f", "misses_per_token": ".2f"}),
         ""]
 
 
 def _derived(row: dict[str, Any]) -> dict[str, Any]:
-    tokens = max(row.get("generated_tokens", 0) - row.get("batch", 1), 1)
+    tokens = max(row.get("generated_tokens", 0) - row.get("batch", 1) * row.get("prompt_count", 1), 1)
     return {
+        "prediction_recall_main_layers": row.get("prediction_recall", 0.0),  # rows from before the field existed
+        "prediction_precision_main_layers": row.get("prediction_precision", 0.0),
         **row,
         "misses_per_token": row.get("misses", 0) / tokens,
         "mb_per_token": row.get("bytes_h2d", 0) / 1e6 / tokens,
@@ -161,7 +166,7 @@ def _figures(rows: list[dict[str, Any]], out: Path, conditions: str) -> list[str
         ("hit_rate", "hit rate", "hit_rate_vs_cache.png"),
         ("mb_per_token", "MB moved host->device per token", "bytes_vs_cache.png"),
         ("stall_ms_per_token", "stall ms per token", "stall_vs_cache.png"),
-        ("prediction_recall", "next-step prediction recall", "recall_vs_cache.png"),
+        ("prediction_recall_main_layers", "next-step recall, main MoE layers", "recall_vs_cache.png"),
     ]
     if any(r.get("device", "cpu").startswith("cuda") for r in rows):
         plots.append(("decode_tokens_per_s", "decode tokens/s", "tokens_per_s_vs_cache.png"))
@@ -201,9 +206,11 @@ def _per_layer_figure(rows: list[dict[str, Any]], out: Path, conditions: str, pl
         label = row["predictor"] + (f" (la {row['lookahead']})" if row.get("lookahead", 1) != 1 else "")
         for ax, key in zip(axes, ("prediction_recall", "prediction_precision")):
             ax.plot([int(l) for l in layers], [row["per_layer"][l][key] for l in layers], marker="o", label=label)
+    layer_ids = sorted({int(layer) for row in chosen for layer in row["per_layer"]})
     for ax, title in zip(axes, ("recall per layer", "precision per layer")):
         ax.set_title(f"{title} ({smallest:.0%} cached)", fontsize=11)
-        ax.set_xlabel("layer")
+        ax.set_xlabel("MoE layer (the last is the MTP head's own layer, which no predictor targets)")
+        ax.set_xticks(layer_ids)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.text(0.01, 0.01, conditions, fontsize=6.5, color="0.35")
