@@ -323,7 +323,8 @@ class DecodeStep(_Segments):
         gate_ranked = None
         if layer in self.gate_ids:
             ranked = self.gate_ids[layer].cpu().tolist()  # [targets][B][width]
-            gate_ranked = {t: rank_merge(rows) for t, rows in zip(self.gate_targets[layer], ranked)}
+            live = [r for r, active in enumerate(self._active_host) if active]  # finished rows predict nothing
+            gate_ranked = {t: rank_merge([rows[r] for r in live]) for t, rows in zip(self.gate_targets[layer], ranked)}
         plans, shadow_plan = runtime.decode_layer(layer, exact, shadow, b.h[layer], real_scores, gate_ranked)
         _upload(plans[0], b.slots[layer], b.valid[layer])
         if self.mode == "verify":
@@ -452,11 +453,12 @@ def rank_merge(rows: list[list[int]]) -> tuple[int, ...]:
 
 
 def _renormalise(weights: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Shadow rows skip missing experts: rescale the kept weights to the full weight mass."""
+    """Shadow rows skip missing experts: rescale the kept weights to the full weight mass, at most k-fold (a lone
+    low-weight expert must not be blown up into values that overflow fp16)."""
     kept = torch.where(valid, weights, torch.zeros_like(weights)).sum(-1, keepdim=True)
     total = weights.sum(-1, keepdim=True)
     scale = torch.where(kept > 0, total / kept.clamp(min=1e-20), torch.zeros_like(kept))
-    return weights * scale
+    return weights * scale.clamp(max=float(weights.shape[-1]))
 
 
 def _upload(plan: tuple[list[list[int]], list[list[bool]]], slots: torch.Tensor, valid: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -154,6 +155,7 @@ class MoEPrefetchEngine:
         self._closed = False
         # streamed layers are copied in by the host between layers, which a CUDA graph cannot contain
         self._graphs = GraphRunner(options.cuda_graphs and options.device.type == "cuda" and streamer is None)
+        self._active = False  # a generate/stream/forward call is running (the runtime holds per-call state)
         self._kv: dict[tuple[int, bool], KVCaches] = {}
         self._steps: dict[tuple, DecodeStep | MTPStep] = {}
 
@@ -207,7 +209,12 @@ class MoEPrefetchEngine:
         _check_positive_int("stream_ahead", stream_ahead)
         if stream_layers is not None:
             _check_positive_int("stream_layers", stream_layers)
-        if not isinstance(prefetch_budget, (int, float)) or isinstance(prefetch_budget, bool) or prefetch_budget < 0:
+        if (
+            not isinstance(prefetch_budget, (int, float))
+            or isinstance(prefetch_budget, bool)
+            or not math.isfinite(prefetch_budget)
+            or prefetch_budget < 0
+        ):
             raise RequestError(f"prefetch_budget must be a number >= 0 (a multiple of top-k), got {prefetch_budget!r}")
         budget_bytes = parse_bytes(vram_budget) if vram_budget is not None else None
 
@@ -262,7 +269,7 @@ class MoEPrefetchEngine:
         if has_mtp and weights.mtp is None:
             has_mtp = False
         experts = CheckpointExperts(reader, args, block)
-        hot = list(hot_set or [])
+        hot = _validate_hot_set(hot_set, expert_layers, args.n_routed_experts)
         if hot and policy != "static":
             raise RequestError("hot_set is only used by policy='static'")
         if not plan.all_resident and len(hot) > plan.expert_slots - args.num_experts_per_tok:
@@ -337,8 +344,8 @@ class MoEPrefetchEngine:
         far) in `share` of the usable cache slots; the rest stays LRU. Returns the hot set."""
         if self.options.policy != "static":
             raise RequestError("a hot set is only used by policy='static'")
-        if not 0 <= share < 1:
-            raise RequestError(f"share must lie in [0, 1), got {share!r}")
+        if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 <= share < 1:
+            raise RequestError(f"share must be a number in [0, 1), got {share!r}")
         counts = profile if profile is not None else self.routing_profile
         room = max(self.runtime.n_slots - self.args.num_experts_per_tok * self.options.max_batch_size * 2, 0)
         size = min(int(share * self.runtime.n_slots), room)
@@ -374,10 +381,12 @@ class MoEPrefetchEngine:
             raise RequestError("return_mtp=True needs an MTP layer, and this checkpoint has none")
         if return_mtp and ids.shape[1] < 2:
             raise RequestError("return_mtp=True needs at least 2 tokens per row")
+        self._check_idle()
         b, t = ids.shape
         positions = torch.arange(t, device=self.device).expand(b, t)
         accounting = Accounting()
         self.runtime.begin_call(accounting, make_predictor("none"), 0, 1, None)
+        self._active = True
         try:
             self.runtime.begin_step(0, "prefill")
             hidden = self.runner.forward_block(ids, positions, None, 0, 0)
@@ -387,8 +396,18 @@ class MoEPrefetchEngine:
             self.runtime.begin_step(1, "prefill")
             mtp_logits = self.runner.mtp_block(ids[:, 1:], hidden[:, :-1], positions[:, 1:], None, 0, 0)
             return logits, mtp_logits
+        except torch.OutOfMemoryError:
+            self._abort()
+            self._free_cuda()
+            raise ResourceError(
+                f"the device ran out of memory in a forward of {b} x {t} tokens; use fewer or shorter rows"
+            ) from None
+        except BaseException:
+            self._abort()
+            raise
         finally:
             self.runtime.end_call()
+            self._active = False
 
     def _as_batch_tensor(self, input_ids: Any) -> torch.Tensor:
         if isinstance(input_ids, torch.Tensor):
@@ -442,22 +461,25 @@ class MoEPrefetchEngine:
             self._request(prompts, max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead, speculative,
                           stop_at_eos, event_log)
         )
-        while True:
-            try:
-                event = next(events)
-            except StopIteration as stop:
-                return stop.value
-            if callback is None:
-                continue
-            try:
-                callback(event)
-            except KeyboardInterrupt:
-                # Ctrl-C while the callback ran: hand it to the generation loop, which cleans up and returns the
-                # tokens produced so far
+        try:
+            while True:
                 try:
-                    events.throw(KeyboardInterrupt())
+                    event = next(events)
                 except StopIteration as stop:
                     return stop.value
+                if callback is None:
+                    continue
+                try:
+                    callback(event)
+                except KeyboardInterrupt:
+                    # Ctrl-C while the callback ran: hand it to the generation loop, which cleans up and returns the
+                    # tokens produced so far
+                    try:
+                        events.throw(KeyboardInterrupt())
+                    except StopIteration as stop:
+                        return stop.value
+        finally:
+            events.close()  # a callback that raised must not leave the call open
 
     def stream(self, prompts: Any, max_new_tokens: int = 32, **kwargs: Any) -> Iterator[TokenEvent]:
         """Iterate over tokens as they are generated (same arguments as `generate`)."""
@@ -479,12 +501,24 @@ class MoEPrefetchEngine:
             raise RequestError(f"unknown argument(s) to stream: {', '.join(kwargs)}")
         return self._generate_events(request)
 
+    def _check_idle(self) -> None:
+        if self._closed:
+            raise RequestError("this engine has been closed")
+        if self._active:
+            raise RequestError(
+                "another generate/stream/forward call is still running on this engine; finish it or close its "
+                "stream iterator first"
+            )
+
     def _request(
         self, prompts, max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead, speculative,
         stop_at_eos, event_log,
     ) -> _Request:
-        if self._closed:
-            raise RequestError("this engine has been closed")
+        self._check_idle()
+        if event_log is not None:
+            parent = Path(event_log).expanduser().resolve().parent
+            if not parent.is_dir() or not os.access(parent, os.W_OK):
+                raise RequestError(f"event_log {event_log!r} cannot be written: {parent} is not a writable directory")
         token_prompts = self._tokenize(prompts)
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
             raise RequestError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -560,11 +594,13 @@ class MoEPrefetchEngine:
         names = parse_predictor(request.predictor)
         trace: Trace = {}
         if "oracle" in names:
-            trace = self._record_trace(request)
+            trace, recorded = self._record_trace(request)
+            if recorded.interrupted:  # Ctrl-C while recording: its tokens are the ones the call would produce
+                return recorded
         result = yield from self._run(request, trace)
         return result
 
-    def _record_trace(self, request: _Request) -> Trace:
+    def _record_trace(self, request: _Request) -> tuple[Trace, GenerationResult]:
         """The oracle's first pass: the same request with reactive fetching, recording the true routing; the cache is
         then put back as it was, so the measured pass starts from the same state as any other predictor."""
         snapshot = self.runtime.snapshot()
@@ -574,13 +610,16 @@ class MoEPrefetchEngine:
         recording = replace(request, predictor=recorder, event_log=None)
         trace: Trace = {}
         self.runtime.trace = trace
+        run = self._run(recording, {})
         try:
-            for _ in self._run(recording, {}):
-                pass
+            while True:
+                next(run)
+        except StopIteration as stop:
+            recorded: GenerationResult = stop.value
         finally:
             self.runtime.trace = None
         self.runtime.restore(snapshot)
-        return trace
+        return trace, recorded
 
     def _run(self, request: _Request, trace: Trace) -> Iterator[TokenEvent]:
         args, runner, runtime = self.args, self.runner, self.runtime
@@ -613,6 +652,7 @@ class MoEPrefetchEngine:
         stats.extra["sequences"] = batch
         inflight = self.options.max_inflight_experts or max(2 * args.num_experts_per_tok * rows_per_step, 4)
         runtime.begin_call(accounting, predictor, budget, inflight, runner.score_layer)
+        self._active = True
 
         stream_bytes_before = self.streamer.bytes_copied if self.streamer is not None else 0
         generated: list[list[int]] = [[] for _ in range(batch)]
@@ -713,6 +753,7 @@ class MoEPrefetchEngine:
             self._abort()
             raise
         finally:
+            self._active = False
             stats.decode_stall_seconds = runtime.end_call()
             stats.stall_seconds = stats.prefill_stall_seconds + stats.decode_stall_seconds
             if self.streamer is not None:
@@ -722,7 +763,10 @@ class MoEPrefetchEngine:
         stats.extra.update(stats.main_layer_prediction(set(args.moe_layers)))
         stats.extra["main_moe_layers"] = list(args.moe_layers)
         if request.event_log is not None:
-            accounting.write_jsonl(request.event_log)
+            try:
+                accounting.write_jsonl(request.event_log)
+            except OSError as exc:  # the tokens matter more than the log
+                logger.error("could not write the event log %s: %s", request.event_log, exc)
         texts = [self._decode_text(g) for g in generated] if self.tokenizer is not None else None
         return GenerationResult(generated, texts, stats, finish, interrupted)
 
@@ -769,7 +813,13 @@ class MoEPrefetchEngine:
             self._kv[key] = KVCaches.allocate(
                 self.args, batch, self.options.max_seq_len, self.options.dtype, self.device, with_mtp
             )
-        return self._kv[key]
+        caches = self._kv[key]
+        # Start every call from a clean cache: masked entries are multiplied by exact zeros, which must not meet
+        # anything a previous call (a shadow row, an interrupted step) may have left there.
+        for kv in caches.layers + ([caches.mtp] if caches.mtp is not None else []):
+            kv.latent.zero_()
+            kv.rope.zero_()
+        return caches
 
     def _decode_step(
         self, caches: KVCaches, batch: int, extra: int, mode: str, gate_targets: dict[int, list[int]], width: int
@@ -843,6 +893,20 @@ class MoEPrefetchEngine:
     def _free_cuda(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _validate_hot_set(hot_set: Any, layers: list[int], n_experts: int) -> list[ExpertKey]:
+    """(layer, expert) pairs, e.g. from a JSON-saved routing profile, checked against the model."""
+    keys: list[ExpertKey] = []
+    for item in hot_set or []:
+        try:
+            layer, expert = (int(v) for v in item)
+        except (TypeError, ValueError):
+            raise RequestError(f"hot_set entries must be (layer, expert) pairs, got {item!r}") from None
+        if layer not in layers or not 0 <= expert < n_experts:
+            raise RequestError(f"hot_set entry {item!r} names no routed expert of this model (MoE layers {layers})")
+        keys.append((layer, expert))
+    return keys
 
 
 def _gate_targets(moe_layers: list[int], depth: int) -> dict[int, list[int]]:

@@ -69,6 +69,8 @@ class ExpertRuntime:
         self.cache = ExpertCache(n_slots, policy, hot_set or ())
         # Zero-filled once: masked gather entries may point at a never-written slot, and garbage bits could be NaN.
         self.pool = torch.zeros((n_slots, fmt.record_bytes), dtype=torch.uint8, device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the copy streams must not race the zero fill
         self.transfer = TransferEngine(device, n_slots)
         self.preloaded = store is None
         self.accounting = Accounting()
@@ -144,6 +146,11 @@ class ExpertRuntime:
         max_inflight_experts: int,
         score_layer: Callable[[int, torch.Tensor], torch.Tensor] | None,
     ) -> None:
+        # nothing of an earlier call may leak into this one's accounting or eviction decisions
+        self._prefetched_unused.clear()
+        self._pending_release = []
+        self.cache.unlock()
+        self.cache.clear_protection()
         self.accounting = accounting
         self.predictor = predictor
         self.queue = PrefetchQueue(prefetch_budget_experts)
@@ -171,11 +178,14 @@ class ExpertRuntime:
         return self.transfer.collect_stall_seconds()
 
     def abort(self) -> None:
-        """Bring the runtime back to a consistent state after an interrupted or failed step."""
+        """Bring the runtime back to a consistent state after an interrupted or failed step.
+
+        The step may have stopped between publishing a key in the slot table and issuing its copy, so the table
+        cannot be trusted: the cache restarts empty (cold) rather than risk computing with the wrong bytes."""
         self.transfer.synchronize()
         self._pending_release = []
         self.cache.unlock()
-        self._inflight.clear()
+        self.reset()
 
     def begin_step(self, step: int, phase: str) -> None:
         self.step, self.phase = step, phase
@@ -281,7 +291,8 @@ class ExpertRuntime:
                 for expert in row:
                     if expert not in present:
                         slot = slot_of.get((layer, expert))
-                        if slot is not None and self.transfer.is_ready(slot):
+                        # this layer's own experts are safe even mid-copy: compute already waits for them
+                        if slot is not None and (expert in lut or self.transfer.is_ready(slot)):
                             present[expert] = slot
             extra = [(layer, e) for e in present if e not in lut]
             cache.lock(extra)

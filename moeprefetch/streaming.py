@@ -108,9 +108,11 @@ class LayerStreamer:
         self.in_use[slot] = False
 
     def abort(self) -> None:
-        """After an interrupted step: nothing is being computed any more."""
+        """After an interrupted step: nothing is being computed any more, and a copy may have been cut short, so
+        every ring slot is reloaded on its next use."""
         self.transfer.synchronize()
         self.in_use = [False] * self.ring_size
+        self.occupant = [None] * self.ring_size
 
     def close(self) -> None:
         self.transfer.synchronize()

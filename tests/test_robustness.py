@@ -215,3 +215,64 @@ def test_thousands_of_decode_steps_and_many_calls_keep_memory_flat(checkpoint_fa
     assert after_long - before < 64, (before, after_long)
     assert after_many - after_long < 64, (after_long, after_many)
     assert len(engine.runtime.use_counts) <= engine.plan.total_experts
+
+
+# ---- regressions found in review ----------------------------------------------------------------------------------
+
+
+def test_interrupted_forward_with_streamed_layers_leaves_correct_weights(checkpoint_factory, monkeypatch):
+    path = checkpoint_factory("v3")
+    expected = MoEPrefetchEngine.from_pretrained(path, progress=False).generate([[3, 4, 5]], max_new_tokens=6,
+                                                                               stop_at_eos=False).sequences
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, stream_layers=3, stream_ahead=1,
+                                               expert_cache_slots=8)
+    from moeprefetch import runner
+
+    original = runner.ModelRunner.layer_block
+    calls = {"n": 0}
+
+    def interrupted(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(runner.ModelRunner, "layer_block", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.forward([[1, 2, 3]])
+    monkeypatch.setattr(runner.ModelRunner, "layer_block", original)
+    assert engine.generate([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False).sequences == expected
+
+
+def test_one_call_at_a_time_and_a_failing_callback_closes_its_call(engine, expected):
+    stream = engine.stream([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False)
+    next(stream)
+    with pytest.raises(RequestError, match="still running"):
+        engine.generate([[3, 4, 5]], max_new_tokens=2)
+    with pytest.raises(RequestError, match="still running"):
+        engine.forward([[3, 4, 5]])
+    stream.close()
+
+    def broken(event):
+        raise ValueError("callback bug")
+
+    with pytest.raises(ValueError, match="callback bug"):
+        engine.generate([[3, 4, 5]], max_new_tokens=6, callback=broken)
+    assert engine.generate([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False).sequences == expected
+
+
+def test_more_bad_options(checkpoint_factory, engine, tmp_path):
+    path = checkpoint_factory("v3")
+    for budget in (float("nan"), float("inf")):
+        with pytest.raises(RequestError, match="prefetch_budget"):
+            MoEPrefetchEngine.from_pretrained(path, progress=False, prefetch_budget=budget)
+    with pytest.raises(RequestError, match="names no routed expert"):
+        MoEPrefetchEngine.from_pretrained(path, progress=False, policy="static", expert_cache_slots=8,
+                                          hot_set=[(0, 1)])  # layer 0 is dense
+    static = MoEPrefetchEngine.from_pretrained(path, progress=False, policy="static", expert_cache_slots=8,
+                                               hot_set=[[1, 2], [2, 3]])  # JSON-style lists are fine
+    assert static.runtime.cache.pinned == {(1, 2), (2, 3)}
+    with pytest.raises(RequestError, match="share must be a number"):
+        static.set_hot_set_from_profile(share=None)
+    with pytest.raises(RequestError, match="event_log .* cannot be written"):
+        engine.generate([[3, 4]], max_new_tokens=2, event_log=tmp_path / "missing" / "events.jsonl")
