@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,7 +237,3 @@ class CheckpointReader:
 
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
-
-
-def file_size_report(path: Path) -> int:
-    return sum(os.path.getsize(f) for f in Path(path).glob("*.safetensors"))

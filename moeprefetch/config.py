@@ -133,9 +133,6 @@ class ModelArgs:
             scale = scale * m * m
         return scale
 
-    def expert_param_count(self) -> int:
-        return 3 * self.hidden_size * self.moe_intermediate_size
-
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     if scale <= 1:

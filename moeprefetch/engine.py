@@ -21,7 +21,7 @@ from .accounting import Accounting, Stats
 from .cache import POLICIES, ExpertKey
 from .checkpoint import CheckpointReader
 from .config import ModelArgs, load_model_args
-from .errors import CheckpointError, MoEPrefetchError, RequestError, ResourceError
+from .errors import CheckpointError, RequestError, ResourceError
 from .experts import EXPERT_DTYPES, CheckpointExperts, ExpertFormat
 from .planner import MemoryPlan, parse_bytes, plan_memory
 from .predictors import PredictorContext, Trace, make_predictor, parse_predictor

@@ -191,11 +191,6 @@ def route(args: ModelArgs, router: RouterWeights, x: torch.Tensor) -> Routing:
     return Routing(ids=ids, weights=weights, scores=choice)
 
 
-def router_scores(args: ModelArgs, router: RouterWeights, x: torch.Tensor) -> torch.Tensor:
-    """Selection scores [N, E] of a router on x [N, H] (used by look-ahead predictors)."""
-    return route(args, router, x).scores
-
-
 def combine_expert_outputs(outputs: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """outputs [N, k, H], weights [N, k] fp32 -> [N, H] fp32, summed in fixed k order.
 

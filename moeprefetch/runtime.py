@@ -120,7 +120,8 @@ class ExpertRuntime:
         self._inflight.clear()
 
     def snapshot(self) -> list[ExpertKey]:
-        return self.cache.resident_keys()
+        """Resident experts, first to be evicted first, so `restore` rebuilds the same recency order."""
+        return list(self.cache.policy.eviction_order())
 
     def restore(self, keys: list[ExpertKey]) -> None:
         """Reload a snapshot of resident experts (used to rerun a pass from the same cache state)."""

@@ -100,9 +100,6 @@ class TransferEngine:
         for slot in slots:
             self._free[slot] = done
 
-    def inflight(self, slots: list[int]) -> list[int]:
-        return [s for s in slots if not self.is_ready(s)]
-
     def synchronize(self) -> None:
         if self.cuda:
             self.demand_stream.synchronize()
@@ -111,8 +108,3 @@ class TransferEngine:
 
     def collect_stall_seconds(self) -> float:
         return self.stall.collect()
-
-
-def copy_from_pinned(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """A plain (blocking-safe) host->device copy used at load time, outside the decode loop."""
-    dst.copy_(src, non_blocking=src.is_pinned())

@@ -25,7 +25,6 @@ import gc
 import json
 import logging
 import math
-import os
 import statistics
 import subprocess
 import sys

@@ -110,7 +110,7 @@ def make_tiny_checkpoint(
     **overrides: Any,
 ) -> Path:
     """Create the checkpoint directory and return its path."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -54,7 +54,7 @@ def test_tiny_sweep_end_to_end(tmp_path, checkpoint_factory, tiny_tokenizer_dir)
     sweep_dir = tmp_path / "sweep"
     command = [
         sys.executable, str(ROOT / "experiments/sweep.py"), "-m",
-        f"model=custom", f"model.path={model}", "cache.fraction=0.5,1.0", "predictor=none,mtp,oracle",
+        "model=custom", f"model.path={model}", "cache.fraction=0.5,1.0", "predictor=none,mtp,oracle",
         "workload.num_prompts=2", "workload.new_tokens=5", f"hydra.sweep.dir={sweep_dir}", "hydra.output_subdir=null",
     ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
@@ -70,7 +70,7 @@ def test_tiny_sweep_end_to_end(tmp_path, checkpoint_factory, tiny_tokenizer_dir)
     assert all(r["prediction_recall"] == 1.0 for r in oracle)
 
     # a point that fails is recorded and the sweep goes on; earlier rows stay
-    bad = command[:3] + [f"model=custom", f"model.path={model}", "cache.slots=1,16", "predictor=none",
+    bad = command[:3] + ["model=custom", f"model.path={model}", "cache.slots=1,16", "predictor=none",
                          "workload.num_prompts=1", "workload.new_tokens=3", f"hydra.sweep.dir={sweep_dir}",
                          "hydra.output_subdir=null"]
     done = subprocess.run(bad, capture_output=True, text=True, cwd=ROOT, timeout=600)
