@@ -523,10 +523,13 @@ def hf_accelerate_row(path: Path, budget_gib: float, prompt: list[int], new_toke
         torch.cuda.synchronize()
         total = time.perf_counter() - t
     generated = out.shape[1] - ids.shape[1]
-    row = {"system": "hf_accelerate", "load_seconds": load_s, "new_tokens": generated,
+    row = {"system": "hf_accelerate", "load_seconds": load_s, "new_tokens": generated, "cache_fraction": None,
+           "h2d_gbps": None, "hit_rate": None, "stall_ms_per_token": None, "prefill_tokens_per_s": None,
            "ms_per_token": 1000 * total / generated, "decode_tokens_per_s": generated / total,
            "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB, "host_ram_gib": rss_gib(),
-           "note": "prefill included in the per-token time (generate() does not split it); warm-up excluded"}
+           "note": "prefill included in the per-token time (generate() does not split it); warm-up excluded; "
+                   "accelerate exposes no expert-level counters, so cache_fraction, h2d_gbps, hit_rate, stall and "
+                   "prefill are null"}
     del model
     gc.collect()
     torch.cuda.empty_cache()
