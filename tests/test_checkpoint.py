@@ -142,11 +142,10 @@ def test_config_missing_or_broken(ckpt):
         _load(ckpt)
 
 
-def test_mtp_layer_partly_present(ckpt):
+def _drop_tensor(ckpt: Path, name: str) -> None:
+    """Remove one tensor from its shard and from the index, as a checkpoint with a missing tensor would be."""
     from safetensors.torch import load_file, save_file
 
-    n = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
-    name = f"model.layers.{n}.eh_proj.weight"
     shard = _shard_of(ckpt, name)
     tensors = load_file(shard)
     del tensors[name]
@@ -154,21 +153,19 @@ def test_mtp_layer_partly_present(ckpt):
     index = _index(ckpt)
     del index["weight_map"][name]
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_mtp_layer_partly_present(ckpt):
+    n = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
+    name = f"model.layers.{n}.eh_proj.weight"
+    _drop_tensor(ckpt, name)
     with pytest.raises(CheckpointError, match=f"MTP layer model.layers.{n} is only partly present: missing {name}"):
         _load(ckpt)
 
 
 def test_missing_expert_tensor(ckpt):
-    from safetensors.torch import load_file, save_file
-
     name = "model.layers.2.mlp.experts.5.down_proj.weight"
-    shard = _shard_of(ckpt, name)
-    tensors = load_file(shard)
-    del tensors[name]
-    save_file(tensors, shard)
-    index = _index(ckpt)
-    del index["weight_map"][name]
-    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    _drop_tensor(ckpt, name)
     with pytest.raises(CheckpointError, match=f"tensor '{name}' is missing"):
         _load(ckpt)
 
