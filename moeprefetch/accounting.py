@@ -1,26 +1,30 @@
-"""Exact accounting of every routed-expert need, copy, eviction and prediction; imports no model code.
+"""Exact accounting of every routed-expert need, transfer, eviction and prediction, from the table's device counters.
 
-Vocabulary (per generate call):
+The residency plans count on the device (one row of counters per MoE layer); the host reads them once after prefill
+and once at the end of a call. Vocabulary (per generate call):
+
 - a *use* is one distinct (step, layer, expert) needed by the rows that must be exact (real tokens and, under
   speculative decoding, drafts being verified);
-- its *outcome* is `hit` (resident, not brought by an unused prefetch), `prefetched` (brought by a prefetch that had
-  landed in time), `late` (brought by a prefetch still in flight: compute waited) or `miss` (reactive fetch);
-  hits = hit + prefetched + late, so hits + misses = uses;
-- `bytes_h2d` counts every routed-expert byte copied host->device (reactive fetches and prefetches);
-- a prefetch is `useful` (first used in time), `late`, or `wasted` (evicted, or still unused at the end of the call);
-- prediction recall/precision compare, per (decode step, layer), the experts predicted before the layer ran with the
-  experts it truly needed.
+- its *outcome* is `hit` (published, not brought by an unused prefetch), `prefetched` (brought by a prefetch that
+  landed in time), `late` (its prefetch was still in flight: read from host memory) or `miss` (read from host memory,
+  and admitted into a victim slot as it streamed when one was free); hits = hit + prefetched + late, so hits + misses
+  = uses;
+- bytes over the link are *zero-copy* bytes (late and missed experts read in place by the expert kernel, or copied by
+  prefill) plus *fill* bytes (prefetches copied into slots);
+- a prefetch is `useful` (first used in time), `late`, or `wasted` (evicted unused, abandoned because its need came
+  first, or still unused at the end of the call);
+- prediction recall/precision compare, per (decode step, main MoE layer), the experts predicted with enough
+  confidence before the layer ran with the experts it truly needed.
 """
 
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-OUTCOMES = ("hit", "prefetched", "late", "miss")
+from .residency.state import COUNTERS
 
 
 @dataclass
@@ -30,51 +34,92 @@ class LayerCounters:
     prefetched: int = 0
     late: int = 0
     miss: int = 0
-    bytes_h2d: int = 0
+    zero_copy: int = 0  # experts read from host memory (count)
+    admitted: int = 0
     evictions: int = 0
     prefetch_issued: int = 0
-    prefetch_useful: int = 0
-    prefetch_late: int = 0
     prefetch_wasted: int = 0
-    predicted: int = 0  # |P| summed over (step, layer)
-    truth: int = 0  # |N| summed over decode (step, layer)
-    predicted_correct: int = 0  # |P ∩ N|
-    lead_layers_sum: int = 0
+    fills_done: int = 0
+    fill_chunks: int = 0
+    lead_sum: int = 0  # clock units: two per MoE layer
+    predicted: int = 0
+    truth: int = 0
+    predicted_correct: int = 0
+    record_bytes: int = 0
+    chunk_bytes: int = 1
+    chunks_per_record: int = 1
+
+    @staticmethod
+    def from_row(row: list[int], record_bytes: int, chunk_bytes: int) -> "LayerCounters":
+        values = dict(zip(COUNTERS, row))
+        return LayerCounters(**values, record_bytes=record_bytes, chunk_bytes=chunk_bytes,
+                             chunks_per_record=-(-record_bytes // chunk_bytes))
+
+    def __add__(self, other: "LayerCounters") -> "LayerCounters":
+        out = LayerCounters(record_bytes=self.record_bytes or other.record_bytes,
+                            chunk_bytes=max(self.chunk_bytes, other.chunk_bytes),
+                            chunks_per_record=max(self.chunks_per_record, other.chunks_per_record))
+        for name in COUNTERS:
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        return out
+
+    def __sub__(self, other: "LayerCounters") -> "LayerCounters":
+        out = LayerCounters(record_bytes=self.record_bytes, chunk_bytes=self.chunk_bytes,
+                            chunks_per_record=self.chunks_per_record)
+        for name in COUNTERS:
+            setattr(out, name, getattr(self, name) - getattr(other, name))
+        return out
+
+    @property
+    def zero_copy_bytes(self) -> int:
+        return self.zero_copy * self.record_bytes
+
+    @property
+    def fill_bytes(self) -> int:
+        partial = self.fill_chunks - self.fills_done * self.chunks_per_record
+        return self.fills_done * self.record_bytes + max(partial, 0) * self.chunk_bytes
+
+    @property
+    def bytes_h2d(self) -> int:
+        return self.zero_copy_bytes + self.fill_bytes
 
     def as_dict(self) -> dict[str, Any]:
         hits = self.hit + self.prefetched + self.late
-        out = {
+        return {
             "expert_uses": self.uses,
             "hits": hits,
             "misses": self.miss,
             "hit_rate": hits / self.uses if self.uses else 0.0,
             "bytes_h2d": self.bytes_h2d,
+            "zero_copy_bytes": self.zero_copy_bytes,
+            "fill_bytes": self.fill_bytes,
+            "admitted": self.admitted,
             "evictions": self.evictions,
             "prefetch_issued": self.prefetch_issued,
-            "prefetch_useful": self.prefetch_useful,
-            "prefetch_late": self.prefetch_late,
+            "prefetch_useful": self.prefetched,
+            "prefetch_late": self.late,
             "prefetch_wasted": self.prefetch_wasted,
-            "prediction_recall": self.predicted_correct / self.truth if self.truth else 0.0,
-            "prediction_precision": self.predicted_correct / self.predicted if self.predicted else 0.0,
+            "prediction_recall": self.predicted_correct / self.truth if self.truth else None,
+            "prediction_precision": self.predicted_correct / self.predicted if self.predicted else None,
             "predicted": self.predicted,  # raw counts, so runs can be merged exactly
             "truth": self.truth,
             "predicted_correct": self.predicted_correct,
         }
-        return out
 
 
 @dataclass
 class Stats:
     """What a generate call did and how fast; `to_dict()` is the stable, documented view."""
 
-    totals: LayerCounters = field(default_factory=LayerCounters)
-    per_layer: dict[int, LayerCounters] = field(default_factory=dict)
+    per_layer: dict[int, LayerCounters] = field(default_factory=dict)  # the whole call
+    decode_per_layer: dict[int, LayerCounters] = field(default_factory=dict)  # decode steps only
+    main_layers: tuple[int, ...] = ()
     stall_seconds: float = 0.0
-    prefill_stall_seconds: float = 0.0
-    decode_stall_seconds: float = 0.0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    sequences: int = 0
     decode_steps: int = 0
+    decode_syncs: int = 0  # device->host synchronisations during decode
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     draft_proposed: int = 0
@@ -89,30 +134,45 @@ class Stats:
     mtp_drafts_correct: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def totals(self) -> LayerCounters:
+        return _sum(self.per_layer.values())
+
+    @property
+    def decode_tokens(self) -> int:
+        # The first generated token of each sequence comes out of prefill; decode throughput excludes it.
+        return max(self.generated_tokens - self.sequences, 0)
+
     def to_dict(self) -> dict[str, Any]:
         t = self.totals
+        decode = _sum(self.decode_per_layer.values())
+        tokens = self.decode_tokens
+        per_token = (lambda v: v / tokens) if tokens else (lambda v: 0.0)
         out = t.as_dict()
-        decode_tokens = max(self.generated_tokens - self._first_tokens(), 0)
+        out.update(self.prediction(self.main_layers))
         out.update(
             {
                 "mtp_drafts_checked": self.mtp_drafts_checked,
                 "mtp_drafts_correct": self.mtp_drafts_correct,
                 "stall_seconds": self.stall_seconds,
-                "prefill_stall_seconds": self.prefill_stall_seconds,
-                "decode_stall_seconds": self.decode_stall_seconds,
-                "stall_ms_per_token": 1000.0 * self.decode_stall_seconds / decode_tokens if decode_tokens else 0.0,
                 "prompt_tokens": self.prompt_tokens,
                 "generated_tokens": self.generated_tokens,
                 "decode_steps": self.decode_steps,
                 "prefill_seconds": self.prefill_seconds,
                 "decode_seconds": self.decode_seconds,
                 "prefill_tokens_per_s": self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0,
-                "decode_tokens_per_s": decode_tokens / self.decode_seconds if self.decode_seconds else 0.0,
-                "ms_per_token": 1000.0 * self.decode_seconds / decode_tokens if decode_tokens else 0.0,
-                "miss_coverage": (t.prefetch_useful + t.prefetch_late)
-                / max(t.prefetch_useful + t.prefetch_late + t.miss, 1),
+                "decode_tokens_per_s": tokens / self.decode_seconds if self.decode_seconds else 0.0,
+                "ms_per_token": 1000.0 * self.decode_seconds / tokens if tokens else 0.0,
+                "syncs_per_token": self.decode_syncs / tokens if tokens else 0.0,
+                "decode_bytes_h2d_per_token": per_token(decode.bytes_h2d),
+                "zero_copy_bytes_per_token": per_token(decode.zero_copy_bytes),
+                "fill_bytes_per_token": per_token(decode.fill_bytes),
+                "decode_hit_rate": (decode.hit + decode.prefetched + decode.late) / decode.uses if decode.uses else 0.0,
+                "decode_misses_per_token": per_token(decode.miss),
+                "miss_coverage": (t.prefetched + t.late) / max(t.prefetched + t.late + t.miss, 1),
+                "prefetch_waste": t.prefetch_wasted / t.prefetch_issued if t.prefetch_issued else None,
                 "prefetch_wasted_bytes": t.prefetch_wasted * self.expert_bytes,
-                "mean_lead_layers": t.lead_layers_sum / max(t.prefetch_useful + t.prefetch_late, 1),
+                "mean_lead_layers": t.lead_sum / 2 / max(t.prefetched, 1),
                 "predictor": self.predictor,
                 "lookahead": self.lookahead,
                 "policy": self.policy,
@@ -120,8 +180,7 @@ class Stats:
                 "expert_bytes": self.expert_bytes,
                 "speculative": self.speculative,
                 "mtp_draft_accuracy": self.mtp_drafts_correct / self.mtp_drafts_checked
-                if self.mtp_drafts_checked
-                else None,
+                if self.mtp_drafts_checked else None,
                 "per_layer": {str(layer): c.as_dict() for layer, c in sorted(self.per_layer.items())},
             }
         )
@@ -132,100 +191,33 @@ class Stats:
         out.update(self.extra)
         return out
 
-    def main_layer_prediction(self, main_layers: set[int]) -> dict[str, float]:
-        """Recall/precision over the model's main MoE layers only: the MTP head's own layer is the drafter, not part
-        of the next step's routing, and no predictor predicts it."""
-        counters = [c for layer, c in self.per_layer.items() if layer in main_layers]
-        truth = sum(c.truth for c in counters)
-        predicted = sum(c.predicted for c in counters)
-        correct = sum(c.predicted_correct for c in counters)
+    def prediction(self, main_layers: tuple[int, ...]) -> dict[str, float | None]:
+        """Recall/precision over the model's main MoE layers: the MTP head's own layer is the drafter, and no
+        predictor targets it. None when no prediction was scored (the predictor is `none`, or nothing ran)."""
+        counters = _sum(c for layer, c in self.per_layer.items() if layer in main_layers)
+        scored = counters.predicted > 0
         return {
-            "prediction_recall_main_layers": correct / truth if truth else 0.0,
-            "prediction_precision_main_layers": correct / predicted if predicted else 0.0,
+            "prediction_recall_main_layers": counters.predicted_correct / counters.truth
+            if scored and counters.truth else None,
+            "prediction_precision_main_layers": counters.predicted_correct / counters.predicted if scored else None,
         }
 
-    def _first_tokens(self) -> int:
-        # The first generated token of each sequence comes out of prefill; decode throughput excludes it.
-        return int(self.extra.get("sequences", 0))
-
-
-class Accounting:
-    """Collects per-use outcomes and derived counters; optionally keeps every event for a JSONL log."""
-
-    def __init__(self, keep_events: bool = False):
-        self.keep_events = keep_events
-        self.events: list[dict[str, Any]] = []
-        self.stats = Stats()
-        self._predicted: dict[tuple[int, int], dict[int, int]] = defaultdict(dict)  # (step, layer) -> expert -> lead
-
-    def _layer(self, layer: int) -> LayerCounters:
-        counters = self.stats.per_layer.get(layer)
-        if counters is None:
-            counters = self.stats.per_layer[layer] = LayerCounters()
-        return counters
-
-    def _bump(self, layer: int, name: str, amount: int = 1) -> None:
-        setattr(self.stats.totals, name, getattr(self.stats.totals, name) + amount)
-        counters = self._layer(layer)
-        setattr(counters, name, getattr(counters, name) + amount)
-
-    def _log(self, **event: Any) -> None:
-        if self.keep_events:
-            self.events.append(event)
-
-    # ---- events ---------------------------------------------------------------------------------------------------
-    def use(self, step: int, phase: str, layer: int, expert: int, outcome: str, lead_layers: int = 0) -> None:
-        assert outcome in OUTCOMES
-        self._bump(layer, "uses")
-        self._bump(layer, outcome)
-        if outcome == "prefetched":
-            self._bump(layer, "prefetch_useful")
-        elif outcome == "late":
-            self._bump(layer, "prefetch_late")
-        if outcome in ("prefetched", "late"):
-            self._bump(layer, "lead_layers_sum", lead_layers)
-        self._log(kind="use", step=step, phase=phase, layer=layer, expert=expert, outcome=outcome)
-
-    def copy(self, step: int, layer: int, expert: int, nbytes: int, prefetch: bool) -> None:
-        self._bump(layer, "bytes_h2d", nbytes)
-        if prefetch:
-            self._bump(layer, "prefetch_issued")
-        self._log(kind="prefetch" if prefetch else "fetch", step=step, layer=layer, expert=expert, bytes=nbytes)
-
-    def eviction(self, step: int, layer: int, expert: int, unused_prefetch: bool) -> None:
-        self._bump(layer, "evictions")
-        if unused_prefetch:
-            self._bump(layer, "prefetch_wasted")
-        self._log(kind="evict", step=step, layer=layer, expert=expert, wasted=unused_prefetch)
-
-    def unused_at_end(self, layer: int, count: int = 1) -> None:
-        self._bump(layer, "prefetch_wasted", count)
-
-    # ---- predictions ----------------------------------------------------------------------------------------------
-    def predicted(self, step: int, layer: int, experts: Iterable[int], lead_layers: int) -> None:
-        table = self._predicted[(step, layer)]
-        for expert in experts:
-            table.setdefault(int(expert), lead_layers)
-
-    def truth(self, step: int, layer: int, experts: Iterable[int]) -> None:
-        """Score the predictions made for (step, layer) against the experts it truly needed (decode steps)."""
-        needed = {int(e) for e in experts}
-        predicted = self._predicted.pop((step, layer), {})
-        self._bump(layer, "truth", len(needed))
-        self._bump(layer, "predicted", len(predicted))
-        self._bump(layer, "predicted_correct", len(needed & set(predicted)))
-
-    def discard_predictions(self, before: tuple[int, int] | None = None) -> None:
-        if before is None:
-            self._predicted.clear()
-            return
-        for key in [k for k in self._predicted if k < before]:
-            del self._predicted[key]
-
     def write_jsonl(self, path: str | Path) -> None:
+        """One line for the call, then one line per MoE layer with its counters."""
         with open(path, "w") as fh:
-            for event in self.events:
-                fh.write(json.dumps(event) + "\n")
+            summary = {k: v for k, v in self.to_dict().items() if k != "per_layer"}
+            fh.write(json.dumps({"kind": "call", **summary}) + "\n")
+            for layer, counters in sorted(self.per_layer.items()):
+                decode = self.decode_per_layer.get(layer)
+                fh.write(json.dumps({"kind": "layer", "layer": layer, **counters.as_dict(),
+                                     "decode": decode.as_dict() if decode else None}) + "\n")
+
+
+def _sum(items) -> LayerCounters:
+    total = LayerCounters()
+    for item in items:
+        total = total + item
+    return total
 
 
 def prediction_table(stats: dict[str, Any]) -> list[dict[str, Any]]:

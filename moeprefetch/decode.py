@@ -1,468 +1,271 @@
-"""Decode steps as static-buffer segments, replayed as CUDA graphs on the GPU.
+"""One decode step, captured as one CUDA graph: all layers, the routed experts through the residency table, sampling,
+the MTP head, the predictors and the prefetch fills on a side branch.
 
-A step is cut at every MoE layer's router. Segment j computes the experts of MoE layer m(j-1) from slot ids that
-the host planned, then everything up to and including the router of MoE layer m(j). Between two segments the host
-hook plans layer m(j): it reads the routing (the step's one synchronisation per MoE layer), fetches misses, pumps
-prefetches and writes the slot ids. When every expert is resident no hook is needed: slot ids are derived on the
-device and the whole step is a single segment — a single graph.
+Per step the host writes the step's inputs (token, position and activity per sequence, and the extra rows' tokens)
+into a pinned buffer, launches the graph and reads the sampled ids back: one synchronisation per token, none per
+layer. Every MoE layer runs `plan -> fill launch (side stream) -> routed experts` on the device.
 
-All tensors that cross a segment boundary live in `StepBuffers`, allocated once per (batch, extra rows, mode), so a
-captured graph can be replayed step after step. On the CPU the same segments simply run eagerly.
+Extra rows ride along with the real ones (`model.block` gives them their own attention calls, so the real rows'
+shapes never change): `shadow` rows carry the MTP draft and use only experts that are published or read anyway
+(the `mtp` predictor); `verify` rows carry the draft exactly (speculative decoding).
 
-Extra rows ride along with the real ones in separate kernel calls (so the real rows' shapes never change):
-`shadow` rows carry the MTP draft with resident experts only (the `mtp` predictor), `verify` rows carry the draft
-exactly (speculative decoding).
+On the CPU the same step runs eagerly through the reference implementations.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from .model import attention_absorbed, mlp, rms_norm, route
-from .runner import DecodeOutput, KVCaches, ModelRunner
-from .weights import LayerWeights
+from .model import Routing, attention_absorbed, block, mtp_input, rms_norm, route
+from .predictors import PredictionRing, PredictorSpec, routing_confidence
+from .residency import PlanBuffers
+from .runner import KVCaches, ModelRunner
+from .sampling import DeviceSampler, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 MODES = ("none", "shadow", "verify")
 
 
-class GraphRunner:
-    """Runs segment callables eagerly, or captures each as a CUDA graph on its second use and replays it.
+@dataclass(frozen=True)
+class StepShape:
+    """What a captured step depends on (a new shape gets its own graph)."""
 
-    The first use runs eagerly: it is a real step (its results count) and it warms up cuBLAS and the allocator, which
-    capture requires. Capture itself executes nothing, so a freshly captured graph is replayed at once."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled and torch.cuda.is_available()
-        self._graphs: dict[object, torch.cuda.CUDAGraph] = {}
-        self._seen: set[object] = set()
-        self._pool = torch.cuda.graph_pool_handle() if self.enabled else None
-        self.failed = False
-
-    def clear(self) -> None:
-        """Drop every captured graph (their buffers are about to be freed)."""
-        self._graphs.clear()
-        self._seen.clear()
-
-    def run(self, key: object, fn: Callable[[], None]) -> None:
-        if not self.enabled or self.failed:
-            fn()
-            return
-        graph = self._graphs.get(key)
-        if graph is None:
-            if key not in self._seen:
-                self._seen.add(key)
-                fn()
-                return
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph, pool=self._pool):
-                    fn()
-            except Exception as exc:  # capture is an optimisation; eager execution stays correct
-                logger.warning("CUDA graph capture failed (%s); continuing without graphs", exc)
-                self.failed = True
-                torch.cuda.synchronize()
-                fn()
-                return
-            self._graphs[key] = graph
-        graph.replay()
+    batch: int
+    mode: str  # none | shadow | verify
+    spec: PredictorSpec
+    run_mtp: bool  # the MTP head runs (drafts for speculation or the shadow row, or mtp_router predictions)
+    greedy: bool
+    top_k: bool
+    top_p: bool
+    reserve: bool  # predictions become prefetches (never with every expert resident)
+    record: bool = False  # the routing is recorded into the table's trace (the oracle's first pass)
 
     @property
-    def captured(self) -> int:
-        return len(self._graphs)
+    def extra(self) -> int:
+        return 0 if self.mode == "none" else 1
+
+    @property
+    def mtp_rows(self) -> int:
+        return 2 if self.mode == "verify" else 1
 
 
 @dataclass
-class StepBuffers:
-    tokens: torch.Tensor  # [B] next input token per sequence
-    positions: torch.Tensor  # [B]
-    active: torch.Tensor  # [B] bool
-    extra_tokens: torch.Tensor | None  # [B, L]
-    x: torch.Tensor  # [B, 1, H] residual stream of the real rows
-    xe: torch.Tensor | None  # [B, L, H] residual stream of the extra rows
-    h: dict[int, torch.Tensor]  # layer -> [B, H] router input (post-attention norm)
-    he: dict[int, torch.Tensor]  # layer -> [B*L, H]
-    ids: dict[int, torch.Tensor]  # layer -> [B, k]
-    weights: dict[int, torch.Tensor]  # layer -> [B, k] fp32
-    scores: dict[int, torch.Tensor]  # layer -> [B, E] fp32 (only when a predictor ranks by them)
-    ids_e: dict[int, torch.Tensor]
-    weights_e: dict[int, torch.Tensor]
-    scores_e: dict[int, torch.Tensor]
-    slots: dict[int, torch.Tensor]  # layer -> [B, k] slot of each (row, k) entry
-    valid: dict[int, torch.Tensor]  # layer -> [B, k] bool
-    slots_e: dict[int, torch.Tensor]
-    valid_e: dict[int, torch.Tensor]
-    logits: torch.Tensor  # [B, V] fp32
-    hidden: torch.Tensor  # [B, H]
-    draft_logits: torch.Tensor | None
-    draft_hidden: torch.Tensor | None
+class StepOutput:
+    """What the host reads back after a step (host tensors)."""
+
+    next_tokens: torch.Tensor  # [B] sampled after the real rows
+    second_tokens: torch.Tensor | None  # [B] sampled after the verified draft rows
+    drafts: torch.Tensor | None  # [B, M] MTP drafts (greedy) after each MTP row
+    draft_probs: torch.Tensor | None  # [B, M] their probabilities
 
 
-def _buffers(runner: ModelRunner, layers: list[LayerWeights], batch: int, extra: int, dtype: torch.dtype) -> StepBuffers:
-    args, dev = runner.args, runner.device
-    h, k, e, v = args.hidden_size, args.num_experts_per_tok, args.n_routed_experts, args.vocab_size
-    rows_e = batch * extra
+class DecodeStep:
+    """A decode step of one shape: static buffers, an eager first run, then capture and replay."""
 
-    def per_layer(shape: tuple[int, ...], kind: torch.dtype, when: bool = True) -> dict[int, torch.Tensor]:
-        if not when:
-            return {}
-        return {lw.index: torch.zeros(shape, dtype=kind, device=dev) for lw in layers if lw.router is not None}
-
-    return StepBuffers(
-        tokens=torch.zeros(batch, dtype=torch.long, device=dev),
-        positions=torch.zeros(batch, dtype=torch.long, device=dev),
-        active=torch.zeros(batch, dtype=torch.bool, device=dev),
-        extra_tokens=torch.zeros(batch, extra, dtype=torch.long, device=dev) if extra else None,
-        x=torch.zeros(batch, 1, h, dtype=dtype, device=dev),
-        xe=torch.zeros(batch, extra, h, dtype=dtype, device=dev) if extra else None,
-        h=per_layer((batch, h), dtype),
-        he=per_layer((rows_e, h), dtype, bool(extra)),
-        ids=per_layer((batch, k), torch.long),
-        weights=per_layer((batch, k), torch.float32),
-        scores=per_layer((batch, e), torch.float32),
-        ids_e=per_layer((rows_e, k), torch.long, bool(extra)),
-        weights_e=per_layer((rows_e, k), torch.float32, bool(extra)),
-        scores_e=per_layer((rows_e, e), torch.float32, bool(extra)),
-        slots=per_layer((batch, k), torch.long),
-        valid=per_layer((batch, k), torch.bool),
-        slots_e=per_layer((rows_e, k), torch.long, bool(extra)),
-        valid_e=per_layer((rows_e, k), torch.bool, bool(extra)),
-        logits=torch.zeros(batch, v, dtype=torch.float32, device=dev),
-        hidden=torch.zeros(batch, h, dtype=dtype, device=dev),
-        draft_logits=torch.zeros(batch, v, dtype=torch.float32, device=dev) if extra else None,
-        draft_hidden=torch.zeros(batch, h, dtype=dtype, device=dev) if extra else None,
-    )
-
-
-_STEP_IDS = itertools.count()  # graph keys must never be reused while a graph with that key exists
-
-
-class _Segments:
-    """Shared machinery: building segments, running them with hooks, computing experts from slot buffers."""
-
-    def __init__(self, runner: ModelRunner, graphs: GraphRunner, key: object):
-        key = (key, next(_STEP_IDS))
+    def __init__(self, runner: ModelRunner, caches: KVCaches, sampler: DeviceSampler, shape: StepShape,
+                 graphs: bool, oracle_trace: torch.Tensor | None = None):
         self.runner = runner
-        self.runtime = runner.runtime
         self.args = runner.args
-        self.eps = runner.args.rms_norm_eps
-        self.graphs = graphs
-        self.key = key
-        self.preloaded = runner.runtime.preloaded
-        self.segments: list[tuple[Callable[[], None], int | None]] = []
-
-    def _run_segments(self, hook: Callable[[int], None]) -> None:
-        for index, (fn, hook_layer) in enumerate(self.segments):
-            self.graphs.run((self.key, index), fn)
-            if hook_layer is not None:
-                hook(hook_layer)
-        self.runtime.release_layer()
-
-    def _build(self, ops: list[tuple[Callable[[], None], int | None]]) -> None:
-        """Group ops into segments ending at each hook point; with every expert resident, one segment."""
-        current: list[Callable[[], None]] = []
-        for op, hook_layer in ops:
-            current.append(op)
-            if hook_layer is not None and not self.preloaded:
-                self.segments.append((_chain(current), hook_layer))
-                current = []
-        self.segments.append((_chain(current), None))
-
-    def _routed(self, x: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.runtime.compute_gathered(x, slots, valid, weights)
-
-    def _ffn_out(self, lw: LayerWeights, h: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
-        if lw.shared is not None:
-            routed = routed + mlp(lw.shared, h, self.runner.act).float()
-        return routed.to(h.dtype)
-
-    def _device_slots(self, layer: int, ids: torch.Tensor, active: torch.Tensor, slots: torch.Tensor,
-                      valid: torch.Tensor) -> None:
-        """All-resident: expert e of `layer` sits in slot base + e, always."""
-        slots.copy_(ids + self.runtime.preloaded_base(layer))
-        valid.copy_(active[:, None].expand_as(valid))
-
-
-def _chain(ops: list[Callable[[], None]]) -> Callable[[], None]:
-    def run() -> None:
-        for op in ops:
-            op()
-
-    return run
-
-
-class DecodeStep(_Segments):
-    """One decode step of the main layers for `batch` sequences (+ `extra` rows each, in `mode`)."""
-
-    def __init__(
-        self,
-        runner: ModelRunner,
-        caches: KVCaches,
-        batch: int,
-        extra: int,
-        mode: str,
-        graphs: GraphRunner,
-        gate_targets: dict[int, list[int]] | None = None,
-        gate_width: int = 0,
-    ):
-        assert mode in MODES and (mode == "none") == (extra == 0)
-        super().__init__(runner, graphs, ("decode", batch, extra, mode))
+        self.weights = runner.weights
+        self.res = runner.residency
         self.caches = caches
-        self.batch, self.extra, self.mode = batch, extra, mode
-        self.layers = runner.weights.layers
-        self.buf = _buffers(runner, self.layers, batch, extra, caches.layers[0].latent.dtype)
-        # next_layer_gate: layer -> the MoE layers whose routers score this layer's router input, inside the graph
-        self.gate_targets = gate_targets or {}
-        self.gate_width = min(gate_width, runner.args.n_routed_experts)
-        self.gate_ids = {
-            layer: torch.zeros(len(targets), batch, self.gate_width, dtype=torch.long, device=runner.device)
-            for layer, targets in self.gate_targets.items() if targets and self.gate_width
-        }
-        self._routers = {lw.index: lw.router for lw in self.layers if lw.router is not None}
-        ops: list[tuple[Callable[[], None], int | None]] = [(self._embed, None)]
-        for lw in self.layers:
-            ops.append((lambda lw=lw: runner.enter(lw.index), None))  # streamed layers: weights land first
-            ops.append((lambda lw=lw: self._attention(lw), None))
-            if lw.router is None:
-                ops.append((lambda lw=lw: self._dense(lw), None))
-            else:
-                ops.append((lambda lw=lw: self._route(lw), lw.index))
-                ops.append((lambda lw=lw: self._experts(lw), None))
-            ops.append((lambda lw=lw: runner.leave(lw.index), None))
-        ops.append((self._head, None))
-        self._build(ops)
-        self._active_host = torch.zeros(batch, dtype=torch.bool)
-
-    # ---- segment ops (device only: capturable) --------------------------------------------------------------------
-    def _embed(self) -> None:
-        b = self.buf
-        b.x.copy_(F.embedding(b.tokens[:, None], self.runner.weights.embed))
-        if b.xe is not None:
-            b.xe.copy_(F.embedding(b.extra_tokens, self.runner.weights.embed))
-
-    def _attention(self, lw: LayerWeights) -> None:
-        b, args, rope = self.buf, self.args, self.runner.rope
-        kv = self.caches.layers[lw.index]
-        pos = b.positions[:, None]
-        b.x.add_(attention_absorbed(args, lw.attn, rope, rms_norm(b.x, lw.input_norm, self.eps), pos, kv))
-        if b.xe is not None:
-            pos_e = pos + torch.arange(1, self.extra + 1, device=pos.device)
-            b.xe.add_(attention_absorbed(args, lw.attn, rope, rms_norm(b.xe, lw.input_norm, self.eps), pos_e, kv))
-
-    def _dense(self, lw: LayerWeights) -> None:
-        b, act = self.buf, self.runner.act
-        b.x.add_(mlp(lw.mlp, rms_norm(b.x, lw.post_attention_norm, self.eps), act))
-        if b.xe is not None:
-            b.xe.add_(mlp(lw.mlp, rms_norm(b.xe, lw.post_attention_norm, self.eps), act))
-
-    def _route(self, lw: LayerWeights) -> None:
-        b, layer = self.buf, lw.index
-        h = rms_norm(b.x, lw.post_attention_norm, self.eps).view(self.batch, -1)
-        b.h[layer].copy_(h)
-        r = route(self.args, lw.router, h)
-        b.ids[layer].copy_(r.ids)
-        b.weights[layer].copy_(r.weights)
-        b.scores[layer].copy_(r.scores)
-        if layer in self.gate_ids:
-            for i, target in enumerate(self.gate_targets[layer]):
-                scores = route(self.args, self._routers[target], h).scores
-                self.gate_ids[layer][i].copy_(scores.topk(self.gate_width, dim=-1).indices)
-        if b.xe is not None:
-            he = rms_norm(b.xe, lw.post_attention_norm, self.eps).reshape(self.batch * self.extra, -1)
-            b.he[layer].copy_(he)
-            re = route(self.args, lw.router, he)
-            b.ids_e[layer].copy_(re.ids)
-            b.weights_e[layer].copy_(re.weights)
-            b.scores_e[layer].copy_(re.scores)
-        if self.preloaded:
-            self._device_slots(layer, b.ids[layer], b.active, b.slots[layer], b.valid[layer])
-            if b.xe is not None:
-                active_e = b.active.repeat_interleave(self.extra)
-                self._device_slots(layer, b.ids_e[layer], active_e, b.slots_e[layer], b.valid_e[layer])
-
-    def _experts(self, lw: LayerWeights) -> None:
-        b, layer = self.buf, lw.index
-        h = b.h[layer]
-        routed = self._routed(h, b.slots[layer], b.valid[layer], b.weights[layer])
-        b.x.add_(self._ffn_out(lw, h, routed).view_as(b.x))
-        if b.xe is not None:
-            he, weights = b.he[layer], b.weights_e[layer]
-            if self.mode == "shadow":
-                weights = _renormalise(weights, b.valid_e[layer])
-            routed_e = self._routed(he, b.slots_e[layer], b.valid_e[layer], weights)
-            b.xe.add_(self._ffn_out(lw, he, routed_e).view_as(b.xe))
-
-    def _head(self) -> None:
-        b, runner = self.buf, self.runner
-        hidden = rms_norm(b.x[:, 0], runner.weights.final_norm, self.eps)
-        b.hidden.copy_(hidden)
-        b.logits.copy_(runner.logits(hidden))
-        if self.mode == "verify":
-            draft_hidden = rms_norm(b.xe[:, 0], runner.weights.final_norm, self.eps)
-            b.draft_hidden.copy_(draft_hidden)
-            b.draft_logits.copy_(runner.logits(draft_hidden))
+        self.sampler = sampler
+        self.shape = shape
+        self.params = SamplingParams(temperature=0.0 if shape.greedy else 1.0, top_k=2 if shape.top_k else 0,
+                                     top_p=0.5 if shape.top_p else 1.0)
+        self.oracle_trace = oracle_trace
+        dev, b, h = runner.device, shape.batch, self.args.hidden_size
+        self.graphs = graphs and dev.type == "cuda" and runner.streamer is None
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._runs = 0
+        m = shape.mtp_rows
+        self.inputs = torch.zeros(b, 3 + shape.extra, dtype=torch.int64, device=dev)
+        self.draft_conf = torch.zeros(b, dtype=torch.float32, device=dev)
+        self.outputs = torch.zeros(b, 2 + m, dtype=torch.int64, device=dev)
+        self.probs = torch.zeros(b, m, dtype=torch.float32, device=dev)
+        self.logits = torch.zeros(b, self.args.vocab_size, dtype=torch.float32, device=dev)  # the last step's
+        pin = dev.type == "cuda"
+        self.inputs_host = torch.zeros(self.inputs.shape, dtype=torch.int64, pin_memory=pin)
+        self.conf_host = torch.zeros(b, dtype=torch.float32, pin_memory=pin)
+        self.outputs_host = torch.zeros(self.outputs.shape, dtype=torch.int64, pin_memory=pin)
+        self.probs_host = torch.zeros(self.probs.shape, dtype=torch.float32, pin_memory=pin)
+        self.rows = torch.arange(b, device=dev)
+        self.buffers = PlanBuffers(self.res.max_rows, self.res.max_experts, self.args.num_experts_per_tok, h, dev)
+        self.ring = PredictionRing(self.res.st.pred, self.res.st.decode_step, shape.spec.ring)
+        moe = [lw.index for lw in self.weights.layers if lw.router is not None]
+        depth = shape.spec.gate_depth
+        self.gate_targets = {layer: moe[i + 1 : i + 1 + depth] for i, layer in enumerate(moe)}
+        self.routers = {lw.index: lw for lw in self.weights.layers if lw.router is not None}
+        self._done = torch.cuda.Event() if dev.type == "cuda" else None
 
     # ---- host side ------------------------------------------------------------------------------------------------
-    def _hook(self, layer: int) -> None:
-        b, runtime = self.buf, self.runtime
-        ids = b.ids[layer].cpu().tolist()  # the per-layer synchronisation: which experts does this layer need?
-        exact = [(ids, self._active_host)]
-        shadow = None
-        if self.mode == "verify":
-            exact.append((b.ids_e[layer].cpu().tolist(), self._active_extra))
-        elif self.mode == "shadow":
-            shadow = (b.ids_e[layer].cpu().tolist(), self._active_extra, b.scores_e[layer].cpu())
-        real_scores = b.scores[layer].cpu() if runtime.predictor_wants_scores else None
-        gate_ranked = None
-        if layer in self.gate_ids:
-            ranked = self.gate_ids[layer].cpu().tolist()  # [targets][B][width]
-            live = [r for r, active in enumerate(self._active_host) if active]  # finished rows predict nothing
-            gate_ranked = {t: rank_merge([rows[r] for r in live]) for t, rows in zip(self.gate_targets[layer], ranked)}
-        plans, shadow_plan = runtime.decode_layer(layer, exact, shadow, b.h[layer], real_scores, gate_ranked)
-        _upload(plans[0], b.slots[layer], b.valid[layer])
-        if self.mode == "verify":
-            _upload(plans[1], b.slots_e[layer], b.valid_e[layer])
-        elif shadow_plan is not None:
-            _upload(shadow_plan, b.slots_e[layer], b.valid_e[layer])
-
-    def __call__(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        active: torch.Tensor,
-        extra_tokens: torch.Tensor | None = None,
-    ) -> DecodeOutput:
-        """tokens [B], positions [B] and active [B] (host tensors); extra_tokens [B, L] when the step has extra rows."""
-        b = self.buf
-        self._active_host = active.tolist()
-        self._active_extra = active.repeat_interleave(self.extra).tolist() if self.extra else self._active_host
-        b.tokens.copy_(tokens, non_blocking=True)
-        b.positions.copy_(positions, non_blocking=True)
-        b.active.copy_(active, non_blocking=True)
-        if self.extra:
-            b.extra_tokens.copy_(extra_tokens, non_blocking=True)
-        self._run_segments(self._hook)
-        if self.preloaded:
-            self.runtime.record_resident_step({layer: ids.cpu().tolist() for layer, ids in b.ids.items()}, self._active_host)
-        out = DecodeOutput(b.logits.clone(), b.hidden.clone(), None, None)
-        if self.mode == "verify":
-            out.draft_logits, out.draft_hidden = b.draft_logits.clone(), b.draft_hidden.clone()
-        return out
-
-
-class MTPStep(_Segments):
-    """The MTP head over `rows` (token, hidden) pairs per sequence: draft logits for the token after each pair."""
-
-    def __init__(
-        self, runner: ModelRunner, caches: KVCaches, batch: int, rows: int, graphs: GraphRunner, router_width: int = 0
-    ):
-        super().__init__(runner, graphs, ("mtp", batch, rows))
-        mtp = runner.weights.mtp
-        assert mtp is not None and caches.mtp is not None
-        self.caches, self.batch, self.rows = caches, batch, rows
-        self.lw = mtp.layer
-        args, dev = runner.args, runner.device
-        dtype = caches.mtp.latent.dtype
-        n, h, k = batch * rows, args.hidden_size, args.num_experts_per_tok
-        self.tokens = torch.zeros(batch, rows, dtype=torch.long, device=dev)
-        self.hidden_in = torch.zeros(batch, rows, h, dtype=dtype, device=dev)
-        self.positions = torch.zeros(batch, rows, dtype=torch.long, device=dev)
-        self.active = torch.zeros(n, dtype=torch.bool, device=dev)
-        self.x = torch.zeros(batch, rows, h, dtype=dtype, device=dev)
-        self.h = torch.zeros(n, h, dtype=dtype, device=dev)
-        self.ids = torch.zeros(n, k, dtype=torch.long, device=dev)
-        self.weights = torch.zeros(n, k, dtype=torch.float32, device=dev)
-        self.slots = torch.zeros(n, k, dtype=torch.long, device=dev)
-        self.valid = torch.zeros(n, k, dtype=torch.bool, device=dev)
-        self.logits = torch.zeros(batch, rows, args.vocab_size, dtype=torch.float32, device=dev)
-        # mtp_router: every main MoE layer's router on the MTP output -> top-`router_width` experts per layer
-        self.router_layers = [lw for lw in runner.weights.layers if lw.router is not None] if router_width else []
-        self.router_width = min(router_width, args.n_routed_experts)
-        self.router_ids = torch.zeros(len(self.router_layers), n, max(self.router_width, 1), dtype=torch.long,
-                                      device=dev)
-        self._build([(self._front, self.lw.index), (self._back, None)])
-        self._active_host = torch.zeros(n, dtype=torch.bool)
-
-    def _front(self) -> None:
-        runner, lw = self.runner, self.lw
-        x = runner._mtp_input(self.tokens, self.hidden_in)
-        x = x + attention_absorbed(
-            self.args, lw.attn, runner.rope, rms_norm(x, lw.input_norm, self.eps), self.positions, self.caches.mtp,
-            self.positions - 1,
+    def __call__(self, tokens: list[int], positions: list[int], active: list[bool],
+                 extra_tokens: list[int] | None = None, draft_conf: list[float] | None = None) -> StepOutput:
+        """One step; inputs per sequence. Returns the sampled ids after one device->host synchronisation."""
+        ih = self.inputs_host
+        ih[:, 0] = torch.tensor(tokens)
+        ih[:, 1] = torch.tensor(positions)
+        ih[:, 2] = torch.tensor(active, dtype=torch.int64)
+        if self.shape.extra:
+            ih[:, 3] = torch.tensor(extra_tokens)
+        if draft_conf is not None:
+            self.conf_host.copy_(torch.tensor(draft_conf))
+        self.inputs.copy_(ih, non_blocking=True)
+        self.draft_conf.copy_(self.conf_host, non_blocking=True)
+        self._run()
+        self.outputs_host.copy_(self.outputs, non_blocking=True)
+        self.probs_host.copy_(self.probs, non_blocking=True)
+        if self._done is not None:
+            self._done.record()
+            self._done.synchronize()  # the step's one synchronisation
+        out = self.outputs_host.clone()
+        m = self.shape.mtp_rows
+        return StepOutput(
+            next_tokens=out[:, 0],
+            second_tokens=out[:, 1] if self.shape.mode == "verify" else None,
+            drafts=out[:, 2 : 2 + m] if self.shape.run_mtp else None,
+            draft_probs=self.probs_host.clone() if self.shape.run_mtp else None,
         )
-        self.x.copy_(x)
-        h = rms_norm(x, lw.post_attention_norm, self.eps).reshape(self.batch * self.rows, -1)
-        self.h.copy_(h)
-        r = route(self.args, lw.router, h)
-        self.ids.copy_(r.ids)
-        self.weights.copy_(r.weights)
-        if self.preloaded:
-            self._device_slots(lw.index, self.ids, self.active, self.slots, self.valid)
 
-    def _back(self) -> None:
-        routed = self._routed(self.h, self.slots, self.valid, self.weights)
-        self.x.add_(self._ffn_out(self.lw, self.h, routed).view_as(self.x))
-        self.logits.copy_(self.runner.mtp_logits(self.x))
-        flat = self.x.reshape(self.batch * self.rows, -1)
-        for i, lw in enumerate(self.router_layers):
-            scores = route(self.args, lw.router, rms_norm(flat, lw.post_attention_norm, self.eps)).scores
-            self.router_ids[i].copy_(scores.topk(self.router_width, dim=-1).indices)
+    def _run(self) -> None:
+        self._runs += 1
+        if not self.graphs or self._runs == 1:  # the first run is eager: it compiles kernels and warms up cuBLAS
+            self._body()
+            return
+        if self._graph is None:
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    self._body()
+            except Exception as exc:  # capture is an optimisation; the eager step computes the same
+                logger.warning("CUDA graph capture of the decode step failed (%s); running it eagerly", exc)
+                self.graphs = False
+                torch.cuda.synchronize()
+                self._body()
+                return
+            self._graph = graph
+        self._graph.replay()
 
-    def _hook(self, layer: int) -> None:
-        plans, _ = self.runtime.decode_layer(layer, [(self.ids.cpu().tolist(), self._active_host)], None, self.h, None)
-        _upload(plans[0], self.slots, self.valid)
+    @property
+    def captured(self) -> bool:
+        return self._graph is not None
 
-    def __call__(
-        self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, active: torch.Tensor
-    ) -> torch.Tensor:
-        """tokens [B, M] (host), hidden [B, M, H] (device), positions [B, M] (host), active [B] (host) ->
-        logits [B, M, V]."""
-        active_rows = active.repeat_interleave(self.rows)
-        self._active_host = active_rows.tolist()
-        self.tokens.copy_(tokens, non_blocking=True)
-        self.hidden_in.copy_(hidden)
-        self.positions.copy_(positions, non_blocking=True)
-        self.active.copy_(active_rows, non_blocking=True)
-        self._run_segments(self._hook)
-        if self.preloaded:
-            self.runtime.record_resident_step({self.lw.index: self.ids.cpu().tolist()}, self._active_host)
-        if self.router_layers:
-            ranked = self.router_ids.cpu().tolist()  # [layers][rows][width]
-            keep = [r for r, a in enumerate(self._active_host) if a]
-            self.runtime.observe_mtp_output(
-                {lw.index: rank_merge([ranked[i][r] for r in keep]) for i, lw in enumerate(self.router_layers)}
-            )
-        return self.logits.clone()
+    def release(self) -> None:
+        self._graph = None
 
+    # ---- the device work (captured) -------------------------------------------------------------------------------
+    def _body(self) -> None:
+        res, shape = self.res, self.shape
+        res.begin_step(decode=True)
+        if shape.spec.oracle and self.oracle_trace is not None:
+            self.ring.write_trace(self.oracle_trace, shape.spec.ring)
+        if shape.reserve:
+            res.plan_step()
+        tokens, pos = self.inputs[:, 0], self.inputs[:, 1]
+        self.active = self.inputs[:, 2] != 0
+        embed = self.weights.embed
+        groups = [F.embedding(tokens[:, None], embed)]
+        if shape.extra:
+            groups.append(F.embedding(self.inputs[:, 3:4], embed))
+        for lw in self.weights.layers:
+            self.runner.enter(lw.index)
+            groups = block(self.args, lw, groups, self._attend(lw, pos), self._routed, self.runner.act)
+            self.runner.leave(lw.index)
+        eps = self.args.rms_norm_eps
+        hidden = rms_norm(groups[0][:, 0], self.weights.final_norm, eps)
+        self.logits.copy_(self.runner.logits(hidden))
+        next_tokens = self.sampler(self.logits, self.params, self.rows, pos + 1)
+        self.outputs[:, 0].copy_(next_tokens)
+        mtp_tokens, mtp_hidden = [next_tokens], [hidden]
+        if shape.mode == "verify":
+            draft_hidden = rms_norm(groups[1][:, 0], self.weights.final_norm, eps)
+            second = self.sampler(self.runner.logits(draft_hidden), self.params, self.rows, pos + 2)
+            self.outputs[:, 1].copy_(second)
+            mtp_tokens.append(second)
+            mtp_hidden.append(draft_hidden)
+        if shape.run_mtp:
+            self._mtp(torch.stack(mtp_tokens, 1), torch.stack(mtp_hidden, 1), pos)
+        res.end_step()
 
-def rank_merge(rows: list[list[int]]) -> tuple[int, ...]:
-    """Rows' ranked expert lists merged by rank: every row's first choice, then every row's second, ..."""
-    merged: dict[int, None] = {}
-    for rank in range(max((len(r) for r in rows), default=0)):
-        for row in rows:
-            if rank < len(row):
-                merged.setdefault(row[rank], None)
-    return tuple(merged)
+    def _attend(self, lw, pos: torch.Tensor):
+        args, rope = self.args, self.runner.rope
+        kv = self.caches.layers[lw.index]
 
+        def attend(group: int, normed: torch.Tensor) -> torch.Tensor:
+            positions = pos[:, None] + group  # extra rows sit one position ahead
+            return attention_absorbed(args, lw.attn, rope, normed, positions, kv)
 
-def _renormalise(weights: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Shadow rows skip missing experts: rescale the kept weights to the full weight mass, at most k-fold (a lone
-    low-weight expert must not be blown up into values that overflow fp16)."""
-    kept = torch.where(valid, weights, torch.zeros_like(weights)).sum(-1, keepdim=True)
-    total = weights.sum(-1, keepdim=True)
-    scale = torch.where(kept > 0, total / kept.clamp(min=1e-20), torch.zeros_like(kept))
-    return weights * scale.clamp(max=float(weights.shape[-1]))
+        return attend
 
+    def _routed(self, layer: int, flat: list[torch.Tensor], routings: list[Routing]) -> list[torch.Tensor]:
+        """The routed experts of every group of one layer, in one plan and one expert computation."""
+        shape, res = self.shape, self.res
+        active = self.active
+        real = routings[0]
+        position = res.position[layer]
+        main = position < res.cfg.main_positions
+        if main and shape.spec.active:
+            self._predict(layer, position, flat[0], routings, active)
+        if len(flat) == 1:
+            ids_x, act_x, ids_s, act_s, weights = real.ids, active, None, None, real.weights
+        elif shape.mode == "verify":
+            ids_x = torch.cat((real.ids, routings[1].ids))
+            act_x = torch.cat((active, active))
+            ids_s = act_s = None
+            weights = torch.cat((real.weights, routings[1].weights))
+        else:
+            ids_x, act_x, ids_s, act_s = real.ids, active, routings[1].ids, active
+            weights = torch.cat((real.weights, routings[1].weights))
+        x = torch.cat(flat) if len(flat) > 1 else flat[0]
+        out = res.decode_experts(layer, x.contiguous(), ids_x, act_x, ids_s, act_s, weights, self.buffers,
+                                 shape.reserve, count_recall=main)
+        return list(out.split([f.shape[0] for f in flat]))
 
-def _upload(plan: tuple[list[list[int]], list[list[bool]]], slots: torch.Tensor, valid: torch.Tensor) -> None:
-    """Host plan -> device slot buffers, in stream order before the segment that reads them."""
-    slots.copy_(torch.tensor(plan[0], dtype=torch.long).pin_memory() if slots.is_cuda else torch.tensor(plan[0]),
-                non_blocking=True)
-    valid.copy_(torch.tensor(plan[1], dtype=torch.bool), non_blocking=slots.is_cuda)
+    def _predict(self, layer: int, position: int, h: torch.Tensor, routings: list[Routing],
+                 active: torch.Tensor) -> None:
+        """Predictors that see this layer's router input or routing write the ring before the layer's plan."""
+        spec, ring, live = self.shape.spec, self.ring, active.float()[:, None]
+        if spec.previous:
+            ring.write(1, position, routings[0].ids, routing_confidence(routings[0].weights) * live)
+        for target in self.gate_targets.get(layer, ()):
+            guess = route(self.args, self.routers[target].router, h)
+            ring.write(0, self.res.position[target], guess.ids, routing_confidence(guess.weights) * live)
+        if spec.shadow and self.shape.mode == "shadow":
+            conf = routing_confidence(routings[1].weights) * (live * self.draft_conf[:, None])
+            ring.write(1, position, routings[1].ids, conf)
+
+    def _mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor) -> None:
+        """The MTP head over (token after row, row's final hidden) pairs: drafts and their probabilities."""
+        mtp, args = self.weights.mtp, self.args
+        rows = tokens.shape[1]
+        positions = pos[:, None] + torch.arange(1, rows + 1, device=pos.device)
+        x = mtp_input(args, mtp, self.weights.mtp_embed(), tokens, hidden)
+        kv = self.caches.mtp
+
+        def attend(_: int, normed: torch.Tensor) -> torch.Tensor:
+            return attention_absorbed(args, mtp.layer.attn, self.runner.rope, normed, positions, kv, positions - 1)
+
+        def routed(layer: int, flat: list[torch.Tensor], routings: list[Routing]) -> list[torch.Tensor]:
+            act = self.active.repeat_interleave(rows)
+            out = self.res.decode_experts(layer, flat[0].contiguous(), routings[0].ids, act, None, None,
+                                          routings[0].weights, self.buffers, self.shape.reserve, count_recall=False)
+            return [out]
+
+        x = block(args, mtp.layer, [x], attend, routed, self.runner.act)[0]
+        logits = self.runner.mtp_logits(x)  # [B, M, V]
+        probs, drafts = logits.softmax(-1).max(-1)
+        self.outputs[:, 2:].copy_(drafts)
+        self.probs.copy_(probs)
+        if self.shape.spec.mtp_router:
+            flat = x.reshape(-1, x.shape[-1])
+            live = self.active.repeat_interleave(rows).float()[:, None]
+            for lw in self.routers.values():
+                if self.res.position[lw.index] >= self.res.cfg.main_positions:
+                    continue
+                guess = route(args, lw.router, rms_norm(flat, lw.post_attention_norm, args.rms_norm_eps))
+                self.ring.write(1, self.res.position[lw.index], guess.ids, routing_confidence(guess.weights) * live)

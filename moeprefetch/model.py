@@ -1,20 +1,21 @@
 """Pure compute of the DeepSeek-V2/V3 blocks: RMSNorm, MLA attention (expanded and absorbed forms), routers, MLPs.
 
 Functions take weights and activations and return activations; nothing here knows where weights live or how routed
-experts arrive (that is `runtime.py`). Shapes: B batch, T/L tokens per row, S key positions, h heads, H hidden,
+experts arrive (that is `residency/`). Shapes: B batch, T/L tokens per row, S key positions, h heads, H hidden,
 c = kv_lora_rank, r = qk_rope_head_dim, n = qk_nope_head_dim, v = v_head_dim.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from .config import ModelArgs
 from .rope import RotaryEmbedding
-from .weights import AttentionWeights, Linear, MLPWeights, RouterWeights
+from .weights import AttentionWeights, LayerWeights, Linear, MLPWeights, MTPWeights, RouterWeights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -203,3 +204,44 @@ def combine_expert_outputs(outputs: torch.Tensor, weights: torch.Tensor, valid: 
     for j in range(1, weighted.shape[1]):
         total = total + weighted[:, j]
     return total
+
+
+# ---- the decoder layer --------------------------------------------------------------------------------------------
+
+RoutedFn = Callable[[int, list[torch.Tensor], list[Routing]], list[torch.Tensor]]
+
+
+def block(
+    args: ModelArgs,
+    lw: LayerWeights,
+    groups: list[torch.Tensor],
+    attend: Callable[[int, torch.Tensor], torch.Tensor],
+    routed: RoutedFn,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> list[torch.Tensor]:
+    """One decoder layer over groups of rows: prefill chunks (one group), decode steps (real rows, then shadow or
+    draft rows) and the MTP head all run this.
+
+    Each group gets its own attention call, `attend(group index, normed x)`, so extra rows never change the shapes of
+    the real rows' kernels. The feed-forward half sees every group at once: a dense MLP per group, or routers per
+    group and `routed(layer, router inputs, routings)` for the routed experts of all groups together (so that an
+    expert's bytes are read once for every row that uses it), plus the shared experts."""
+    eps = args.rms_norm_eps
+    groups = [x + attend(i, rms_norm(x, lw.input_norm, eps)) for i, x in enumerate(groups)]
+    hs = [rms_norm(x, lw.post_attention_norm, eps) for x in groups]
+    if lw.router is None:
+        return [x + mlp(lw.mlp, h, act) for x, h in zip(groups, hs)]
+    flat = [h.reshape(-1, h.shape[-1]) for h in hs]
+    outs = routed(lw.index, flat, [route(args, lw.router, f) for f in flat])
+    if lw.shared is not None:
+        outs = [out + mlp(lw.shared, f, act).float() for out, f in zip(outs, flat)]
+    return [x + out.to(x.dtype).view_as(x) for x, out in zip(groups, outs)]
+
+
+def mtp_input(args: ModelArgs, mtp: MTPWeights, embed: torch.Tensor, next_tokens: torch.Tensor,
+              hidden: torch.Tensor) -> torch.Tensor:
+    """The MTP block's input: eh_proj(enorm(embedding of token i+1) ++ hnorm(main hidden at i)), embedding first
+    (what vLLM, SGLang and transformers do with DeepSeek checkpoints)."""
+    eps = args.rms_norm_eps
+    embedded = F.embedding(next_tokens, embed)
+    return linear(torch.cat((rms_norm(embedded, mtp.enorm, eps), rms_norm(hidden, mtp.hnorm, eps)), -1), mtp.eh_proj)

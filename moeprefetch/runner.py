@@ -1,7 +1,8 @@
 """Forward passes over blocks of new tokens: the uncached forward, prefill chunks and the MTP head over them.
 
-The runner composes `model.py`'s blocks layer by layer and hands each MoE layer's routed experts to the
-`ExpertRuntime`. Decode steps live in `decode.py`.
+Every layer is `model.block()`; blocks of tokens attend with expanded keys and compute each routed expert on all of
+its tokens through `Residency.prefill_experts` (host-driven: one synchronisation per MoE layer and chunk). Decode
+steps live in `decode.py`.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import torch.nn.functional as F
 
 from .config import ModelArgs
 from .experts import activation
-from .model import LayerKV, attention_expanded, linear, mlp, rms_norm, route
+from .model import LayerKV, Routing, attention_expanded, block, mtp_input, rms_norm
+from .residency import Residency
 from .rope import RotaryEmbedding
-from .runtime import ExpertRuntime, RowBlock
 from .weights import LayerWeights, ModelWeights
 
 if TYPE_CHECKING:
@@ -49,13 +50,10 @@ class KVCaches:
         per_layer = (args.kv_lora_rank + args.qk_rope_head_dim) * torch.tensor([], dtype=dtype).element_size()
         return per_layer * (args.num_hidden_layers + (1 if with_mtp else 0))
 
-
-@dataclass
-class DecodeOutput:
-    logits: torch.Tensor  # [B, V] fp32, real rows
-    hidden: torch.Tensor  # [B, H] final-normed hidden of the real rows (the MTP head's input)
-    draft_logits: torch.Tensor | None  # [B, V] when drafts were verified
-    draft_hidden: torch.Tensor | None  # [B, H]
+    def zero_(self) -> None:
+        for kv in self.layers + ([self.mtp] if self.mtp is not None else []):
+            kv.latent.zero_()
+            kv.rope.zero_()
 
 
 class ModelRunner:
@@ -63,51 +61,46 @@ class ModelRunner:
         self,
         args: ModelArgs,
         weights: ModelWeights,
-        runtime: ExpertRuntime,
+        residency: Residency,
         device: torch.device,
         streamer: "LayerStreamer | None" = None,
     ):
         self.args = args
         self.weights = weights
-        self.runtime = runtime
+        self.residency = residency
         self.streamer = streamer
         self.device = device
         self.rope = RotaryEmbedding(args.rope, args.qk_rope_head_dim, device)
         self.act = activation(args.hidden_act)
-        self._routers = {lw.index: lw.router for lw in weights.layers if lw.router is not None}
-        if weights.mtp is not None:
-            self._routers[weights.mtp.layer.index] = weights.mtp.layer.router
-
-    # ---- pieces ---------------------------------------------------------------------------------------------------
-    def score_layer(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Router selection scores of `layer` applied to `hidden` [N, H] (look-ahead predictors)."""
-        return route(self.args, self._routers[layer], hidden.reshape(-1, hidden.shape[-1])).scores
 
     def logits(self, hidden_normed: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden_normed, self.weights.lm_head).float()
 
-    def _ffn(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        """The MLP half of a layer over h [N, H] (prefill / uncached: each expert on all of its tokens)."""
-        if lw.mlp is not None:
-            return mlp(lw.mlp, h, self.act)
-        (routed,) = self.runtime.run_layer(lw.index, [RowBlock(h, route(self.args, lw.router, h))])
-        if lw.shared is not None:
-            routed = routed + mlp(lw.shared, h, self.act).float()
-        return routed.to(h.dtype)
+    def mtp_logits(self, y: torch.Tensor) -> torch.Tensor:
+        mtp = self.weights.mtp
+        return F.linear(rms_norm(y, mtp.head_norm, self.args.rms_norm_eps), self.weights.mtp_head()).float()
+
+    # ---- layers streamed from host RAM ------------------------------------------------------------------------------
+    def enter(self, layer: int) -> None:
+        """Before a layer's kernels: a streamed layer's weights must have landed."""
+        if self.streamer is not None and self.streamer.streams(layer):
+            self.streamer.begin(layer)
+
+    def leave(self, layer: int) -> None:
+        if self.streamer is not None and self.streamer.streams(layer):
+            self.streamer.end(layer)
 
     # ---- blocks of new tokens (prefill chunks, uncached forward) ---------------------------------------------------
-    def layer_block(
-        self, lw: LayerWeights, x: torch.Tensor, positions: torch.Tensor, kv: LayerKV | None, row: int, start: int
-    ) -> torch.Tensor:
-        """One decoder layer over x [B, T, H] (expanded attention, per-expert MoE)."""
-        eps = self.args.rms_norm_eps
-        x = x + attention_expanded(
-            self.args, lw.attn, self.rope, rms_norm(x, lw.input_norm, eps), positions, kv, row, start
-        )
-        h = rms_norm(x, lw.post_attention_norm, eps)
-        b, t, hidden = h.shape
-        out = self._ffn(lw, h.reshape(b * t, hidden))
-        return x + out.view(b, t, hidden)
+    def _routed(self, layer: int, flat: list[torch.Tensor], routings: list[Routing]) -> list[torch.Tensor]:
+        return [self.residency.prefill_experts(layer, h, r.ids, r.weights) for h, r in zip(flat, routings)]
+
+    def layer_block(self, lw: LayerWeights, x: torch.Tensor, positions: torch.Tensor, kv: LayerKV | None, row: int,
+                    start: int) -> torch.Tensor:
+        """One decoder layer over x [B, T, H] (expanded attention, each expert on all of its tokens)."""
+        def attend(_: int, normed: torch.Tensor) -> torch.Tensor:
+            return attention_expanded(self.args, lw.attn, self.rope, normed, positions, kv, row, start)
+
+        return block(self.args, lw, [x], attend, self._routed, self.act)[0]
 
     def forward_block(
         self, tokens: torch.Tensor, positions: torch.Tensor, caches: KVCaches | None, row: int, start: int
@@ -120,15 +113,6 @@ class ModelRunner:
             x = self.layer_block(lw, x, positions, kv, row, start)
             self.leave(lw.index)
         return rms_norm(x, self.weights.final_norm, self.args.rms_norm_eps)
-
-    def enter(self, layer: int) -> None:
-        """Before a layer's kernels: a streamed layer's weights must have landed."""
-        if self.streamer is not None and self.streamer.streams(layer):
-            self.streamer.begin(layer)
-
-    def leave(self, layer: int) -> None:
-        if self.streamer is not None and self.streamer.streams(layer):
-            self.streamer.end(layer)
 
     def mtp_block(
         self,
@@ -143,17 +127,6 @@ class ModelRunner:
         token i+1 -> logits [B, T, V] predicting token i+2."""
         mtp = self.weights.mtp
         assert mtp is not None
-        x = self._mtp_input(next_tokens, hidden)
+        x = mtp_input(self.args, mtp, self.weights.mtp_embed(), next_tokens, hidden)
         x = self.layer_block(mtp.layer, x, positions, kv, row, start)
         return self.mtp_logits(x)
-
-    def _mtp_input(self, next_tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        mtp = self.weights.mtp
-        eps = self.args.rms_norm_eps
-        embedded = F.embedding(next_tokens, self.weights.mtp_embed())
-        # embedding first, then the hidden state: what vLLM, SGLang and transformers do with DeepSeek checkpoints
-        return linear(torch.cat((rms_norm(embedded, mtp.enorm, eps), rms_norm(hidden, mtp.hnorm, eps)), -1), mtp.eh_proj)
-
-    def mtp_logits(self, y: torch.Tensor) -> torch.Tensor:
-        mtp = self.weights.mtp
-        return F.linear(rms_norm(y, mtp.head_norm, self.args.rms_norm_eps), self.weights.mtp_head()).float()

@@ -1,7 +1,12 @@
-"""Token selection: greedy, or temperature / top-k / top-p sampling with per-token seeded noise.
+"""Token selection on the device: greedy, or temperature / top-k / top-p sampling with counter-based noise.
 
-Each sampled token uses noise seeded by (seed, sequence index, position), so the token drawn at a position depends only
-on its logits: batched and one-by-one generation, and speculative and plain decoding, draw the same tokens.
+Each sampled token uses Gumbel noise computed from a hash of (seed, sequence index, position, vocabulary index) with
+plain integer tensor ops, so it needs no generator state: it runs inside a CUDA graph, gives the same token on the
+CPU and the GPU, and the token drawn at a position depends only on its logits. Batched and one-by-one generation, and
+speculative and plain decoding, draw the same tokens.
+
+The hash is PCG's output permutation on 32-bit values held in int64 tensors; every product stays below 2**62, so
+nothing overflows on any device.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from .errors import RequestError
+
+_MASK32 = 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
@@ -43,39 +50,80 @@ class SamplingParams:
             raise RequestError(f"seed must be an integer, got {self.seed!r}")
 
 
-def _mix(seed: int, row: int, position: int) -> int:
-    # splitmix-style mixing so neighbouring (row, position) pairs get unrelated streams
-    z = (seed * 0x9E3779B97F4A7C15 + row * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB) & ((1 << 64) - 1)
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+def _pcg(x: torch.Tensor) -> torch.Tensor:
+    """PCG-RXS-M-XS hash of 32-bit values (int64 tensor in, int64 tensor of 32-bit values out)."""
+    state = (x * 747796405 + 2891336453) & _MASK32
+    word = (((state >> ((state >> 28) + 4)) ^ state) * 277803737) & _MASK32
+    return (word >> 22) ^ word
+
+
+class DeviceSampler:
+    """Sampling with fixed tensors (captured once, replayed every step): the call's parameters live on the device."""
+
+    def __init__(self, vocab: int, device: torch.device):
+        self.vocab = vocab
+        self.device = device
+        self.vocab_hash = _pcg(torch.arange(vocab, dtype=torch.int64, device=device))
+        self.temperature = torch.ones(1, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(1, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(1, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(2, dtype=torch.int64, device=device)  # high and low 31 bits
+
+    def set_params(self, params: SamplingParams) -> None:
+        """Before a call: write its parameters into the device tensors (the graphs read them there)."""
+        self.temperature.fill_(max(params.temperature, 1e-6))
+        self.top_k.fill_(params.top_k if 0 < params.top_k < self.vocab else 0)
+        self.top_p.fill_(params.top_p)
+        seed = params.seed & ((1 << 62) - 1)
+        self.seed.copy_(torch.tensor([seed >> 31, seed & ((1 << 31) - 1)]))
+
+    def gumbel(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """rows, positions [B] int64 -> Gumbel noise [B, V] fp32."""
+        h = _pcg(positions & _MASK32)
+        h = _pcg(rows ^ h)
+        h = _pcg(self.seed[0] ^ h)
+        h = _pcg(self.seed[1] ^ h)
+        bits = _pcg(h[:, None] ^ self.vocab_hash[None, :])
+        uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), 24 bits
+        return -torch.log(-torch.log(uniform))
+
+    def filter(self, logits: torch.Tensor, use_top_k: bool, use_top_p: bool) -> torch.Tensor:
+        """logits [B, V] fp32 -> temperature-scaled, with tokens outside top-k / top-p set to -inf."""
+        scaled = logits / self.temperature
+        if use_top_k or use_top_p:
+            ordered, order = scaled.sort(dim=-1, descending=True)
+            if use_top_k:
+                kth = ordered.gather(-1, (self.top_k - 1).clamp(min=0).expand(scaled.shape[0], 1))
+                scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+                ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+            if use_top_p:
+                probs = ordered.softmax(-1)
+                before = probs.cumsum(-1) - probs  # mass strictly before each token
+                drop_sorted = before >= self.top_p  # keep the smallest prefix whose mass reaches top_p
+                drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+                scaled = scaled.masked_fill(drop, float("-inf"))
+        return scaled
+
+    def __call__(self, logits: torch.Tensor, params: SamplingParams, rows: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] -> token ids [B] (int64). `params` decides the graph's shape (greedy, top-k, top-p on or
+        off); the values come from the device tensors set by `set_params`."""
+        if params.greedy:
+            return logits.argmax(dim=-1)
+        scaled = self.filter(logits.float(), 0 < params.top_k < self.vocab, params.top_p < 1.0)
+        return (scaled + self.gumbel(rows, positions)).argmax(dim=-1)
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [V] fp32 -> temperature-scaled logits with tokens outside top-k / top-p set to -inf."""
-    scaled = logits / params.temperature
-    if params.top_k and params.top_k < scaled.shape[-1]:
-        kth = scaled.topk(params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = scaled.sort(descending=True)
-        probs = sorted_logits.softmax(-1)
-        before = probs.cumsum(-1) - probs  # mass strictly before each token
-        drop_sorted = before >= params.top_p  # keep the smallest prefix whose mass reaches top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        scaled = scaled.masked_fill(drop, float("-inf"))
-    return scaled
+    sampler = DeviceSampler(logits.shape[-1], logits.device)
+    sampler.set_params(params)
+    return sampler.filter(logits.float()[None], 0 < params.top_k < logits.shape[-1], params.top_p < 1.0)[0]
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, rows: list[int], positions: list[int]) -> torch.Tensor:
     """logits [B, V] -> token ids [B] (int64, on logits' device). `rows`/`positions` seed each row's noise."""
-    if params.greedy:
-        return logits.argmax(dim=-1)
-    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    for i, (row, position) in enumerate(zip(rows, positions)):
-        scaled = filter_logits(logits[i].float(), params)
-        generator = torch.Generator(device=logits.device).manual_seed(_mix(params.seed, row, position))
-        uniform = torch.rand(scaled.shape, generator=generator, device=logits.device).clamp_(1e-20, 1.0 - 1e-7)
-        gumbel = -torch.log(-torch.log(uniform))  # argmax(logits + Gumbel) samples from softmax(logits)
-        out[i] = (scaled + gumbel).argmax()
-    return out
+    sampler = DeviceSampler(logits.shape[-1], logits.device)
+    sampler.set_params(params)
+    dev = logits.device
+    return sampler(logits, params, torch.tensor(rows, device=dev), torch.tensor(positions, device=dev))

@@ -108,3 +108,31 @@ class TransferEngine:
 
     def collect_stall_seconds(self) -> float:
         return self.stall.collect()
+
+
+class SideStream:
+    """Work that runs beside the compute stream inside one decode step: launched after an event of the compute
+    stream, joined at the end of the step. Captured into the step's CUDA graph as a parallel branch with event edges.
+    On the CPU the work simply runs inline, in order."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self._forked = False
+
+    def launch(self, work) -> None:
+        """Run `work()` on the side stream after everything enqueued so far on the compute stream."""
+        if not self.cuda:
+            work()
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._forked = True
+        with torch.cuda.stream(self.stream):
+            work()
+
+    def join(self) -> None:
+        """The compute stream waits for every side launch so far (the end of a step)."""
+        if self.cuda and self._forked:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self._forked = False

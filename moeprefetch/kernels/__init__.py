@@ -1,0 +1,41 @@
+"""Triton kernels of the device-driven decode, each next to the pure-torch reference that defines it.
+
+- `experts.py`: routed experts read in place through the residency table (a VRAM slot, or the pinned host arena over
+  PCIe), with admission of a missed expert into a victim slot as it streams;
+- `fill.py`: prefetch fills from host memory into reserved slots, on a side stream, published by a ready flag;
+- `plan.py`: the per-layer residency plan (publish, hits, misses, victims, prefetch reservations, accounting).
+
+Triton ships with torch's CUDA builds. Without it (or on the CPU) the engine runs the references, which are the
+definitions the kernels are tested against. `TRITON_INTERPRET=1` runs the kernels on CPU tensors for tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+try:  # Triton is optional on the CPU; the CUDA builds of torch ship it
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the environment
+    HAS_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernels_usable(device_type: str) -> bool:
+    """Whether the Triton kernels run for tensors on this device type (CUDA, or the CPU under the interpreter)."""
+    if not HAS_TRITON:
+        return False
+    return device_type == "cuda" or (device_type == "cpu" and INTERPRET)
+
+
+class Launch:
+    """One kernel launch: the jit function, its grid and its named arguments (also what compile checks use)."""
+
+    def __init__(self, kernel, grid: tuple[int, ...], num_warps: int = 4, num_stages: int = 3, **args):
+        self.kernel, self.grid, self.num_warps, self.num_stages, self.args = kernel, grid, num_warps, num_stages, args
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](**self.args, num_warps=self.num_warps, num_stages=self.num_stages)

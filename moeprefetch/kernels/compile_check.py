@@ -1,0 +1,103 @@
+"""Compile a kernel for a GPU architecture from example arguments, without a GPU (Triton ships ptxas).
+
+Used by the tests to catch what the interpreter cannot (type rules of the compiler, register and shared-memory use)
+on a machine with no device, and by developers to read the resource report:
+
+    python -m moeprefetch.kernels.compile_check
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import HAS_TRITON
+
+_TYPES = {
+    torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32",
+    torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv",
+}
+
+
+def compile_for(kernel: Any, args: dict[str, Any], arch: int = 90, num_warps: int = 4, num_stages: int = 3) -> Any:
+    """Compile `kernel` (a triton.jit function) for sm_`arch` with the named example arguments."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs = {}, {}
+    for param in kernel.params:
+        name = param.name
+        value = args[name]
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+            constexprs[name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i64" if not -(2**31) <= value < 2**31 else "i32"
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"cannot type argument {name}={value!r}")
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def resources(compiled: Any) -> dict[str, int]:
+    meta = compiled.metadata
+    return {"registers": getattr(compiled, "n_regs", -1), "spills": getattr(compiled, "n_spills", -1),
+            "shared_bytes": meta.shared}
+
+
+def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int = 64, top_k: int = 6,
+                     positions: int = 27, slots: int = 544, rows: int = 2, expert_dtype: str = "model") -> dict:
+    """Every kernel's launch at a model's shape (DeepSeek-V2-Lite by default), on meta-free CPU tensors: only
+    dtypes and constants matter for compiling."""
+    import torch.nn.functional as F
+
+    from ..experts import ExpertFormat
+    from ..residency.state import ResidencyConfig, TableState
+    from .experts import RoutedExperts
+    from .fill import Filler
+    from .plan import Planner
+
+    fmt = ExpertFormat.build(hidden, intermediate, torch.bfloat16, expert_dtype)
+    cfg = ResidencyConfig(positions=positions, main_positions=positions - 1, n_experts=experts, n_slots=slots,
+                          record_bytes=fmt.record_bytes)
+    u = 16 * top_k
+    st = TableState.allocate(cfg, u, torch.device("cpu"))
+    pool = torch.zeros(2, fmt.record_bytes, dtype=torch.uint8)
+    host = torch.zeros(2, fmt.record_bytes, dtype=torch.uint8)
+    ids = torch.zeros(rows, top_k, dtype=torch.int64)
+    act = torch.ones(rows, dtype=torch.bool)
+    assign = torch.zeros(2 * rows, top_k, dtype=torch.int32)
+    u_vec = torch.zeros(u, dtype=torch.int32)
+    launches = {}
+    planner = Planner(st, cfg, top_k, 16, 16, use_kernel=True)
+    launches["plan"] = planner.launch(3, ids, act, ids, act, assign, u_vec, u_vec, u_vec, True, True)
+    launches["step_start"] = planner.start_launch(True)
+    launches["fill"] = Filler(st, cfg, pool, host, use_kernel=True).launch(3)
+    experts_ = RoutedExperts(fmt, pool, host, "silu", F.silu, 16, top_k, use_kernels=True)
+    x = torch.zeros(2 * rows, hidden, dtype=torch.bfloat16)
+    out = torch.zeros(2 * rows, hidden)
+    weights = torch.zeros(2 * rows, top_k)
+    for name, launch in zip(("gate_up", "down", "combine"),
+                            experts_.launches(x, assign, weights, u_vec, u_vec, u_vec, out)):
+        launches[name] = launch
+    return launches
+
+
+def compile_all(arch: int = 90, **shape: Any) -> dict[str, Any]:
+    return {name: compile_for(launch.kernel, launch.args, arch, launch.num_warps, launch.num_stages)
+            for name, launch in example_launches(**shape).items()}
+
+
+if __name__ == "__main__" and HAS_TRITON:  # pragma: no cover - a developer's report
+    for dtype in ("model", "fp8"):
+        for name, compiled in compile_all(expert_dtype=dtype).items():
+            print(dtype, name, resources(compiled))

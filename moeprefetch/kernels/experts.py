@@ -1,0 +1,322 @@
+"""Routed experts of one MoE layer, read in place through the residency table: one kernel for hits and misses.
+
+The plan (`plan.py`) groups a layer's (row, k) entries by distinct expert u and says where each expert's packed record
+is: a VRAM slot of the pool, or its row in the page-locked host arena, which the kernel reads over PCIe (zero-copy:
+under unified addressing a pinned host address is a valid device address). A missed expert may also be *admitted*:
+the kernel writes every tile it reads into a victim slot, so the bytes cross the link once and the slot is complete
+when the kernel ends. Every weight tile is read by exactly one program, so an expert's bytes cross at most once per
+step whatever the batch.
+
+Inputs
+    x [N, H]        router inputs of every row (compute dtype); rows are exact (real, verified drafts) or shadow rows
+    assign [N, k]   int32: the distinct expert u of each (row, k) entry, -1 = not computed
+    weights [N, k]  fp32 combination weights
+    u_key [U]       int32 key (layer position * E + expert) of distinct expert u, -1 = unused
+    u_slot [U]      int32 VRAM slot holding it, -1 = read its host record (host row = key)
+    u_dst [U]       int32 slot to admit it into while streaming, -1 = none
+Output [N, H] fp32 = sum over j of weights[r, j] * expert(assign[r, j])(x[r]), in fixed j order.
+
+Why the tokens never change: an (row, expert) product is computed by the same program with the same tiles and the
+same reduction order whether its bytes come from a slot or from host memory, and no row's result depends on the
+other rows of its tile (each output element is its own dot product). Outputs are summed in fixed k order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..experts import ExpertFormat, expert_ffn
+from . import HAS_TRITON, INTERPRET, Launch
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+ACTIVATIONS = {"silu": 0, "relu": 1, "gelu_pytorch_tanh": 2}  # the kernel's activations; others use the reference
+ROW_PAD_MIN = 16  # tl.dot needs at least 16 rows
+BLOCK_I, BLOCK_K, BLOCK_H = 64, 128, 64  # fixed tiles: configs never depend on the data, so neither do the bits
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """Element offsets of one packed expert record, in payload elements and (for scales) fp32 elements."""
+
+    hidden: int
+    intermediate: int
+    rec_w: int
+    gate_w: int
+    up_w: int
+    down_w: int
+    quantized: bool
+    rec_s: int = 0
+    gate_s: int = 0
+    up_s: int = 0
+    down_s: int = 0
+    block_rows: int = 1
+    block_cols: int = 1
+
+    @staticmethod
+    def of(fmt: ExpertFormat) -> "RecordLayout":
+        w = torch.tensor([], dtype=fmt.payload_dtype).element_size()
+        regions = fmt.regions
+        base = dict(hidden=fmt.hidden, intermediate=fmt.intermediate, rec_w=fmt.record_bytes // w,
+                    gate_w=regions["gate"].offset // w, up_w=regions["up"].offset // w,
+                    down_w=regions["down"].offset // w, quantized=fmt.quantized)
+        if not fmt.quantized:
+            return RecordLayout(**base)
+        return RecordLayout(**base, rec_s=fmt.record_bytes // 4, gate_s=regions["gate_scale"].offset // 4,
+                            up_s=regions["up_scale"].offset // 4, down_s=regions["down_scale"].offset // 4,
+                            block_rows=fmt.block[0], block_cols=fmt.block[1])
+
+
+def row_pad(rows: int) -> int:
+    """Rows per tile: the next power of two >= rows (at least 16). Fix it per engine, not per step, so that every
+    step of every batch size and mode up to that size runs the same compiled kernel."""
+    return max(ROW_PAD_MIN, 1 << max(rows - 1, 0).bit_length())
+
+
+# ---- reference ----------------------------------------------------------------------------------------------------
+
+
+def routed_experts_reference(
+    x: torch.Tensor,
+    assign: torch.Tensor,
+    weights: torch.Tensor,
+    u_key: torch.Tensor,
+    u_slot: torch.Tensor,
+    u_dst: torch.Tensor,
+    pool: torch.Tensor,
+    host: torch.Tensor | None,
+    fmt: ExpertFormat,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The definition: each (row, expert) product alone, as one GEMV pair in the compute dtype, summed in k order."""
+    n = x.shape[0]
+    assign_rows = assign.tolist()
+    slots, dsts = u_slot.tolist(), u_dst.tolist()
+    products: dict[tuple[int, int], torch.Tensor] = {}
+    for u, key in enumerate(u_key.tolist()):
+        if key < 0:
+            continue
+        record = pool[slots[u]] if slots[u] >= 0 else host[key].to(pool.device)  # type: ignore[index]
+        if dsts[u] >= 0:
+            pool[dsts[u]].copy_(record)  # admission: the bytes that were read land in the victim slot
+        gate_up, down = fmt.dequantize(record.view(1, -1))
+        for r in range(n):
+            if u in assign_rows[r]:
+                products[(u, r)] = expert_ffn(x[r : r + 1], gate_up[0], down[0], act).float()[0]
+    out = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
+    for r in range(n):
+        for j, u in enumerate(assign_rows[r]):
+            if u >= 0:
+                out[r] = out[r] + weights[r, j] * products[(u, r)]
+    return out
+
+
+# ---- kernels ------------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _activate(g, ACT: tl.constexpr):
+        if ACT == 0:
+            out = g * tl.sigmoid(g)
+        elif ACT == 1:
+            out = tl.maximum(g, 0.0)
+        else:  # tanh-approximated GELU; tanh(y) = 2 sigmoid(2y) - 1
+            y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            out = 0.5 * g * (2.0 * tl.sigmoid(2.0 * y))
+        return out
+
+    @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+        """a [M, K] @ b [K, N] in fp32. DOT_F32 upcasts first: the interpreter's dot reads bf16 bits wrongly."""
+        if DOT_F32:
+            out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        elif IEEE:
+            out = tl.dot(a, b, input_precision="ieee")
+        else:
+            out = tl.dot(a, b)
+        return out
+
+    @triton.jit
+    def _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, region_w, region_s, offs_r, offs_c,
+                          mask, ROW_LEN: tl.constexpr, SCOLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                          QUANT: tl.constexpr, OUT_DTYPE: tl.constexpr):
+        """One [rows, cols] tile of a weight region: from the source record, copied into the admission slot when
+        `admit`, dequantised with its block scales, in the compute dtype."""
+        offs = offs_r[:, None] * ROW_LEN + offs_c[None, :]
+        raw = tl.load(w_ptr + src_w + region_w + offs, mask=mask, other=0.0)
+        if admit:
+            tl.store(w_ptr + dst_w + region_w + offs, raw, mask=mask)
+        if QUANT:
+            s_offs = (offs_r[:, None] // BR) * SCOLS + offs_c[None, :] // BC
+            scale = tl.load(s_ptr + src_s + region_s + s_offs, mask=mask, other=0.0)
+            if admit:
+                tl.store(s_ptr + dst_s + region_s + s_offs, scale, mask=mask)
+            tile = (raw.to(tl.float32) * scale).to(OUT_DTYPE)
+        else:
+            tile = raw.to(OUT_DTYPE)
+        return tile
+
+    @triton.jit
+    def _record_bases(u, u_key_ptr, u_slot_ptr, u_dst_ptr, delta_ptr, REC_W: tl.constexpr, REC_S: tl.constexpr):
+        """Element offsets (from the pool's base) of expert u's source record and admission slot."""
+        key = tl.load(u_key_ptr + u).to(tl.int64)
+        slot = tl.load(u_slot_ptr + u).to(tl.int64)
+        dst = tl.load(u_dst_ptr + u).to(tl.int64)
+        w_delta = tl.load(delta_ptr)  # host arena - pool, in payload elements
+        s_delta = tl.load(delta_ptr + 1)  # the same in fp32 elements
+        src_w = tl.where(slot >= 0, slot * REC_W, w_delta + key * REC_W)
+        src_s = tl.where(slot >= 0, slot * REC_S, s_delta + key * REC_S)
+        return key, src_w, src_s, dst * REC_W, dst * REC_S, dst >= 0
+
+    @triton.jit
+    def _rows_of(u, assign_ptr, n_rows, TOPK: tl.constexpr, N_PAD: tl.constexpr, K_PAD: tl.constexpr):
+        rows = tl.arange(0, N_PAD)
+        ks = tl.arange(0, K_PAD)
+        entries = tl.load(assign_ptr + rows[:, None] * TOPK + ks[None, :],
+                          mask=(rows[:, None] < n_rows) & (ks[None, :] < TOPK), other=-1)
+        return rows, tl.max((entries == u).to(tl.int32), axis=1) > 0
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, assign_ptr, u_key_ptr, u_slot_ptr, u_dst_ptr, w_ptr, s_ptr, delta_ptr, mid_ptr, n_rows,
+                        H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, REC_W: tl.constexpr,
+                        GATE_W: tl.constexpr, UP_W: tl.constexpr, REC_S: tl.constexpr, GATE_S: tl.constexpr,
+                        UP_S: tl.constexpr, SCOLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                        QUANT: tl.constexpr,
+                        ACT: tl.constexpr, N_PAD: tl.constexpr, K_PAD: tl.constexpr, BI: tl.constexpr,
+                        BK: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+        """mid[u, r, i-tile] = act(x_r . gate_u) * (x_r . up_u) for the rows r of expert u."""
+        u = tl.program_id(0)
+        tile = tl.program_id(1)
+        key, src_w, src_s, dst_w, dst_s, admit = _record_bases(u, u_key_ptr, u_slot_ptr, u_dst_ptr, delta_ptr,
+                                                               REC_W, REC_S)
+        if key >= 0:
+            rows, row_on = _rows_of(u, assign_ptr, n_rows, TOPK, N_PAD, K_PAD)
+            ri = tile * BI + tl.arange(0, BI)
+            acc_g = tl.zeros([N_PAD, BI], dtype=tl.float32)
+            acc_u = tl.zeros([N_PAD, BI], dtype=tl.float32)
+            for k0 in range(0, H, BK):
+                rk = k0 + tl.arange(0, BK)
+                xt = tl.load(x_ptr + rows[:, None] * H + rk[None, :], mask=row_on[:, None] & (rk[None, :] < H),
+                             other=0.0)
+                mask = (ri[:, None] < I) & (rk[None, :] < H)
+                g = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, GATE_W, GATE_S, ri, rk, mask,
+                                      H, SCOLS, BR, BC, QUANT, x_ptr.dtype.element_ty)
+                up = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, UP_W, UP_S, ri, rk, mask,
+                                       H, SCOLS, BR, BC, QUANT, x_ptr.dtype.element_ty)
+                acc_g += _dot(xt, tl.trans(g), IEEE, DOT_F32)
+                acc_u += _dot(xt, tl.trans(up), IEEE, DOT_F32)
+            mid = (_activate(acc_g, ACT) * acc_u).to(mid_ptr.dtype.element_ty)
+            out = mid_ptr + (u * N_PAD + rows[:, None]) * I + ri[None, :]
+            tl.store(out, mid, mask=row_on[:, None] & (ri[None, :] < I))
+
+    @triton.jit
+    def _down_kernel(mid_ptr, assign_ptr, u_key_ptr, u_slot_ptr, u_dst_ptr, w_ptr, s_ptr, delta_ptr, y_ptr, n_rows,
+                     H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, REC_W: tl.constexpr,
+                     DOWN_W: tl.constexpr, REC_S: tl.constexpr, DOWN_S: tl.constexpr, SCOLS: tl.constexpr,
+                     BR: tl.constexpr,
+                     BC: tl.constexpr, QUANT: tl.constexpr, N_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                     BH: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+        """y[u, r, h-tile] = mid[u, r] . down_u[h-tile] (fp32) for the rows r of expert u."""
+        u = tl.program_id(0)
+        tile = tl.program_id(1)
+        key, src_w, src_s, dst_w, dst_s, admit = _record_bases(u, u_key_ptr, u_slot_ptr, u_dst_ptr, delta_ptr,
+                                                               REC_W, REC_S)
+        if key >= 0:
+            rows, row_on = _rows_of(u, assign_ptr, n_rows, TOPK, N_PAD, K_PAD)
+            rh = tile * BH + tl.arange(0, BH)
+            acc = tl.zeros([N_PAD, BH], dtype=tl.float32)
+            for k0 in range(0, I, BK):
+                rk = k0 + tl.arange(0, BK)
+                m = tl.load(mid_ptr + (u * N_PAD + rows[:, None]) * I + rk[None, :],
+                            mask=row_on[:, None] & (rk[None, :] < I), other=0.0)
+                mask = (rh[:, None] < H) & (rk[None, :] < I)
+                d = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, DOWN_W, DOWN_S, rh, rk, mask,
+                                      I, SCOLS, BR, BC, QUANT, mid_ptr.dtype.element_ty)
+                acc += _dot(m, tl.trans(d), IEEE, DOT_F32)
+            out = y_ptr + (u * N_PAD + rows[:, None]) * H + rh[None, :]
+            tl.store(out, acc, mask=row_on[:, None] & (rh[None, :] < H))
+
+    @triton.jit
+    def _combine_kernel(y_ptr, assign_ptr, weights_ptr, out_ptr, H: tl.constexpr, TOPK: tl.constexpr,
+                        N_PAD: tl.constexpr, BH: tl.constexpr):
+        """out[r] = sum over j (fixed order) of weights[r, j] * y[assign[r, j], r]."""
+        r = tl.program_id(0)
+        rh = tl.program_id(1) * BH + tl.arange(0, BH)
+        acc = tl.zeros([BH], dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            u = tl.load(assign_ptr + r * TOPK + j)
+            w = tl.load(weights_ptr + r * TOPK + j)
+            valid = (rh * 0 + u) >= 0  # the entry's validity, as a block (a scalar mask does not broadcast everywhere)
+            term = tl.load(y_ptr + (u.to(tl.int64) * N_PAD + r) * H + rh, mask=(rh < H) & valid, other=0.0)
+            acc += tl.where(valid, w * term, 0.0)
+        tl.store(out_ptr + r * H + rh, acc, mask=rh < H)
+
+
+class RoutedExperts:
+    """The fused routed-expert computation over one slot pool and host arena, with fixed scratch buffers (so the
+    launches can be captured in a CUDA graph)."""
+
+    def __init__(self, fmt: ExpertFormat, pool: torch.Tensor, host: torch.Tensor | None, act_name: str,
+                 act: Callable[[torch.Tensor], torch.Tensor], max_rows: int, top_k: int, use_kernels: bool):
+        self.fmt = fmt
+        self.layout = RecordLayout.of(fmt)
+        self.pool = pool
+        self.host = host
+        self.act = act
+        self.top_k = top_k
+        self.n_pad = row_pad(max_rows)
+        self.max_experts = self.n_pad * top_k  # distinct experts of one layer, at most
+        self.use_kernels = use_kernels and act_name in ACTIVATIONS
+        self.act_code = ACTIVATIONS.get(act_name, 0)
+        if not self.use_kernels:
+            return
+        device = pool.device
+        self._w = pool.view(fmt.payload_dtype)
+        self._s = pool.view(torch.float32) if fmt.quantized else self._w
+        w_size = torch.tensor([], dtype=fmt.payload_dtype).element_size()
+        delta = (host.data_ptr() - pool.data_ptr()) if host is not None else 0
+        self._delta = torch.tensor([delta // w_size, delta // 4], dtype=torch.int64, device=device)
+        self._mid = torch.empty(self.max_experts, self.n_pad, fmt.intermediate, dtype=fmt.compute_dtype,
+                                device=device)
+        self._y = torch.empty(self.max_experts, self.n_pad, fmt.hidden, dtype=torch.float32, device=device)
+
+    def __call__(self, x: torch.Tensor, assign: torch.Tensor, weights: torch.Tensor, u_key: torch.Tensor,
+                 u_slot: torch.Tensor, u_dst: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.use_kernels:
+            result = routed_experts_reference(x, assign, weights, u_key, u_slot, u_dst, self.pool, self.host,
+                                              self.fmt, self.act)
+            return result if out is None else out.copy_(result)
+        out = torch.empty(assign.shape[0], self.layout.hidden, dtype=torch.float32, device=x.device) \
+            if out is None else out
+        for launch in self.launches(x, assign, weights, u_key, u_slot, u_dst, out):
+            launch()
+        return out
+
+    def launches(self, x: torch.Tensor, assign: torch.Tensor, weights: torch.Tensor, u_key: torch.Tensor,
+                 u_slot: torch.Tensor, u_dst: torch.Tensor, out: torch.Tensor) -> list[Launch]:
+        n, k = assign.shape
+        lay = self.layout
+        u_count = u_key.shape[0]
+        assert n <= self.n_pad and u_count <= self.max_experts and x.is_contiguous()
+        ieee = x.dtype == torch.float32
+        common = dict(assign_ptr=assign, u_key_ptr=u_key, u_slot_ptr=u_slot, u_dst_ptr=u_dst, w_ptr=self._w,
+                      s_ptr=self._s, delta_ptr=self._delta, n_rows=n, H=lay.hidden, I=lay.intermediate, TOPK=k,
+                      REC_W=lay.rec_w, REC_S=max(lay.rec_s, 1), BR=lay.block_rows, BC=lay.block_cols,
+                      QUANT=lay.quantized, N_PAD=self.n_pad, K_PAD=max(2, 1 << (k - 1).bit_length()), BK=BLOCK_K,
+                      IEEE=ieee, DOT_F32=INTERPRET and not ieee)
+        return [
+            Launch(_gate_up_kernel, (u_count, triton.cdiv(lay.intermediate, BLOCK_I)), x_ptr=x, mid_ptr=self._mid,
+                   GATE_W=lay.gate_w, UP_W=lay.up_w, GATE_S=lay.gate_s, UP_S=lay.up_s,
+                   SCOLS=triton.cdiv(lay.hidden, lay.block_cols), ACT=self.act_code, BI=BLOCK_I, **common),
+            Launch(_down_kernel, (u_count, triton.cdiv(lay.hidden, BLOCK_H)), mid_ptr=self._mid, y_ptr=self._y,
+                   DOWN_W=lay.down_w, DOWN_S=lay.down_s, SCOLS=triton.cdiv(lay.intermediate, lay.block_cols),
+                   BH=BLOCK_H, **common),
+            Launch(_combine_kernel, (n, triton.cdiv(lay.hidden, 256)), y_ptr=self._y, assign_ptr=assign,
+                   weights_ptr=weights, out_ptr=out, H=lay.hidden, TOPK=k, N_PAD=self.n_pad, BH=256),
+        ]

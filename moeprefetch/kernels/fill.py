@@ -1,0 +1,132 @@
+"""Prefetch fills: host records copied into reserved VRAM slots by a small persistent grid on a side stream.
+
+After each plan, the main stream records an event and the side stream launches one fill kernel over that plan's
+deadline-ordered list of unfinished fills (`order[launch]`). Its programs claim 64 KiB chunks with an atomic counter
+per fill, so all of them work on the most urgent fill first and a fill completes as fast as the link allows. The
+program that lands a fill's last chunk sets its `ready` flag (release); the main stream's next plan publishes the
+slot. The kernel never writes the table itself: one writer, no races on the table.
+
+A launch stops claiming when the main stream has moved past the plan that launched it (the next launch has a fresher
+list) and skips fills whose need has already been planned (the layer read that expert from host; copying it now
+would only cross the link twice). A small grid keeps most multiprocessors free for the compute it hides behind.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..residency.state import E_ACTIVE, ResidencyConfig, TableState
+from . import HAS_TRITON, Launch
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+FILL_PROGRAMS = 16  # link-saturating yet small (h200.md 5: 16 programs copy at 51 GB/s beside compute)
+FILL_BLOCK = 2048  # int32 elements per load (8 KiB)
+
+
+def launch_clock(st: TableState, cfg: ResidencyConfig, position: int) -> int:
+    """The plan clock a fill launch belongs to (position -1 = the step start)."""
+    step = int(st.step[0])
+    return 2 * step * cfg.positions - 1 if position < 0 else 2 * (step * cfg.positions + position)
+
+
+def fill_reference(st: TableState, cfg: ResidencyConfig, pool: torch.Tensor, host: torch.Tensor,
+                   position: int) -> None:
+    """The definition (and the CPU path): every listed fill whose need is still ahead is copied whole, in order."""
+    progress = int(st.progress[0])
+    for j in st.order[position + 1].tolist():
+        if j < 0:
+            break
+        if int(st.e_state[j]) != E_ACTIVE or int(st.e_deadline[j]) <= progress or int(st.e_ready[j]):
+            continue
+        pool[int(st.e_slot[j])].copy_(host[int(st.e_key[j])].to(pool.device))
+        st.e_next[j] = st.e_done[j] = cfg.chunks
+        st.e_ready[j] = 1
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _fill_kernel(order_ptr, e_key_ptr, e_slot_ptr, e_deadline_ptr, e_next_ptr, e_done_ptr, e_ready_ptr,
+                     progress_ptr, step_ptr, pool_ptr, delta_ptr, POSITION: tl.constexpr, P: tl.constexpr,
+                     M: tl.constexpr, REC: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        step = tl.load(step_ptr)
+        if POSITION < 0:
+            launch = 2 * step * P - 1
+        else:
+            launch = 2 * (step * P + POSITION)
+        delta = tl.load(delta_ptr)  # host arena - pool, in int32 elements
+        lanes = tl.arange(0, BLOCK)
+        i = 0
+        running = 1
+        while (i < M) & (running == 1):
+            j = tl.load(order_ptr + i)
+            if j < 0:
+                running = 0
+            else:
+                deadline = tl.load(e_deadline_ptr + j)
+                src = delta + tl.load(e_key_ptr + j).to(tl.int64) * REC
+                dst = tl.load(e_slot_ptr + j).to(tl.int64) * REC
+                chunk = 0
+                progress = tl.load(progress_ptr, volatile=True)
+                if progress > launch:
+                    running = 0
+                    chunk = N_CHUNKS
+                elif deadline <= progress:
+                    chunk = N_CHUNKS  # its layer already planned: skip
+                else:
+                    chunk = tl.atomic_add(e_next_ptr + j, 1)
+                while chunk < N_CHUNKS:
+                    for start in range(0, CHUNK, BLOCK):
+                        offs = chunk * CHUNK + start + lanes
+                        mask = offs < REC
+                        words = tl.load(pool_ptr + src + offs, mask=mask, other=0)
+                        tl.store(pool_ptr + dst + offs, words, mask=mask)
+                    landed = tl.atomic_add(e_done_ptr + j, 1, sem="acq_rel")
+                    if landed == N_CHUNKS - 1:
+                        tl.atomic_xchg(e_ready_ptr + j, 1, sem="release")
+                    progress = tl.load(progress_ptr, volatile=True)
+                    if progress > launch:
+                        running = 0
+                        chunk = N_CHUNKS
+                    elif deadline <= progress:
+                        chunk = N_CHUNKS
+                    else:
+                        chunk = tl.atomic_add(e_next_ptr + j, 1)
+            i += 1
+
+
+class Filler:
+    """Fill launches over one pool and host arena: the Triton kernel on the GPU, the reference elsewhere."""
+
+    def __init__(self, st: TableState, cfg: ResidencyConfig, pool: torch.Tensor, host: torch.Tensor | None,
+                 use_kernel: bool, programs: int = FILL_PROGRAMS):
+        self.st, self.cfg, self.pool, self.host = st, cfg, pool, host
+        self.use_kernel = use_kernel and host is not None and cfg.record_bytes % 4 == 0
+        self.programs = programs
+        if self.use_kernel:
+            assert cfg.chunk_bytes % (4 * FILL_BLOCK) == 0
+            self._words = pool.view(torch.int32)
+            delta = host.data_ptr() - pool.data_ptr()  # type: ignore[union-attr]
+            self._delta = torch.tensor([delta // 4], dtype=torch.int64, device=pool.device)
+
+    def __call__(self, position: int) -> None:
+        """Run the fill launch that follows the plan at `position` (-1: the step start)."""
+        if self.host is None:
+            return
+        if not self.use_kernel:
+            fill_reference(self.st, self.cfg, self.pool, self.host, position)
+            return
+        self.launch(position)()
+
+    def launch(self, position: int) -> Launch:
+        st, cfg = self.st, self.cfg
+        return Launch(
+            _fill_kernel, (self.programs,), num_warps=8, num_stages=1, order_ptr=st.order[position + 1],
+            e_key_ptr=st.e_key, e_slot_ptr=st.e_slot, e_deadline_ptr=st.e_deadline, e_next_ptr=st.e_next,
+            e_done_ptr=st.e_done, e_ready_ptr=st.e_ready, progress_ptr=st.progress, step_ptr=st.step,
+            pool_ptr=self._words, delta_ptr=self._delta, POSITION=position, P=cfg.positions, M=cfg.entries,
+            REC=cfg.record_bytes // 4, CHUNK=cfg.chunk_bytes // 4, N_CHUNKS=cfg.chunks, BLOCK=FILL_BLOCK)

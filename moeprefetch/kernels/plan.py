@@ -1,0 +1,441 @@
+"""The residency plan as one single-program Triton kernel per MoE layer (and one per step start).
+
+`residency/plan.py` defines what a plan does, in plain Python; this kernel does the same with vector phases, so a
+whole layer's bookkeeping costs one launch inside the step's CUDA graph and no host decision:
+
+- publish: landed fills and the previous plan's admissions become resident;
+- the exact rows' distinct experts in first-use order (pairwise comparison of the k-entries): hit / late / miss,
+  recency, prefetch usefulness, and victims for the misses, popped in windows from the step's eviction queue;
+- the shadow rows' experts (published ones only);
+- counters and the recall of this target's predictions;
+- prefetch reservation over the prediction window (rank within a target, then across targets in deadline order);
+- the deadline-sorted list of unfinished fills for the next fill launch.
+
+Phases communicate through global memory, separated by block-wide barriers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..residency.state import (ADMITTING, C, COUNTERS, E_ACTIVE, E_DONE, E_FREE, FILLING, NO_ENTRY, RESIDENT,
+                               ResidencyConfig, TableState)
+from . import HAS_TRITON, Launch
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+VICTIM_WINDOW = 128
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _count(mask):
+        return tl.sum(mask.to(tl.int32), axis=0)
+
+    @triton.jit
+    def _count2(mask):
+        return tl.sum(tl.sum(mask.to(tl.int32), axis=1), axis=0)
+
+    @triton.jit
+    def _exclusive_cumsum(mask):
+        m = mask.to(tl.int32)
+        return tl.cumsum(m, axis=0) - m
+
+    @triton.jit
+    def _bump(counters_ptr, position, COLUMN: tl.constexpr, amount, NC: tl.constexpr):
+        tl.store(counters_ptr + position * NC + COLUMN, tl.load(counters_ptr + position * NC + COLUMN) + amount)
+
+    @triton.jit
+    def _publish(slot_of, slot_state, prefetched_at, inflight_of, e_state, e_key, e_slot, e_made, e_ready,
+                 adm_key, adm_slot, counters, E: tl.constexpr, M: tl.constexpr, A: tl.constexpr,
+                 A_PAD: tl.constexpr, NC: tl.constexpr, C_FILLS: tl.constexpr, C_CHUNKS: tl.constexpr,
+                 CHUNKS: tl.constexpr):
+        jm = tl.arange(0, M)
+        ready = tl.atomic_add(e_ready + jm, 0, sem="acquire")
+        pub = (tl.load(e_state + jm) == 1) & (ready == 1)  # E_ACTIVE
+        key = tl.load(e_key + jm, mask=pub, other=0)
+        slot = tl.load(e_slot + jm, mask=pub, other=0)
+        tl.store(slot_of + key, slot, mask=pub)
+        tl.store(slot_state + slot, 1, mask=pub)  # RESIDENT
+        tl.store(prefetched_at + slot, tl.load(e_made + jm, mask=pub, other=-1), mask=pub)
+        tl.store(inflight_of + key, -1, mask=pub)  # NO_ENTRY
+        tl.store(e_state + jm, 2, mask=pub)  # E_DONE
+        tl.atomic_add(counters + (key // E) * NC + C_FILLS, 1, mask=pub)
+        tl.atomic_add(counters + (key // E) * NC + C_CHUNKS, CHUNKS, mask=pub)
+        a = tl.arange(0, A_PAD)
+        akey = tl.load(adm_key + a, mask=a < A, other=-1)
+        on = akey >= 0
+        aslot = tl.load(adm_slot + a, mask=on, other=0)
+        tl.store(slot_of + akey, aslot, mask=on)
+        tl.store(slot_state + aslot, 1, mask=on)
+        tl.store(inflight_of + akey, -1, mask=on)
+        tl.store(adm_key + a, -1, mask=on)
+
+    @triton.jit
+    def _pop_victims(count, now, step_base, victims, cursor_ptr, key_of, slot_state, protect, last_use, pinned,
+                     scratch, S: tl.constexpr, WIN: tl.constexpr):
+        """Up to `count` eligible victims from the eviction queue, written to scratch[0:taken]; returns taken."""
+        cursor = tl.load(cursor_ptr)
+        taken = count * 0
+        lanes = tl.arange(0, WIN)
+        while (taken < count) & (cursor < S):
+            w = cursor + lanes
+            inside = w < S
+            v = tl.load(victims + w, mask=inside, other=0)
+            held = tl.load(key_of + v, mask=inside, other=-1)
+            pin = tl.load(pinned + tl.maximum(held, 0), mask=inside & (held >= 0), other=0)
+            ok = inside & (tl.load(slot_state + v, mask=inside, other=2) != 2) & (pin == 0)
+            ok = ok & (tl.load(protect + v, mask=inside, other=0) < now)
+            ok = ok & (tl.load(last_use + v, mask=inside, other=0) < step_base)
+            rank = taken + _exclusive_cumsum(ok)
+            take = ok & (rank < count)
+            tl.store(scratch + rank, v, mask=take)
+            got = _count(take)
+            last = tl.max(tl.where(take, w, -1), axis=0)
+            taken += got
+            cursor = tl.where((taken == count) & (got > 0), last + 1, cursor + WIN)
+        tl.store(cursor_ptr, tl.minimum(cursor, S))
+        return taken
+
+    @triton.jit
+    def _evict(v, on, slot_of, key_of, prefetched_at, counters, E: tl.constexpr, NC: tl.constexpr,
+               C_EVICT: tl.constexpr, C_WASTED: tl.constexpr):
+        old = tl.load(key_of + v, mask=on, other=-1)
+        had = on & (old >= 0)
+        tl.store(slot_of + old, -1, mask=had)
+        tl.atomic_add(counters + (old // E) * NC + C_EVICT, 1, mask=had)
+        unused = had & (tl.load(prefetched_at + v, mask=had, other=-1) >= 0)
+        tl.atomic_add(counters + (old // E) * NC + C_WASTED, 1, mask=unused)
+        tl.store(prefetched_at + v, -1, mask=on)
+
+    @triton.jit
+    def _plan_kernel(
+        # inputs of the layer
+        ids_x, act_x, ids_s, act_s, nx, ns, position,
+        # outputs for the expert kernel
+        assign, u_key, u_slot, u_dst,
+        # the table
+        slot_of, key_of, slot_state, last_use, protect, prefetched_at, use_count, pinned, inflight_of,
+        e_state, e_key, e_slot, e_deadline, e_made, e_next, e_ready,
+        order, adm_key, adm_slot, victims, cursor_ptr, step_ptr, step_base_ptr, progress_ptr, dstep_ptr,
+        pred, fills_for, counters, trace, scratch, scratch_e,
+        # shapes and policy
+        P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, S: tl.constexpr,
+        M: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, K: tl.constexpr, XK_PAD: tl.constexpr,
+        SK_PAD: tl.constexpr, R: tl.constexpr, ROWS_PAD: tl.constexpr, CHUNKS: tl.constexpr,
+        BUDGET: tl.constexpr, MAX_INFLIGHT: tl.constexpr, MIN_CONF: tl.constexpr, WIN: tl.constexpr,
+        NC: tl.constexpr, SHADOW: tl.constexpr, RESERVE: tl.constexpr, RECALL: tl.constexpr, TRACE: tl.constexpr,
+    ):
+        step = tl.load(step_ptr)
+        dstep = tl.load(dstep_ptr)
+        step_base = tl.load(step_base_ptr)
+        now = tl.where(position < 0, 2 * step * P - 1, 2 * (step * P + position))  # -1: the step start
+        tl.store(progress_ptr, now)
+        ua = tl.arange(0, A_PAD)
+        tl.store(u_key + ua, -1, mask=ua < A)
+        tl.store(u_slot + ua, -1, mask=ua < A)
+        tl.store(u_dst + ua, -1, mask=ua < A)
+        _publish(slot_of, slot_state, prefetched_at, inflight_of, e_state, e_key, e_slot, e_made, e_ready, adm_key,
+                 adm_slot, counters, E, M, A, A_PAD, NC, 13, 14, CHUNKS)
+        tl.debug_barrier()
+
+        # ---- the exact rows' distinct experts, first-use order ----
+        ix = tl.arange(0, XK_PAD)
+        inside = ix < nx * K
+        on_x = inside & (tl.load(act_x + ix // K, mask=inside, other=0) != 0)
+        ex = tl.load(ids_x + ix, mask=inside, other=0).to(tl.int32)
+        same = (ex[:, None] == ex[None, :]) & on_x[:, None] & on_x[None, :]
+        earlier = tl.max((same & (ix[None, :] < ix[:, None])).to(tl.int32), axis=1) > 0
+        first = on_x & ~earlier
+        first_at = tl.min(tl.where(same, ix[None, :], XK_PAD), axis=1)  # index of each entry's first use
+        u_first = _exclusive_cumsum(first)
+        u_of = tl.sum((first[None, :] & (ix[None, :] < first_at[:, None])).to(tl.int32), axis=1)
+        tl.store(assign + ix, tl.where(on_x, u_of, -1), mask=inside)
+        n_exact = _count(first)
+
+        key = position * E + ex
+        slot = tl.load(slot_of + key, mask=first, other=-1)
+        infl = tl.load(inflight_of + key, mask=first, other=-1)
+        hit = first & (slot >= 0)
+        made = tl.load(prefetched_at + slot, mask=hit, other=-1)
+        was_prefetch = hit & (made >= 0)
+        late = first & (slot < 0) & (infl >= 0)
+        miss = first & (slot < 0) & (infl < 0)
+        tl.store(u_key + u_first, key, mask=first)
+        tl.store(u_slot + u_first, slot, mask=first)
+        tl.store(u_dst + u_first, -1, mask=first)
+        tl.store(last_use + slot, now, mask=hit)
+        tl.store(prefetched_at + slot, -1, mask=was_prefetch)
+        tl.store(use_count + key, tl.load(use_count + key, mask=first, other=0) + 1, mask=first)
+        tl.store(e_made + infl, -1, mask=late)
+        _bump(counters, position, 0, n_exact, NC)  # uses
+        _bump(counters, position, 1, _count(hit & ~was_prefetch), NC)  # hit
+        _bump(counters, position, 2, _count(was_prefetch), NC)  # prefetched
+        _bump(counters, position, 3, _count(late), NC)  # late
+        _bump(counters, position, 4, _count(miss), NC)  # miss
+        _bump(counters, position, 5, _count(late | miss), NC)  # zero_copy
+        _bump(counters, position, 9, tl.sum(tl.where(was_prefetch, now - made, 0), axis=0), NC)  # lead_sum
+        tl.debug_barrier()
+
+        # ---- admissions: victims for the misses ----
+        n_miss = _count(miss)
+        taken = _pop_victims(n_miss, now, step_base, victims, cursor_ptr, key_of, slot_state, protect, last_use,
+                             pinned, scratch, S, WIN)
+        tl.debug_barrier()
+        miss_rank = _exclusive_cumsum(miss)
+        admit = miss & (miss_rank < taken)
+        v = tl.load(scratch + miss_rank, mask=admit, other=0)
+        _evict(v, admit, slot_of, key_of, prefetched_at, counters, E, NC, 6, 8)
+        tl.store(key_of + v, key, mask=admit)
+        tl.store(slot_state + v, 2, mask=admit)  # FILLING
+        tl.store(last_use + v, now, mask=admit)
+        tl.store(inflight_of + key, -2, mask=admit)  # ADMITTING
+        tl.store(u_dst + u_first, v, mask=admit)
+        tl.store(adm_key + u_first, key, mask=admit)
+        tl.store(adm_slot + u_first, v, mask=admit)
+        _bump(counters, position, 15, _count(admit), NC)  # admitted
+
+        # ---- counters of predictions, routing trace ----
+        if RECALL:
+            if position < P_MAIN:
+                row = pred + ((dstep % R) * P + position) * E
+                e_all = tl.arange(0, E_PAD)
+                conf = tl.load(row + e_all, mask=e_all < E, other=0.0)
+                predicted = (conf > 0) & (conf >= MIN_CONF)
+                conf_x = tl.load(row + ex, mask=first, other=0.0)
+                _bump(counters, position, 10, _count(predicted), NC)
+                _bump(counters, position, 11, n_exact, NC)
+                _bump(counters, position, 12, _count(first & (conf_x > 0) & (conf_x >= MIN_CONF)), NC)
+        if TRACE:
+            tl.store(trace + (dstep * P + position) * E + ex, 1, mask=first)
+        tl.debug_barrier()
+
+        # ---- shadow rows: the exact rows' experts, or published ones ----
+        if SHADOW:
+            js = tl.arange(0, SK_PAD)
+            inside_s = js < ns * K
+            on_s = inside_s & (tl.load(act_s + js // K, mask=inside_s, other=0) != 0)
+            es = tl.load(ids_s + js, mask=inside_s, other=0).to(tl.int32)
+            match = (es[:, None] == ex[None, :]) & first[None, :] & on_s[:, None]
+            in_exact = tl.max(match.to(tl.int32), axis=1) > 0
+            u_exact = tl.sum(tl.where(match, u_first[None, :], 0), axis=1)
+            skey = position * E + es
+            sslot = tl.load(slot_of + skey, mask=on_s & ~in_exact, other=-1)
+            avail = on_s & ~in_exact & (sslot >= 0)
+            same_s = (es[:, None] == es[None, :]) & avail[:, None] & avail[None, :]
+            first_s = avail & ~(tl.max((same_s & (js[None, :] < js[:, None])).to(tl.int32), axis=1) > 0)
+            first_at_s = tl.min(tl.where(same_s, js[None, :], SK_PAD), axis=1)
+            u_s = n_exact + tl.sum((first_s[None, :] & (js[None, :] < first_at_s[:, None])).to(tl.int32), axis=1)
+            out = tl.where(in_exact, u_exact, tl.where(avail, u_s, -1))
+            tl.store(assign + nx * K + js, out, mask=inside_s)
+            tl.store(u_key + u_s, skey, mask=first_s)
+            tl.store(u_slot + u_s, sslot, mask=first_s)
+            tl.store(u_dst + u_s, -1, mask=first_s)
+            tl.debug_barrier()
+
+        # ---- prefetch reservation over the prediction window ----
+        if RESERVE:
+            rows = tl.arange(0, ROWS_PAD)
+            off = rows // P_MAIN
+            q = rows % P_MAIN
+            row_ok = (rows < 2 * P_MAIN) & ((off == 1) | (q > position)) & ((off == 0) | (R > 1))
+            ring_row = (dstep + off) % R
+            deadline = 2 * ((step + off) * P + q)
+            e2 = tl.arange(0, E_PAD)
+            cell_ok = row_ok[:, None] & (e2[None, :] < E)
+            conf = tl.load(pred + (ring_row[:, None] * P + q[:, None]) * E + e2[None, :], mask=cell_ok, other=0.0)
+            cand = cell_ok & (conf > 0) & (conf >= MIN_CONF)
+            rkey = q[:, None] * E + e2[None, :]
+            rslot = tl.load(slot_of + rkey, mask=cand, other=-1)
+            resident = cand & (rslot >= 0)
+            tl.atomic_max(protect + rslot, deadline[:, None] + e2[None, :] * 0, mask=resident)
+            rinfl = tl.load(inflight_of + rkey, mask=cand, other=0)
+            need = cand & (rslot < 0) & (rinfl == -1)
+            # a key wanted this step is not also fetched for the next step
+            conf0 = tl.load(pred + ((dstep % R) * P + q[:, None]) * E + e2[None, :],
+                            mask=cell_ok & (off[:, None] == 1) & (q[:, None] > position), other=0.0)
+            need = need & ~((off[:, None] == 1) & (q[:, None] > position) & (conf0 > 0) & (conf0 >= MIN_CONF))
+            used = tl.load(fills_for + ring_row * P + q, mask=row_ok, other=0)
+            in_row = tl.cumsum(need.to(tl.int32), axis=1) - need.to(tl.int32)
+            within = need & ((used[:, None] + in_row) < BUDGET)
+            row_total = tl.sum(within.to(tl.int32), axis=1)
+            row_start = tl.cumsum(row_total, axis=0) - row_total
+            grank = row_start[:, None] + tl.cumsum(within.to(tl.int32), axis=1) - within.to(tl.int32)
+            jm = tl.arange(0, M)
+            states = tl.load(e_state + jm)
+            free = states == 0  # E_FREE
+            tl.store(scratch_e + _exclusive_cumsum(free), jm, mask=free)
+            room = tl.minimum(MAX_INFLIGHT - _count(states == 1), _count(free))
+            want = _count2(within & (grank < room))
+            tl.debug_barrier()
+            got = _pop_victims(want, now, step_base, victims, cursor_ptr, key_of, slot_state, protect, last_use,
+                               pinned, scratch, S, WIN)
+            tl.debug_barrier()
+            go = within & (grank < got)
+            rv = tl.load(scratch + grank, mask=go, other=0)
+            rj = tl.load(scratch_e + grank, mask=go, other=0)
+            _evict(rv, go, slot_of, key_of, prefetched_at, counters, E, NC, 6, 8)
+            tl.store(key_of + rv, rkey, mask=go)
+            tl.store(slot_state + rv, 2, mask=go)  # FILLING
+            tl.store(protect + rv, deadline[:, None] + e2[None, :] * 0, mask=go)
+            tl.store(last_use + rv, now + e2[None, :] * 0, mask=go)
+            tl.store(inflight_of + rkey, rj, mask=go)
+            tl.store(e_key + rj, rkey, mask=go)
+            tl.store(e_slot + rj, rv, mask=go)
+            tl.store(e_deadline + rj, deadline[:, None] + e2[None, :] * 0, mask=go)
+            tl.store(e_made + rj, now + e2[None, :] * 0, mask=go)
+            tl.store(e_next + rj, 0, mask=go)
+            tl.store(e_ready + rj, 0, mask=go)
+            tl.store(e_state + rj, 1, mask=go)  # E_ACTIVE
+            tl.atomic_add(fills_for + ring_row * P + q, tl.sum(go.to(tl.int32), axis=1), mask=row_ok)
+            tl.atomic_add(counters + q * NC + 7, tl.sum(go.to(tl.int32), axis=1), mask=row_ok)  # issued
+            tl.debug_barrier()
+
+        # ---- unfinished fills by deadline, for the next fill launch ----
+        jl = tl.arange(0, M)
+        live = (tl.load(e_state + jl) == 1) & (tl.load(e_next + jl) < CHUNKS)
+        sort_key = tl.where(live, tl.load(e_deadline + jl) * M + jl, 9223372036854775807)
+        ordered = tl.sort(sort_key)
+        tl.store(order + (position + 1) * M + jl, tl.where(ordered < 9223372036854775807, ordered % M, -1))
+
+
+    @triton.jit
+    def _step_start_kernel(step_ptr, dstep_ptr, step_base_ptr, progress_ptr, cursor_ptr, slot_of, key_of,
+                           slot_state, last_use, protect, prefetched_at, inflight_of, e_state, e_key, e_slot,
+                           e_deadline, e_made, e_done, e_ready, adm_key, adm_slot, pred, fills_for, counters,
+                           P: tl.constexpr, E: tl.constexpr, M: tl.constexpr, A: tl.constexpr,
+                           A_PAD: tl.constexpr, R: tl.constexpr, NC: tl.constexpr, CHUNKS: tl.constexpr,
+                           BLOCK: tl.constexpr, DECODE: tl.constexpr):
+        step = tl.load(step_ptr) + 1
+        tl.store(step_ptr, step)
+        dstep = tl.load(dstep_ptr)
+        if DECODE:
+            dstep += 1
+            tl.store(dstep_ptr, dstep)
+        now = 2 * step * P - 1
+        tl.store(step_base_ptr, now)
+        tl.store(progress_ptr, now)
+        tl.store(cursor_ptr, 0)
+        _publish(slot_of, slot_state, prefetched_at, inflight_of, e_state, e_key, e_slot, e_made, e_ready, adm_key,
+                 adm_slot, counters, E, M, A, A_PAD, NC, 13, 14, CHUNKS)
+        tl.debug_barrier()
+        jm = tl.arange(0, M)
+        states = tl.load(e_state + jm)
+        stale = (states == 1) & (tl.load(e_deadline + jm) <= now)
+        key = tl.load(e_key + jm, mask=stale, other=0)
+        slot = tl.load(e_slot + jm, mask=stale, other=0)
+        tl.store(slot_state + slot, 0, mask=stale)  # FREE
+        tl.store(key_of + slot, -1, mask=stale)
+        tl.store(last_use + slot, -1, mask=stale)
+        tl.store(protect + slot, -1, mask=stale)
+        tl.store(prefetched_at + slot, -1, mask=stale)
+        tl.store(inflight_of + key, -1, mask=stale)
+        unused = stale & (tl.load(e_made + jm, mask=stale, other=-1) >= 0)  # late ones were counted as late
+        tl.atomic_add(counters + (key // E) * NC + 8, 1, mask=unused)  # wasted
+        tl.atomic_add(counters + (key // E) * NC + 14, tl.load(e_done + jm, mask=stale, other=0).to(tl.int64),
+                      mask=stale)
+        tl.store(e_state + jm, 0, mask=stale | (states == 2))  # E_FREE
+        if DECODE:
+            row = (dstep + R - 1) % R
+            for start in range(0, P * E, BLOCK):
+                cells = start + tl.arange(0, BLOCK)
+                tl.store(pred + row * P * E + cells, 0.0, mask=cells < P * E)
+            for start in range(0, P, BLOCK):
+                cells = start + tl.arange(0, BLOCK)
+                tl.store(fills_for + row * P + cells, 0, mask=cells < P)
+
+
+class Planner:
+    """Layer plans over one table: the kernel where it runs, the reference (residency/plan.py) elsewhere."""
+
+    def __init__(self, st: TableState, cfg: ResidencyConfig, top_k: int, max_exact_rows: int, max_shadow_rows: int,
+                 use_kernel: bool):
+        self.st, self.cfg, self.top_k = st, cfg, top_k
+        self.use_kernel = use_kernel
+        self.max_experts = st.adm_key.shape[0]
+        device = st.slot_of.device
+        self._scratch = torch.zeros(_pow2(max(self.max_experts, cfg.entries, VICTIM_WINDOW)), dtype=torch.int32,
+                                    device=device)
+        self._scratch_e = torch.zeros(cfg.entries, dtype=torch.int32, device=device)
+        self._xk = _pow2(max(max_exact_rows * top_k, 2))
+        self._sk = _pow2(max(max_shadow_rows * top_k, 2))
+        self._dummy = torch.zeros(1, dtype=torch.uint8, device=device)
+        self._dummy_ids = torch.zeros(1, 1, dtype=torch.int64, device=device)
+        self._dummy_act = torch.zeros(1, dtype=torch.bool, device=device)
+
+    def step_start(self, decode: bool) -> None:
+        """Open a step (no fill may be running): then sort the eviction queue (torch ops, capturable)."""
+        st, cfg = self.st, self.cfg
+        if not self.use_kernel:
+            from ..residency.plan import step_start
+
+            step_start(st, cfg, decode)
+            return
+        self.start_launch(decode)()
+        from ..residency.plan import victim_order
+
+        st.victims.copy_(victim_order(st, cfg))
+
+    def start_launch(self, decode: bool) -> Launch:
+        st, cfg = self.st, self.cfg
+        return Launch(
+            _step_start_kernel, (1,), step_ptr=st.step, dstep_ptr=st.decode_step, step_base_ptr=st.step_base,
+            progress_ptr=st.progress, cursor_ptr=st.cursor, slot_of=st.slot_of, key_of=st.key_of,
+            slot_state=st.slot_state, last_use=st.last_use, protect=st.protect, prefetched_at=st.prefetched_at,
+            inflight_of=st.inflight_of, e_state=st.e_state, e_key=st.e_key, e_slot=st.e_slot,
+            e_deadline=st.e_deadline, e_made=st.e_made, e_done=st.e_done, e_ready=st.e_ready, adm_key=st.adm_key,
+            adm_slot=st.adm_slot, pred=st.pred, fills_for=st.fills_for, counters=st.counters, P=cfg.positions,
+            E=cfg.n_experts, M=cfg.entries, A=self.max_experts, A_PAD=_pow2(self.max_experts), R=cfg.ring,
+            NC=len(COUNTERS), CHUNKS=cfg.chunks, BLOCK=1024, DECODE=decode)
+
+    def __call__(self, position: int, ids_x: torch.Tensor, act_x: torch.Tensor, ids_s: torch.Tensor | None,
+                 act_s: torch.Tensor | None, assign: torch.Tensor, u_key: torch.Tensor, u_slot: torch.Tensor,
+                 u_dst: torch.Tensor, reserve: bool, count_recall: bool, trace: torch.Tensor | None = None) -> None:
+        if not self.use_kernel:
+            from ..residency.plan import plan_layer
+
+            plan_layer(self.st, self.cfg, position, ids_x, act_x, ids_s, act_s, assign, u_key, u_slot, u_dst,
+                       reserve, count_recall, trace)
+            return
+        self.launch(position, ids_x, act_x, ids_s, act_s, assign, u_key, u_slot, u_dst, reserve, count_recall,
+                    trace)()
+
+    def launch(self, position: int, ids_x: torch.Tensor, act_x: torch.Tensor, ids_s: torch.Tensor | None,
+               act_s: torch.Tensor | None, assign: torch.Tensor, u_key: torch.Tensor, u_slot: torch.Tensor,
+               u_dst: torch.Tensor, reserve: bool, count_recall: bool, trace: torch.Tensor | None = None) -> Launch:
+        st, cfg = self.st, self.cfg
+        shadow = ids_s is not None and ids_s.shape[0] > 0
+        assert ids_x.shape[0] * self.top_k <= self._xk
+        return Launch(
+            _plan_kernel, (1,), num_warps=8,
+            ids_x=ids_x, act_x=act_x, ids_s=ids_s if shadow else self._dummy_ids,
+            act_s=act_s if shadow else self._dummy_act, nx=ids_x.shape[0], ns=ids_s.shape[0] if shadow else 0,
+            position=position, assign=assign, u_key=u_key, u_slot=u_slot, u_dst=u_dst,
+            slot_of=st.slot_of, key_of=st.key_of, slot_state=st.slot_state, last_use=st.last_use, protect=st.protect,
+            prefetched_at=st.prefetched_at, use_count=st.use_count, pinned=st.pinned, inflight_of=st.inflight_of,
+            e_state=st.e_state, e_key=st.e_key, e_slot=st.e_slot, e_deadline=st.e_deadline, e_made=st.e_made,
+            e_next=st.e_next, e_ready=st.e_ready, order=st.order, adm_key=st.adm_key, adm_slot=st.adm_slot,
+            victims=st.victims, cursor_ptr=st.cursor, step_ptr=st.step, step_base_ptr=st.step_base,
+            progress_ptr=st.progress, dstep_ptr=st.decode_step, pred=st.pred, fills_for=st.fills_for,
+            counters=st.counters, trace=trace if trace is not None else self._dummy, scratch=self._scratch,
+            scratch_e=self._scratch_e,
+            P=cfg.positions, P_MAIN=max(cfg.main_positions, 1), E=cfg.n_experts, E_PAD=_pow2(cfg.n_experts),
+            S=cfg.n_slots, M=cfg.entries, A=self.max_experts, A_PAD=_pow2(self.max_experts), K=self.top_k,
+            XK_PAD=self._xk, SK_PAD=self._sk, R=cfg.ring, ROWS_PAD=_pow2(2 * max(cfg.main_positions, 1)),
+            CHUNKS=cfg.chunks, BUDGET=cfg.budget_per_target, MAX_INFLIGHT=cfg.max_inflight,
+            MIN_CONF=float(cfg.min_confidence), WIN=VICTIM_WINDOW, NC=len(COUNTERS), SHADOW=shadow,
+            RESERVE=reserve, RECALL=count_recall, TRACE=trace is not None)
+
+
+# the kernel writes counter columns by number; keep them tied to the names
+assert (C["uses"], C["hit"], C["prefetched"], C["late"], C["miss"], C["zero_copy"], C["evictions"],
+        C["prefetch_issued"], C["prefetch_wasted"], C["lead_sum"], C["predicted"], C["truth"],
+        C["predicted_correct"], C["fills_done"], C["fill_chunks"], C["admitted"]) == tuple(range(16))
+assert (FILLING, RESIDENT, E_ACTIVE, E_DONE, E_FREE, NO_ENTRY, ADMITTING) == (2, 1, 1, 2, 0, -1, -2)

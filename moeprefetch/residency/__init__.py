@@ -1,0 +1,335 @@
+"""Where the routed experts are: the device residency table, its plans, prefetch fills and the expert compute.
+
+`Residency` owns the VRAM slot pool, the page-locked host store, the table (`state.py`) and the three kernel launchers
+(plan, fill, routed experts). A decode step calls, per MoE layer and without any host decision:
+
+    plan(position, ...)   -> which slots to read, which misses to admit, which fills to reserve
+    fill(position)        -> on the side stream: the fills in deadline order, behind this layer's compute
+    experts(...)          -> every selected expert, from its slot or straight from host memory
+
+and `begin_step` / `end_step` around the step. Prefill (many tokens per expert) is host-driven: `prefill_experts`
+plans the layer with the same kernel, reads the plan back, copies misses into their admission slots (or a staging
+buffer) on the copy engine and runs one GEMM pair per expert.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from ..experts import ExpertFormat, activation, expert_ffn
+from ..kernels import kernels_usable
+from ..kernels.experts import RoutedExperts, row_pad
+from ..kernels.fill import Filler
+from ..kernels.plan import Planner
+from ..model import combine_expert_outputs
+from ..store import HostExpertStore
+from ..transfer import SideStream
+from .plan import finish_call, victim_order
+from .state import C, COUNTERS, RESIDENT, ResidencyConfig, TableState
+
+logger = logging.getLogger(__name__)
+
+RING_CAPACITY = 9  # steps of predictions a table can hold (lookahead up to 8)
+ENTRIES = 256  # fill entries: reserved fills plus published ones awaiting the step's end
+
+
+class Residency:
+    def __init__(
+        self,
+        fmt: ExpertFormat,
+        layers: list[int],
+        main_layers: int,
+        n_experts: int,
+        top_k: int,
+        n_slots: int,
+        device: torch.device,
+        hidden_act: str,
+        store: HostExpertStore | None,
+        max_rows: int,
+        policy: str = "lru",
+        hot_set: list[tuple[int, int]] | None = None,
+        use_kernels: bool | None = None,
+    ):
+        self.fmt = fmt
+        self.layers = list(layers)
+        self.position = {layer: i for i, layer in enumerate(self.layers)}
+        self.n_experts, self.top_k, self.n_slots = n_experts, top_k, n_slots
+        self.device = device
+        self.store = store
+        self.preloaded = store is None
+        self.act = activation(hidden_act)
+        self.use_kernels = kernels_usable(device.type) if use_kernels is None else use_kernels
+        self.max_rows = row_pad(max_rows)  # rows of one decode step's MoE (exact + shadow/draft)
+        self.max_experts = max(self.max_rows * top_k, n_experts)
+        self.base_cfg = ResidencyConfig(
+            positions=len(self.layers), main_positions=main_layers, n_experts=n_experts, n_slots=n_slots,
+            record_bytes=fmt.record_bytes, policy=policy)
+        self.cfg = self.base_cfg
+        self.st = TableState.allocate(replace(self.base_cfg, ring=RING_CAPACITY, entries=ENTRIES), self.max_experts,
+                                      device)
+        self._launchers: dict[ResidencyConfig, tuple[Planner, Planner, Filler]] = {}
+        # zero-filled once: a slot is only read once published, but NaN bits must not meet a masked multiply
+        self.pool = torch.zeros((n_slots, fmt.record_bytes), dtype=torch.uint8, device=device)
+        self.host = store.arena if store is not None else None
+        self.side = SideStream(device)
+        self.trace: torch.Tensor | None = None  # [steps, P, E] uint8 while recording an oracle trace
+        self._staging = torch.empty((2, fmt.record_bytes), dtype=torch.uint8, device=device)
+        self._staged = 0
+        self.act_name = hidden_act
+        self.experts = RoutedExperts(fmt, self.pool, self.host, hidden_act, self.act, self.max_rows, top_k,
+                                     self.use_kernels)
+        self.set_hot_set(hot_set or [])
+        self.configure()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    # ---- configuration ----------------------------------------------------------------------------------------
+    def configure(self, ring: int = 2, budget_per_target: int | None = None, max_inflight: int | None = None,
+                  min_confidence: float = 0.0) -> None:
+        """Per-call prefetch settings: prediction ring depth, fills per target, fills in flight, confidence cut.
+        Each setting gets its own launchers (captured graphs keep theirs); the table tensors never move."""
+        budget = budget_per_target if budget_per_target is not None else self.base_cfg.budget_per_target
+        inflight = min(max_inflight if max_inflight is not None else self.base_cfg.max_inflight, ENTRIES // 4)
+        self.cfg = replace(self.base_cfg, ring=min(max(ring, 1), RING_CAPACITY), budget_per_target=budget,
+                           max_inflight=inflight, min_confidence=float(min_confidence), entries=ENTRIES)
+        if self.cfg not in self._launchers:
+            self._launchers[self.cfg] = (
+                Planner(self.st, self.cfg, self.top_k, self.max_rows, self.max_rows, self.use_kernels),
+                Planner(self.st, self.cfg, 1, self.n_experts, 0, self.use_kernels),
+                Filler(self.st, self.cfg, self.pool, self.host, self.use_kernels and self.device.type == "cuda"),
+            )
+        self.planner, self.prefill_planner, self.filler = self._launchers[self.cfg]
+
+    def set_hot_set(self, keys: list[tuple[int, int]]) -> None:
+        """The static policy's pinned experts, as (checkpoint layer, expert) pairs."""
+        self.st.pinned.zero_()
+        for layer, expert in keys:
+            self.st.pinned[self.key(layer, expert)] = 1
+
+    def key(self, layer: int, expert: int) -> int:
+        return self.position[layer] * self.n_experts + expert
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.fmt.record_bytes
+
+    # ---- set-up -------------------------------------------------------------------------------------------------
+    def preload(self, pack: Callable[[int, int, torch.Tensor], None], progress: bool = True) -> None:
+        """All-resident mode: every expert in its own slot (slot = key), for good."""
+        from tqdm.auto import tqdm
+
+        staging = torch.empty(self.fmt.record_bytes, dtype=torch.uint8)
+        keys = [(layer, e) for layer in self.layers for e in range(self.n_experts)]
+        assert len(keys) == self.n_slots
+        for key, (layer, expert) in enumerate(tqdm(keys, desc="experts", unit="expert", disable=not progress,
+                                                   leave=False)):
+            pack(layer, expert, staging)
+            self.pool[key].copy_(staging)
+        everything = torch.arange(self.n_slots, dtype=torch.int32, device=self.device)
+        self.st.slot_of.copy_(everything)
+        self.st.key_of.copy_(everything)
+        self.st.slot_state.fill_(RESIDENT)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---- calls and steps ----------------------------------------------------------------------------------------
+    def begin_call(self) -> None:
+        self.st.counters.zero_()
+        self.st.decode_step.fill_(-1)
+
+    def begin_step(self, decode: bool) -> None:
+        self.planner.step_start(decode)
+
+    def plan_step(self) -> None:
+        """The step start's own plan: prefetch reservations for targets known before the first layer runs."""
+        self.planner(-1, self._no_rows, self._no_act, None, None, self._no_assign, self._u_key_scratch,
+                     self._u_slot_scratch, self._u_dst_scratch, reserve=True, count_recall=False)
+        self.fill(-1)
+
+    def fill(self, position: int) -> None:
+        if not self.preloaded:
+            self.side.launch(lambda: self.filler(position))
+
+    def end_step(self) -> None:
+        self.st.progress.copy_(self.st.step * self.cfg.steps_clock + (self.cfg.steps_clock - 1))
+        self.side.join()
+
+    def end_call(self) -> torch.Tensor:
+        """After the call's last step (streams idle): settle fills and unused prefetches; the counters, on the host."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        finish_call(self.st, self.cfg)
+        return self.st.counters.cpu()
+
+    def abort(self) -> None:
+        """After an interrupted or failed step: the table may hold half-planned entries, so start cold."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        finish_call(self.st, self.cfg)
+        self.reset()
+
+    @property
+    def _no_rows(self) -> torch.Tensor:
+        return self._scratch("no_rows", lambda: torch.zeros(0, self.top_k, dtype=torch.int64, device=self.device))
+
+    @property
+    def _no_act(self) -> torch.Tensor:
+        return self._scratch("no_act", lambda: torch.zeros(0, dtype=torch.bool, device=self.device))
+
+    @property
+    def _no_assign(self) -> torch.Tensor:
+        return self._scratch("no_assign", lambda: torch.zeros(0, self.top_k, dtype=torch.int32, device=self.device))
+
+    @property
+    def _u_key_scratch(self) -> torch.Tensor:
+        return self._scratch("u_key", lambda: torch.zeros(self.max_experts, dtype=torch.int32, device=self.device))
+
+    @property
+    def _u_slot_scratch(self) -> torch.Tensor:
+        return self._scratch("u_slot", lambda: torch.zeros(self.max_experts, dtype=torch.int32, device=self.device))
+
+    @property
+    def _u_dst_scratch(self) -> torch.Tensor:
+        return self._scratch("u_dst", lambda: torch.zeros(self.max_experts, dtype=torch.int32, device=self.device))
+
+    def _scratch(self, name: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        cache = self.__dict__.setdefault("_scratches", {})
+        if name not in cache:
+            cache[name] = make()
+        return cache[name]
+
+    # ---- decode: one MoE layer inside the step's graph ----------------------------------------------------------
+    def decode_experts(self, layer: int, x: torch.Tensor, ids_x: torch.Tensor, act_x: torch.Tensor,
+                       ids_s: torch.Tensor | None, act_s: torch.Tensor | None, weights: torch.Tensor,
+                       buffers: "PlanBuffers", reserve: bool, count_recall: bool) -> torch.Tensor:
+        """x [N, H] (exact rows, then shadow rows), ids/act per group, weights [N, k] -> routed output [N, H] fp32.
+        Shadow rows skip experts that are not available: their weights are rescaled over the ones computed."""
+        position = self.position[layer]
+        n = x.shape[0]
+        assign = buffers.assign[:n]
+        self.planner(position, ids_x, act_x, ids_s, act_s, assign, buffers.u_key, buffers.u_slot, buffers.u_dst,
+                     reserve, count_recall, self.trace)
+        self.fill(position)
+        if ids_s is not None:
+            nx = ids_x.shape[0]
+            weights = torch.cat((weights[:nx], renormalise(weights[nx:], assign[nx:] >= 0)))
+        return self.experts(x, assign, weights.contiguous(), buffers.u_key, buffers.u_slot, buffers.u_dst,
+                            out=buffers.out[:n])
+
+    # ---- prefill: host-driven, many tokens per expert ------------------------------------------------------------
+    def prefill_experts(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], ids/weights [T, k] -> routed output [T, H] fp32; each expert once, on all its tokens."""
+        position = self.position[layer]
+        ids_host = ids.cpu()  # the layer's one host synchronisation
+        distinct = sorted(set(ids_host.flatten().tolist()))
+        exact = torch.tensor(distinct, dtype=torch.int64, device=self.device)[:, None]
+        d = len(distinct)
+        u_key, u_slot, u_dst = self._u_key_scratch, self._u_slot_scratch, self._u_dst_scratch
+        assign = self._scratch("prefill_assign",
+                               lambda: torch.zeros(self.n_experts, 1, dtype=torch.int32, device=self.device))
+        self.prefill_planner(position, exact, torch.ones(d, dtype=torch.bool, device=self.device), None, None,
+                             assign[:d], u_key, u_slot, u_dst, reserve=False, count_recall=False, trace=None)
+        slots, dsts = u_slot[:d].tolist(), u_dst[:d].tolist()
+        out = torch.zeros((x.shape[0], ids.shape[1], x.shape[1]), dtype=x.dtype, device=x.device)
+        for u, expert in enumerate(distinct):
+            record = self._prefill_record(position * self.n_experts + expert, slots[u], dsts[u])
+            gate_up, down = self.fmt.dequantize(record.view(1, -1))
+            rows, kpos = torch.nonzero(ids_host == expert, as_tuple=True)
+            rows_d, kpos_d = rows.to(self.device), kpos.to(self.device)
+            out[rows_d, kpos_d] = expert_ffn(x[rows_d], gate_up[0], down[0], self.act).to(out.dtype)
+        return combine_expert_outputs(out, weights, None)
+
+    def _prefill_record(self, key: int, slot: int, admit: int) -> torch.Tensor:
+        """The VRAM bytes of an expert for prefill: its slot, its admission slot (copied in now) or staging."""
+        if slot >= 0:
+            return self.pool[slot]
+        target = self.pool[admit] if admit >= 0 else self._staging[self._staged % 2]
+        self._staged += admit < 0
+        assert self.host is not None
+        target.copy_(self.host[key], non_blocking=True)  # stream-ordered before the compute that reads it
+        return target
+
+    # ---- cold starts and snapshots -----------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every cached expert (cold cache); all-resident tables never change."""
+        if self.preloaded:
+            return
+        pinned = self.st.pinned.clone()
+        use_count = self.st.use_count.clone()
+        fresh = TableState.allocate(replace(self.cfg, ring=RING_CAPACITY, entries=ENTRIES), self.max_experts,
+                                    self.device)
+        self.st.load(fresh.tensors())
+        self.st.pinned.copy_(pinned)
+        self.st.use_count.copy_(use_count)
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return self.st.snapshot()
+
+    def restore(self, snap: dict[str, torch.Tensor]) -> None:
+        """Put back a snapshot taken between calls, re-copying the bytes of every slot it lists as resident."""
+        if self.preloaded:
+            return
+        self.st.load(snap)
+        for slot, key in enumerate(snap["key_of"].tolist()):
+            if key >= 0 and int(snap["slot_state"][slot]) == RESIDENT:
+                self.pool[slot].copy_(self.host[key], non_blocking=True)  # type: ignore[index]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def resident_keys(self) -> list[tuple[int, int]]:
+        """(layer, expert) of every resident slot (one read of the table)."""
+        return [(self.layers[k // self.n_experts], k % self.n_experts)
+                for k in self.st.key_of.tolist() if k >= 0]
+
+    # ---- reporting ------------------------------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        table = sum(t.numel() * t.element_size() for t in self.st.tensors().values())
+        return {
+            "vram_expert_cache_bytes": self.pool.numel(),
+            "vram_residency_table_bytes": table,
+            "expert_cache_slots": self.n_slots,
+            "host_expert_bytes": self.store.nbytes if self.store else 0,
+            "host_pinned_bytes": self.store.pinned_bytes if self.store else 0,
+            "expert_record_bytes": self.expert_bytes,
+        }
+
+    def close(self) -> None:
+        """Free the slot pool and unpin the host store (the engine drops its last references after this)."""
+        if self.store is not None:
+            self.store.close()
+        self.pool = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self.experts = None  # type: ignore[assignment]
+        self.filler = None  # type: ignore[assignment]
+
+
+class PlanBuffers:
+    """Static per-step buffers between a layer's plan and its expert kernel (reused by every layer of a step)."""
+
+    def __init__(self, rows: int, max_experts: int, top_k: int, hidden: int, device: torch.device):
+        i32 = torch.int32
+        self.assign = torch.full((rows, top_k), -1, dtype=i32, device=device)
+        self.u_key = torch.full((max_experts,), -1, dtype=i32, device=device)
+        self.u_slot = torch.full((max_experts,), -1, dtype=i32, device=device)
+        self.u_dst = torch.full((max_experts,), -1, dtype=i32, device=device)
+        self.out = torch.zeros(rows, hidden, dtype=torch.float32, device=device)
+
+
+def renormalise(weights: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Shadow rows skip missing experts: rescale the kept weights to the full weight mass, at most k-fold (a lone
+    low-weight expert must not be blown up into values that overflow fp16)."""
+    kept = torch.where(valid, weights, torch.zeros_like(weights)).sum(-1, keepdim=True)
+    total = weights.sum(-1, keepdim=True)
+    scale = torch.where(kept > 0, total / kept.clamp(min=1e-20), torch.zeros_like(kept))
+    return weights * scale.clamp(max=float(weights.shape[-1]))
+
+
+def counters_by_layer(counters: torch.Tensor, layers: list[int]) -> dict[int, dict[str, int]]:
+    rows = counters.tolist()
+    return {layer: {name: rows[p][C[name]] for name in COUNTERS} for p, layer in enumerate(layers)}
+
+
+__all__ = ["Residency", "PlanBuffers", "counters_by_layer", "victim_order"]

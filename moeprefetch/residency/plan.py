@@ -1,0 +1,367 @@
+"""What the residency table does at each plan point: the definition that the Triton plan kernel implements.
+
+The main stream runs one plan per MoE layer (after its router), one at each step start and one at each step end;
+nothing here waits for the host. A layer plan, in order:
+
+1. **publish**: fills whose every chunk has landed (`e_ready`) and the previous plan's admissions become resident;
+2. **the layer's exact experts** (real rows, verified drafts), distinct, in first-use order. A published slot is a hit
+   (a `prefetched` one if an unused prefetch brought it); a key whose fill is still in flight is `late`; anything
+   else is a `miss`. Late and missed experts are read from host memory by the expert kernel (zero-copy), and a miss
+   is *admitted*: a victim slot is reserved and the kernel writes the expert into it as it streams;
+3. **shadow rows** (the MTP draft, predictors only) use an expert only if it is already published or read anyway;
+4. **accounting** per MoE position, and the recall of the predictions made for this (step, layer);
+5. **prefetch reservation**: predictions for later layers of this step and for the next step, in deadline order,
+   with confidence >= `min_confidence`, at most `budget_per_target` fills per target and `max_inflight` in flight.
+   A predicted expert that is already resident is protected until its need; a missing one gets a victim slot and a
+   fill entry;
+6. the deadline-ordered list of unfinished fills, for the fill launch that follows this plan.
+
+Victims come from a queue sorted once per step (LRU: least recently used first; LFU: fewest uses; free slots first;
+the static policy's hot set never). A slot is a victim only if nothing of the current step used it, no live prediction
+protects it, and no fill or admission is writing it. Eviction points the old key back at host memory first.
+
+This module is the CPU implementation and the reference of `kernels/plan.py`; it uses plain Python over small lists,
+which is fast enough on the CPU, where every step of the test suite runs through it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .state import (ADMITTING, C, E_ACTIVE, E_DONE, E_FREE, FAR, FILLING, FREE, NO_ENTRY, POLICY_CODES, RESIDENT,
+                    ResidencyConfig, TableState)
+
+
+class _Lists:
+    """Python-list views of the table for one plan; written back at the end."""
+
+    NAMES = ("slot_of", "key_of", "slot_state", "last_use", "protect", "prefetched_at", "use_count", "pinned",
+             "inflight_of", "e_state", "e_key", "e_slot", "e_deadline", "e_made", "e_next", "e_done", "e_ready",
+             "adm_key", "adm_slot", "victims", "fills_for", "counters")
+
+    def __init__(self, st: TableState):
+        self.st = st
+        for name in self.NAMES:
+            setattr(self, name, getattr(st, name).tolist())
+        self.pred = st.pred  # read-mostly, indexed sparsely
+        self.cursor = int(st.cursor[0])
+
+    def write_back(self) -> None:
+        for name in self.NAMES:
+            getattr(self.st, name).copy_(torch.tensor(getattr(self, name), dtype=getattr(self.st, name).dtype))
+        self.st.cursor.fill_(self.cursor)
+
+    def bump(self, position: int, counter: str, amount: int = 1) -> None:
+        self.counters[position][C[counter]] += amount
+
+
+# ---- pieces shared by every plan ---------------------------------------------------------------------------------
+
+
+def _publish(t: _Lists, cfg: ResidencyConfig) -> None:
+    for j, state in enumerate(t.e_state):
+        if state == E_ACTIVE and t.e_ready[j] == 1:
+            key, slot = t.e_key[j], t.e_slot[j]
+            t.slot_of[key] = slot
+            t.slot_state[slot] = RESIDENT
+            t.prefetched_at[slot] = t.e_made[j]
+            t.inflight_of[key] = NO_ENTRY
+            t.e_state[j] = E_DONE
+            t.bump(key // cfg.n_experts, "fills_done")
+            t.bump(key // cfg.n_experts, "fill_chunks", cfg.chunks)
+    for a, key in enumerate(t.adm_key):
+        if key >= 0:
+            slot = t.adm_slot[a]
+            t.slot_of[key] = slot
+            t.slot_state[slot] = RESIDENT
+            t.inflight_of[key] = NO_ENTRY
+            t.adm_key[a] = -1
+
+
+def _eligible(t: _Lists, slot: int, now: int, step_base: int) -> bool:
+    key = t.key_of[slot]
+    return (
+        t.slot_state[slot] != FILLING
+        and not (key >= 0 and t.pinned[key])
+        and t.protect[slot] < now
+        and t.last_use[slot] < step_base
+    )
+
+
+def _pop_victims(t: _Lists, count: int, now: int, step_base: int) -> list[int]:
+    """Up to `count` victims, the next eligible slots of the step's eviction queue."""
+    taken: list[int] = []
+    i = t.cursor
+    while len(taken) < count and i < len(t.victims):
+        slot = t.victims[i]
+        i += 1
+        if _eligible(t, slot, now, step_base):
+            taken.append(slot)
+    t.cursor = i
+    return taken
+
+
+def _evict(t: _Lists, cfg: ResidencyConfig, slot: int) -> None:
+    old = t.key_of[slot]
+    if old >= 0:
+        t.slot_of[old] = -1
+        t.bump(old // cfg.n_experts, "evictions")
+        if t.prefetched_at[slot] >= 0:
+            t.bump(old // cfg.n_experts, "prefetch_wasted")
+    t.prefetched_at[slot] = -1
+
+
+# ---- the layer plan ----------------------------------------------------------------------------------------------
+
+
+def plan_layer(
+    st: TableState,
+    cfg: ResidencyConfig,
+    position: int,
+    ids_x: torch.Tensor,
+    act_x: torch.Tensor,
+    ids_s: torch.Tensor | None,
+    act_s: torch.Tensor | None,
+    assign: torch.Tensor,
+    u_key: torch.Tensor,
+    u_slot: torch.Tensor,
+    u_dst: torch.Tensor,
+    reserve: bool,
+    count_recall: bool,
+    trace: torch.Tensor | None = None,
+) -> None:
+    """One MoE layer's plan. ids_x [NX, k] exact rows, ids_s [NS, k] shadow rows (or None), act_* [rows] bool.
+    Writes assign [NX + NS, k] and u_key / u_slot / u_dst [U] (see kernels/experts.py) and updates the table."""
+    t = _Lists(st)
+    e_count = cfg.n_experts
+    step, dstep = int(st.step[0]), int(st.decode_step[0])
+    now = 2 * step * cfg.positions - 1 if position < 0 else 2 * (step * cfg.positions + position)
+    step_base = int(st.step_base[0])
+    st.progress.fill_(now)
+    _publish(t, cfg)
+
+    nx, k = ids_x.shape
+    out_assign = [[-1] * k for _ in range(assign.shape[0])]
+    keys, slots, dsts = [-1] * u_key.shape[0], [-1] * u_key.shape[0], [-1] * u_key.shape[0]
+    exact: dict[int, int] = {}  # expert -> u, first-use order
+    rows, active = ids_x.tolist(), act_x.tolist()
+    for r in range(nx):
+        if active[r]:
+            for j, e in enumerate(rows[r]):
+                out_assign[r][j] = exact.setdefault(e, len(exact))
+
+    misses = []
+    for e, u in exact.items():
+        key = position * e_count + e
+        keys[u] = key
+        t.use_count[key] += 1
+        t.bump(position, "uses")
+        slot = t.slot_of[key]
+        if slot >= 0:
+            slots[u] = slot
+            t.last_use[slot] = now
+            if t.prefetched_at[slot] >= 0:
+                t.bump(position, "prefetched")
+                t.bump(position, "lead_sum", now - t.prefetched_at[slot])
+                t.prefetched_at[slot] = -1
+            else:
+                t.bump(position, "hit")
+        elif t.inflight_of[key] >= 0:
+            t.bump(position, "late")
+            t.bump(position, "zero_copy")
+            t.e_made[t.inflight_of[key]] = -1  # served: on landing it is no unused prefetch
+        else:
+            t.bump(position, "miss")
+            t.bump(position, "zero_copy")
+            misses.append(u)
+    for u, slot in zip(misses, _pop_victims(t, len(misses), now, step_base)):
+        _evict(t, cfg, slot)
+        key = keys[u]
+        t.key_of[slot] = key
+        t.slot_state[slot] = FILLING
+        t.last_use[slot] = now
+        t.inflight_of[key] = ADMITTING
+        dsts[u] = slot
+        t.adm_key[u], t.adm_slot[u] = key, slot
+        t.bump(position, "admitted")
+
+    if ids_s is not None and act_s is not None:
+        _shadow_rows(t, position * e_count, ids_s.tolist(), act_s.tolist(), nx, exact, out_assign, keys, slots)
+
+    if count_recall and position < cfg.main_positions:
+        conf = st.pred[dstep % cfg.ring, position].tolist()
+        predicted = {e for e, c in enumerate(conf) if c > 0 and c >= cfg.min_confidence}
+        t.bump(position, "predicted", len(predicted))
+        t.bump(position, "truth", len(exact))
+        t.bump(position, "predicted_correct", len(predicted & set(exact)))
+    if trace is not None and exact:
+        trace[dstep, position, list(exact)] = True
+
+    if reserve:
+        _reserve(t, cfg, position, now, step_base, step, dstep)
+    _order(t, cfg, position + 1)
+    t.write_back()
+    if assign.numel():
+        assign.copy_(torch.tensor(out_assign, dtype=torch.int32))
+    u_key.copy_(torch.tensor(keys, dtype=torch.int32))
+    u_slot.copy_(torch.tensor(slots, dtype=torch.int32))
+    u_dst.copy_(torch.tensor(dsts, dtype=torch.int32))
+
+
+def _shadow_rows(t: _Lists, key_base: int, rows: list[list[int]], active: list[bool], offset: int,
+                 exact: dict[int, int], out_assign: list[list[int]], keys: list[int], slots: list[int]) -> None:
+    """Shadow rows share the exact rows' experts and use other experts only where they are published."""
+    extra: dict[int, int] = {}
+    for r, row in enumerate(rows):
+        if not active[r]:
+            continue
+        for j, e in enumerate(row):
+            if e in exact:
+                out_assign[offset + r][j] = exact[e]
+                continue
+            if e not in extra:
+                slot = t.slot_of[key_base + e]
+                if slot < 0:
+                    continue
+                u = len(exact) + len(extra)
+                extra[e] = u
+                keys[u], slots[u] = key_base + e, slot
+            out_assign[offset + r][j] = extra[e]
+
+
+def _reserve(t: _Lists, cfg: ResidencyConfig, position: int, now: int, step_base: int, step: int,
+             dstep: int) -> None:
+    """Prefetch reservation over the targets after `position`: the rest of this step, then the next step."""
+    e_count, p_count = cfg.n_experts, cfg.positions
+    candidates: list[tuple[int, int, int, int]] = []  # (ring row, position, key, deadline) in deadline order
+    seen: set[int] = set()
+    for offset in (0, 1) if cfg.ring > 1 else (0,):
+        ring_row = (dstep + offset) % cfg.ring
+        for q in range(cfg.main_positions):
+            if offset == 0 and q <= position:
+                continue
+            deadline = 2 * ((step + offset) * p_count + q)
+            conf = t.pred[ring_row, q].tolist()
+            for e, c in enumerate(conf):
+                if c <= 0 or c < cfg.min_confidence:
+                    continue
+                key = q * e_count + e
+                slot = t.slot_of[key]
+                if slot >= 0:
+                    t.protect[slot] = max(t.protect[slot], deadline)
+                elif t.inflight_of[key] == NO_ENTRY and key not in seen:
+                    seen.add(key)
+                    candidates.append((ring_row, q, key, deadline))
+    per_row: dict[tuple[int, int], int] = {}
+    chosen = []
+    for ring_row, q, key, deadline in candidates:
+        used = t.fills_for[ring_row][q] + per_row.get((ring_row, q), 0)
+        if used < cfg.budget_per_target:
+            per_row[(ring_row, q)] = per_row.get((ring_row, q), 0) + 1
+            chosen.append((ring_row, q, key, deadline))
+    active = sum(1 for s in t.e_state if s == E_ACTIVE)
+    free_entries = [j for j, s in enumerate(t.e_state) if s == E_FREE]
+    room = max(min(cfg.max_inflight - active, len(free_entries)), 0)
+    chosen = chosen[:room]
+    victims = _pop_victims(t, len(chosen), now, step_base)
+    for (ring_row, q, key, deadline), slot, j in zip(chosen, victims, free_entries):
+        _evict(t, cfg, slot)
+        t.key_of[slot] = key
+        t.slot_state[slot] = FILLING
+        t.protect[slot] = deadline
+        t.last_use[slot] = now
+        t.inflight_of[key] = j
+        t.e_state[j], t.e_key[j], t.e_slot[j] = E_ACTIVE, key, slot
+        t.e_deadline[j], t.e_made[j] = deadline, now
+        t.e_next[j] = t.e_done[j] = t.e_ready[j] = 0
+        t.fills_for[ring_row][q] += 1
+        t.bump(q, "prefetch_issued")
+
+
+def _order(t: _Lists, cfg: ResidencyConfig, launch: int) -> None:
+    """Unfinished fills by deadline, for the fill launch that follows this plan."""
+    live = sorted((t.e_deadline[j], j) for j, s in enumerate(t.e_state) if s == E_ACTIVE and t.e_next[j] < cfg.chunks)
+    row = [j for _, j in live] + [-1] * (cfg.entries - len(live))
+    t.st.order[launch].copy_(torch.tensor(row, dtype=torch.int32))
+
+
+# ---- step boundaries ---------------------------------------------------------------------------------------------
+
+
+def step_start(st: TableState, cfg: ResidencyConfig, decode: bool) -> None:
+    """Open a step (no fill kernel is running): count the step, publish landed fills, release fills whose need has
+    passed, recycle published entries, clear the ring row that the new step makes available, and sort the victims."""
+    t = _Lists(st)
+    step = int(st.step[0]) + 1
+    st.step.fill_(step)
+    if decode:
+        st.decode_step.add_(1)
+    now = 2 * step * cfg.positions - 1
+    st.step_base.fill_(now)
+    st.progress.fill_(now)
+    _publish(t, cfg)
+    for j, state in enumerate(t.e_state):
+        if state == E_ACTIVE and t.e_deadline[j] <= now:
+            _release_fill(t, cfg, j)
+        elif state == E_DONE:
+            t.e_state[j] = E_FREE
+    if decode:
+        stale = (int(st.decode_step[0]) + cfg.ring - 1) % cfg.ring
+        st.pred[stale].zero_()
+        t.fills_for[stale] = [0] * cfg.positions
+    t.cursor = 0
+    t.write_back()
+    st.victims.copy_(victim_order(st, cfg))
+
+
+def _release_fill(t: _Lists, cfg: ResidencyConfig, j: int) -> None:
+    """An unfinished fill gives its slot back (free); unless its need was served late, it was a wasted prefetch."""
+    key, slot = t.e_key[j], t.e_slot[j]
+    t.slot_state[slot], t.key_of[slot] = FREE, -1
+    t.last_use[slot] = t.protect[slot] = t.prefetched_at[slot] = -1
+    t.inflight_of[key] = NO_ENTRY
+    t.e_state[j] = E_FREE
+    if t.e_made[j] >= 0:  # a fill whose need was served late (from host) is counted as late, not wasted
+        t.bump(key // cfg.n_experts, "prefetch_wasted")
+    t.bump(key // cfg.n_experts, "fill_chunks", t.e_done[j])
+
+
+def victim_order(st: TableState, cfg: ResidencyConfig) -> torch.Tensor:
+    """Slots in eviction order (torch ops, so the same code runs captured on the GPU): free slots first, then LRU or
+    LFU order; filling slots and the static hot set last (they are also skipped when popped)."""
+    last = st.last_use.clamp(min=-1) + 1  # 0 .. < 2^40
+    held = st.key_of.clamp(min=0).long()
+    if POLICY_CODES[cfg.policy] == 1:
+        order_key = st.use_count[held].long() * (1 << 40) + last
+    else:
+        order_key = last
+    order_key = torch.where(st.slot_state == FREE, torch.full_like(order_key, -1), order_key)
+    blocked = (st.slot_state == FILLING) | ((st.key_of >= 0) & (st.pinned[held] > 0))
+    order_key = torch.where(blocked, torch.full_like(order_key, FAR), order_key)
+    return torch.sort(order_key, stable=True).indices.to(torch.int32)
+
+
+def step_end(st: TableState, cfg: ResidencyConfig) -> None:
+    """Close a step: fills stop claiming chunks (the next step's first plan will resume them)."""
+    st.progress.copy_(st.step * (2 * cfg.positions) + (2 * cfg.positions - 1))
+
+
+def finish_call(st: TableState, cfg: ResidencyConfig) -> None:
+    """End of a generate call (all streams idle): unfinished fills are released, prefetches never used count as
+    wasted, and predictions and protections are forgotten so the next call starts clean."""
+    t = _Lists(st)
+    _publish(t, cfg)
+    for j, state in enumerate(t.e_state):
+        if state == E_ACTIVE:
+            _release_fill(t, cfg, j)
+        elif state == E_DONE:
+            t.e_state[j] = E_FREE
+    for slot, made in enumerate(t.prefetched_at):
+        if made >= 0:
+            t.bump(t.key_of[slot] // cfg.n_experts, "prefetch_wasted")
+            t.prefetched_at[slot] = -1
+    t.protect = [-1] * cfg.n_slots
+    t.fills_for = [[0] * cfg.positions for _ in t.fills_for]
+    t.write_back()
+    st.pred.zero_()
+    st.order.fill_(-1)

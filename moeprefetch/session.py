@@ -1,0 +1,284 @@
+"""One generate call: prefill, then one graph replay per decode step, and the call's statistics.
+
+A `Session` owns the call's state (tokens, positions, drafts, streamed text) and drives the engine's parts: the
+prefill runner, the decode steps (`decode.py`) and the residency table, whose counters it reads twice (after prefill
+and at the end). Per decode step the host uploads the inputs, launches the step and reads back the sampled ids: the
+step's one synchronisation. Everything else (EOS, lengths, accepting drafts, text) is host bookkeeping on those ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from .accounting import LayerCounters, Stats
+from .decode import DecodeStep, StepOutput, StepShape
+from .predictors import PredictorSpec
+from .residency import counters_by_layer
+from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .engine import MoEPrefetchEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    prompts: list[list[int]]
+    max_new_tokens: int
+    sampling: SamplingParams
+    predictor: PredictorSpec
+    speculative: str | None
+    stop_at_eos: bool
+    event_log: str | Path | None
+
+
+@dataclass
+class TokenEvent:
+    """One generated token, as streamed."""
+
+    sequence: int
+    token: int
+    text: str | None = None  # the text this token adds, when there is a tokenizer
+
+
+@dataclass
+class GenerationResult:
+    sequences: list[list[int]]  # generated token ids per prompt (prompt excluded)
+    texts: list[str] | None
+    stats: Stats
+    finish_reasons: list[str] = field(default_factory=list)  # "eos" | "length" | "interrupted"
+    interrupted: bool = False
+
+
+class TextStream:
+    """Incremental detokenisation: each token's text from a short window of recent tokens (linear, not quadratic),
+    holding back a multi-byte character until it is complete."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.prefix = 0  # tokens before this index are already emitted and no longer decoded
+        self.read = 0  # tokens before this index are emitted
+
+    def piece(self, ids: list[int], final: bool) -> str:
+        decode = lambda part: self.tokenizer.decode(part, skip_special_tokens=True)  # noqa: E731
+        emitted = decode(ids[self.prefix : self.read])
+        text = decode(ids[self.prefix :])
+        if text.endswith("\ufffd") and not final:
+            return ""
+        self.prefix, self.read = self.read, len(ids)
+        return text[len(emitted):] if text.startswith(emitted) else text
+
+
+class Session:
+    """The state of one generate/stream call, and its loop."""
+
+    def __init__(self, engine: "MoEPrefetchEngine", request: Request, trace: torch.Tensor | None = None,
+                 record: bool = False):
+        self.engine = engine
+        self.request = request
+        self.res = engine.residency
+        self.args = engine.args
+        self.batch = len(request.prompts)
+        self.spec = request.predictor
+        self.speculative = request.speculative == "mtp"
+        self.uses_mtp = engine.has_mtp and (self.speculative or self.spec.needs_mtp)
+        # with every expert resident a shadow row predicts nothing worth fetching: skip its compute
+        self.shadow = self.spec.shadow and not self.speculative and not self.res.preloaded
+        self.trace = trace  # the oracle's recorded routing
+        self.record = record  # this call records the routing (the oracle's first pass)
+        self.generated: list[list[int]] = [[] for _ in range(self.batch)]
+        self.finish = ["length"] * self.batch
+        self.texts = [TextStream(engine.tokenizer) for _ in range(self.batch)] if engine.tokenizer else None
+        self.stats = Stats(predictor=self.spec.name, lookahead=self.spec.lookahead, policy=engine.options.policy,
+                           cache_slots=self.res.n_slots, expert_bytes=self.res.expert_bytes,
+                           speculative=self.speculative, sequences=self.batch,
+                           prompt_tokens=sum(len(p) for p in request.prompts),
+                           main_layers=tuple(self.args.moe_layers))
+
+    # ---- the loop -------------------------------------------------------------------------------------------------
+    def run(self) -> Iterator[TokenEvent]:
+        engine, res, request = self.engine, self.res, self.request
+        options = engine.options
+        rows = self.batch * (2 if self.speculative else 1)
+        budget = max(int(math.ceil(options.prefetch_budget * self.args.num_experts_per_tok * rows)), 0)
+        inflight = options.max_inflight_experts or max(2 * self.args.num_experts_per_tok * rows, 4)
+        res.configure(ring=self.spec.ring, budget_per_target=budget, max_inflight=inflight,
+                      min_confidence=options.min_confidence)
+        res.begin_call()
+        if self.record:
+            res.trace = engine._trace_buffer()
+            res.trace.zero_()
+        engine.sampler.set_params(request.sampling)
+        caches = engine._caches(self.batch, self.uses_mtp)
+        t0 = time.perf_counter()
+        first, drafts, probs = self._prefill(caches)
+        engine._sync()
+        self.stats.prefill_seconds = time.perf_counter() - t0
+        prefill_counters = res.st.counters.clone().cpu()
+
+        active = [True] * self.batch
+        for b in range(self.batch):
+            yield from self._emit(b, [first[b]], active)
+        positions = [len(p) for p in request.prompts]  # position of each sequence's next input token
+        t1 = time.perf_counter()
+        while any(active):
+            step = self._step(caches)
+            out = step([g[-1] for g in self.generated], positions, active,
+                       [d for d in drafts] if step.shape.extra else None, probs)
+            self.stats.decode_syncs += 1
+            self.stats.decode_steps += 1
+            drafts, probs = self._advance(out, drafts, probs, positions, active)
+            for b, tokens in enumerate(self._accepted):
+                yield from self._emit(b, tokens, active)
+        engine._sync()
+        self.stats.decode_seconds = time.perf_counter() - t1
+        self._finish(prefill_counters)
+        return self.result()
+
+    def _prefill(self, caches) -> tuple[list[int], list[int], list[float]]:
+        """Each prompt in chunks into its cache row; the first tokens; the MTP head's first drafts."""
+        engine, res = self.engine, self.res
+        runner, device = engine.runner, engine.device
+        chunk = engine.options.prefill_chunk
+        last_hidden, hiddens = [], []
+        for b, prompt in enumerate(self.request.prompts):
+            tokens = torch.tensor(prompt, device=device)[None]
+            parts = []
+            for start in range(0, len(prompt), chunk):
+                res.begin_step(decode=False)
+                piece = tokens[:, start : start + chunk]
+                positions = torch.arange(start, start + piece.shape[1], device=device)[None]
+                parts.append(runner.forward_block(piece, positions, caches, b, start)[0])
+            hiddens.append(torch.cat(parts))
+            last_hidden.append(hiddens[-1][-1])
+        logits = runner.logits(torch.stack(last_hidden))
+        rows = torch.arange(self.batch, device=device)
+        positions = torch.tensor([len(p) for p in self.request.prompts], device=device)
+        first = engine.sampler(logits, self.request.sampling, rows, positions).tolist()
+        drafts, probs = [0] * self.batch, [0.0] * self.batch
+        if self.uses_mtp:
+            drafts, probs = self._mtp_prefill(caches, hiddens, first)
+        return first, drafts, probs
+
+    def _mtp_prefill(self, caches, hiddens: list[torch.Tensor], first: list[int]) -> tuple[list[int], list[float]]:
+        """The MTP layer over every (hidden at i, token i+1) pair of each prompt; returns the first drafts."""
+        engine, res = self.engine, self.res
+        drafts, probs = [], []
+        chunk = engine.options.prefill_chunk
+        for b, prompt in enumerate(self.request.prompts):
+            nxt = torch.tensor(prompt[1:] + [first[b]], device=engine.device)[None]
+            logits = None
+            for start in range(0, nxt.shape[1], chunk):
+                res.begin_step(decode=False)
+                piece = nxt[:, start : start + chunk]
+                positions = torch.arange(start + 1, start + 1 + piece.shape[1], device=engine.device)[None]
+                h = hiddens[b][start : start + piece.shape[1]][None]
+                logits = engine.runner.mtp_block(piece, h, positions, caches.mtp, b, start)
+            prob, draft = logits[0, -1].softmax(-1).max(-1)
+            drafts.append(int(draft))
+            probs.append(float(prob))
+        return drafts, probs
+
+    def _step(self, caches) -> DecodeStep:
+        options, res = self.engine.options, self.res
+        mode = "verify" if self.speculative else ("shadow" if self.shadow else "none")
+        sampling = self.request.sampling
+        shape = StepShape(batch=self.batch, mode=mode, spec=self.spec, run_mtp=self.uses_mtp,
+                          greedy=sampling.greedy, top_k=0 < sampling.top_k < self.args.vocab_size,
+                          top_p=sampling.top_p < 1.0, reserve=self.spec.active and not res.preloaded,
+                          record=self.record)
+        return self.engine._decode_step(caches, shape, self.trace)
+
+    def _advance(self, out: StepOutput, drafts: list[int], probs: list[float], positions: list[int],
+                 active: list[bool]) -> tuple[list[int], list[float]]:
+        """Host bookkeeping after a step: which tokens each sequence gets, and the next drafts."""
+        next_tok = out.next_tokens.tolist()
+        second = out.second_tokens.tolist() if out.second_tokens is not None else None
+        new_drafts = out.drafts.tolist() if out.drafts is not None else None
+        new_probs = out.draft_probs.tolist() if out.draft_probs is not None else None
+        self._accepted: list[list[int]] = [[] for _ in range(self.batch)]
+        for b in range(self.batch):
+            if not active[b]:
+                continue
+            tokens = [next_tok[b]]
+            accepted = False
+            if self.uses_mtp:
+                self.stats.mtp_drafts_checked += 1
+                self.stats.mtp_drafts_correct += int(drafts[b] == next_tok[b])
+            if second is not None:
+                self.stats.draft_proposed += 1
+                if drafts[b] == next_tok[b] and not self._would_finish(b, next_tok[b]):
+                    self.stats.draft_accepted += 1
+                    accepted = True
+                    tokens.append(second[b])
+            self._accepted[b] = tokens
+            positions[b] += len(tokens)
+            if new_drafts is not None:
+                row = 1 if accepted else 0
+                drafts[b], probs[b] = new_drafts[b][row], new_probs[b][row]
+        return drafts, probs
+
+    def _emit(self, b: int, tokens: list[int], active: list[bool]) -> Iterator[TokenEvent]:
+        for token in tokens:
+            if not active[b]:
+                return
+            self.generated[b].append(token)
+            done = self._finished(b, token)
+            if done:
+                active[b] = False
+                self.finish[b] = "eos" if token in self.args.eos_token_ids and self.request.stop_at_eos else "length"
+            text = self.texts[b].piece(self.generated[b], final=done) if self.texts else None
+            yield TokenEvent(b, token, text)
+
+    def _finished(self, b: int, token: int) -> bool:
+        return (self.request.stop_at_eos and token in self.args.eos_token_ids) or \
+            len(self.generated[b]) >= self.request.max_new_tokens
+
+    def _would_finish(self, b: int, token: int) -> bool:
+        """Whether appending `token` ends sequence b (then a verified second token must not be used)."""
+        return (self.request.stop_at_eos and token in self.args.eos_token_ids) or \
+            len(self.generated[b]) + 1 >= self.request.max_new_tokens
+
+    # ---- ends -----------------------------------------------------------------------------------------------------
+    def _finish(self, prefill_counters: torch.Tensor) -> None:
+        counters = self.res.end_call()
+        self.res.trace = None
+        self._fill_counters(counters, prefill_counters)
+
+    def _fill_counters(self, counters: torch.Tensor, prefill_counters: torch.Tensor | None) -> None:
+        res = self.res
+        chunk = res.cfg.chunk_bytes
+        whole = counters_by_layer(counters, res.layers)
+        self.stats.per_layer = {layer: LayerCounters.from_row([c[n] for n in c], res.expert_bytes, chunk)
+                                for layer, c in whole.items()}
+        if prefill_counters is not None:
+            before = counters_by_layer(prefill_counters, res.layers)
+            self.stats.decode_per_layer = {
+                layer: self.stats.per_layer[layer] - LayerCounters.from_row([c[n] for n in c], res.expert_bytes, chunk)
+                for layer, c in before.items()}
+
+    def abort(self) -> None:
+        """After Ctrl-C or an error mid-call: settle the table (cold cache) and keep whatever counts are readable."""
+        self.res.abort()
+        self.res.trace = None
+        self.finish = ["interrupted" if f == "length" and len(g) < self.request.max_new_tokens else f
+                       for f, g in zip(self.finish, self.generated)]
+
+    def result(self, interrupted: bool = False) -> GenerationResult:
+        self.stats.generated_tokens = sum(len(g) for g in self.generated)
+        self.stats.extra["main_moe_layers"] = list(self.args.moe_layers)
+        if self.request.event_log is not None:
+            try:
+                self.stats.write_jsonl(self.request.event_log)
+            except OSError as exc:  # the tokens matter more than the log
+                logger.error("could not write the event log %s: %s", self.request.event_log, exc)
+        texts = [self.engine._decode_text(g) for g in self.generated] if self.engine.tokenizer is not None else None
+        return GenerationResult(self.generated, texts, self.stats, self.finish, interrupted)
