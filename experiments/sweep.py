@@ -16,7 +16,6 @@ import datetime as _dt
 import json
 import logging
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -31,10 +30,10 @@ sys.path.insert(0, str(ROOT))
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+from moeprefetch.accounting import merge_stats  # noqa: E402
+
 logger = logging.getLogger("sweep")
 
-COUNTERS = ("expert_uses", "hits", "misses", "bytes_h2d", "evictions", "prefetch_issued", "prefetch_useful",
-            "prefetch_late", "prefetch_wasted", "predicted", "truth", "predicted_correct")
 
 
 def _resolve(path: str) -> Path:
@@ -43,8 +42,9 @@ def _resolve(path: str) -> Path:
 
 
 @lru_cache(maxsize=4)
-def _engine(path: str, device: str, dtype: str | None, slots: int | None, budget: str | None, policy: str,
-            expert_dtype: str, prefetch_budget: float, max_inflight: int | None, cuda_graphs: bool, batch: int):
+def _engine(path: str, device: str, dtype: str | None, slots: int | None, fraction: float | None, budget: str | None,
+            policy: str, expert_dtype: str, prefetch_budget: float, max_inflight: int | None, cuda_graphs: bool,
+            batch: int):
     """Engines are reused across points that differ only in per-call settings (predictor, lookahead)."""
     from moeprefetch import MoEPrefetchEngine
 
@@ -56,61 +56,15 @@ def _engine(path: str, device: str, dtype: str | None, slots: int | None, budget
         kwargs["vram_budget"] = budget
     elif slots is not None:
         kwargs["expert_cache_slots"] = slots
+    elif fraction is not None:
+        kwargs["expert_cache_fraction"] = fraction
     return MoEPrefetchEngine.from_pretrained(_resolve(path), **kwargs)
-
-
-def _slots(cfg: DictConfig) -> int | None:
-    if cfg.cache.slots is not None:
-        return int(cfg.cache.slots)
-    if cfg.cache.fraction is None:
-        return None
-    from moeprefetch.cli import _slots_for_fraction
-
-    return _slots_for_fraction(_resolve(cfg.model.path), float(cfg.cache.fraction))
 
 
 def load_prompts(cfg: DictConfig) -> list[str]:
     lines = _resolve(cfg.workload.prompts_file).read_text().splitlines()
     prompts = [json.loads(line)["text"] for line in lines if line.strip()]
     return prompts[: int(cfg.workload.num_prompts)]
-
-
-def merge_stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Sum the counters of several generate calls (totals and per layer); recompute the ratios."""
-    merged: dict[str, Any] = {k: sum(r.get(k, 0) for r in runs) for k in COUNTERS}
-    merged.update(_ratios(merged))
-    for key in ("stall_seconds", "prefill_stall_seconds", "decode_stall_seconds", "decode_seconds", "prefill_seconds",
-                "generated_tokens", "prompt_tokens", "decode_steps", "mtp_drafts_checked", "mtp_drafts_correct",
-                "draft_proposed", "draft_accepted"):
-        merged[key] = sum(r.get(key) or 0 for r in runs)
-    for key in ("decode_tokens_per_s", "ms_per_token", "prefill_tokens_per_s", "stall_ms_per_token"):
-        merged[key] = statistics.median(r.get(key) or 0.0 for r in runs)
-    per_layer: dict[str, dict[str, Any]] = {}
-    for run in runs:
-        for layer, counters in run.get("per_layer", {}).items():
-            target = per_layer.setdefault(layer, {k: 0 for k in COUNTERS})
-            for k in COUNTERS:
-                target[k] += counters.get(k, 0)
-    for counters in per_layer.values():
-        counters.update(_ratios(counters))
-    merged["per_layer"] = per_layer
-    main = [str(layer) for layer in runs[0].get("main_moe_layers", [])] if runs else []
-    main_counts = {k: sum(per_layer[layer][k] for layer in main if layer in per_layer) for k in COUNTERS}
-    merged["prediction_recall_main_layers"] = _ratios(main_counts)["prediction_recall"]
-    merged["prediction_precision_main_layers"] = _ratios(main_counts)["prediction_precision"]
-    checked = sum(r.get("mtp_drafts_checked", 0) or 0 for r in runs)
-    merged["mtp_draft_accuracy"] = (sum(r.get("mtp_drafts_correct", 0) or 0 for r in runs) / checked) if checked else None
-    proposed = merged["draft_proposed"]
-    merged["draft_acceptance"] = merged["draft_accepted"] / proposed if proposed else None
-    return merged
-
-
-def _ratios(c: dict[str, Any]) -> dict[str, float]:
-    return {
-        "hit_rate": c["hits"] / c["expert_uses"] if c["expert_uses"] else 0.0,
-        "prediction_recall": c["predicted_correct"] / c["truth"] if c["truth"] else 0.0,
-        "prediction_precision": c["predicted_correct"] / c["predicted"] if c["predicted"] else 0.0,
-    }
 
 
 def _environment(device: str) -> dict[str, Any]:
@@ -150,7 +104,9 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
     row: dict[str, Any] = {**config, **_environment(cfg.device.name)}
     start = time.perf_counter()
     try:
-        engine = _engine(cfg.model.path, cfg.device.name, cfg.model.dtype, _slots(cfg), cfg.cache.budget,
+        slots = int(cfg.cache.slots) if cfg.cache.slots is not None else None
+        fraction = float(cfg.cache.fraction) if cfg.cache.fraction is not None and slots is None else None
+        engine = _engine(cfg.model.path, cfg.device.name, cfg.model.dtype, slots, fraction, cfg.cache.budget,
                          cfg.cache.policy, cfg.model.expert_dtype, float(cfg.predictor.prefetch_budget),
                          cfg.predictor.max_inflight_experts, bool(cfg.device.cuda_graphs), int(cfg.workload.batch))
         prompts = load_prompts(cfg)
@@ -165,11 +121,12 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
         runs = []
         for prompt_batch in batches:
             engine.reset_expert_cache()
-            runs.append(engine.generate(prompt_batch, **kwargs).stats.to_dict())
-        row.update(merge_stats(runs))
-        row.update(status="ok", cache_slots=engine.runtime.n_slots, total_experts=engine.plan.total_experts,
-                   cache_fraction=engine.runtime.n_slots / engine.plan.total_experts, prompt_count=len(prompts),
-                   expert_bytes=engine.runtime.expert_bytes, memory=engine.memory_stats())
+            runs.append(engine.generate(prompt_batch, **kwargs).stats)
+        row.update(merge_stats(runs).to_dict())
+        slots = engine.residency.n_slots
+        row.update(status="ok", cache_slots=slots, total_experts=engine.plan.total_experts,
+                   cache_fraction=slots / engine.plan.total_experts, prompt_count=len(prompts),
+                   expert_bytes=engine.residency.expert_bytes, memory=engine.memory_stats())
     except Exception as exc:  # a failed point is recorded, and the sweep goes on
         row.update(status="failed", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=5))
         logger.error("point failed: %s", row["error"])
@@ -201,7 +158,7 @@ def main(cfg: DictConfig) -> None:
     path = results_path(cfg)
     append_row(path, row)
     brief = {k: row.get(k) for k in ("status", "predictor", "lookahead", "policy", "cache_slots", "hit_rate",
-                                      "prediction_recall", "ms_per_token")}
+                                      "prediction_recall_main_layers", "ms_per_token")}
     logger.info("%s -> %s", json.dumps(brief, default=str), path)
     OmegaConf.save(cfg, Path(path.parent, ".last_config.yaml"))
 

@@ -213,6 +213,23 @@ class Stats:
                                      "decode": decode.as_dict() if decode else None}) + "\n")
 
 
+def merge_stats(runs: list[Stats]) -> Stats:
+    """Several calls of one configuration as one: counters summed per layer, times and tokens summed (so the
+    rates are totals over totals)."""
+    merged = Stats(**{k: getattr(runs[0], k) for k in ("main_layers", "speculative", "predictor", "lookahead",
+                                                         "policy", "cache_slots", "expert_bytes")})
+    for run in runs:
+        for target, source in ((merged.per_layer, run.per_layer), (merged.decode_per_layer, run.decode_per_layer)):
+            for layer, counters in source.items():
+                target[layer] = target[layer] + counters if layer in target else counters
+        for name in ("stall_seconds", "prompt_tokens", "generated_tokens", "sequences", "decode_steps", "decode_syncs",
+                     "prefill_seconds", "decode_seconds", "draft_proposed", "draft_accepted", "mtp_drafts_checked",
+                     "mtp_drafts_correct"):
+            setattr(merged, name, getattr(merged, name) + getattr(run, name))
+    merged.extra = {"main_moe_layers": list(merged.main_layers), "runs": len(runs)}
+    return merged
+
+
 def _sum(items) -> LayerCounters:
     total = LayerCounters()
     for item in items:

@@ -142,6 +142,7 @@ def build_engine(
     dtype: str | torch.dtype,
     *,
     expert_cache_slots: int | None,
+    expert_cache_fraction: float | None,
     vram_budget: str | int | float | None,
     policy: str,
     predictor: str | None,
@@ -178,8 +179,14 @@ def build_engine(
     if (not isinstance(prefetch_budget, (int, float)) or isinstance(prefetch_budget, bool)
             or not math.isfinite(prefetch_budget) or prefetch_budget < 0):
         raise RequestError(f"prefetch_budget must be a number >= 0 (a multiple of top-k), got {prefetch_budget!r}")
-    if expert_cache_slots is not None and vram_budget is not None:
-        raise RequestError("give expert_cache_slots or vram_budget, not both: each sizes the expert cache")
+    sizes = [name for name, value in (("expert_cache_slots", expert_cache_slots), ("vram_budget", vram_budget),
+                                      ("expert_cache_fraction", expert_cache_fraction)) if value is not None]
+    if len(sizes) > 1:
+        raise RequestError(f"give one of {' or '.join(sizes)}, not both: each sizes the expert cache")
+    if expert_cache_fraction is not None and (
+            not isinstance(expert_cache_fraction, (int, float)) or isinstance(expert_cache_fraction, bool)
+            or not 0 < expert_cache_fraction <= 1):
+        raise RequestError(f"expert_cache_fraction must be a number in (0, 1], got {expert_cache_fraction!r}")
     if max_seq_len is not None:
         check_positive_int("max_seq_len", max_seq_len)
     budget_bytes = parse_bytes(vram_budget) if vram_budget is not None else None
@@ -204,6 +211,8 @@ def build_engine(
     fmt = ExpertFormat.build(args.hidden_size, args.moe_intermediate_size, torch_dtype, expert_dtype, block)
     expert_layers = list(args.moe_layers) + ([args.mtp_layer_index] if has_mtp else [])
     total_experts = len(expert_layers) * args.n_routed_experts
+    if expert_cache_fraction is not None:
+        expert_cache_slots = max(round(expert_cache_fraction * total_experts), args.num_experts_per_tok)
     plan = plan_engine_memory(args, reader, options, fmt, total_experts, has_mtp, budget_bytes, expert_cache_slots,
                               stream_layers, stream_ahead)
     logger.info(plan.describe())

@@ -83,7 +83,9 @@ def _generate(ns: argparse.Namespace) -> int:
         kwargs["expert_cache_slots"] = ns.cache_slots
     elif not ns.all_resident:
         fraction = ns.cache_fraction if ns.cache_fraction is not None else 0.25
-        kwargs["expert_cache_slots"] = _slots_for_fraction(Path(ns.path), fraction)
+        if not 0 < fraction <= 1:
+            raise MoEPrefetchError(f"--cache-fraction must lie in (0, 1], got {fraction}")
+        kwargs["expert_cache_fraction"] = fraction
     prompts: list[Any] = list(ns.prompt or [])
     for ids in ns.prompt_ids or []:
         try:
@@ -121,19 +123,6 @@ def _generate(ns: argparse.Namespace) -> int:
         Path(ns.stats_json).write_text(json.dumps({"stats": stats, "memory": memory}, indent=1, default=str))
     engine.close()
     return EXIT_INTERRUPTED if result.interrupted else 0
-
-
-def _slots_for_fraction(path: Path, fraction: float) -> int:
-    from .checkpoint import CheckpointReader
-    from .config import load_model_args
-
-    if not 0 < fraction <= 1:
-        raise MoEPrefetchError(f"--cache-fraction must lie in (0, 1], got {fraction}")
-    args = load_model_args(path)
-    reader = CheckpointReader(path)
-    has_mtp = any(name.startswith(f"model.layers.{args.mtp_layer_index}.") for name in reader.tensors)
-    layers = len(args.moe_layers) + (1 if has_mtp and args.num_nextn_predict_layers else 0)
-    return max(round(fraction * layers * args.n_routed_experts), args.num_experts_per_tok)
 
 
 def _report(ns: argparse.Namespace) -> int:

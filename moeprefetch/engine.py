@@ -64,6 +64,7 @@ class MoEPrefetchEngine:
         dtype: str | torch.dtype = torch.float32,
         *,
         expert_cache_slots: int | None = None,
+        expert_cache_fraction: float | None = None,
         vram_budget: str | int | float | None = None,
         policy: str = "lru",
         predictor: str | None = None,
@@ -86,7 +87,8 @@ class MoEPrefetchEngine:
 
         Without `expert_cache_slots` or `vram_budget` every expert is resident. `expert_cache_slots=N` keeps N
         routed-expert slots (across all layers) in device memory and the experts in page-locked host RAM;
-        `vram_budget="12GiB"` lets the planner size the slots. `predictor` (default: `mtp+next_layer_gate` when the
+        `expert_cache_fraction=0.25` sizes them as a share of all routed experts; `vram_budget="12GiB"` lets the
+        planner size the slots. `predictor` (default: `mtp+next_layer_gate` when the
         checkpoint has an MTP layer, else `next_layer_gate`), `lookahead` and `policy` are defaults that `generate`
         may override. `prefetch_budget` caps fills per (step, layer) at that multiple of top-k per row,
         `max_inflight_experts` the fills in flight, `min_confidence` the predictions worth a fill. When the
@@ -94,7 +96,8 @@ class MoEPrefetchEngine:
         of the compute; `stream_layers=N` asks for N streamed layers explicitly.
         """
         return build_engine(
-            cls, path, device, dtype, expert_cache_slots=expert_cache_slots, vram_budget=vram_budget, policy=policy,
+            cls, path, device, dtype, expert_cache_slots=expert_cache_slots, expert_cache_fraction=expert_cache_fraction,
+            vram_budget=vram_budget, policy=policy,
             predictor=predictor, lookahead=lookahead, prefetch_budget=prefetch_budget,
             max_inflight_experts=max_inflight_experts, min_confidence=min_confidence, max_seq_len=max_seq_len,
             max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, expert_dtype=expert_dtype,

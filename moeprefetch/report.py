@@ -26,11 +26,14 @@ def summary_lines(stats: dict[str, Any], memory: dict[str, Any] | None = None, d
         f"{stats['bytes_h2d'] / 1e6:.1f} MB moved host->device, stall {1000 * stats['stall_seconds']:.1f} ms, "
         f"{stats['cache_slots']} slots, policy {stats['policy']}",
         f"-- predictor {stats['predictor']} (lookahead {stats['lookahead']}): next-step recall "
-        f"{stats.get('prediction_recall_main_layers', stats['prediction_recall']):.1%}, precision "
-        f"{stats.get('prediction_precision_main_layers', stats['prediction_precision']):.1%} (main MoE layers); "
-        f"prefetches "
+        f"{_percent(stats.get('prediction_recall_main_layers'))}, precision "
+        f"{_percent(stats.get('prediction_precision_main_layers'))} (main MoE layers); prefetches "
         f"{stats['prefetch_issued']} issued, {stats['prefetch_useful']} in time, {stats['prefetch_late']} late, "
         f"{stats['prefetch_wasted']} wasted",
+        f"-- decode: {stats.get('syncs_per_token', 0):.2f} host synchronisations per token, "
+        f"{stats.get('decode_bytes_h2d_per_token', 0) / 1e6:.2f} MB/token over the link "
+        f"({stats.get('zero_copy_bytes_per_token', 0) / 1e6:.2f} read in place, "
+        f"{stats.get('fill_bytes_per_token', 0) / 1e6:.2f} prefetched)",
     ]
     if stats.get("mtp_draft_accuracy") is not None:
         lines.append(f"-- MTP draft = next token {stats['mtp_draft_accuracy']:.1%} of the time")
@@ -44,6 +47,11 @@ def summary_lines(stats: dict[str, Any], memory: dict[str, Any] | None = None, d
             f"GiB expert cache, {memory['vram_resident_bytes'] / GiB:.2f} GiB resident weights"
         )
     return lines
+
+
+def _percent(value: float | None) -> str:
+    """A ratio as a percentage, or n/a when nothing was measured (e.g. no predictor ran)."""
+    return "n/a" if value is None else f"{value:.1%}"
 
 
 def markdown_table(rows: list[dict[str, Any]], columns: list[str], formats: dict[str, str] | None = None) -> str:
@@ -137,8 +145,8 @@ def _summary_section(rows: list[dict[str, Any]]) -> list[str]:
 def _derived(row: dict[str, Any]) -> dict[str, Any]:
     tokens = max(row.get("generated_tokens", 0) - row.get("batch", 1) * row.get("prompt_count", 1), 1)
     return {
-        "prediction_recall_main_layers": row.get("prediction_recall", 0.0),  # rows from before the field existed
-        "prediction_precision_main_layers": row.get("prediction_precision", 0.0),
+        "prediction_recall_main_layers": row.get("prediction_recall"),  # rows from before the field existed
+        "prediction_precision_main_layers": row.get("prediction_precision"),
         **row,
         "misses_per_token": row.get("misses", 0) / tokens,
         "mb_per_token": row.get("bytes_h2d", 0) / 1e6 / tokens,
@@ -151,8 +159,10 @@ def _series(rows: Iterable[dict[str, Any]], key: str) -> dict[str, list[tuple[fl
     groups: dict[str, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
     for row in rows:
         label = row["predictor"] + (f" (la {row['lookahead']})" if row.get("lookahead", 1) != 1 else "")
-        groups[label][row["cache_fraction"]].append(row[key])
-    return {label: sorted((x, sum(v) / len(v)) for x, v in points.items()) for label, points in groups.items()}
+        if row.get(key) is not None:  # a figure that was not measured (no predictor ran) is not plotted as 0
+            groups[label][row["cache_fraction"]].append(row[key])
+    return {label: sorted((x, sum(v) / len(v)) for x, v in points.items())
+            for label, points in groups.items() if points}
 
 
 def _figures(rows: list[dict[str, Any]], out: Path, conditions: str) -> list[str]:
@@ -205,7 +215,9 @@ def _per_layer_figure(rows: list[dict[str, Any]], out: Path, conditions: str, pl
         layers = sorted(row["per_layer"], key=int)
         label = row["predictor"] + (f" (la {row['lookahead']})" if row.get("lookahead", 1) != 1 else "")
         for ax, key in zip(axes, ("prediction_recall", "prediction_precision")):
-            ax.plot([int(l) for l in layers], [row["per_layer"][l][key] for l in layers], marker="o", label=label)
+            values = [row["per_layer"][l][key] for l in layers]
+            ax.plot([int(l) for l, v in zip(layers, values) if v is not None], [v for v in values if v is not None],
+                    marker="o", label=label)
     layer_ids = sorted({int(layer) for row in chosen for layer in row["per_layer"]})
     for ax, title in zip(axes, ("recall per layer", "precision per layer")):
         ax.set_title(f"{title} ({smallest:.0%} cached)", fontsize=11)

@@ -117,6 +117,7 @@ class Session:
             res.trace = engine._trace_buffer()
             res.trace.zero_()
         engine.sampler.set_params(request.sampling)
+        streamed_before = engine.streamer.bytes_copied if engine.streamer is not None else 0
         caches = engine._caches(self.batch, self.uses_mtp)
         t0 = time.perf_counter()
         first, drafts, probs = self._prefill(caches)
@@ -140,6 +141,9 @@ class Session:
                 yield from self._emit(b, tokens, active)
         engine._sync()
         self.stats.decode_seconds = time.perf_counter() - t1
+        if engine.streamer is not None:
+            self.stats.extra["layer_stream_bytes"] = engine.streamer.bytes_copied - streamed_before
+            self.stats.extra["layer_stream_stall_seconds"] = engine.streamer.transfer.collect_stall_seconds()
         self._finish(prefill_counters)
         return self.result()
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from moeprefetch import MoEPrefetchEngine, RequestError
-from moeprefetch.decode import DecodeStep, GraphRunner
+from moeprefetch.decode import DecodeStep, StepShape
+from moeprefetch.predictors import PredictorSpec
 from moeprefetch.runner import KVCaches
 
 
@@ -25,18 +26,24 @@ def test_cached_decode_equals_uncached_forward(checkpoint_factory, variant):
     # greedy decoding picks the uncached forward's argmax at every position
     assert full[len(prompt) - 1 : -1].argmax(-1).tolist() == result.sequences[0]
 
-    # and the cached logits themselves match the uncached ones
+    # and the cached logits themselves match the uncached ones, step by step
+    res = engine.residency
+    res.configure()
+    res.begin_call()
     caches = KVCaches.allocate(engine.args, 1, engine.options.max_seq_len, torch.float32, engine.device, False)
-    engine.runtime.begin_step(0, "prefill")
-    hidden, _ = engine._prefill(caches, 0, prompt, 0)
+    res.begin_step(decode=False)
+    positions = torch.arange(len(prompt))[None]
+    hidden = engine.runner.forward_block(torch.tensor([prompt]), positions, caches, 0, 0)[0]
     assert torch.allclose(engine.runner.logits(hidden), full[: len(prompt)], atol=1e-4)
-    step = DecodeStep(engine.runner, caches, 1, 0, "none", GraphRunner(False))
+    shape = StepShape(batch=1, mode="none", spec=PredictorSpec(("none",)), run_mtp=False, greedy=True, top_k=False,
+                      top_p=False, reserve=False)
+    step = DecodeStep(engine.runner, caches, engine.sampler, shape, graphs=False)
     for i, token in enumerate(result.sequences[0][:-1]):
         position = len(prompt) + i
-        engine.runtime.begin_step(1 + i, "decode")
-        out = step(torch.tensor([token]), torch.tensor([position]), torch.tensor([True]))
-        assert (out.logits[0] - full[position]).abs().max().item() < 1e-4
-    engine.runtime.end_call()
+        out = step([token], [position], [True])
+        assert (step.logits[0] - full[position]).abs().max().item() < 1e-4
+        assert out.next_tokens.tolist() == [result.sequences[0][i + 1]]
+    res.end_call()
 
 
 def test_batched_generation_equals_one_by_one(v3):
@@ -185,18 +192,25 @@ def test_bfloat16_engine_runs_and_tracks_fp32(checkpoint_factory):
 
 
 def test_streamed_pieces_never_split_a_character():
-    """Byte-level BPE can end a token inside a multi-byte character; streamed pieces must still add up exactly."""
+    """Byte-level BPE can end a token inside a multi-byte character; streamed pieces must still add up exactly,
+    and each piece is decoded from a short window of tokens, not the whole sequence (linear, not quadratic)."""
     from moeprefetch.cli import REFERENCE_MODEL
+    from moeprefetch.session import TextStream
 
     engine = MoEPrefetchEngine.from_pretrained(REFERENCE_MODEL, progress=False)
-    text = "naïve café 🙂 Ελληνικά — 日本語"
+    text = "naïve café 🙂 Ελληνικά — 日本語 " * 3
     ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
     assert any("\ufffd" in engine.tokenizer.decode(ids[: i + 1]) for i in range(len(ids)))  # the hard case occurs
-    generated: list[list[int]] = [[]]
-    texts = [""]
-    pieces = []
-    for i, token in enumerate(ids):
-        generated[0].append(token)
-        pieces.append(engine._token_event(0, token, generated, texts, final=i == len(ids) - 1).text)
+    decoded: list[int] = []
+    tokenizer = engine.tokenizer
+
+    class Counting:
+        def decode(self, part, **kwargs):
+            decoded.append(len(part))
+            return tokenizer.decode(part, **kwargs)
+
+    stream = TextStream(Counting())
+    pieces = [stream.piece(ids[: i + 1], final=i == len(ids) - 1) for i in range(len(ids))]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+    assert max(decoded) <= 8  # a few tokens of context, however long the text

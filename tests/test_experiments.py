@@ -64,10 +64,10 @@ def test_tiny_sweep_end_to_end(tmp_path, checkpoint_factory, tiny_tokenizer_dir)
     assert all(r["status"] == "ok" for r in rows)
     for row in rows:
         assert row["hits"] + row["misses"] == row["expert_uses"] > 0
-        assert row["bytes_h2d"] == (row["misses"] + row["prefetch_issued"]) * row["expert_bytes"]
+        assert row["bytes_h2d"] == row["zero_copy_bytes"] + row["fill_bytes"]
         assert row["git_commit"] is not None and row["torch"]
     oracle = [r for r in rows if r["predictor"] == "oracle"]
-    assert all(r["prediction_recall"] == 1.0 for r in oracle)
+    assert all(r["prediction_recall_main_layers"] == 1.0 for r in oracle)
 
     # a point that fails is recorded and the sweep goes on; earlier rows stay
     bad = command[:3] + ["model=custom", f"model.path={model}", "cache.slots=1,16", "predictor=none",
@@ -91,18 +91,17 @@ def test_tiny_sweep_end_to_end(tmp_path, checkpoint_factory, tiny_tokenizer_dir)
 
 
 def test_merge_stats_sums_counters_exactly():
-    sys.path.insert(0, str(ROOT / "experiments"))
-    from sweep import merge_stats
+    from moeprefetch.accounting import LayerCounters, Stats, merge_stats
 
-    def run(uses, hits, truth, correct, predicted):
-        return {"expert_uses": uses, "hits": hits, "misses": uses - hits, "bytes_h2d": 10 * (uses - hits),
-                "evictions": 0, "prefetch_issued": 0, "prefetch_useful": 0, "prefetch_late": 0, "prefetch_wasted": 0,
-                "predicted": predicted, "truth": truth, "predicted_correct": correct, "decode_tokens_per_s": 1.0,
-                "per_layer": {"1": {"expert_uses": uses, "hits": hits, "misses": uses - hits, "truth": truth,
-                                    "predicted": predicted, "predicted_correct": correct}}}
+    def run(uses, hits, truth, correct, predicted, seconds, tokens):
+        layer = LayerCounters(uses=uses, hit=hits, miss=uses - hits, zero_copy=uses - hits, truth=truth,
+                              predicted=predicted, predicted_correct=correct, record_bytes=10)
+        return Stats(per_layer={1: layer}, decode_per_layer={1: layer}, main_layers=(1,), decode_seconds=seconds,
+                     generated_tokens=tokens + 1, sequences=1)
 
-    merged = merge_stats([run(10, 5, 8, 4, 8), run(30, 27, 20, 18, 24)])
+    merged = merge_stats([run(10, 5, 8, 4, 8, 1.0, 10), run(30, 27, 20, 18, 24, 3.0, 30)]).to_dict()
     assert merged["hit_rate"] == pytest.approx(32 / 40)
-    assert merged["prediction_recall"] == pytest.approx(22 / 28)
-    assert merged["prediction_precision"] == pytest.approx(22 / 32)
+    assert merged["prediction_recall_main_layers"] == pytest.approx(22 / 28)
+    assert merged["prediction_precision_main_layers"] == pytest.approx(22 / 32)
     assert merged["per_layer"]["1"]["hit_rate"] == pytest.approx(32 / 40)
+    assert merged["bytes_h2d"] == 80 and merged["ms_per_token"] == pytest.approx(100.0)

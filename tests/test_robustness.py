@@ -59,7 +59,7 @@ def test_bad_request_then_the_same_engine_serves(engine, expected, kwargs, messa
     with pytest.raises(RequestError, match=message):
         engine.generate(request.pop("prompts"), **request)
     assert engine.generate([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False).sequences == expected
-    assert not engine.runtime.cache.locked
+    assert not engine.residency.problems()
 
 
 @pytest.mark.parametrize(
@@ -67,7 +67,7 @@ def test_bad_request_then_the_same_engine_serves(engine, expected, kwargs, messa
     [
         (dict(policy="fifo"), RequestError, "unknown cache policy 'fifo'"),
         (dict(expert_cache_slots=1), RequestError, "cannot hold one layer's working set"),
-        (dict(expert_cache_slots=4, vram_budget="1GiB"), RequestError, "either expert_cache_slots or vram_budget"),
+        (dict(expert_cache_slots=4, vram_budget="1GiB"), RequestError, "expert_cache_slots or vram_budget, not both"),
         (dict(vram_budget="12 parsecs"), RequestError, "cannot read memory size"),
         (dict(vram_budget="1KiB"), RequestError, "cannot hold one layer's working set"),
         (dict(predictor="oracle+oracle"), RequestError, "names a component twice"),
@@ -89,11 +89,16 @@ def test_cuda_requested_without_cuda(checkpoint_factory):
         MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), device="cuda", progress=False)
 
 
-def test_batch_larger_than_the_cache_working_set(checkpoint_factory):
-    engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False, expert_cache_slots=3)
-    with pytest.raises(RequestError, match="cannot hold one decode step's working set of 4 experts"):
-        engine.generate([[3, 4], [5, 6]], max_new_tokens=4)
-    assert len(engine.generate([[3, 4]], max_new_tokens=4).sequences[0]) >= 1
+def test_a_batch_larger_than_the_cache_reads_what_does_not_fit_from_host(checkpoint_factory):
+    """With zero-copy reads no batch is too large for the cache: what finds no slot is read from host memory."""
+    path = checkpoint_factory("v3")
+    prompts = [[3, 4], [5, 6], [7, 8], [9, 10]]
+    expected = MoEPrefetchEngine.from_pretrained(path, progress=False).generate(prompts, max_new_tokens=5,
+                                                                                stop_at_eos=False).sequences
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=2, max_batch_size=4)
+    result = engine.generate(prompts, max_new_tokens=5, stop_at_eos=False)
+    assert result.sequences == expected
+    assert result.stats.to_dict()["zero_copy_bytes"] > 0
 
 
 def test_cli_bad_arguments_exit_without_traceback(checkpoint_factory, capsys):
@@ -141,19 +146,19 @@ def test_out_of_memory_during_a_step_leaves_the_engine_usable(checkpoint_factory
     from moeprefetch import decode
 
     calls = {"n": 0}
-    original = decode.DecodeStep._experts
+    original = decode.DecodeStep._routed
 
-    def failing(self, lw):
+    def failing(self, *args):
         calls["n"] += 1
         if calls["n"] == 3:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return original(self, lw)
+        return original(self, *args)
 
-    monkeypatch.setattr(decode.DecodeStep, "_experts", failing)
+    monkeypatch.setattr(decode.DecodeStep, "_routed", failing)
     with pytest.raises(ResourceError, match="ran out of memory during generation"):
         engine.generate([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False)
-    monkeypatch.setattr(decode.DecodeStep, "_experts", original)
-    assert not engine.runtime.cache.locked and not engine.runtime._pending_release
+    monkeypatch.setattr(decode.DecodeStep, "_routed", original)
+    assert not engine.residency.problems()
     assert engine.generate([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False).sequences == expected
 
 
@@ -171,10 +176,7 @@ def test_ctrl_c_returns_the_tokens_so_far_and_leaves_a_consistent_cache(checkpoi
                              callback=interrupt_after_five)
     assert result.interrupted and result.finish_reasons == ["interrupted"]
     assert result.sequences[0] == full[: len(result.sequences[0])] and 5 <= len(result.sequences[0]) < 12
-    runtime = engine.runtime
-    assert not runtime.cache.locked and not runtime._pending_release and not runtime._prefetched_unused
-    assert len(runtime.cache.slot_of) <= runtime.n_slots
-    assert all(runtime.cache.key_of[s] == k for k, s in runtime.cache.slot_of.items())
+    assert not engine.residency.problems()
     again = engine.generate([[3, 4, 5]], max_new_tokens=12, stop_at_eos=False, predictor="mtp").sequences[0]
     assert again == full
 
@@ -184,7 +186,7 @@ def test_ctrl_c_from_the_streaming_iterator_consumer_stops_cleanly(checkpoint_fa
     stream = engine.stream([[3, 4, 5]], max_new_tokens=12, stop_at_eos=False)
     next(stream), next(stream)
     stream.close()  # the consumer walks away mid-generation
-    assert not engine.runtime.cache.locked
+    assert not engine.residency.problems()
     assert len(engine.generate([[3, 4, 5]], max_new_tokens=4).sequences[0]) >= 1
 
 
@@ -214,7 +216,7 @@ def test_thousands_of_decode_steps_and_many_calls_keep_memory_flat(checkpoint_fa
     after_many = _rss_mib()
     assert after_long - before < 64, (before, after_long)
     assert after_many - after_long < 64, (after_long, after_many)
-    assert len(engine.runtime.use_counts) <= engine.plan.total_experts
+    assert len(engine.routing_profile) <= engine.plan.total_experts
 
 
 # ---- regressions found in review ----------------------------------------------------------------------------------
@@ -271,7 +273,8 @@ def test_more_bad_options(checkpoint_factory, engine, tmp_path):
                                           hot_set=[(0, 1)])  # layer 0 is dense
     static = MoEPrefetchEngine.from_pretrained(path, progress=False, policy="static", expert_cache_slots=8,
                                                hot_set=[[1, 2], [2, 3]])  # JSON-style lists are fine
-    assert static.runtime.cache.pinned == {(1, 2), (2, 3)}
+    pinned = static.residency.st.pinned.nonzero().flatten().tolist()
+    assert pinned == [static.residency.key(1, 2), static.residency.key(2, 3)]
     with pytest.raises(RequestError, match="share must be a number"):
         static.set_hot_set_from_profile(share=None)
     with pytest.raises(RequestError, match="event_log .* cannot be written"):

@@ -25,10 +25,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def kernels_usable(device_type: str) -> bool:
-    """Whether the Triton kernels run for tensors on this device type (CUDA, or the CPU under the interpreter)."""
-    if not HAS_TRITON:
-        return False
-    return device_type == "cuda" or (device_type == "cpu" and INTERPRET)
+    """Whether the engine runs the Triton kernels on this device type: on CUDA. On the CPU the engine runs the
+    references (the interpreter is for testing the kernels' logic, and far too slow to serve)."""
+    return HAS_TRITON and device_type == "cuda" and not INTERPRET
 
 
 class Launch:

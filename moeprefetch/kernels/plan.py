@@ -116,6 +116,33 @@ if HAS_TRITON:
         tl.store(prefetched_at + v, -1, mask=on)
 
     @triton.jit
+    def _window_cells(position, step, dstep, pred, slot_of, P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr,
+                      E_PAD: tl.constexpr, R: tl.constexpr, ROWS_PAD: tl.constexpr, MIN_CONF: tl.constexpr):
+        """The prediction window after `position` as a [rows, experts] block: rows (rest of this step, then the
+        next step) in deadline order."""
+        rows = tl.arange(0, ROWS_PAD)
+        off = rows // P_MAIN
+        q = rows % P_MAIN
+        row_ok = (rows < 2 * P_MAIN) & ((off == 1) | (q > position)) & ((off == 0) | (R > 1))
+        ring_row = (dstep + off) % R
+        deadline = 2 * ((step + off) * P + q)
+        e2 = tl.arange(0, E_PAD)
+        cell_ok = row_ok[:, None] & (e2[None, :] < E)
+        conf = tl.load(pred + (ring_row[:, None] * P + q[:, None]) * E + e2[None, :], mask=cell_ok, other=0.0)
+        cand = cell_ok & (conf > 0) & (conf >= MIN_CONF)
+        rkey = q[:, None] * E + e2[None, :]
+        rslot = tl.load(slot_of + rkey, mask=cand, other=-1)
+        return rows, off, q, row_ok, ring_row, deadline, e2, cell_ok, cand, rkey, rslot
+
+    @triton.jit
+    def _protect_window(position, step, dstep, pred, slot_of, protect, P: tl.constexpr, P_MAIN: tl.constexpr,
+                        E: tl.constexpr, E_PAD: tl.constexpr, R: tl.constexpr, ROWS_PAD: tl.constexpr,
+                        MIN_CONF: tl.constexpr):
+        rows, off, q, row_ok, ring_row, deadline, e2, cell_ok, cand, rkey, rslot = _window_cells(
+            position, step, dstep, pred, slot_of, P, P_MAIN, E, E_PAD, R, ROWS_PAD, MIN_CONF)
+        tl.atomic_max(protect + rslot, deadline[:, None] + e2[None, :] * 0, mask=cand & (rslot >= 0))
+
+    @triton.jit
     def _plan_kernel(
         # inputs of the layer
         ids_x, act_x, ids_s, act_s, nx, ns, position,
@@ -184,6 +211,12 @@ if HAS_TRITON:
         _bump(counters, position, 9, tl.sum(tl.where(was_prefetch, now - made, 0), axis=0), NC)  # lead_sum
         tl.debug_barrier()
 
+        # ---- live predictions protect their resident experts before any victim is chosen ----
+        if RESERVE:
+            _protect_window(position, step, dstep, pred, slot_of, protect, P, P_MAIN, E, E_PAD, R, ROWS_PAD,
+                            MIN_CONF)
+            tl.debug_barrier()
+
         # ---- admissions: victims for the misses ----
         n_miss = _count(miss)
         taken = _pop_victims(n_miss, now, step_base, victims, cursor_ptr, key_of, slot_state, protect, last_use,
@@ -242,18 +275,8 @@ if HAS_TRITON:
 
         # ---- prefetch reservation over the prediction window ----
         if RESERVE:
-            rows = tl.arange(0, ROWS_PAD)
-            off = rows // P_MAIN
-            q = rows % P_MAIN
-            row_ok = (rows < 2 * P_MAIN) & ((off == 1) | (q > position)) & ((off == 0) | (R > 1))
-            ring_row = (dstep + off) % R
-            deadline = 2 * ((step + off) * P + q)
-            e2 = tl.arange(0, E_PAD)
-            cell_ok = row_ok[:, None] & (e2[None, :] < E)
-            conf = tl.load(pred + (ring_row[:, None] * P + q[:, None]) * E + e2[None, :], mask=cell_ok, other=0.0)
-            cand = cell_ok & (conf > 0) & (conf >= MIN_CONF)
-            rkey = q[:, None] * E + e2[None, :]
-            rslot = tl.load(slot_of + rkey, mask=cand, other=-1)
+            rows, off, q, row_ok, ring_row, deadline, e2, cell_ok, cand, rkey, rslot = _window_cells(
+                position, step, dstep, pred, slot_of, P, P_MAIN, E, E_PAD, R, ROWS_PAD, MIN_CONF)
             resident = cand & (rslot >= 0)
             tl.atomic_max(protect + rslot, deadline[:, None] + e2[None, :] * 0, mask=resident)
             rinfl = tl.load(inflight_of + rkey, mask=cand, other=0)

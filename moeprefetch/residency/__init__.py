@@ -29,7 +29,7 @@ from ..model import combine_expert_outputs
 from ..store import HostExpertStore
 from ..transfer import SideStream
 from .plan import finish_call, victim_order
-from .state import C, COUNTERS, RESIDENT, ResidencyConfig, TableState
+from .state import C, COUNTERS, E_FREE, FILLING, NO_ENTRY, RESIDENT, ResidencyConfig, TableState
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,12 @@ class Residency:
         self.trace: torch.Tensor | None = None  # [steps, P, E] uint8 while recording an oracle trace
         self._staging = torch.empty((2, fmt.record_bytes), dtype=torch.uint8, device=device)
         self._staged = 0
+        # fixed buffers of the host-side plans (the step start's own plan, prefill plans)
+        i32 = torch.int32
+        self._no_rows = torch.zeros(0, top_k, dtype=torch.int64, device=device)
+        self._no_act = torch.zeros(0, dtype=torch.bool, device=device)
+        self._no_assign = torch.zeros(0, top_k, dtype=i32, device=device)
+        self._host_plan = PlanBuffers(n_experts, self.max_experts, 1, 1, device)
         self.act_name = hidden_act
         self.experts = RoutedExperts(fmt, self.pool, self.host, hidden_act, self.act, self.max_rows, top_k,
                                      self.use_kernels)
@@ -146,8 +152,9 @@ class Residency:
 
     def plan_step(self) -> None:
         """The step start's own plan: prefetch reservations for targets known before the first layer runs."""
-        self.planner(-1, self._no_rows, self._no_act, None, None, self._no_assign, self._u_key_scratch,
-                     self._u_slot_scratch, self._u_dst_scratch, reserve=True, count_recall=False)
+        out = self._host_plan
+        self.planner(-1, self._no_rows, self._no_act, None, None, self._no_assign, out.u_key, out.u_slot, out.u_dst,
+                     reserve=True, count_recall=False)
         self.fill(-1)
 
     def fill(self, position: int) -> None:
@@ -171,36 +178,6 @@ class Residency:
             torch.cuda.synchronize(self.device)
         finish_call(self.st, self.cfg)
         self.reset()
-
-    @property
-    def _no_rows(self) -> torch.Tensor:
-        return self._scratch("no_rows", lambda: torch.zeros(0, self.top_k, dtype=torch.int64, device=self.device))
-
-    @property
-    def _no_act(self) -> torch.Tensor:
-        return self._scratch("no_act", lambda: torch.zeros(0, dtype=torch.bool, device=self.device))
-
-    @property
-    def _no_assign(self) -> torch.Tensor:
-        return self._scratch("no_assign", lambda: torch.zeros(0, self.top_k, dtype=torch.int32, device=self.device))
-
-    @property
-    def _u_key_scratch(self) -> torch.Tensor:
-        return self._scratch("u_key", lambda: torch.zeros(self.max_experts, dtype=torch.int32, device=self.device))
-
-    @property
-    def _u_slot_scratch(self) -> torch.Tensor:
-        return self._scratch("u_slot", lambda: torch.zeros(self.max_experts, dtype=torch.int32, device=self.device))
-
-    @property
-    def _u_dst_scratch(self) -> torch.Tensor:
-        return self._scratch("u_dst", lambda: torch.zeros(self.max_experts, dtype=torch.int32, device=self.device))
-
-    def _scratch(self, name: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        cache = self.__dict__.setdefault("_scratches", {})
-        if name not in cache:
-            cache[name] = make()
-        return cache[name]
 
     # ---- decode: one MoE layer inside the step's graph ----------------------------------------------------------
     def decode_experts(self, layer: int, x: torch.Tensor, ids_x: torch.Tensor, act_x: torch.Tensor,
@@ -228,20 +205,18 @@ class Residency:
         distinct = sorted(set(ids_host.flatten().tolist()))
         exact = torch.tensor(distinct, dtype=torch.int64, device=self.device)[:, None]
         d = len(distinct)
-        u_key, u_slot, u_dst = self._u_key_scratch, self._u_slot_scratch, self._u_dst_scratch
-        assign = self._scratch("prefill_assign",
-                               lambda: torch.zeros(self.n_experts, 1, dtype=torch.int32, device=self.device))
+        out = self._host_plan
         self.prefill_planner(position, exact, torch.ones(d, dtype=torch.bool, device=self.device), None, None,
-                             assign[:d], u_key, u_slot, u_dst, reserve=False, count_recall=False, trace=None)
-        slots, dsts = u_slot[:d].tolist(), u_dst[:d].tolist()
-        out = torch.zeros((x.shape[0], ids.shape[1], x.shape[1]), dtype=x.dtype, device=x.device)
+                             out.assign[:d], out.u_key, out.u_slot, out.u_dst, reserve=False, count_recall=False)
+        slots, dsts = out.u_slot[:d].tolist(), out.u_dst[:d].tolist()
+        products = torch.zeros((x.shape[0], ids.shape[1], x.shape[1]), dtype=x.dtype, device=x.device)
         for u, expert in enumerate(distinct):
             record = self._prefill_record(position * self.n_experts + expert, slots[u], dsts[u])
             gate_up, down = self.fmt.dequantize(record.view(1, -1))
             rows, kpos = torch.nonzero(ids_host == expert, as_tuple=True)
             rows_d, kpos_d = rows.to(self.device), kpos.to(self.device)
-            out[rows_d, kpos_d] = expert_ffn(x[rows_d], gate_up[0], down[0], self.act).to(out.dtype)
-        return combine_expert_outputs(out, weights, None)
+            products[rows_d, kpos_d] = expert_ffn(x[rows_d], gate_up[0], down[0], self.act).to(products.dtype)
+        return combine_expert_outputs(products, weights, None)
 
     def _prefill_record(self, key: int, slot: int, admit: int) -> torch.Tensor:
         """The VRAM bytes of an expert for prefill: its slot, its admission slot (copied in now) or staging."""
@@ -279,6 +254,25 @@ class Residency:
                 self.pool[slot].copy_(self.host[key], non_blocking=True)  # type: ignore[index]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def problems(self) -> list[str]:
+        """Invariants of a table between calls (empty when consistent); for tests and debugging."""
+        st = self.st
+        slot_of, key_of, state = st.slot_of.tolist(), st.key_of.tolist(), st.slot_state.tolist()
+        found = []
+        for key, slot in enumerate(slot_of):
+            if slot >= 0 and (key_of[slot] != key or state[slot] != RESIDENT):
+                found.append(f"key {key} lists slot {slot}, which holds key {key_of[slot]} in state {state[slot]}")
+        for slot, key in enumerate(key_of):
+            if state[slot] == RESIDENT and (key < 0 or slot_of[key] != slot):
+                found.append(f"resident slot {slot} holds key {key}, which is not published there")
+            if state[slot] == FILLING:
+                found.append(f"slot {slot} is still filling between calls")
+        if any(s != E_FREE for s in st.e_state.tolist()):
+            found.append("fill entries are still in use between calls")
+        if any(k >= 0 for k in st.adm_key.tolist()) or any(i != NO_ENTRY for i in st.inflight_of.tolist()):
+            found.append("admissions or fills are still pending between calls")
+        return found
 
     def resident_keys(self) -> list[tuple[int, int]]:
         """(layer, expert) of every resident slot (one read of the table)."""

@@ -174,6 +174,8 @@ def plan_layer(
             t.bump(position, "miss")
             t.bump(position, "zero_copy")
             misses.append(u)
+    if reserve:  # live predictions protect their experts before any victim is chosen
+        _window(t, cfg, position, step, dstep)
     for u, slot in zip(misses, _pop_victims(t, len(misses), now, step_base)):
         _evict(t, cfg, slot)
         key = keys[u]
@@ -229,9 +231,11 @@ def _shadow_rows(t: _Lists, key_base: int, rows: list[list[int]], active: list[b
             out_assign[offset + r][j] = extra[e]
 
 
-def _reserve(t: _Lists, cfg: ResidencyConfig, position: int, now: int, step_base: int, step: int,
-             dstep: int) -> None:
-    """Prefetch reservation over the targets after `position`: the rest of this step, then the next step."""
+def _window(t: _Lists, cfg: ResidencyConfig, position: int, step: int,
+            dstep: int) -> list[tuple[int, int, int, int]]:
+    """The prediction window after `position` (the rest of this step, then the next step), in deadline order:
+    protects every predicted expert that is resident until its need, and returns the ones to fetch as
+    (ring row, position, key, deadline), each key once (its earliest need)."""
     e_count, p_count = cfg.n_experts, cfg.positions
     candidates: list[tuple[int, int, int, int]] = []  # (ring row, position, key, deadline) in deadline order
     seen: set[int] = set()
@@ -252,6 +256,14 @@ def _reserve(t: _Lists, cfg: ResidencyConfig, position: int, now: int, step_base
                 elif t.inflight_of[key] == NO_ENTRY and key not in seen:
                     seen.add(key)
                     candidates.append((ring_row, q, key, deadline))
+    return candidates
+
+
+def _reserve(t: _Lists, cfg: ResidencyConfig, position: int, now: int, step_base: int, step: int,
+             dstep: int) -> None:
+    """Prefetch reservation: fills for the window's missing experts, within the per-target budget and the cap on
+    fills in flight, victims permitting."""
+    candidates = _window(t, cfg, position, step, dstep)
     per_row: dict[tuple[int, int], int] = {}
     chosen = []
     for ring_row, q, key, deadline in candidates:

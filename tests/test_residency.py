@@ -1,0 +1,186 @@
+"""residency/: the table's rules, on the reference plans (which the kernels are tested against in test_kernels.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from moeprefetch.residency.plan import finish_call, plan_layer, step_start
+from moeprefetch.residency.state import C, E_ACTIVE, FILLING, RESIDENT, ResidencyConfig, TableState
+
+
+class Table:
+    """A small table driven plan by plan: P positions (the last is the MTP layer), E experts, S slots, top-k 2."""
+
+    def __init__(self, slots: int = 4, experts: int = 8, positions: int = 3, policy: str = "lru", **cfg):
+        self.cfg = ResidencyConfig(positions=positions, main_positions=positions - 1, n_experts=experts,
+                                   n_slots=slots, record_bytes=64, chunk_bytes=64, entries=16, policy=policy, **cfg)
+        self.st = TableState.allocate(self.cfg, 16, torch.device("cpu"))
+        self.k = 2
+
+    def start(self, decode: bool = True) -> None:
+        step_start(self.st, self.cfg, decode)
+
+    def plan(self, position: int, rows: list[list[int]], shadow: list[list[int]] | None = None,
+             reserve: bool = True) -> dict:
+        ids = torch.tensor(rows, dtype=torch.int64).view(-1, self.k)
+        sh = torch.tensor(shadow, dtype=torch.int64).view(-1, self.k) if shadow else None
+        n = ids.shape[0] + (sh.shape[0] if sh is not None else 0)
+        assign = torch.zeros(n, self.k, dtype=torch.int32)
+        u_key, u_slot, u_dst = (torch.zeros(16, dtype=torch.int32) for _ in range(3))
+        plan_layer(self.st, self.cfg, position, ids, torch.ones(ids.shape[0], dtype=torch.bool), sh,
+                   torch.ones(sh.shape[0], dtype=torch.bool) if sh is not None else None, assign, u_key, u_slot,
+                   u_dst, reserve=reserve, count_recall=True)
+        return dict(assign=assign.tolist(), key=u_key.tolist(), slot=u_slot.tolist(), dst=u_dst.tolist())
+
+    def predict(self, steps_ahead: int, position: int, experts: list[int], conf: float = 1.0) -> None:
+        row = (int(self.st.decode_step[0]) + steps_ahead) % self.cfg.ring
+        self.st.pred[row, position, experts] = conf
+
+    def land_fills(self) -> None:
+        """What the side stream does: copy every reserved fill (here: mark it ready)."""
+        active = self.st.e_state == E_ACTIVE
+        self.st.e_ready[active] = 1
+
+    def key(self, position: int, expert: int) -> int:
+        return position * self.cfg.n_experts + expert
+
+    def resident(self) -> set[int]:
+        return {k for k, s in enumerate(self.st.slot_of.tolist()) if s >= 0}
+
+    def count(self, name: str) -> int:
+        return int(self.st.counters[:, C[name]].sum())
+
+
+def test_a_miss_is_read_from_host_admitted_and_published_by_the_next_plan():
+    t = Table()
+    t.start()
+    out = t.plan(0, [[3, 5]])
+    assert out["slot"][:2] == [-1, -1] and out["key"][:2] == [3, 5] and out["assign"] == [[0, 1]]
+    assert sorted(out["dst"][:2]) == [0, 1]  # free slots first
+    assert t.resident() == set() and t.st.slot_state[out["dst"][0]] == FILLING
+    t.plan(1, [[1, 2]])  # publishes position 0's admissions before planning its own
+    assert {3, 5} <= t.resident()
+    assert t.count("miss") == 4 and t.count("admitted") == 4 and t.count("zero_copy") == 4
+
+
+def test_lru_evicts_the_least_recently_used_and_never_what_this_step_used():
+    t = Table(slots=4)
+    t.start()
+    t.plan(0, [[0, 1]])
+    t.start()
+    t.plan(0, [[2, 3]])
+    t.start()
+    t.plan(0, [[0, 1]])  # 0, 1 used again: 2, 3 are now least recent
+    out = t.plan(1, [[4, 5]])  # needs 2 victims: slots of 2 and 3, never 0 and 1 (used this step)
+    t.plan(1, [[6, 7]])  # publishes; no victim left this step: 6 and 7 are read from host, not admitted
+    assert t.resident() == {0, 1, t.key(1, 4), t.key(1, 5)}
+    assert t.count("evictions") == 2 and t.count("admitted") == 6
+
+
+def test_lfu_evicts_the_least_frequently_used():
+    t = Table(slots=3, policy="lfu")
+    for rows in ([[0, 1]], [[0, 1]], [[0, 2]]):
+        t.start()
+        t.plan(0, rows)
+    t.start()
+    t.plan(0, [[3, 4]])  # victims: 2 (one use) and 1 (two uses) before 0 (three uses)
+    t.start()
+    assert t.resident() == {0, 3, 4}
+
+
+def test_static_hot_set_is_never_evicted():
+    t = Table(slots=3, policy="static")
+    t.st.pinned[1] = 1
+    t.start()
+    t.plan(0, [[1, 2]])
+    for step in range(4):
+        t.start()
+        t.plan(0, [[3 + step, 0]])
+    t.start()
+    assert 1 in t.resident()
+
+
+def test_a_prediction_protects_a_resident_expert_until_its_need():
+    t = Table(slots=2)
+    t.start()
+    t.plan(0, [[0, 1]])
+    t.start()
+    t.predict(0, 1, [])  # nothing for this step
+    t.predict(1, 0, [0])  # expert 0 of position 0 is predicted for the next step
+    t.plan(0, [[4, 5]], reserve=True)  # protects expert 0; only expert 1's slot may be taken
+    assert t.count("admitted") == 3
+    t.start()
+    assert 0 in t.resident() and 1 not in t.resident()
+
+
+def test_predicted_experts_are_fetched_within_budget_and_used_in_time():
+    t = Table(slots=6, budget_per_target=2)
+    t.start()
+    t.plan(0, [[0, 1]])
+    t.start()
+    t.predict(0, 1, [2, 3, 4], conf=0.9)  # three guesses for position 1 this step, budget 2
+    t.plan(0, [[0, 1]])
+    assert t.count("prefetch_issued") == 2
+    t.land_fills()
+    t.plan(1, [[2, 3]])  # the fills are published, then used: prefetched (useful)
+    assert t.count("prefetched") == 2 and t.count("fills_done") == 2
+    assert t.count("predicted") == 3 and t.count("predicted_correct") == 2
+
+
+def test_low_confidence_predictions_are_neither_fetched_nor_counted():
+    t = Table(slots=6, min_confidence=0.5)
+    t.start()
+    t.predict(0, 1, [2], conf=0.9)
+    t.predict(0, 1, [3], conf=0.2)
+    t.plan(0, [[0, 1]])
+    t.plan(1, [[2, 3]])
+    assert t.count("prefetch_issued") == 1 and t.count("predicted") == 1
+
+
+def test_a_fill_still_in_flight_is_late_not_wasted():
+    t = Table(slots=6)
+    t.start()
+    t.predict(0, 1, [2])
+    t.plan(0, [[0, 1]])  # reserves the fill of (1, 2)
+    out = t.plan(1, [[2, 3]])  # the fill has not landed: read from host, counted late, and it is not admitted
+    assert out["slot"][0] == -1 and out["dst"][0] == -1
+    assert t.count("late") == 1
+    t.land_fills()
+    t.start()  # lands late: resident, but no unused prefetch
+    finish_call(t.st, t.cfg)
+    assert t.count("prefetch_wasted") == 0 and t.key(1, 2) in t.resident()
+
+
+def test_a_fill_whose_need_passed_is_released_and_wasted():
+    t = Table(slots=6)
+    t.start()
+    t.predict(0, 1, [2])
+    t.plan(0, [[0, 1]])
+    t.plan(1, [[4, 5]])  # the predicted expert was not needed; its fill never landed
+    t.start()
+    assert t.count("prefetch_wasted") == 1
+    assert all(s != FILLING for s in t.st.slot_state.tolist()) and int((t.st.e_state == E_ACTIVE).sum()) == 0
+
+
+def test_unused_prefetches_are_wasted_at_the_end_of_a_call():
+    t = Table(slots=6)
+    t.start()
+    t.predict(1, 1, [6])  # for the next step
+    t.plan(0, [[0, 1]])
+    t.land_fills()
+    t.plan(1, [[2, 3]])  # publishes the fill
+    finish_call(t.st, t.cfg)
+    assert t.count("prefetch_issued") == 1 and t.count("prefetch_wasted") == 1
+    assert int(t.st.slot_state.eq(RESIDENT).sum()) == len(t.resident())
+
+
+def test_shadow_rows_use_exact_experts_and_published_ones_only():
+    t = Table(slots=6)
+    t.start()
+    t.plan(0, [[6, 7]])
+    t.start()
+    out = t.plan(0, [[0, 1]], shadow=[[1, 6]])  # 1 is computed for the exact row; 6 is published
+    assert out["assign"][1] == [1, 2] and out["key"][2] == 6 and out["slot"][2] >= 0
+    out = t.plan(1, [[0, 1]], shadow=[[5, 4]])  # neither is available: the shadow row skips both
+    assert out["assign"][1] == [-1, -1]
+    assert t.count("uses") == 6  # shadow rows are never counted
