@@ -24,7 +24,6 @@ import argparse
 import gc
 import json
 import logging
-import math
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from moeprefetch import MoEPrefetchEngine  # noqa: E402
+from moeprefetch.analysis import belady_bytes_per_token  # noqa: E402
 from moeprefetch.checkpoint import CheckpointReader  # noqa: E402
 
 logger = logging.getLogger("bench_gpu")
@@ -333,43 +333,6 @@ def write_padded_reference(src: Path, out: Path, target_expert_bytes: int, seed:
 # ---- measurement --------------------------------------------------------------------------------------------------
 
 
-def belady_misses(uses: list[tuple[int, int]], slots: int, count_from: int) -> int:
-    """Misses of Belady's optimal replacement over a sequence of (layer, expert) uses, counting from `count_from`."""
-    next_use: list[int] = [0] * len(uses)
-    last: dict[tuple[int, int], int] = {}
-    for index in range(len(uses) - 1, -1, -1):
-        next_use[index] = last.get(uses[index], math.inf)  # type: ignore[arg-type]
-        last[uses[index]] = index
-    import heapq
-
-    resident: dict[tuple[int, int], float] = {}
-    heap: list[tuple[float, tuple[int, int]]] = []
-    misses = 0
-    for index, key in enumerate(uses):
-        upcoming = next_use[index]
-        if key in resident:
-            resident[key] = upcoming
-            heapq.heappush(heap, (-upcoming, key))
-            continue
-        if index >= count_from:
-            misses += 1
-        if len(resident) >= slots:
-            while True:
-                neg, victim = heapq.heappop(heap)
-                if resident.get(victim) == -neg:
-                    del resident[victim]
-                    break
-        resident[key] = upcoming
-        heapq.heappush(heap, (-upcoming, key))
-    return misses
-
-
-def trace_uses(trace: dict[tuple[int, int], list[int]], positions: dict[int, int]) -> list[tuple[tuple[int, int], int]]:
-    """Flatten a recorded routing trace into ((layer, expert), step) uses in execution order."""
-    ordered = sorted(trace, key=lambda key: (key[0], positions[key[1]]))
-    return [((layer, e), step) for step, layer in ordered for e in trace[(step, layer)]]
-
-
 def rss_gib() -> float:
     try:
         for line in open("/proc/self/status"):
@@ -397,7 +360,7 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
         result = engine.generate([prompts[run % len(prompts)]], max_new_tokens=new_tokens, **kwargs)
         results.append(result.stats.to_dict())
         sequences.append(result.sequences[0])
-    med = lambda key: statistics.median(r[key] or 0.0 for r in results)  # noqa: E731
+    med = lambda key: statistics.median(r.get(key) or 0.0 for r in results)  # noqa: E731
     decode_tokens = statistics.median(r["generated_tokens"] - 1 for r in results)
     row = {
         "system": system,
@@ -411,96 +374,102 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
         "decode_tokens_per_s": med("decode_tokens_per_s"),
         "prefill_tokens_per_s": med("prefill_tokens_per_s"),
         "hit_rate": med("hit_rate"),
-        "misses_per_token": med("misses") / max(decode_tokens, 1),
-        "stall_ms_per_token": med("stall_ms_per_token"),  # decode stall only
-        "h2d_gbps": statistics.median(
-            (r["bytes_h2d"] / 1e9) / max(r["decode_seconds"] + r["prefill_seconds"], 1e-9) for r in results),
+        "decode_hit_rate": med("decode_hit_rate"),
+        "misses_per_token": med("decode_misses_per_token"),
+        "syncs_per_token": med("syncs_per_token"),
+        "decode_bytes_h2d_per_token": med("decode_bytes_h2d_per_token"),
+        "zero_copy_bytes_per_token": med("zero_copy_bytes_per_token"),
+        "fill_bytes_per_token": med("fill_bytes_per_token"),
+        "decode_h2d_gbps": statistics.median(
+            r["decode_bytes_h2d_per_token"] / max(r["ms_per_token"], 1e-9) / 1e6 for r in results),
         "bytes_h2d_per_token": med("bytes_h2d") / max(decode_tokens, 1),
-        "prediction_recall": med("prediction_recall"),
-        "prediction_precision": med("prediction_precision"),
+        "prediction_recall": med("prediction_recall_main_layers"),
+        "prediction_precision": med("prediction_precision_main_layers"),
+        "prefetch_waste": med("prefetch_waste"),
         "prefetch_issued": med("prefetch_issued"),
         "prefetch_useful": med("prefetch_useful"),
         "prefetch_late": med("prefetch_late"),
         "prefetch_wasted": med("prefetch_wasted"),
         "draft_acceptance": med("draft_acceptance") if speculative else None,
         "mtp_draft_accuracy": med("mtp_draft_accuracy"),
-        "cache_slots": engine.runtime.n_slots,
+        "cache_slots": engine.residency.n_slots,
         "peak_vram_gib": torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None,
         "host_ram_gib": rss_gib(),
         "host_pinned_gib": engine.memory_stats()["host_pinned_bytes"] / GiB,
-        "cuda_graphs": engine._graphs.enabled and not engine._graphs.failed,
+        "cuda_graphs": bool(engine._steps) and all(step.captured for step in engine._steps.values()),
         "sequences": sequences,
     }
     return row
 
 
-def profile_split(engine: MoEPrefetchEngine, prompt: list[int], new_tokens: int, predictor: str) -> dict[str, float]:
-    """Per-token time split (ms) of an eager decode: attention, routing, expert compute, dense/shared, host hooks.
+KERNEL_GROUPS = (("plan", ("_plan_kernel", "_step_start_kernel")), ("experts", ("_gate_up_kernel", "_down_kernel",
+                                                                                  "_combine_kernel")),
+                 ("fill", ("_fill_kernel",)))
 
-    Device time of each op is taken with CUDA events around it; host hooks (routing read-back, cache planning,
-    waiting for copies) with the wall clock. Graphs are off for this run, so the totals exceed the graph run's."""
-    from moeprefetch import decode as decode_module
 
-    totals: dict[str, float] = {}
-    events: list[tuple[str, Any, Any]] = []
-    cuda = engine.device.type == "cuda"
+def timeline(engine: MoEPrefetchEngine, prompt: list[int], new_tokens: int, predictor: str) -> dict[str, Any]:
+    """Where a decode token's time goes, from a CUDA trace of the replayed step graphs (torch.profiler/CUPTI).
 
-    def timed(name: str, fn: Callable) -> Callable:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                out = fn(*args, **kwargs)
-                end.record()
-                events.append((name, start, end))
-                return out
-            t = time.perf_counter()
-            out = fn(*args, **kwargs)
-            totals[name] = totals.get(name, 0.0) + time.perf_counter() - t
-            return out
+    Per decode token (ms): wall time; busy time of the main stream; the plan, routed-expert and other kernels on it;
+    fill kernels on the side stream, and how much of them overlapped main-stream work. Also the kernel list of one
+    step (start offset and duration in microseconds, stream) for a picture of a single token."""
+    from torch.profiler import ProfilerActivity, profile
 
-        return run
-
-    def host_timed(name: str, fn: Callable) -> Callable:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            out = fn(*args, **kwargs)
-            totals[name] = totals.get(name, 0.0) + time.perf_counter() - t
-            return out
-
-        return run
-
-    saved = engine._graphs.enabled
-    engine._graphs.enabled = False
-    originals = {name: getattr(decode_module.DecodeStep, name) for name in
-                 ("_attention", "_route", "_experts", "_dense", "_head", "_hook")}
-    try:
-        decode_module.DecodeStep._attention = timed("attention", originals["_attention"])
-        decode_module.DecodeStep._route = timed("routing", originals["_route"])
-        decode_module.DecodeStep._experts = timed("experts", originals["_experts"])
-        decode_module.DecodeStep._dense = timed("dense", originals["_dense"])
-        decode_module.DecodeStep._head = timed("head", originals["_head"])
-        decode_module.DecodeStep._hook = host_timed("host_hook", originals["_hook"])
-        engine._steps.clear()
-        engine._graphs.clear()
-        engine.reset_expert_cache()
+    engine.reset_expert_cache()
+    engine.generate([prompt], max_new_tokens=min(8, new_tokens), predictor=predictor, stop_at_eos=False)
+    engine.reset_expert_cache()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         result = engine.generate([prompt], max_new_tokens=new_tokens, predictor=predictor, stop_at_eos=False)
-    finally:
-        for name, fn in originals.items():
-            setattr(decode_module.DecodeStep, name, fn)
-        engine._graphs.enabled = saved
-        engine._steps.clear()
-        engine._graphs.clear()
-    if cuda:
-        torch.cuda.synchronize()
-        for name, start, end in events:
-            totals[name] = totals.get(name, 0.0) + start.elapsed_time(end) / 1000
-    stats = result.stats.to_dict()
-    tokens = max(stats["generated_tokens"] - 1, 1)
-    split = {f"{k}_ms_per_token": 1000 * v / tokens for k, v in totals.items()}
-    split["stall_ms_per_token"] = 1000 * stats["stall_seconds"] / tokens
-    split["eager_ms_per_token"] = stats["ms_per_token"]
-    return split
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() >= 0]
+    if not kernels:
+        return {"timeline_error": "the profiler recorded no kernels"}
+    steps = [e for e in kernels if e.name.startswith("_step_start_kernel")]
+    decode_start = steps[-result.stats.decode_steps].time_range.start if result.stats.decode_steps else 0
+    decode = [e for e in kernels if e.time_range.start >= decode_start]
+    fill_streams = {getattr(e, "device_resource_id", None) for e in decode if e.name.startswith("_fill_kernel")}
+
+    def group(name: str) -> str:
+        for label, prefixes in KERNEL_GROUPS:
+            if name.startswith(prefixes):
+                return label
+        return "other"
+
+    tokens = max(result.stats.decode_tokens, 1)
+    main = [e for e in decode if getattr(e, "device_resource_id", None) not in fill_streams or group(e.name) != "fill"]
+    side = [e for e in decode if group(e.name) == "fill"]
+    totals: dict[str, float] = {}
+    for e in main:
+        totals[group(e.name)] = totals.get(group(e.name), 0.0) + e.time_range.elapsed_us()
+    busy = _union([(e.time_range.start, e.time_range.end) for e in main])
+    fills = _union([(e.time_range.start, e.time_range.end) for e in side])
+    overlap = _intersection([(e.time_range.start, e.time_range.end) for e in main],
+                            [(e.time_range.start, e.time_range.end) for e in side])
+    last = max(e.time_range.end for e in decode)
+    out = {f"{k}_ms_per_token": v / 1000 / tokens for k, v in totals.items()}
+    out.update(wall_ms_per_token=(last - decode_start) / 1000 / tokens, main_busy_ms_per_token=busy / 1000 / tokens,
+               fill_ms_per_token=fills / 1000 / tokens, fill_overlapped_ms_per_token=overlap / 1000 / tokens,
+               decode_tokens=tokens, ms_per_token_untraced=result.stats.to_dict()["ms_per_token"])
+    if len(steps) >= 2:  # one whole step, for a picture
+        a, b = steps[-2].time_range.start, steps[-1].time_range.start
+        out["one_step"] = [(round(e.time_range.start - a, 1), round(e.time_range.elapsed_us(), 1), group(e.name),
+                            e.name[:40]) for e in decode if a <= e.time_range.start < b]
+    return out
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        if start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    return _union(a) + _union(b) - _union(a + b)
 
 
 def hf_accelerate_row(path: Path, budget_gib: float, prompt: list[int], new_tokens: int) -> dict[str, Any]:
@@ -540,11 +509,11 @@ def hf_accelerate_row(path: Path, budget_gib: float, prompt: list[int], new_toke
 
 
 def prompts_for(path: Path, corpus: Path | None, vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
-    if corpus is not None and (corpus / "eval_prompts.jsonl").is_file() and (path / "tokenizer.json").is_file():
+    if corpus is not None and corpus.is_file() and (path / "tokenizer.json").is_file():
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(path))
-        lines = [json.loads(line) for line in (corpus / "eval_prompts.jsonl").read_text().splitlines() if line.strip()]
+        lines = [json.loads(line) for line in corpus.read_text().splitlines() if line.strip()]
         step = max(len(lines) // count, 1)
         return [tokenizer(lines[i * step]["text"])["input_ids"] for i in range(count)]
     generator = torch.Generator().manual_seed(seed)
@@ -570,13 +539,13 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         row = run_row(engine, "all_resident", prompts, args.new_tokens, runs=args.runs)
         resident_ms = row["ms_per_token"]
         total_experts = engine.plan.total_experts
-        expert_bytes = engine.runtime.expert_bytes
+        expert_bytes = engine.residency.expert_bytes
         active = _active_bytes(engine)
         row.update(active_bytes_per_token=active, hbm_gbps=active / (resident_ms / 1000) / 1e9,
                    cache_fraction=1.0, expert_bytes=expert_bytes, total_experts=total_experts)
         emit({**base, **row, "vram_budget_gib": None})
         if args.profile:
-            emit({**base, "system": "all_resident_split", **profile_split(engine, prompts[0], args.new_tokens, "none")})
+            emit({**base, "system": "all_resident_timeline", **timeline(engine, prompts[0], args.new_tokens, "none")})
         reference_sequences = row["sequences"]
         engine.close()
         del engine
@@ -597,7 +566,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
             if total_experts else 40
     try:
         engine = MoEPrefetchEngine.from_pretrained(path, **offload_kwargs)
-        if engine.runtime.store is None:  # the budget holds every expert: offload a fixed share instead
+        if engine.residency.store is None:  # the budget holds every expert: offload a fixed share instead
             engine.close()
             offload_kwargs.pop("vram_budget", None)
             offload_kwargs["expert_cache_slots"] = max(int(round(args.cache_fraction * engine.plan.total_experts)), 8)
@@ -605,14 +574,15 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
     except Exception as exc:
         emit({**base, "system": "offload_load", "failed": f"{type(exc).__name__}: {exc}"})
         return
-    fraction = engine.runtime.n_slots / engine.plan.total_experts
+    store = engine.residency.store
+    fraction = engine.residency.n_slots / engine.plan.total_experts
     emit({**base, "system": "plan", "plan": engine.plan.describe(), "cache_fraction": fraction,
-          "cache_slots": engine.runtime.n_slots, "store_load_seconds": engine.runtime.store.load_seconds,
-          "pin_seconds": engine.runtime.store.pin_seconds, "host_expert_gib": engine.runtime.store.nbytes / GiB,
-          "host_pinned_gib": engine.runtime.store.pinned_bytes / GiB,
-          "store_fill_gbps": engine.runtime.store.nbytes / max(engine.runtime.store.load_seconds, 1e-9) / 1e9})
+          "cache_slots": engine.residency.n_slots, "store_load_seconds": store.load_seconds,
+          "pin_seconds": store.pin_seconds, "host_expert_gib": store.nbytes / GiB,
+          "host_pinned_gib": store.pinned_bytes / GiB,
+          "store_fill_gbps": store.nbytes / max(store.load_seconds, 1e-9) / 1e9})
     systems = [("none", "none", None, None), ("next_layer_gate", "next_layer_gate", None, None),
-               ("oracle", "oracle", None, args.new_tokens + 2)]  # the whole run: Belady within the trace
+               ("oracle", "oracle", None, args.oracle_lookahead)]
     if engine.has_mtp:
         systems += [("mtp", "mtp", None, None), ("mtp+next_layer_gate", "mtp+next_layer_gate", None, None),
                     ("mtp_router", "mtp_router", None, None),
@@ -633,33 +603,25 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
             emit({**base, "system": system, "failed": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc(limit=4)})
     if args.profile:
-        try:
-            emit({**base, "system": "offload_split_none", **profile_split(engine, prompts[0], args.new_tokens, "none")})
-            best = "mtp+next_layer_gate" if engine.has_mtp else "next_layer_gate"
-            emit({**base, "system": f"offload_split_{best}", **profile_split(engine, prompts[0], args.new_tokens, best)})
-        except Exception as exc:
-            emit({**base, "system": "offload_split", "failed": f"{type(exc).__name__}: {exc}"})
+        for predictor in ("none", "oracle", "mtp+next_layer_gate" if engine.has_mtp else "next_layer_gate"):
+            try:
+                emit({**base, "system": f"timeline_{predictor}",
+                      **timeline(engine, prompts[0], args.new_tokens, predictor)})
+            except Exception as exc:
+                emit({**base, "system": f"timeline_{predictor}", "failed": f"{type(exc).__name__}: {exc}",
+                      "traceback": traceback.format_exc(limit=4)})
     # the floor: Belady-optimal replacement on the true routing of the measured runs
     try:
         floors = []
         for prompt in prompts:
             engine.reset_expert_cache()
-            trace: dict = {}
-            engine.runtime.trace = trace
-            result = engine.generate([prompt], max_new_tokens=args.new_tokens, predictor="none", stop_at_eos=False)
-            engine.runtime.trace = None
-            positions = engine.runtime.position
-            uses = trace_uses(trace, positions)
-            first_decode = _first_decode_index(uses, trace, result)
-            misses = belady_misses([u for u, _ in uses], engine.runtime.n_slots, first_decode)
-            tokens = result.stats.generated_tokens - 1
-            floors.append(misses * engine.runtime.expert_bytes / max(tokens, 1))
+            floors.append(belady_bytes_per_token(engine, prompt, args.new_tokens))
         bytes_per_token = statistics.median(floors)
         transfer_ms = 1000 * bytes_per_token / (link.get("h2d_peak_gbps", float("nan")) * 1e9)
         floor = max(resident_ms or 0.0, transfer_ms)
         emit({**base, "system": "floor", "belady_bytes_per_token": bytes_per_token,
               "transfer_floor_ms_per_token": transfer_ms, "floor_ms_per_token": floor,
-              "h2d_peak_gbps": link.get("h2d_peak_gbps"), "cache_slots": engine.runtime.n_slots,
+              "h2d_peak_gbps": link.get("h2d_peak_gbps"), "cache_slots": engine.residency.n_slots,
               "cache_fraction": fraction})
     except Exception as exc:
         emit({**base, "system": "floor", "failed": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
@@ -674,9 +636,9 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
             for predictor in ("none", best):
                 row = run_row(quantized, f"{predictor}@{expert_dtype}", prompts, args.new_tokens, predictor=predictor,
                               runs=args.runs)
-                row.update(cache_fraction=quantized.runtime.n_slots / quantized.plan.total_experts,
-                           expert_bytes=quantized.runtime.expert_bytes,
-                           host_expert_gib=quantized.runtime.store.nbytes / GiB)
+                row.update(cache_fraction=quantized.residency.n_slots / quantized.plan.total_experts,
+                           expert_bytes=quantized.residency.expert_bytes,
+                           host_expert_gib=quantized.residency.store.nbytes / GiB)
                 if reference_sequences is not None:
                     row["same_tokens_as_all_resident"] = row["sequences"] == reference_sequences
                 emit({**base, **row})
@@ -694,17 +656,6 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         _free()
 
 
-def _first_decode_index(uses: list[tuple[tuple[int, int], int]], trace: dict, result) -> int:
-    """Index of the first use belonging to a decode step (decode steps follow every prefill step)."""
-    decode_steps = result.stats.decode_steps
-    steps = sorted({step for step, _ in trace})
-    first_step = steps[-decode_steps] if decode_steps else steps[-1] + 1
-    for index, (_, step) in enumerate(uses):
-        if step >= first_step:
-            return index
-    return len(uses)
-
-
 def _active_bytes(engine: MoEPrefetchEngine) -> int:
     """Bytes a decode step must read from device memory at batch 1: resident weights except the embedding table
     (one row is read), plus top-k routed experts per MoE layer."""
@@ -713,7 +664,7 @@ def _active_bytes(engine: MoEPrefetchEngine) -> int:
     resident = weights_nbytes(engine.weights) - engine.weights.embed.numel() * engine.weights.embed.element_size()
     if engine.weights.mtp is not None:
         resident -= weights_nbytes(engine.weights.mtp)  # the all-resident row runs no MTP head
-    experts = len(engine.args.moe_layers) * engine.args.num_experts_per_tok * engine.runtime.expert_bytes
+    experts = len(engine.args.moe_layers) * engine.args.num_experts_per_tok * engine.residency.expert_bytes
     return int(resident + experts)
 
 
@@ -730,7 +681,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--scale", choices=["full", "tiny"], default="full")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/moeprefetch-bench"))
-    parser.add_argument("--corpus", type=Path, default=ROOT / ".device-data/corpus")
+    parser.add_argument("--corpus", type=Path, default=ROOT / "experiments/prompts/heldout.jsonl",
+                        help="held-out prompts (JSON lines with 'text') for the reference model")
     parser.add_argument("--budget-gib", type=float, default=12.0)
     parser.add_argument("--cache-fraction", type=float, default=0.25, help="ref17: share of experts cached")
     parser.add_argument("--expert-mb", type=float, default=17.3, help="ref17: padded expert size (MB)")
@@ -739,6 +691,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--profile", action="store_true", help="also record per-op time splits (eager runs)")
+    parser.add_argument("--oracle-lookahead", type=int, default=2, help="decode steps the oracle prefetches ahead")
     parser.add_argument("--hf-baseline", action="store_true", help="v2lite: run transformers + accelerate offload")
     parser.add_argument("--hf-tokens", type=int, default=4)
     parser.add_argument("--systems", default="", help="only these rows (comma list; default all)")

@@ -77,6 +77,7 @@ class Residency:
         self.host = store.arena if store is not None else None
         self.side = SideStream(device)
         self.trace: torch.Tensor | None = None  # [steps, P, E] uint8 while recording an oracle trace
+        self.prefill_log: list[tuple[int, list[int]]] | None = None  # (layer, experts) of prefill, when recording
         self._staging = torch.empty((2, fmt.record_bytes), dtype=torch.uint8, device=device)
         self._staged = 0
         # fixed buffers of the host-side plans (the step start's own plan, prefill plans)
@@ -203,6 +204,8 @@ class Residency:
         position = self.position[layer]
         ids_host = ids.cpu()  # the layer's one host synchronisation
         distinct = sorted(set(ids_host.flatten().tolist()))
+        if self.prefill_log is not None:
+            self.prefill_log.append((layer, distinct))
         exact = torch.tensor(distinct, dtype=torch.int64, device=self.device)[:, None]
         d = len(distinct)
         out = self._host_plan

@@ -1,0 +1,88 @@
+"""Analysis of routing: record what a generation truly needs, and the least any cache of a given size must move.
+
+The transfer floor of a workload is what Belady's optimal replacement (evict the expert needed farthest in the
+future) must copy during decode, over the routing of the very same generation. The benchmark divides it by the
+measured link bandwidth; sweeps can use it as the bound any predictor and policy are measured against.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .engine import MoEPrefetchEngine
+
+ExpertKey = tuple[int, int]
+
+
+@dataclass
+class RoutingTrace:
+    """The (layer, expert) uses of one generation in execution order; decode uses start at `first_decode`."""
+
+    uses: list[ExpertKey]
+    first_decode: int
+    decode_tokens: int
+
+
+def record_routing(engine: "MoEPrefetchEngine", prompt: list[int], new_tokens: int) -> RoutingTrace:
+    """Greedy generation with reactive fetching, recording every layer's distinct experts (prefill on the host,
+    decode on the device: one read of the trace at the end)."""
+    from .session import Session
+
+    res = engine.residency
+    request = engine._request([prompt], new_tokens, 0.0, 0, 1.0, 0, "none", 1, None, False, None)
+    res.prefill_log = []
+    run = engine._run(Session(engine, request, record=True))
+    try:
+        while True:
+            next(run)
+    except StopIteration as stop:
+        result = stop.value
+    finally:
+        prefill, res.prefill_log = res.prefill_log or [], None
+    uses = [(layer, expert) for layer, experts in prefill for expert in experts]
+    first_decode = len(uses)
+    trace = engine._trace_buffer()[: result.stats.decode_steps].cpu()
+    for step in trace:
+        for position, layer in enumerate(res.layers):
+            uses += [(layer, int(e)) for e in step[position].nonzero().flatten().tolist()]
+    return RoutingTrace(uses, first_decode, result.stats.decode_tokens)
+
+
+def belady_misses(uses: list[ExpertKey], slots: int, count_from: int = 0) -> int:
+    """Misses of Belady's optimal replacement over a sequence of uses, counting from index `count_from`."""
+    next_use: list[float] = [0.0] * len(uses)
+    last: dict[ExpertKey, float] = {}
+    for index in range(len(uses) - 1, -1, -1):
+        next_use[index] = last.get(uses[index], math.inf)
+        last[uses[index]] = index
+    resident: dict[ExpertKey, float] = {}
+    heap: list[tuple[float, ExpertKey]] = []
+    misses = 0
+    for index, key in enumerate(uses):
+        upcoming = next_use[index]
+        if key in resident:
+            resident[key] = upcoming
+            heapq.heappush(heap, (-upcoming, key))
+            continue
+        if index >= count_from:
+            misses += 1
+        if len(resident) >= slots:
+            while True:
+                neg, victim = heapq.heappop(heap)
+                if resident.get(victim) == -neg:
+                    del resident[victim]
+                    break
+        resident[key] = upcoming
+        heapq.heappush(heap, (-upcoming, key))
+    return misses
+
+
+def belady_bytes_per_token(engine: "MoEPrefetchEngine", prompt: list[int], new_tokens: int) -> float:
+    """Bytes Belady's replacement must move per decode token with this engine's cache size, on this generation."""
+    trace = record_routing(engine, prompt, new_tokens)
+    misses = belady_misses(trace.uses, engine.residency.n_slots, trace.first_decode)
+    return misses * engine.residency.expert_bytes / max(trace.decode_tokens, 1)

@@ -1,0 +1,189 @@
+#!/usr/bin/env python
+"""Kernel microbenchmarks on the GPU at DeepSeek-V2-Lite's expert shape (bf16, H=2048, I=1408, 17.3 MB per expert).
+
+Rows (medians of CUDA-event timings after a warm-up, each repeated inside a CUDA graph where launch gaps matter):
+- link: copy-engine host->device of 256 MiB; the fill kernel (16 programs) copying 16 experts host->VRAM;
+- experts: one MoE layer at batch 1 (6 experts) through the fused kernel, from VRAM slots, from host memory
+  (zero-copy) and 3+3 mixed, against the old gathered-bmm path; achieved GB/s;
+- plan: the residency plan kernel, 27 layers replayed as one graph, per layer;
+- overlap: the fill kernel copying while a chain of bf16 GEMVs (HBM-bound, like decode) runs, against each alone.
+
+    python scripts/bench_kernels.py --out /tmp/kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from moeprefetch.experts import ExpertFormat, gathered_expert_ffn  # noqa: E402
+from moeprefetch.kernels.experts import RoutedExperts  # noqa: E402
+from moeprefetch.kernels.fill import Filler  # noqa: E402
+from moeprefetch.kernels.plan import Planner  # noqa: E402
+from moeprefetch.residency.plan import victim_order  # noqa: E402
+from moeprefetch.residency.state import E_ACTIVE, ResidencyConfig, TableState  # noqa: E402
+
+
+def timed(fn, repeats: int = 20, warmup: int = 3, graph: bool = False) -> float:
+    """Median milliseconds of fn() (or of a captured graph of it)."""
+    if graph:
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+    else:
+        run = fn
+    for _ in range(warmup):
+        run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    ns = parser.parse_args()
+    dev = torch.device("cuda")
+    rows: dict[str, float] = {}
+    fmt = ExpertFormat.build(2048, 1408, torch.bfloat16)
+    rec = fmt.record_bytes
+    n_host = 16
+    host = torch.empty(n_host, rec, dtype=torch.uint8).pin_memory()
+    for e in range(n_host):
+        fmt.pack(torch.randn(1408, 2048) * 0.02, torch.randn(1408, 2048) * 0.02, torch.randn(2048, 1408) * 0.02,
+                 host[e])
+    pool = torch.zeros(32, rec, dtype=torch.uint8, device=dev)
+    pool[:n_host].copy_(host)
+
+    # ---- link ----
+    big_h = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
+    big_d = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    ms = timed(lambda: big_d.copy_(big_h, non_blocking=True))
+    rows["h2d_copy_engine_gbps"] = (256 << 20) / ms / 1e6
+    cfg = ResidencyConfig(positions=2, main_positions=1, n_experts=n_host, n_slots=32, record_bytes=rec, entries=64)
+    st = TableState.allocate(cfg, 16, dev)
+    filler = Filler(st, cfg, pool, host, use_kernel=True)
+
+    def arm_fills(count: int) -> None:
+        st.step.fill_(1)
+        st.progress.fill_(1)
+        st.e_state[:count] = E_ACTIVE
+        st.e_key[:count] = torch.arange(count, dtype=torch.int32, device=dev)
+        st.e_slot[:count] = torch.arange(16, 16 + count, dtype=torch.int32, device=dev)
+        st.e_deadline[:count] = 1 << 40
+        st.e_next.zero_()
+        st.e_done.zero_()
+        st.e_ready.zero_()
+        st.order[0].fill_(-1)
+        st.order[0, :count] = torch.arange(count, dtype=torch.int32, device=dev)
+
+    def fill_all() -> None:
+        arm_fills(n_host)
+        filler(-1)
+
+    for programs in (8, 16, 32):
+        filler.programs = programs
+        ms = timed(fill_all, repeats=10)
+        rows[f"fill_kernel_{programs}_programs_gbps"] = n_host * rec / ms / 1e6
+    assert torch.equal(pool[16:32].cpu(), host), "fill kernel bytes differ"
+    filler.programs = 16
+
+    # ---- one MoE layer at batch 1 ----
+    experts = RoutedExperts(fmt, pool, host, "silu", F.silu, 16, 6, use_kernels=True)
+    x = torch.randn(1, 2048, device=dev, dtype=torch.bfloat16)
+    assign = torch.arange(6, dtype=torch.int32, device=dev)[None]
+    weights = torch.rand(1, 6, device=dev)
+    keys = torch.full((96,), -1, dtype=torch.int32, device=dev)
+    keys[:6] = torch.arange(6, dtype=torch.int32, device=dev)
+    no = torch.full((96,), -1, dtype=torch.int32, device=dev)
+    slots = no.clone()
+    slots[:6] = torch.arange(6, dtype=torch.int32, device=dev)
+    mixed = no.clone()
+    mixed[:3] = torch.arange(3, dtype=torch.int32, device=dev)
+    out = torch.empty(1, 2048, device=dev)
+    layer_bytes = 6 * rec
+    for name, where in (("vram", slots), ("host", no), ("mixed_3_3", mixed)):
+        ms = timed(lambda: experts(x, assign, weights, keys, where, no, out=out), graph=True)
+        rows[f"experts_layer_{name}_ms"] = ms
+        rows[f"experts_layer_{name}_gbps"] = layer_bytes / ms / 1e6
+    gate_up = fmt.gate_up_view(pool)
+    down = fmt.view(pool, "down")
+    idx = torch.arange(6, device=dev)
+
+    def gathered() -> None:
+        gathered_expert_ffn(x.expand(6, -1), gate_up[idx], down[idx], F.silu)
+
+    rows["gathered_bmm_layer_ms"] = timed(gathered, graph=True)
+    via_vram = experts(x, assign, weights, keys, slots, no)
+    via_host = experts(x, assign, weights, keys, no, no)
+    rows["host_read_equals_slot_read"] = float(torch.equal(via_vram, via_host))
+
+    # ---- plan kernel: 27 V2-Lite layers in one graph ----
+    pcfg = ResidencyConfig(positions=27, main_positions=26, n_experts=64, n_slots=544, record_bytes=rec)
+    pst = TableState.allocate(pcfg, 96, dev)
+    planner = Planner(pst, pcfg, 6, 16, 16, use_kernel=True)
+    ids = torch.randint(0, 64, (1, 6), device=dev)
+    ids_s = torch.randint(0, 64, (1, 6), device=dev)
+    act = torch.ones(1, dtype=torch.bool, device=dev)
+    a = torch.zeros(2, 6, dtype=torch.int32, device=dev)
+    uk, us, ud = (torch.zeros(96, dtype=torch.int32, device=dev) for _ in range(3))
+
+    def plan_step() -> None:
+        planner.step_start(True)
+        for p in range(27):
+            planner(p, ids, act, ids_s, act, a, uk, us, ud, True, True)
+
+    ms = timed(plan_step, repeats=10, graph=True)
+    rows["plan_step_27_layers_ms"] = ms
+    rows["plan_per_layer_us"] = 1000 * ms / 28
+
+    # ---- overlap: fills beside HBM-bound GEMVs ----
+    w = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(8192, 1, device=dev, dtype=torch.bfloat16)
+
+    def gemvs() -> None:
+        for _ in range(40):
+            torch.mm(w, v)
+
+    side = torch.cuda.Stream()
+    rows["gemvs_alone_ms"] = timed(gemvs)
+    rows["fills_alone_ms"] = timed(fill_all, repeats=10)
+
+    def both() -> None:
+        arm_fills(n_host)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            filler(-1)
+        gemvs()
+        torch.cuda.current_stream().wait_stream(side)
+
+    rows["gemvs_with_fills_ms"] = timed(both, repeats=10)
+    ns.out.parent.mkdir(parents=True, exist_ok=True)
+    ns.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows},
+                                 indent=1))
+    for key, value in rows.items():
+        print(f"{key:40s} {value:10.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
