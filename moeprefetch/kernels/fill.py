@@ -50,14 +50,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _fill_kernel(order_ptr, e_key_ptr, e_slot_ptr, e_deadline_ptr, e_next_ptr, e_done_ptr, e_ready_ptr,
-                     progress_ptr, step_ptr, pool_ptr, delta_ptr, POSITION: tl.constexpr, P: tl.constexpr,
+                     progress_ptr, step_ptr, pool_ptr, delta_ptr, position, P: tl.constexpr,
                      M: tl.constexpr, REC: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr,
                      BLOCK: tl.constexpr):
         step = tl.load(step_ptr)
-        if POSITION < 0:
-            launch = 2 * step * P - 1
-        else:
-            launch = 2 * (step * P + POSITION)
+        launch = tl.where(position < 0, 2 * step * P - 1, 2 * (step * P + position))  # the plan it follows
         delta = tl.load(delta_ptr)  # host arena - pool, in int32 elements
         lanes = tl.arange(0, BLOCK)
         i = 0
@@ -128,5 +125,5 @@ class Filler:
             _fill_kernel, (self.programs,), num_warps=8, num_stages=1, order_ptr=st.order[position + 1],
             e_key_ptr=st.e_key, e_slot_ptr=st.e_slot, e_deadline_ptr=st.e_deadline, e_next_ptr=st.e_next,
             e_done_ptr=st.e_done, e_ready_ptr=st.e_ready, progress_ptr=st.progress, step_ptr=st.step,
-            pool_ptr=self._words, delta_ptr=self._delta, POSITION=position, P=cfg.positions, M=cfg.entries,
+            pool_ptr=self._words, delta_ptr=self._delta, position=position, P=cfg.positions, M=cfg.entries,
             REC=cfg.record_bytes // 4, CHUNK=cfg.chunk_bytes // 4, N_CHUNKS=cfg.chunks, BLOCK=FILL_BLOCK)

@@ -55,8 +55,7 @@ if HAS_TRITON:
     @triton.jit
     def _publish(slot_of, slot_state, prefetched_at, inflight_of, e_state, e_key, e_slot, e_made, e_ready,
                  adm_key, adm_slot, counters, E: tl.constexpr, M: tl.constexpr, A: tl.constexpr,
-                 A_PAD: tl.constexpr, NC: tl.constexpr, C_FILLS: tl.constexpr, C_CHUNKS: tl.constexpr,
-                 CHUNKS: tl.constexpr):
+                 A_PAD: tl.constexpr, NC: tl.constexpr, C_FILLS: tl.constexpr, C_CHUNKS: tl.constexpr, CHUNKS):
         jm = tl.arange(0, M)
         ready = tl.atomic_add(e_ready + jm, 0, sem="acquire")
         pub = (tl.load(e_state + jm) == 1) & (ready == 1)  # E_ACTIVE
@@ -80,7 +79,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _pop_victims(count, now, step_base, victims, cursor_ptr, key_of, slot_state, protect, last_use, pinned,
-                     scratch, S: tl.constexpr, WIN: tl.constexpr):
+                     scratch, S, WIN: tl.constexpr):
         """Up to `count` eligible victims from the eviction queue, written to scratch[0:taken]; returns taken."""
         cursor = tl.load(cursor_ptr)
         taken = count * 0
@@ -117,7 +116,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _window_cells(position, step, dstep, pred, slot_of, P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr,
-                      E_PAD: tl.constexpr, R: tl.constexpr, ROWS_PAD: tl.constexpr, MIN_CONF: tl.constexpr):
+                      E_PAD: tl.constexpr, R: tl.constexpr, ROWS_PAD: tl.constexpr, MIN_CONF):
         """The prediction window after `position` as a [rows, experts] block: rows (rest of this step, then the
         next step) in deadline order."""
         rows = tl.arange(0, ROWS_PAD)
@@ -136,8 +135,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _protect_window(position, step, dstep, pred, slot_of, protect, P: tl.constexpr, P_MAIN: tl.constexpr,
-                        E: tl.constexpr, E_PAD: tl.constexpr, R: tl.constexpr, ROWS_PAD: tl.constexpr,
-                        MIN_CONF: tl.constexpr):
+                        E: tl.constexpr, E_PAD: tl.constexpr, R: tl.constexpr, ROWS_PAD: tl.constexpr, MIN_CONF):
         rows, off, q, row_ok, ring_row, deadline, e2, cell_ok, cand, rkey, rslot = _window_cells(
             position, step, dstep, pred, slot_of, P, P_MAIN, E, E_PAD, R, ROWS_PAD, MIN_CONF)
         tl.atomic_max(protect + rslot, deadline[:, None] + e2[None, :] * 0, mask=cand & (rslot >= 0))
@@ -154,10 +152,10 @@ if HAS_TRITON:
         order, adm_key, adm_slot, victims, cursor_ptr, step_ptr, step_base_ptr, progress_ptr, dstep_ptr,
         pred, fills_for, counters, trace, scratch, scratch_e,
         # shapes and policy
-        P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, S: tl.constexpr,
+        S, CHUNKS, BUDGET, MAX_INFLIGHT, MIN_CONF,
+        P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
         M: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, K: tl.constexpr, XK_PAD: tl.constexpr,
-        SK_PAD: tl.constexpr, R: tl.constexpr, ROWS_PAD: tl.constexpr, CHUNKS: tl.constexpr,
-        BUDGET: tl.constexpr, MAX_INFLIGHT: tl.constexpr, MIN_CONF: tl.constexpr, WIN: tl.constexpr,
+        SK_PAD: tl.constexpr, R: tl.constexpr, ROWS_PAD: tl.constexpr, WIN: tl.constexpr,
         NC: tl.constexpr, SHADOW: tl.constexpr, RESERVE: tl.constexpr, RECALL: tl.constexpr, TRACE: tl.constexpr,
     ):
         step = tl.load(step_ptr)
@@ -334,7 +332,7 @@ if HAS_TRITON:
                            slot_state, last_use, protect, prefetched_at, inflight_of, e_state, e_key, e_slot,
                            e_deadline, e_made, e_done, e_ready, adm_key, adm_slot, pred, fills_for, counters,
                            P: tl.constexpr, E: tl.constexpr, M: tl.constexpr, A: tl.constexpr,
-                           A_PAD: tl.constexpr, R: tl.constexpr, NC: tl.constexpr, CHUNKS: tl.constexpr,
+                           A_PAD: tl.constexpr, R: tl.constexpr, NC: tl.constexpr, CHUNKS,
                            BLOCK: tl.constexpr, DECODE: tl.constexpr):
         step = tl.load(step_ptr) + 1
         tl.store(step_ptr, step)
