@@ -275,14 +275,16 @@ class MoEPrefetchEngine:
         stop_at_eos: bool = True,
         callback: Callable[[TokenEvent], None] | None = None,
         event_log: str | Path | None = None,
+        min_confidence: float | None = None,
     ) -> GenerationResult:
         """Generate from a string, a list of strings, a list of token ids or a list of token-id lists.
 
-        Greedy when `temperature` is 0. `predictor`/`lookahead` override the engine's defaults for this call;
+        Greedy when `temperature` is 0. `predictor`/`lookahead`/`min_confidence` override the engine's defaults for
+        this call;
         `speculative="mtp"` verifies the MTP draft in the same forward (two tokens per forward when accepted).
         `callback` receives each token as it is produced. Ctrl-C returns the tokens produced so far."""
         events = self._events(self._request(prompts, max_new_tokens, temperature, top_k, top_p, seed, predictor,
-                                            lookahead, speculative, stop_at_eos, event_log))
+                                            lookahead, speculative, stop_at_eos, event_log, min_confidence))
         try:
             while True:
                 try:
@@ -307,16 +309,19 @@ class MoEPrefetchEngine:
         """Iterate over tokens as they are generated (same arguments as `generate`, without `callback`)."""
         kwargs.pop("callback", None)
         names = ("temperature", "top_k", "top_p", "seed", "predictor", "lookahead", "speculative", "stop_at_eos",
-                 "event_log")
-        defaults = (0.0, 0, 1.0, None, None, None, None, True, None)
+                 "event_log", "min_confidence")
+        defaults = (0.0, 0, 1.0, None, None, None, None, True, None, None)
         values = [kwargs.pop(name, default) for name, default in zip(names, defaults)]
         if kwargs:
             raise RequestError(f"unknown argument(s) to stream: {', '.join(kwargs)}")
         return self._events(self._request(prompts, max_new_tokens, *values))
 
     def _request(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead, speculative,
-                 stop_at_eos, event_log) -> Request:
+                 stop_at_eos, event_log, min_confidence=None) -> Request:
         self._check_idle()
+        if min_confidence is None:
+            min_confidence = self.options.min_confidence
+        check_fraction("min_confidence", min_confidence, upper_open=False)
         if event_log is not None:
             parent = Path(event_log).expanduser().resolve().parent
             if not parent.is_dir() or not os.access(parent, os.W_OK):
@@ -345,7 +350,8 @@ class MoEPrefetchEngine:
             if needed > self.options.max_seq_len:
                 raise RequestError(f"prompt {i} ({len(prompt)} tokens) plus max_new_tokens={max_new_tokens} needs "
                                    f"{needed} positions, more than max_seq_len={self.options.max_seq_len}")
-        return Request(token_prompts, max_new_tokens, sampling, spec, speculative, stop_at_eos, event_log)
+        return Request(token_prompts, max_new_tokens, sampling, spec, speculative, stop_at_eos, event_log,
+                       float(min_confidence))
 
     def _tokenize(self, prompts: Any) -> list[list[int]]:
         if isinstance(prompts, str):

@@ -38,6 +38,7 @@ class Request:
     speculative: str | None
     stop_at_eos: bool
     event_log: str | Path | None
+    min_confidence: float = 0.0  # predictions below it are neither fetched nor counted
 
 
 @dataclass
@@ -111,7 +112,7 @@ class Session:
         budget = max(int(math.ceil(options.prefetch_budget * self.args.num_experts_per_tok * rows)), 0)
         inflight = options.max_inflight_experts or max(2 * self.args.num_experts_per_tok * rows, 4)
         res.configure(ring=self.spec.ring, budget_per_target=budget, max_inflight=inflight,
-                      min_confidence=options.min_confidence)
+                      min_confidence=request.min_confidence)
         res.begin_call()
         if self.record:
             res.trace = engine._trace_buffer()

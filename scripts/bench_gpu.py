@@ -345,10 +345,11 @@ def rss_gib() -> float:
 
 def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], new_tokens: int, *,
             predictor: str = "none", speculative: str | None = None, runs: int = 3,
-            lookahead: int | None = None) -> dict[str, Any]:
+            lookahead: int | None = None, min_confidence: float = 0.0) -> dict[str, Any]:
     """Warm-up once, then `runs` measured generations (one per prompt, cold expert cache each); medians."""
     device = engine.device
-    kwargs = dict(predictor=predictor, speculative=speculative, stop_at_eos=False, lookahead=lookahead)
+    kwargs = dict(predictor=predictor, speculative=speculative, stop_at_eos=False, lookahead=lookahead,
+                  min_confidence=min_confidence)
     engine.reset_expert_cache()
     engine.generate([prompts[0]], max_new_tokens=min(8, new_tokens), **kwargs)
     if device.type == "cuda":
@@ -366,6 +367,7 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
         "system": system,
         "predictor": predictor,
         "lookahead": lookahead or engine.options.lookahead,
+        "min_confidence": min_confidence,
         "speculative": speculative,
         "expert_dtype": engine.options.expert_dtype,
         "runs": runs,
@@ -581,20 +583,22 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
           "pin_seconds": store.pin_seconds, "host_expert_gib": store.nbytes / GiB,
           "host_pinned_gib": store.pinned_bytes / GiB,
           "store_fill_gbps": store.nbytes / max(store.load_seconds, 1e-9) / 1e9})
-    systems = [("none", "none", None, None), ("next_layer_gate", "next_layer_gate", None, None),
-               ("oracle", "oracle", None, args.oracle_lookahead)]
+    cut = args.min_confidence
+    systems = [("none", "none", None, None, 0.0), ("next_layer_gate", "next_layer_gate", None, None, 0.0),
+               (f"next_layer_gate@{cut}", "next_layer_gate", None, None, cut),
+               ("oracle", "oracle", None, args.oracle_lookahead, 0.0)]
     if engine.has_mtp:
-        systems += [("mtp", "mtp", None, None), ("mtp+next_layer_gate", "mtp+next_layer_gate", None, None),
-                    ("mtp_router", "mtp_router", None, None),
-                    ("mtp_router+next_layer_gate", "mtp_router+next_layer_gate", None, None),
-                    ("speculative_mtp", "none", "mtp", None),
-                    ("speculative_mtp+next_layer_gate", "next_layer_gate", "mtp", None)]
+        systems += [("mtp", "mtp", None, None, 0.0), ("mtp+next_layer_gate", "mtp+next_layer_gate", None, None, 0.0),
+                    (f"mtp+next_layer_gate@{cut}", "mtp+next_layer_gate", None, None, cut),
+                    ("mtp_router+next_layer_gate", "mtp_router+next_layer_gate", None, None, 0.0),
+                    ("speculative_mtp", "none", "mtp", None, 0.0),
+                    ("speculative_mtp+next_layer_gate", "next_layer_gate", "mtp", None, 0.0)]
     if args.systems:
         systems = [s for s in systems if s[0] in args.systems.split(",")]
-    for system, predictor, speculative, lookahead in systems:
+    for system, predictor, speculative, lookahead, min_confidence in systems:
         try:
             row = run_row(engine, system, prompts, args.new_tokens, predictor=predictor, speculative=speculative,
-                          runs=args.runs, lookahead=lookahead)
+                          runs=args.runs, lookahead=lookahead, min_confidence=min_confidence)
             row["cache_fraction"] = fraction
             if reference_sequences is not None:
                 row["same_tokens_as_all_resident"] = row["sequences"] == reference_sequences
@@ -692,6 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--profile", action="store_true", help="also record per-op time splits (eager runs)")
     parser.add_argument("--oracle-lookahead", type=int, default=2, help="decode steps the oracle prefetches ahead")
+    parser.add_argument("--min-confidence", type=float, default=0.15, help="the confidence cut of the '@' rows")
     parser.add_argument("--hf-baseline", action="store_true", help="v2lite: run transformers + accelerate offload")
     parser.add_argument("--hf-tokens", type=int, default=4)
     parser.add_argument("--systems", default="", help="only these rows (comma list; default all)")

@@ -116,13 +116,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _window_cells(position, step, dstep, pred, slot_of, P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr,
-                      E_PAD: tl.constexpr, R: tl.constexpr, ROWS_PAD: tl.constexpr, MIN_CONF):
+                      E_PAD: tl.constexpr, R, ROWS_PAD: tl.constexpr, MIN_CONF):
         """The prediction window after `position` as a [rows, experts] block: rows (rest of this step, then the
         next step) in deadline order."""
         rows = tl.arange(0, ROWS_PAD)
         off = rows // P_MAIN
         q = rows % P_MAIN
-        row_ok = (rows < 2 * P_MAIN) & ((off == 1) | (q > position)) & ((off == 0) | (R > 1))
+        row_ok = (rows < 2 * P_MAIN) & ((off == 1) | (q > position)) & ((off == 0) | ((off * 0 + R) > 1))
         ring_row = (dstep + off) % R
         deadline = 2 * ((step + off) * P + q)
         e2 = tl.arange(0, E_PAD)
@@ -135,7 +135,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _protect_window(position, step, dstep, pred, slot_of, protect, P: tl.constexpr, P_MAIN: tl.constexpr,
-                        E: tl.constexpr, E_PAD: tl.constexpr, R: tl.constexpr, ROWS_PAD: tl.constexpr, MIN_CONF):
+                        E: tl.constexpr, E_PAD: tl.constexpr, R, ROWS_PAD: tl.constexpr, MIN_CONF):
         rows, off, q, row_ok, ring_row, deadline, e2, cell_ok, cand, rkey, rslot = _window_cells(
             position, step, dstep, pred, slot_of, P, P_MAIN, E, E_PAD, R, ROWS_PAD, MIN_CONF)
         tl.atomic_max(protect + rslot, deadline[:, None] + e2[None, :] * 0, mask=cand & (rslot >= 0))
@@ -152,11 +152,10 @@ if HAS_TRITON:
         order, adm_key, adm_slot, victims, cursor_ptr, step_ptr, step_base_ptr, progress_ptr, dstep_ptr,
         pred, fills_for, counters, trace, scratch, scratch_e,
         # shapes and policy
-        S, CHUNKS, BUDGET, MAX_INFLIGHT, MIN_CONF,
+        S, CHUNKS, BUDGET, MAX_INFLIGHT, MIN_CONF, R, SHADOW, RESERVE, RECALL, TRACE,
         P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
         M: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, K: tl.constexpr, XK_PAD: tl.constexpr,
-        SK_PAD: tl.constexpr, R: tl.constexpr, ROWS_PAD: tl.constexpr, WIN: tl.constexpr,
-        NC: tl.constexpr, SHADOW: tl.constexpr, RESERVE: tl.constexpr, RECALL: tl.constexpr, TRACE: tl.constexpr,
+        SK_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, WIN: tl.constexpr, NC: tl.constexpr,
     ):
         step = tl.load(step_ptr)
         dstep = tl.load(dstep_ptr)
@@ -210,7 +209,7 @@ if HAS_TRITON:
         tl.debug_barrier()
 
         # ---- live predictions protect their resident experts before any victim is chosen ----
-        if RESERVE:
+        if RESERVE != 0:
             _protect_window(position, step, dstep, pred, slot_of, protect, P, P_MAIN, E, E_PAD, R, ROWS_PAD,
                             MIN_CONF)
             tl.debug_barrier()
@@ -234,7 +233,7 @@ if HAS_TRITON:
         _bump(counters, position, 15, _count(admit), NC)  # admitted
 
         # ---- counters of predictions, routing trace ----
-        if RECALL:
+        if RECALL != 0:
             if position < P_MAIN:
                 row = pred + ((dstep % R) * P + position) * E
                 e_all = tl.arange(0, E_PAD)
@@ -244,12 +243,12 @@ if HAS_TRITON:
                 _bump(counters, position, 10, _count(predicted), NC)
                 _bump(counters, position, 11, n_exact, NC)
                 _bump(counters, position, 12, _count(first & (conf_x > 0) & (conf_x >= MIN_CONF)), NC)
-        if TRACE:
+        if TRACE != 0:
             tl.store(trace + (dstep * P + position) * E + ex, 1, mask=first)
         tl.debug_barrier()
 
         # ---- shadow rows: the exact rows' experts, or published ones ----
-        if SHADOW:
+        if SHADOW != 0:
             js = tl.arange(0, SK_PAD)
             inside_s = js < ns * K
             on_s = inside_s & (tl.load(act_s + js // K, mask=inside_s, other=0) != 0)
@@ -272,7 +271,7 @@ if HAS_TRITON:
             tl.debug_barrier()
 
         # ---- prefetch reservation over the prediction window ----
-        if RESERVE:
+        if RESERVE != 0:
             rows, off, q, row_ok, ring_row, deadline, e2, cell_ok, cand, rkey, rslot = _window_cells(
                 position, step, dstep, pred, slot_of, P, P_MAIN, E, E_PAD, R, ROWS_PAD, MIN_CONF)
             resident = cand & (rslot >= 0)
@@ -332,8 +331,8 @@ if HAS_TRITON:
                            slot_state, last_use, protect, prefetched_at, inflight_of, e_state, e_key, e_slot,
                            e_deadline, e_made, e_done, e_ready, adm_key, adm_slot, pred, fills_for, counters,
                            P: tl.constexpr, E: tl.constexpr, M: tl.constexpr, A: tl.constexpr,
-                           A_PAD: tl.constexpr, R: tl.constexpr, NC: tl.constexpr, CHUNKS,
-                           BLOCK: tl.constexpr, DECODE: tl.constexpr):
+                           A_PAD: tl.constexpr, R, NC: tl.constexpr, CHUNKS, BLOCK: tl.constexpr,
+                           DECODE: tl.constexpr):
         step = tl.load(step_ptr) + 1
         tl.store(step_ptr, step)
         dstep = tl.load(dstep_ptr)
@@ -449,10 +448,12 @@ class Planner:
             scratch_e=self._scratch_e,
             P=cfg.positions, P_MAIN=max(cfg.main_positions, 1), E=cfg.n_experts, E_PAD=_pow2(cfg.n_experts),
             S=cfg.n_slots, M=cfg.entries, A=self.max_experts, A_PAD=_pow2(self.max_experts), K=self.top_k,
-            XK_PAD=self._xk, SK_PAD=self._sk, R=cfg.ring, ROWS_PAD=_pow2(2 * max(cfg.main_positions, 1)),
+            XK_PAD=_pow2(max(ids_x.shape[0] * self.top_k, 2)),
+            SK_PAD=_pow2(max(ids_s.shape[0] * self.top_k, 2)) if shadow else 2,
+            R=cfg.ring, ROWS_PAD=_pow2(2 * max(cfg.main_positions, 1)),
             CHUNKS=cfg.chunks, BUDGET=cfg.budget_per_target, MAX_INFLIGHT=cfg.max_inflight,
-            MIN_CONF=float(cfg.min_confidence), WIN=VICTIM_WINDOW, NC=len(COUNTERS), SHADOW=shadow,
-            RESERVE=reserve, RECALL=count_recall, TRACE=trace is not None)
+            MIN_CONF=float(cfg.min_confidence), WIN=VICTIM_WINDOW, NC=len(COUNTERS), SHADOW=int(shadow),
+            RESERVE=int(reserve), RECALL=int(count_recall), TRACE=int(trace is not None))
 
 
 # the kernel writes counter columns by number; keep them tied to the names

@@ -34,7 +34,7 @@ from .state import C, COUNTERS, E_FREE, FILLING, NO_ENTRY, RESIDENT, ResidencyCo
 logger = logging.getLogger(__name__)
 
 RING_CAPACITY = 9  # steps of predictions a table can hold (lookahead up to 8)
-ENTRIES = 256  # fill entries: reserved fills plus published ones awaiting the step's end
+ENTRIES = 64  # fill entries: reserved fills plus published ones awaiting the step's end
 
 
 class Residency:
@@ -100,7 +100,7 @@ class Residency:
         """Per-call prefetch settings: prediction ring depth, fills per target, fills in flight, confidence cut.
         Each setting gets its own launchers (captured graphs keep theirs); the table tensors never move."""
         budget = budget_per_target if budget_per_target is not None else self.base_cfg.budget_per_target
-        inflight = min(max_inflight if max_inflight is not None else self.base_cfg.max_inflight, ENTRIES // 4)
+        inflight = min(max_inflight if max_inflight is not None else self.base_cfg.max_inflight, ENTRIES // 2)
         self.cfg = replace(self.base_cfg, ring=min(max(ring, 1), RING_CAPACITY), budget_per_target=budget,
                            max_inflight=inflight, min_confidence=float(min_confidence), entries=ENTRIES)
         if self.cfg not in self._launchers:
