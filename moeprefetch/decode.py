@@ -56,12 +56,12 @@ class StepShape:
 
 @dataclass
 class StepOutput:
-    """What the host reads back after a step (host tensors)."""
+    """What the host reads back after a step (plain lists)."""
 
-    next_tokens: torch.Tensor  # [B] sampled after the real rows
-    second_tokens: torch.Tensor | None  # [B] sampled after the verified draft rows
-    drafts: torch.Tensor | None  # [B, M] MTP drafts (greedy) after each MTP row
-    draft_probs: torch.Tensor | None  # [B, M] their probabilities
+    next_tokens: list[int]  # [B] sampled after the real rows
+    second_tokens: list[int] | None  # [B] sampled after the verified draft rows
+    drafts: list[list[int]] | None  # [B][M] MTP drafts (greedy) after each MTP row
+    draft_probs: list[list[float]] | None  # [B][M] their probabilities
 
 
 class DecodeStep:
@@ -107,29 +107,27 @@ class DecodeStep:
     def __call__(self, tokens: list[int], positions: list[int], active: list[bool],
                  extra_tokens: list[int] | None = None, draft_conf: list[float] | None = None) -> StepOutput:
         """One step; inputs per sequence. Returns the sampled ids after one device->host synchronisation."""
-        ih = self.inputs_host
-        ih[:, 0] = torch.tensor(tokens)
-        ih[:, 1] = torch.tensor(positions)
-        ih[:, 2] = torch.tensor(active, dtype=torch.int64)
-        if self.shape.extra:
-            ih[:, 3] = torch.tensor(extra_tokens)
+        rows = [[t, p, int(a)] + ([e] if self.shape.extra else []) for t, p, a, e in
+                zip(tokens, positions, active, extra_tokens if extra_tokens is not None else tokens)]
+        self.inputs_host.copy_(torch.tensor(rows, dtype=torch.int64))
+        self.inputs.copy_(self.inputs_host, non_blocking=True)
         if draft_conf is not None:
-            self.conf_host.copy_(torch.tensor(draft_conf))
-        self.inputs.copy_(ih, non_blocking=True)
-        self.draft_conf.copy_(self.conf_host, non_blocking=True)
+            self.conf_host.copy_(torch.tensor(draft_conf, dtype=torch.float32))
+            self.draft_conf.copy_(self.conf_host, non_blocking=True)
         self._run()
         self.outputs_host.copy_(self.outputs, non_blocking=True)
-        self.probs_host.copy_(self.probs, non_blocking=True)
+        if self.shape.run_mtp:
+            self.probs_host.copy_(self.probs, non_blocking=True)
         if self._done is not None:
             self._done.record()
             self._done.synchronize()  # the step's one synchronisation
-        out = self.outputs_host.clone()
+        out = self.outputs_host.tolist()
         m = self.shape.mtp_rows
         return StepOutput(
-            next_tokens=out[:, 0],
-            second_tokens=out[:, 1] if self.shape.mode == "verify" else None,
-            drafts=out[:, 2 : 2 + m] if self.shape.run_mtp else None,
-            draft_probs=self.probs_host.clone() if self.shape.run_mtp else None,
+            next_tokens=[row[0] for row in out],
+            second_tokens=[row[1] for row in out] if self.shape.mode == "verify" else None,
+            drafts=[row[2 : 2 + m] for row in out] if self.shape.run_mtp else None,
+            draft_probs=self.probs_host.tolist() if self.shape.run_mtp else None,
         )
 
     def _run(self) -> None:
@@ -161,8 +159,9 @@ class DecodeStep:
     # ---- the device work (captured) -------------------------------------------------------------------------------
     def _body(self) -> None:
         res, shape = self.res, self.shape
-        res.begin_step(decode=True)
-        if shape.spec.oracle and self.oracle_trace is not None:
+        oracle = shape.spec.oracle and self.oracle_trace is not None
+        res.begin_step(decode=True, belady=oracle)
+        if oracle:
             self.ring.write_trace(self.oracle_trace, shape.spec.ring)
         if shape.reserve:
             res.plan_step()

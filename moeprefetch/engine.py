@@ -284,7 +284,8 @@ class MoEPrefetchEngine:
         `speculative="mtp"` verifies the MTP draft in the same forward (two tokens per forward when accepted).
         `callback` receives each token as it is produced. Ctrl-C returns the tokens produced so far."""
         events = self._events(self._request(prompts, max_new_tokens, temperature, top_k, top_p, seed, predictor,
-                                            lookahead, speculative, stop_at_eos, event_log, min_confidence))
+                                            lookahead, speculative, stop_at_eos, event_log, min_confidence),
+                              want_text=callback is not None)
         try:
             while True:
                 try:
@@ -383,14 +384,14 @@ class MoEPrefetchEngine:
     def _decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _events(self, request: Request) -> Iterator[TokenEvent]:
+    def _events(self, request: Request, want_text: bool = True) -> Iterator[TokenEvent]:
         """The call as a generator of token events that returns the `GenerationResult`."""
         trace = None
         if request.predictor.oracle:
             trace, recorded = self._record_trace(request)
             if recorded.interrupted:  # Ctrl-C while recording: its tokens are the ones the call would produce
                 return recorded
-        return (yield from self._run(Session(self, request, trace=trace)))
+        return (yield from self._run(Session(self, request, trace=trace, want_text=want_text)))
 
     def _record_trace(self, request: Request) -> tuple[torch.Tensor, GenerationResult]:
         """The oracle's first pass: the same request with reactive fetching, recording the true routing on the

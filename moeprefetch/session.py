@@ -82,7 +82,7 @@ class Session:
     """The state of one generate/stream call, and its loop."""
 
     def __init__(self, engine: "MoEPrefetchEngine", request: Request, trace: torch.Tensor | None = None,
-                 record: bool = False):
+                 record: bool = False, want_text: bool = True):
         self.engine = engine
         self.request = request
         self.res = engine.residency
@@ -97,7 +97,9 @@ class Session:
         self.record = record  # this call records the routing (the oracle's first pass)
         self.generated: list[list[int]] = [[] for _ in range(self.batch)]
         self.finish = ["length"] * self.batch
-        self.texts = [TextStream(engine.tokenizer) for _ in range(self.batch)] if engine.tokenizer else None
+        # per-token text only when a consumer reads it (streaming, callbacks): decoding costs host time per token
+        self.texts = [TextStream(engine.tokenizer) for _ in range(self.batch)] \
+            if engine.tokenizer and want_text else None
         self.stats = Stats(predictor=self.spec.name, lookahead=self.spec.lookahead, policy=engine.options.policy,
                            cache_slots=self.res.n_slots, expert_bytes=self.res.expert_bytes,
                            speculative=self.speculative, sequences=self.batch,
@@ -117,6 +119,8 @@ class Session:
         if self.record:
             res.trace = engine._trace_buffer()
             res.trace.zero_()
+        if self.trace is not None:
+            res.know_future(self.trace)
         engine.sampler.set_params(request.sampling)
         streamed_before = engine.streamer.bytes_copied if engine.streamer is not None else 0
         caches = engine._caches(self.batch, self.uses_mtp)
@@ -131,10 +135,10 @@ class Session:
             yield from self._emit(b, [first[b]], active)
         positions = [len(p) for p in request.prompts]  # position of each sequence's next input token
         t1 = time.perf_counter()
+        step = self._step(caches)
         while any(active):
-            step = self._step(caches)
-            out = step([g[-1] for g in self.generated], positions, active,
-                       [d for d in drafts] if step.shape.extra else None, probs)
+            out = step([g[-1] for g in self.generated], positions, active, drafts if step.shape.extra else None,
+                       probs if step.shape.extra else None)
             self.stats.decode_syncs += 1
             self.stats.decode_steps += 1
             drafts, probs = self._advance(out, drafts, probs, positions, active)
@@ -205,10 +209,7 @@ class Session:
     def _advance(self, out: StepOutput, drafts: list[int], probs: list[float], positions: list[int],
                  active: list[bool]) -> tuple[list[int], list[float]]:
         """Host bookkeeping after a step: which tokens each sequence gets, and the next drafts."""
-        next_tok = out.next_tokens.tolist()
-        second = out.second_tokens.tolist() if out.second_tokens is not None else None
-        new_drafts = out.drafts.tolist() if out.drafts is not None else None
-        new_probs = out.draft_probs.tolist() if out.draft_probs is not None else None
+        next_tok, second, new_drafts, new_probs = out.next_tokens, out.second_tokens, out.drafts, out.draft_probs
         self._accepted: list[list[int]] = [[] for _ in range(self.batch)]
         for b in range(self.batch):
             if not active[b]:

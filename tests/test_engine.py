@@ -42,7 +42,7 @@ def test_cached_decode_equals_uncached_forward(checkpoint_factory, variant):
         position = len(prompt) + i
         out = step([token], [position], [True])
         assert (step.logits[0] - full[position]).abs().max().item() < 1e-4
-        assert out.next_tokens.tolist() == [result.sequences[0][i + 1]]
+        assert out.next_tokens == [result.sequences[0][i + 1]]
     res.end_call()
 
 

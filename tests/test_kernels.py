@@ -125,9 +125,14 @@ def _simulate(seed: int, policy: str, slots: int, steps: int = 6, positions: int
             ids_s = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(ns)])
             act_s = torch.ones(ns, dtype=torch.bool)
             ready = torch.rand(cfg.entries, generator=g) < 0.5
+            partial = torch.randint(0, cfg.chunks + 1, (cfg.entries,), generator=g, dtype=torch.int32)
             outputs = []
             for planner, table, trace in zip(planners, tables, traces):
-                table.e_ready.copy_(((table.e_state == E_ACTIVE) & ready).int() | table.e_ready)
+                # what the side stream did meanwhile: some fills landed, others copied a few chunks
+                active = table.e_state == E_ACTIVE
+                table.e_ready.copy_((active & ready).int() | table.e_ready)
+                table.e_done.copy_(torch.where(active, torch.maximum(table.e_done, partial), table.e_done))
+                table.e_next.copy_(torch.maximum(table.e_next, table.e_done))
                 assign = torch.full((nx + ns, k), -7, dtype=torch.int32)
                 u_key, u_slot, u_dst = (torch.full((u,), -7, dtype=torch.int32) for _ in range(3))
                 if p < 0:

@@ -184,3 +184,24 @@ def test_shadow_rows_use_exact_experts_and_published_ones_only():
     out = t.plan(1, [[0, 1]], shadow=[[5, 4]])  # neither is available: the shadow row skips both
     assert out["assign"][1] == [-1, -1]
     assert t.count("uses") == 6  # shadow rows are never counted
+
+
+def test_a_known_future_makes_the_victims_beladys():
+    """With an oracle's trace the eviction queue puts the expert needed farthest in the future first."""
+    from moeprefetch.residency.plan import next_use_table, victim_order
+
+    t = Table(slots=3, positions=2, experts=4)
+    t.start()
+    t.plan(0, [[0, 1]])
+    t.plan(1, [[0, 1]])
+    t.start()  # publishes: slots hold keys 0, 1 (position 0) and 4 (position 1)
+    trace = torch.zeros(6, 2, 4, dtype=torch.uint8)
+    trace[2, 0, 1] = 1  # key 1 is needed at step 2, key 0 at step 4, key 4 never again
+    trace[4, 0, 0] = 1
+    future = torch.zeros(6, 8, dtype=torch.int64)
+    next_use_table(trace, future)
+    assert future[0, 1] == 2 and future[3, 1] > 5 and future[0, 0] == 4
+    held = t.st.key_of.tolist()
+    order = [held[s] for s in victim_order(t.st, t.cfg, future).tolist()]
+    assert order[:2] == [4, 0] or order[:3] == [5, 4, 0]  # never-needed first, then the farthest need
+    assert order.index(1) > order.index(0)

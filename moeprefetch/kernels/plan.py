@@ -148,7 +148,7 @@ if HAS_TRITON:
         assign, u_key, u_slot, u_dst,
         # the table
         slot_of, key_of, slot_state, last_use, protect, prefetched_at, use_count, pinned, inflight_of,
-        e_state, e_key, e_slot, e_deadline, e_made, e_next, e_ready,
+        e_state, e_key, e_slot, e_deadline, e_made, e_next, e_done, e_ready,
         order, adm_key, adm_slot, victims, cursor_ptr, step_ptr, step_base_ptr, progress_ptr, dstep_ptr,
         pred, fills_for, counters, trace, scratch, scratch_e,
         # shapes and policy
@@ -312,6 +312,7 @@ if HAS_TRITON:
             tl.store(e_deadline + rj, deadline[:, None] + e2[None, :] * 0, mask=go)
             tl.store(e_made + rj, now + e2[None, :] * 0, mask=go)
             tl.store(e_next + rj, 0, mask=go)
+            tl.store(e_done + rj, 0, mask=go)  # a reused entry's counts restart: no early 'ready'
             tl.store(e_ready + rj, 0, mask=go)
             tl.store(e_state + rj, 1, mask=go)  # E_ACTIVE
             tl.atomic_add(fills_for + ring_row * P + q, tl.sum(go.to(tl.int32), axis=1), mask=row_ok)
@@ -390,18 +391,18 @@ class Planner:
         self._dummy_ids = torch.zeros(1, 1, dtype=torch.int64, device=device)
         self._dummy_act = torch.zeros(1, dtype=torch.bool, device=device)
 
-    def step_start(self, decode: bool) -> None:
+    def step_start(self, decode: bool, next_use: torch.Tensor | None = None) -> None:
         """Open a step (no fill may be running): then sort the eviction queue (torch ops, capturable)."""
         st, cfg = self.st, self.cfg
         if not self.use_kernel:
             from ..residency.plan import step_start
 
-            step_start(st, cfg, decode)
+            step_start(st, cfg, decode, next_use)
             return
         self.start_launch(decode)()
         from ..residency.plan import victim_order
 
-        st.victims.copy_(victim_order(st, cfg))
+        st.victims.copy_(victim_order(st, cfg, next_use if decode else None))
 
     def start_launch(self, decode: bool) -> Launch:
         st, cfg = self.st, self.cfg
@@ -441,7 +442,7 @@ class Planner:
             slot_of=st.slot_of, key_of=st.key_of, slot_state=st.slot_state, last_use=st.last_use, protect=st.protect,
             prefetched_at=st.prefetched_at, use_count=st.use_count, pinned=st.pinned, inflight_of=st.inflight_of,
             e_state=st.e_state, e_key=st.e_key, e_slot=st.e_slot, e_deadline=st.e_deadline, e_made=st.e_made,
-            e_next=st.e_next, e_ready=st.e_ready, order=st.order, adm_key=st.adm_key, adm_slot=st.adm_slot,
+            e_next=st.e_next, e_done=st.e_done, e_ready=st.e_ready, order=st.order, adm_key=st.adm_key, adm_slot=st.adm_slot,
             victims=st.victims, cursor_ptr=st.cursor, step_ptr=st.step, step_base_ptr=st.step_base,
             progress_ptr=st.progress, dstep_ptr=st.decode_step, pred=st.pred, fills_for=st.fills_for,
             counters=st.counters, trace=trace if trace is not None else self._dummy, scratch=self._scratch,

@@ -28,7 +28,7 @@ from ..kernels.plan import Planner
 from ..model import combine_expert_outputs
 from ..store import HostExpertStore
 from ..transfer import SideStream
-from .plan import finish_call, victim_order
+from .plan import finish_call, next_use_table, victim_order
 from .state import C, COUNTERS, E_FREE, FILLING, NO_ENTRY, RESIDENT, ResidencyConfig, TableState
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ class Residency:
         self.side = SideStream(device)
         self.trace: torch.Tensor | None = None  # [steps, P, E] uint8 while recording an oracle trace
         self.prefill_log: list[tuple[int, list[int]]] | None = None  # (layer, experts) of prefill, when recording
+        self.next_use: torch.Tensor | None = None  # [steps, keys] next need per key, from an oracle trace
         self._staging = torch.empty((2, fmt.record_bytes), dtype=torch.uint8, device=device)
         self._staged = 0
         # fixed buffers of the host-side plans (the step start's own plan, prefill plans)
@@ -148,8 +149,16 @@ class Residency:
         self.st.counters.zero_()
         self.st.decode_step.fill_(-1)
 
-    def begin_step(self, decode: bool) -> None:
-        self.planner.step_start(decode)
+    def begin_step(self, decode: bool, belady: bool = False) -> None:
+        """Open a step; with `belady`, victims follow the known future (`know_future`) instead of the policy."""
+        self.planner.step_start(decode, self.next_use if belady else None)
+
+    def know_future(self, trace: torch.Tensor) -> None:
+        """An oracle's recorded routing [decode steps, P, E]: victims become Belady's (farthest next need first)."""
+        if self.next_use is None or self.next_use.shape[0] != trace.shape[0]:
+            self.next_use = torch.empty(trace.shape[0], trace.shape[1] * trace.shape[2], dtype=torch.int64,
+                                        device=self.device)
+        next_use_table(trace, self.next_use)
 
     def plan_step(self) -> None:
         """The step start's own plan: prefetch reservations for targets known before the first layer runs."""

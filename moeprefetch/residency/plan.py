@@ -300,7 +300,7 @@ def _order(t: _Lists, cfg: ResidencyConfig, launch: int) -> None:
 # ---- step boundaries ---------------------------------------------------------------------------------------------
 
 
-def step_start(st: TableState, cfg: ResidencyConfig, decode: bool) -> None:
+def step_start(st: TableState, cfg: ResidencyConfig, decode: bool, next_use: torch.Tensor | None = None) -> None:
     """Open a step (no fill kernel is running): count the step, publish landed fills, release fills whose need has
     passed, recycle published entries, clear the ring row that the new step makes available, and sort the victims."""
     t = _Lists(st)
@@ -323,7 +323,7 @@ def step_start(st: TableState, cfg: ResidencyConfig, decode: bool) -> None:
         t.fills_for[stale] = [0] * cfg.positions
     t.cursor = 0
     t.write_back()
-    st.victims.copy_(victim_order(st, cfg))
+    st.victims.copy_(victim_order(st, cfg, next_use if decode else None))
 
 
 def _release_fill(t: _Lists, cfg: ResidencyConfig, j: int) -> None:
@@ -338,16 +338,21 @@ def _release_fill(t: _Lists, cfg: ResidencyConfig, j: int) -> None:
     t.bump(key // cfg.n_experts, "fill_chunks", t.e_done[j])
 
 
-def victim_order(st: TableState, cfg: ResidencyConfig) -> torch.Tensor:
+def victim_order(st: TableState, cfg: ResidencyConfig, next_use: torch.Tensor | None = None) -> torch.Tensor:
     """Slots in eviction order (torch ops, so the same code runs captured on the GPU): free slots first, then LRU or
-    LFU order; filling slots and the static hot set last (they are also skipped when popped)."""
+    LFU order, or, when the future is known (`next_use` [steps, keys]: the decode step of each key's next need, from
+    an oracle trace), Belady's order: the expert needed farthest in the future first. Filling slots and the static
+    hot set come last (they are also skipped when popped)."""
     last = st.last_use.clamp(min=-1) + 1  # 0 .. < 2^40
     held = st.key_of.clamp(min=0).long()
-    if POLICY_CODES[cfg.policy] == 1:
+    if next_use is not None:
+        step = st.decode_step.clamp(min=0, max=next_use.shape[0] - 1)
+        order_key = -next_use.index_select(0, step)[0][held]  # never needed again: farthest of all
+    elif POLICY_CODES[cfg.policy] == 1:
         order_key = st.use_count[held].long() * (1 << 40) + last
     else:
         order_key = last
-    order_key = torch.where(st.slot_state == FREE, torch.full_like(order_key, -1), order_key)
+    order_key = torch.where(st.slot_state == FREE, torch.full_like(order_key, -FAR), order_key)
     blocked = (st.slot_state == FILLING) | ((st.key_of >= 0) & (st.pinned[held] > 0))
     order_key = torch.where(blocked, torch.full_like(order_key, FAR), order_key)
     return torch.sort(order_key, stable=True).indices.to(torch.int32)
@@ -356,6 +361,16 @@ def victim_order(st: TableState, cfg: ResidencyConfig) -> torch.Tensor:
 def step_end(st: TableState, cfg: ResidencyConfig) -> None:
     """Close a step: fills stop claiming chunks (the next step's first plan will resume them)."""
     st.progress.copy_(st.step * (2 * cfg.positions) + (2 * cfg.positions - 1))
+
+
+def next_use_table(trace: torch.Tensor, out: torch.Tensor) -> None:
+    """trace [steps, P, E] (1 = needed) -> out [steps, P * E]: the first decode step at or after each step at which
+    each key is needed (FAR when never again), for Belady's victims."""
+    steps = trace.shape[0]
+    flat = trace.reshape(steps, -1) > 0
+    index = torch.arange(steps, device=trace.device, dtype=torch.int64)[:, None].expand_as(flat)
+    when = torch.where(flat, index, torch.full_like(index, FAR))
+    out.copy_(when.flip(0).cummin(0).values.flip(0))
 
 
 def finish_call(st: TableState, cfg: ResidencyConfig) -> None:
