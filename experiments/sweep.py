@@ -95,6 +95,7 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
         "policy": cfg.cache.policy,
         "predictor": cfg.predictor.name,
         "prefetch_budget": cfg.predictor.prefetch_budget,
+        "min_confidence": float(cfg.predictor.get("min_confidence", 0.0)),
         "lookahead": int(cfg.lookahead),
         "speculative": cfg.speculative,
         "batch": int(cfg.workload.batch),
@@ -114,7 +115,8 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
         batches = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
         kwargs = dict(max_new_tokens=int(cfg.workload.new_tokens), temperature=float(cfg.workload.temperature),
                       seed=int(cfg.workload.seed), predictor=cfg.predictor.name, lookahead=int(cfg.lookahead),
-                      speculative=cfg.speculative, stop_at_eos=False)
+                      speculative=cfg.speculative, stop_at_eos=False,
+                      min_confidence=float(cfg.predictor.get("min_confidence", 0.0)))
         if cfg.warmup:
             engine.reset_expert_cache()
             engine.generate(batches[0], **{**kwargs, "max_new_tokens": min(8, kwargs["max_new_tokens"])})

@@ -114,7 +114,6 @@ class Stats:
     per_layer: dict[int, LayerCounters] = field(default_factory=dict)  # the whole call
     decode_per_layer: dict[int, LayerCounters] = field(default_factory=dict)  # decode steps only
     main_layers: tuple[int, ...] = ()
-    stall_seconds: float = 0.0
     prompt_tokens: int = 0
     generated_tokens: int = 0
     sequences: int = 0
@@ -154,7 +153,6 @@ class Stats:
             {
                 "mtp_drafts_checked": self.mtp_drafts_checked,
                 "mtp_drafts_correct": self.mtp_drafts_correct,
-                "stall_seconds": self.stall_seconds,
                 "prompt_tokens": self.prompt_tokens,
                 "generated_tokens": self.generated_tokens,
                 "decode_steps": self.decode_steps,
@@ -222,7 +220,7 @@ def merge_stats(runs: list[Stats]) -> Stats:
         for target, source in ((merged.per_layer, run.per_layer), (merged.decode_per_layer, run.decode_per_layer)):
             for layer, counters in source.items():
                 target[layer] = target[layer] + counters if layer in target else counters
-        for name in ("stall_seconds", "prompt_tokens", "generated_tokens", "sequences", "decode_steps", "decode_syncs",
+        for name in ("prompt_tokens", "generated_tokens", "sequences", "decode_steps", "decode_syncs",
                      "prefill_seconds", "decode_seconds", "draft_proposed", "draft_accepted", "mtp_drafts_checked",
                      "mtp_drafts_correct"):
             setattr(merged, name, getattr(merged, name) + getattr(run, name))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -21,12 +22,16 @@ EXIT_INTERRUPTED = 130
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moeprefetch", description="Run DeepSeek-style MoE models with expert "
-                                     "offloading and MTP-driven prefetching.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress and memory plans")
+    from .predictors import PREDICTOR_NAMES
+
+    common = argparse.ArgumentParser(add_help=False)  # -v works before or after the sub-command
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="log progress and memory plans")
+    parser = argparse.ArgumentParser(prog="moeprefetch", parents=[common], description="Run DeepSeek-style MoE "
+                                     "models with expert offloading and MTP-driven prefetching.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text from a checkpoint directory")
+    gen = sub.add_parser("generate", parents=[common], help="generate text from a checkpoint directory")
     gen.add_argument("path", nargs="?", default=str(REFERENCE_MODEL),
                      help="Hugging Face checkpoint directory (default: the embedded reference model)")
     gen.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
@@ -44,8 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--vram-budget", default=None, help="device-memory budget, e.g. 12GiB (sizes the cache)")
     gen.add_argument("--all-resident", action="store_true", help="keep every expert in device memory")
     gen.add_argument("--policy", default="lru", help="lru, lfu or static")
-    gen.add_argument("--predictor", default=None, help="none, previous, next_layer_gate, mtp, oracle or a+b")
-    gen.add_argument("--lookahead", type=int, default=None)
+    gen.add_argument("--predictor", default=None,
+                     help=f"{', '.join(PREDICTOR_NAMES)}, or a combination such as mtp+next_layer_gate")
+    gen.add_argument("--lookahead", type=int, default=None,
+                     help="MoE layers ahead for next_layer_gate, decode steps ahead for oracle")
+    gen.add_argument("--min-confidence", type=float, default=None,
+                     help="predictions below this confidence are neither fetched nor counted (default 0)")
     gen.add_argument("--prefetch-budget", type=float, default=1.5, help="experts prefetched per layer, x top-k")
     gen.add_argument("--speculative", choices=["mtp"], default=None)
     gen.add_argument("--max-seq-len", type=int, default=None)
@@ -53,11 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats-json", default=None, help="write result.stats.to_dict() here")
     gen.add_argument("--events-jsonl", default=None, help="write every expert event here")
 
-    rep = sub.add_parser("report", help="markdown report (tables, plots) from a sweep's results.jsonl")
+    rep = sub.add_parser("report", parents=[common],
+                         help="markdown report (tables, plots) from a sweep's results.jsonl")
     rep.add_argument("results", help="results.jsonl of a sweep, or a stats JSON written by generate --stats-json")
     rep.add_argument("--out", default=None, help="output directory (default: next to the results)")
 
-    info = sub.add_parser("info", help="describe a checkpoint: architecture, experts, memory")
+    info = sub.add_parser("info", parents=[common], help="describe a checkpoint: architecture, experts, memory")
     info.add_argument("path", nargs="?", default=str(REFERENCE_MODEL))
     return parser
 
@@ -68,15 +78,22 @@ def _generate(ns: argparse.Namespace) -> int:
     from .engine import MoEPrefetchEngine
     from .report import summary_lines
 
+    sizes = [flag for flag, given in (("--cache-slots", ns.cache_slots is not None),
+                                      ("--cache-fraction", ns.cache_fraction is not None),
+                                      ("--vram-budget", ns.vram_budget is not None), ("--all-resident", ns.all_resident))
+             if given]
+    if len(sizes) > 1:
+        raise MoEPrefetchError(f"{' and '.join(sizes)} contradict each other: each decides the expert cache's size")
+    if ns.stats_json:  # fail now, not after the whole generation
+        _check_writable(Path(ns.stats_json), "--stats-json")
+    if ns.events_jsonl:
+        _check_writable(Path(ns.events_jsonl), "--events-jsonl")
     dtype = ns.dtype or ("bfloat16" if ns.device.startswith("cuda") else "float32")
     kwargs: dict[str, Any] = dict(device=ns.device, dtype=dtype, policy=ns.policy, prefetch_budget=ns.prefetch_budget,
                                   progress=ns.verbose)
-    if ns.max_seq_len:
-        kwargs["max_seq_len"] = ns.max_seq_len
-    if ns.predictor:
-        kwargs["predictor"] = ns.predictor
-    if ns.lookahead:
-        kwargs["lookahead"] = ns.lookahead
+    for name in ("max_seq_len", "predictor", "lookahead", "min_confidence"):
+        if getattr(ns, name) is not None:
+            kwargs[name] = getattr(ns, name)
     if ns.vram_budget:
         kwargs["vram_budget"] = ns.vram_budget
     elif ns.cache_slots is not None:
@@ -97,11 +114,15 @@ def _generate(ns: argparse.Namespace) -> int:
     kwargs["max_batch_size"] = max(len(prompts), 1)
     engine = MoEPrefetchEngine.from_pretrained(ns.path, **kwargs)
     streaming = not ns.no_stream and len(prompts) == 1 and engine.tokenizer is not None
-    if streaming:
-        print(prompts[0] if isinstance(prompts[0], str) else "", end="", flush=True)
+    echoed = [False]
 
     def on_token(event) -> None:
-        if streaming and event.text:
+        if not streaming:
+            return
+        if not echoed[0]:  # the prompt is echoed once the request has passed its checks and produced a token
+            print(prompts[0] if isinstance(prompts[0], str) else "", end="", flush=True)
+            echoed[0] = True
+        if event.text:
             print(event.text, end="", flush=True)
 
     result = engine.generate(prompts, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_k=ns.top_k,
@@ -125,10 +146,22 @@ def _generate(ns: argparse.Namespace) -> int:
     return EXIT_INTERRUPTED if result.interrupted else 0
 
 
-def _report(ns: argparse.Namespace) -> int:
-    from .report import write_report
+def _check_writable(path: Path, flag: str) -> None:
+    parent = path.expanduser().resolve().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise MoEPrefetchError(f"{flag} {path} cannot be written: {parent} is not a writable directory")
 
-    out = write_report(Path(ns.results), Path(ns.out) if ns.out else None)
+
+def _report(ns: argparse.Namespace) -> int:
+    from .report import ReportError, write_report
+
+    results = Path(ns.results)
+    if not results.is_file():
+        raise MoEPrefetchError(f"{results} is not a file: give a sweep's results.jsonl or a --stats-json file")
+    try:
+        out = write_report(results, Path(ns.out) if ns.out else None)
+    except ReportError as exc:
+        raise MoEPrefetchError(str(exc)) from None
     print(f"wrote {out}")
     return 0
 
@@ -155,6 +188,7 @@ def _info(ns: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
+    ns.verbose = getattr(ns, "verbose", False)
     logging.basicConfig(level=logging.INFO if ns.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     if not ns.verbose:
         logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -23,7 +23,7 @@ def summary_lines(stats: dict[str, Any], memory: dict[str, Any] | None = None, d
         f"({stats['ms_per_token']:.1f} ms/token{', ' + device if device else ''}), prefill "
         f"{stats['prefill_tokens_per_s']:.0f} tok/s",
         f"-- experts: {stats['expert_uses']} uses, hit rate {stats['hit_rate']:.1%} ({stats['misses']} misses), "
-        f"{stats['bytes_h2d'] / 1e6:.1f} MB moved host->device, stall {1000 * stats['stall_seconds']:.1f} ms, "
+        f"{stats['bytes_h2d'] / 1e6:.1f} MB moved host->device, "
         f"{stats['cache_slots']} slots, policy {stats['policy']}",
         f"-- predictor {stats['predictor']} (lookahead {stats['lookahead']}): next-step recall "
         f"{_percent(stats.get('prediction_recall_main_layers'))}, precision "
@@ -85,9 +85,15 @@ def per_layer_markdown(stats: dict[str, Any]) -> str:
 
 def load_rows(path: Path) -> list[dict[str, Any]]:
     rows = []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
-            rows.append(json.loads(line))
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise ReportError(f"{path} line {number} is not JSON: a sweep's results.jsonl has one row per line")
+            if not isinstance(row, dict):
+                raise ReportError(f"{path} line {number} is not a sweep row (a JSON object)")
+            rows.append(row)
     return rows
 
 
@@ -99,13 +105,22 @@ def _conditions(rows: list[dict[str, Any]]) -> str:
     return ", ".join(str(p) for p in parts)
 
 
+class ReportError(ValueError):
+    """The results cannot make a report (not JSON, empty, or no successful point)."""
+
+
 def write_report(results: Path, out: Path | None = None) -> Path:
-    """Markdown report with tables and PNG plots from a sweep's results.jsonl (or one --stats-json file)."""
+    """Markdown report with tables and PNG plots from a sweep's results.jsonl (or one --stats-json file). Nothing is
+    written (no folder either) when the results cannot make a report."""
     out = out or results.parent
-    out.mkdir(parents=True, exist_ok=True)
     if results.suffix == ".json":
-        data = json.loads(results.read_text())
-        stats = data.get("stats", data)
+        try:
+            data = json.loads(results.read_text())
+            stats = data.get("stats", data)
+            summary_lines(stats, data.get("memory"))
+        except (json.JSONDecodeError, AttributeError, KeyError, TypeError) as exc:
+            raise ReportError(f"{results} is not a stats JSON written by generate --stats-json ({exc})") from None
+        out.mkdir(parents=True, exist_ok=True)
         text = "# moeprefetch run\n\n" + "\n".join(summary_lines(stats, data.get("memory"))) + "\n\n"
         text += "## Per layer\n\n" + per_layer_markdown(stats) + "\n"
         path = out / "report.md"
@@ -115,7 +130,8 @@ def write_report(results: Path, out: Path | None = None) -> Path:
     ok = [r for r in rows if r.get("status") == "ok"]
     failed = [r for r in rows if r.get("status") != "ok"]
     if not ok:
-        raise ValueError(f"{results} holds no successful sweep points")
+        raise ReportError(f"{results} holds no successful sweep points")
+    out.mkdir(parents=True, exist_ok=True)
     conditions = _conditions(ok)
     text = [f"# Sweep report: `{results.name}`", "", f"Conditions: {conditions}.", ""]
     text += _summary_section(ok)
@@ -131,14 +147,15 @@ def write_report(results: Path, out: Path | None = None) -> Path:
 
 
 def _summary_section(rows: list[dict[str, Any]]) -> list[str]:
-    columns = ["predictor", "lookahead", "policy", "cache_slots", "cache_fraction", "hit_rate",
-               "prediction_recall_main_layers", "prediction_precision_main_layers", "prediction_recall",
-               "misses_per_token", "mb_per_token", "stall_ms_per_token", "decode_tokens_per_s", "prefetch_wasted"]
-    table_rows = sorted((_derived(r) for r in rows), key=lambda r: (r["cache_slots"], r["predictor"], r["lookahead"]))
+    columns = ["predictor", "lookahead", "min_confidence", "policy", "cache_slots", "cache_fraction", "hit_rate",
+               "prediction_recall_main_layers", "prediction_precision_main_layers", "misses_per_token", "mb_per_token",
+               "prefetch_waste", "decode_tokens_per_s"]
+    table_rows = sorted((_derived(r) for r in rows),
+                        key=lambda r: (r["cache_slots"], r["predictor"], r["lookahead"], r.get("min_confidence") or 0))
     return ["## All points", "", markdown_table(table_rows, columns, {
         "hit_rate": ".1%", "prediction_recall": ".1%", "prediction_precision": ".1%", "cache_fraction": ".0%",
         "prediction_recall_main_layers": ".1%", "prediction_precision_main_layers": ".1%",
-        "mb_per_token": ".2f", "stall_ms_per_token": ".2f", "decode_tokens_per_s": ".1f", "misses_per_token": ".2f"}),
+        "mb_per_token": ".2f", "prefetch_waste": ".1%", "decode_tokens_per_s": ".1f", "misses_per_token": ".2f"}),
         ""]
 
 
@@ -150,15 +167,20 @@ def _derived(row: dict[str, Any]) -> dict[str, Any]:
         **row,
         "misses_per_token": row.get("misses", 0) / tokens,
         "mb_per_token": row.get("bytes_h2d", 0) / 1e6 / tokens,
-        "stall_ms_per_token": 1000 * row.get("stall_seconds", 0.0) / tokens,
     }
+
+
+def _label(row: dict[str, Any]) -> str:
+    """predictor, with its lookahead and confidence cut when they are not the defaults."""
+    label = row["predictor"] + (f" (la {row['lookahead']})" if row.get("lookahead", 1) != 1 else "")
+    return label + (f" @{row['min_confidence']:g}" if row.get("min_confidence") else "")
 
 
 def _series(rows: Iterable[dict[str, Any]], key: str) -> dict[str, list[tuple[float, float]]]:
     """predictor (and lookahead) -> sorted (cache_fraction, value) points, averaging duplicates."""
     groups: dict[str, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
     for row in rows:
-        label = row["predictor"] + (f" (la {row['lookahead']})" if row.get("lookahead", 1) != 1 else "")
+        label = _label(row)
         if row.get(key) is not None:  # a figure that was not measured (no predictor ran) is not plotted as 0
             groups[label][row["cache_fraction"]].append(row[key])
     return {label: sorted((x, sum(v) / len(v)) for x, v in points.items())
@@ -175,7 +197,7 @@ def _figures(rows: list[dict[str, Any]], out: Path, conditions: str) -> list[str
     plots = [
         ("hit_rate", "hit rate", "hit_rate_vs_cache.png"),
         ("mb_per_token", "MB moved host->device per token", "bytes_vs_cache.png"),
-        ("stall_ms_per_token", "stall ms per token", "stall_vs_cache.png"),
+        ("prefetch_waste", "share of prefetches wasted", "waste_vs_cache.png"),
         ("prediction_recall_main_layers", "next-step recall, main MoE layers", "recall_vs_cache.png"),
     ]
     if any(r.get("device", "cpu").startswith("cuda") for r in rows):
@@ -213,7 +235,7 @@ def _per_layer_figure(rows: list[dict[str, Any]], out: Path, conditions: str, pl
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for row in sorted(chosen, key=lambda r: (r["predictor"], r.get("lookahead", 1))):
         layers = sorted(row["per_layer"], key=int)
-        label = row["predictor"] + (f" (la {row['lookahead']})" if row.get("lookahead", 1) != 1 else "")
+        label = _label(row)
         for ax, key in zip(axes, ("prediction_recall", "prediction_precision")):
             values = [row["per_layer"][l][key] for l in layers]
             ax.plot([int(l) for l, v in zip(layers, values) if v is not None], [v for v in values if v is not None],
@@ -235,9 +257,9 @@ def _per_layer_figure(rows: list[dict[str, Any]], out: Path, conditions: str, pl
 def _per_layer_section(rows: list[dict[str, Any]]) -> list[str]:
     smallest = min(r["cache_fraction"] for r in rows)
     text = [f"## Per layer, {smallest:.0%} of experts cached", ""]
-    for row in sorted(rows, key=lambda r: (r["predictor"], r.get("lookahead", 1))):
+    for row in sorted(rows, key=lambda r: (r["predictor"], r.get("lookahead", 1), r.get("min_confidence") or 0)):
         if row["cache_fraction"] != smallest or not row.get("per_layer"):
             continue
-        text += [f"### {row['predictor']} (lookahead {row.get('lookahead', 1)}, {row['policy']})", "",
+        text += [f"### {_label(row)} (lookahead {row.get('lookahead', 1)}, {row['policy']})", "",
                  per_layer_markdown(row), ""]
     return text

@@ -1,11 +1,12 @@
-"""Host->device expert copies: the only module that touches CUDA streams and events.
+"""CUDA streams and events: the only module that creates or waits on them.
 
-Two copy streams: `demand` (high priority) for reactive misses and `prefetch` for predicted experts, so a miss is
-not queued behind speculative copies. Per slot, `ready` is recorded after the copy into it and `free` after the last
-compute that read it; a copy into a slot first waits for both, so a slot is never overwritten while a kernel may
-still read it, and copies into the same slot never race. Eviction writes nothing back: the host copy is the master.
+- `TransferEngine`: host->device copies into a ring of slots on two copy streams (`demand`, high priority, and
+  `prefetch`), used by layer streaming. Per slot, `ready` is recorded after the copy into it and `free` after the
+  last compute that read it; a copy into a slot first waits for both, so a slot is never overwritten while a kernel
+  may still read it.
+- `SideStream`: the branch of a decode step on which prefetch fills run beside the layers (residency/).
 
-On the CPU the same interface copies synchronously, so cache, policies and accounting run unchanged in CI.
+On the CPU the same interfaces run synchronously, so everything above them runs unchanged in CI.
 """
 
 from __future__ import annotations
@@ -49,15 +50,14 @@ class TransferEngine:
             self._free: list[torch.cuda.Event | None] = [None] * n_slots
 
     # ---- copies ---------------------------------------------------------------------------------------------------
-    def copy(self, src: torch.Tensor, dst: torch.Tensor, slot: int, demand: bool) -> float:
-        """Copy one expert record into `slot`. Asynchronous on CUDA; returns the seconds it took on the CPU."""
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, slot: int, demand: bool) -> None:
+        """Copy one record into `slot`. Asynchronous on CUDA; timed as stall on the CPU when it is a demand."""
         if not self.cuda:
             start = time.perf_counter()
             dst.copy_(src)
-            elapsed = time.perf_counter() - start
             if demand:
-                self.stall.cpu_seconds += elapsed
-            return elapsed
+                self.stall.cpu_seconds += time.perf_counter() - start
+            return
         stream = self.demand_stream if demand else self.prefetch_stream
         for event in (self._free[slot], self._ready[slot]):
             if event is not None:
@@ -67,7 +67,6 @@ class TransferEngine:
             ready = torch.cuda.Event()
             ready.record(stream)
         self._ready[slot] = ready
-        return 0.0
 
     def is_ready(self, slot: int) -> bool:
         """Host-side, non-blocking: has the last copy into `slot` landed?"""

@@ -60,10 +60,8 @@ def test_sampling_is_seeded_and_batch_independent(v3):
     first = v3.generate(prompts, **kwargs)
     again = v3.generate(prompts, **kwargs)
     assert first.sequences == again.sequences
-    alone = v3.generate([prompts[1]], **kwargs).sequences[0]
-    # per-token noise is seeded by (seed, sequence index, position): row 1 alone is row 0 of its own batch
+    # per-token noise is seeded by (seed, sequence index, position): row 0 alone draws what it drew in the batch
     assert v3.generate([prompts[0]], **kwargs).sequences[0] == first.sequences[0]
-    assert len(alone) == 10
     other_seed = v3.generate(prompts, **{**kwargs, "seed": 99}).sequences
     assert other_seed != first.sequences
     greedy = v3.generate(prompts, max_new_tokens=10, stop_at_eos=False).sequences

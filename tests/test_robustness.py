@@ -105,16 +105,46 @@ def test_cli_bad_arguments_exit_without_traceback(checkpoint_factory, capsys):
     from moeprefetch.cli import main
 
     path = str(checkpoint_factory("v3"))
+    capsys.readouterr()  # the checkpoint builder's progress bar
     for argv, message in [
         (["generate", path, "--prompt-ids", "1,2", "--max-new-tokens", "0"], "max_new_tokens must be a positive"),
         (["generate", path, "--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
         (["generate", path, "--prompt", "hi"], "no tokenizer"),
         (["generate", path, "--prompt-ids", "1,2", "--predictor", "crystal_ball"], "unknown predictor"),
         (["generate", path, "--prompt-ids", "1,2", "--cache-fraction", "1.5"], "--cache-fraction must lie in"),
+        (["generate", path, "--prompt-ids", "1,2", "--cache-slots", "4", "--all-resident"], "contradict each other"),
+        (["generate", path, "--prompt-ids", "1,2", "--cache-slots", "4", "--vram-budget", "1GiB"], "contradict"),
+        (["generate", path, "--prompt-ids", "1,2", "--lookahead", "0"], "lookahead must be a positive integer"),
+        (["generate", path, "--prompt-ids", "1,2", "--max-seq-len", "0"], "max_seq_len must be a positive integer"),
+        (["generate", path, "--prompt-ids", "1,2", "--stats-json", "/no/such/dir/s.json"], "cannot be written"),
+        (["generate", path, "--prompt-ids", "1,2", "--min-confidence", "2"], "min_confidence must be a number"),
+    ]:
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        err = captured.err
+        assert err.startswith("error: ") and message in err and "Traceback" not in err
+        assert captured.out == ""  # nothing echoed before the error
+
+
+def test_cli_report_on_bad_results_and_verbose_anywhere(checkpoint_factory, tmp_path, capsys):
+    from moeprefetch.cli import main
+
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_text("not json\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for argv, message in [
+        (["report", str(garbage), "--out", str(tmp_path / "a")], "is not JSON"),
+        (["report", str(empty), "--out", str(tmp_path / "b")], "holds no successful sweep points"),
+        (["report", str(tmp_path / "missing.jsonl")], "is not a file"),
+        (["report", str(tmp_path / "stats.json")], "is not a file"),
     ]:
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and "Traceback" not in err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # no empty output folders
+    path = str(checkpoint_factory("v3"))
+    assert main(["info", path, "-v"]) == 0 and main(["-v", "info", path]) == 0
 
 
 # ---- limits and faults --------------------------------------------------------------------------------------------
