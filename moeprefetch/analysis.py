@@ -33,7 +33,7 @@ def record_routing(engine: "MoEPrefetchEngine", prompt: list[int], new_tokens: i
     from .session import Session
 
     res = engine.residency
-    request = engine._request([prompt], new_tokens, 0.0, 0, 1.0, 0, "none", 1, None, False, None)
+    request = engine._new_request([prompt], new_tokens, 0.0, 0, 1.0, 0, "none", 1, None, False, None)
     res.prefill_log = []
     run = engine._run(Session(engine, request, record=True))
     try:

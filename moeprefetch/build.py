@@ -135,6 +135,36 @@ def validate_hot_set(hot_set: Any, layers: list[int], n_experts: int) -> list[Ex
     return keys
 
 
+def _check_options(policy: str, expert_dtype: str, max_batch_size: Any, prefill_chunk: Any,
+                   max_inflight_experts: Any, stream_layers: Any, expert_cache_slots: Any, stream_ahead: Any,
+                   min_confidence: Any, prefetch_budget: Any, vram_budget: Any, expert_cache_fraction: Any,
+                   max_seq_len: Any) -> None:
+    """Every engine option, checked before anything is read or allocated."""
+    if policy not in POLICIES:
+        raise RequestError(f"unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if expert_dtype not in EXPERT_DTYPES:
+        raise RequestError(f"expert_dtype must be one of {', '.join(EXPERT_DTYPES)}, got {expert_dtype!r}")
+    check_positive_int("max_batch_size", max_batch_size)
+    check_positive_int("prefill_chunk", prefill_chunk)
+    for name, value in (("max_inflight_experts", max_inflight_experts), ("stream_layers", stream_layers),
+                        ("expert_cache_slots", expert_cache_slots), ("max_seq_len", max_seq_len)):
+        if value is not None:
+            check_positive_int(name, value)
+    check_positive_int("stream_ahead", stream_ahead)
+    check_fraction("min_confidence", min_confidence, upper_open=False)
+    if (not isinstance(prefetch_budget, (int, float)) or isinstance(prefetch_budget, bool)
+            or not math.isfinite(prefetch_budget) or prefetch_budget < 0):
+        raise RequestError(f"prefetch_budget must be a number >= 0 (a multiple of top-k), got {prefetch_budget!r}")
+    sizes = [name for name, value in (("expert_cache_slots", expert_cache_slots), ("vram_budget", vram_budget),
+                                      ("expert_cache_fraction", expert_cache_fraction)) if value is not None]
+    if len(sizes) > 1:
+        raise RequestError(f"give one of {' or '.join(sizes)}, not both: each sizes the expert cache")
+    if expert_cache_fraction is not None and (
+            not isinstance(expert_cache_fraction, (int, float)) or isinstance(expert_cache_fraction, bool)
+            or not 0 < expert_cache_fraction <= 1):
+        raise RequestError(f"expert_cache_fraction must be a number in (0, 1], got {expert_cache_fraction!r}")
+
+
 def build_engine(
     cls: type["MoEPrefetchEngine"],
     path: str | Path,
@@ -164,31 +194,9 @@ def build_engine(
     path = Path(path)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype)
-    if policy not in POLICIES:
-        raise RequestError(f"unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    if expert_dtype not in EXPERT_DTYPES:
-        raise RequestError(f"expert_dtype must be one of {', '.join(EXPERT_DTYPES)}, got {expert_dtype!r}")
-    check_positive_int("max_batch_size", max_batch_size)
-    check_positive_int("prefill_chunk", prefill_chunk)
-    for name, value in (("max_inflight_experts", max_inflight_experts), ("stream_layers", stream_layers),
-                        ("expert_cache_slots", expert_cache_slots)):
-        if value is not None:
-            check_positive_int(name, value)
-    check_positive_int("stream_ahead", stream_ahead)
-    check_fraction("min_confidence", min_confidence, upper_open=False)
-    if (not isinstance(prefetch_budget, (int, float)) or isinstance(prefetch_budget, bool)
-            or not math.isfinite(prefetch_budget) or prefetch_budget < 0):
-        raise RequestError(f"prefetch_budget must be a number >= 0 (a multiple of top-k), got {prefetch_budget!r}")
-    sizes = [name for name, value in (("expert_cache_slots", expert_cache_slots), ("vram_budget", vram_budget),
-                                      ("expert_cache_fraction", expert_cache_fraction)) if value is not None]
-    if len(sizes) > 1:
-        raise RequestError(f"give one of {' or '.join(sizes)}, not both: each sizes the expert cache")
-    if expert_cache_fraction is not None and (
-            not isinstance(expert_cache_fraction, (int, float)) or isinstance(expert_cache_fraction, bool)
-            or not 0 < expert_cache_fraction <= 1):
-        raise RequestError(f"expert_cache_fraction must be a number in (0, 1], got {expert_cache_fraction!r}")
-    if max_seq_len is not None:
-        check_positive_int("max_seq_len", max_seq_len)
+    _check_options(policy, expert_dtype, max_batch_size, prefill_chunk, max_inflight_experts, stream_layers,
+                   expert_cache_slots, stream_ahead, min_confidence, prefetch_budget, vram_budget,
+                   expert_cache_fraction, max_seq_len)
     budget_bytes = parse_bytes(vram_budget) if vram_budget is not None else None
 
     args = load_model_args(path)
@@ -219,14 +227,6 @@ def build_engine(
     for note in plan.notes:
         logger.info(note)
 
-    start = time.perf_counter()
-    weights = load_model_weights(reader, args, torch_dtype, dev, progress, frozenset(plan.streamed_layers))
-    streamer = None
-    if plan.streamed_layers:
-        streamer = LayerStreamer([weights.layers[i] for i in plan.streamed_layers], dev, plan.stream_ahead,
-                                 pin=pin_memory and dev.type == "cuda")
-        for i, layer in zip(plan.streamed_layers, streamer.layers):
-            weights.layers[i] = layer
     hot = validate_hot_set(hot_set, expert_layers, args.n_routed_experts)
     if hot and policy != "static":
         raise RequestError("hot_set is only used by policy='static'")
@@ -234,11 +234,29 @@ def build_engine(
         raise RequestError(
             f"the static hot set ({len(hot)} experts) leaves fewer than top-k ({args.num_experts_per_tok}) of the "
             f"{plan.expert_slots} cache slots free")
+    start = time.perf_counter()
+    weights, streamer, residency = _load(reader, args, options, plan, fmt, expert_layers, block, hot, pin_memory)
+    reader.close()
+    logger.info("loaded %s in %.1f s", path, time.perf_counter() - start)
+    return cls(path, args, weights, residency, tokenizer, options, plan, streamer)
+
+
+def _load(reader: CheckpointReader, args: ModelArgs, options: EngineOptions, plan: MemoryPlan, fmt: ExpertFormat,
+          expert_layers: list[int], block: tuple[int, int], hot: list[ExpertKey], pin_memory: bool):
+    """Weights to the device (or the streaming ring), experts to the host store or the pool, the residency table."""
+    dev, torch_dtype, policy, progress = options.device, options.dtype, options.policy, options.progress
+    weights = load_model_weights(reader, args, torch_dtype, dev, progress, frozenset(plan.streamed_layers))
+    streamer = None
+    if plan.streamed_layers:
+        streamer = LayerStreamer([weights.layers[i] for i in plan.streamed_layers], dev, plan.stream_ahead,
+                                 pin=pin_memory and dev.type == "cuda")
+        for i, layer in zip(plan.streamed_layers, streamer.layers):
+            weights.layers[i] = layer
     store = None
     if not plan.all_resident:
         store = HostExpertStore(fmt, expert_layers, args.n_routed_experts, pin=pin_memory and dev.type == "cuda")
     residency = Residency(fmt, expert_layers, len(args.moe_layers), args.n_routed_experts, args.num_experts_per_tok,
-                          plan.expert_slots, dev, args.hidden_act, store, max_rows=2 * max_batch_size,
+                          plan.expert_slots, dev, args.hidden_act, store, max_rows=2 * options.max_batch_size,
                           policy=policy, hot_set=hot)
     experts = CheckpointExperts(reader, args, block)
 
@@ -249,9 +267,7 @@ def build_engine(
         residency.preload(pack, progress)
     else:
         store.fill(pack, progress)
-    reader.close()
-    logger.info("loaded %s in %.1f s", path, time.perf_counter() - start)
-    return cls(path, args, weights, residency, tokenizer, options, plan, streamer)
+    return weights, streamer, residency
 
 
 def plan_engine_memory(

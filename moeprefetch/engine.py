@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .build import EngineOptions, build_engine, check_fraction, check_positive_int, predictor_spec
+from .build import EngineOptions, build_engine, check_fraction
 from .config import ModelArgs
 from .decode import DecodeStep, StepShape
 from .errors import RequestError, ResourceError
@@ -24,13 +24,13 @@ from .predictors import PredictorSpec
 from .residency import Residency
 from .runner import KVCaches, ModelRunner
 from .sampling import DeviceSampler, SamplingParams
+from .requests import as_batch_tensor, build_request
 from .session import GenerationResult, Request, Session, TokenEvent
 from .streaming import LayerStreamer
 from .weights import ModelWeights, weights_nbytes
 
 logger = logging.getLogger(__name__)
 
-SPECULATIVE_MODES = (None, "mtp")
 ExpertKey = tuple[int, int]
 __all__ = ["MoEPrefetchEngine", "GenerationResult", "TokenEvent", "EngineOptions"]
 
@@ -203,7 +203,7 @@ class MoEPrefetchEngine:
         """Main-head logits [B, T, vocab] (fp32) of one full, uncached forward; with `return_mtp`, also the MTP
         logits [B, T-1, vocab], where position i predicts token i+2 from the main hidden state at i and token i+1."""
         self._check_idle()
-        ids = self._as_batch_tensor(input_ids)
+        ids = as_batch_tensor(input_ids, self.args, self.device)
         if return_mtp and not self.has_mtp:
             raise RequestError("return_mtp=True needs an MTP layer, and this checkpoint has none")
         if return_mtp and ids.shape[1] < 2:
@@ -234,31 +234,6 @@ class MoEPrefetchEngine:
                 res.end_call()
             self._active = False
 
-    def _as_batch_tensor(self, input_ids: Any) -> torch.Tensor:
-        if isinstance(input_ids, torch.Tensor):
-            ids = input_ids
-        else:
-            try:
-                ids = torch.tensor(input_ids)
-            except (TypeError, ValueError):
-                raise RequestError("input_ids must be a [B, T] tensor or a list of equal-length token-id lists") from None
-        if ids.dim() == 1:
-            ids = ids[None]
-        if ids.dim() != 2 or ids.shape[1] == 0 or ids.shape[0] == 0:
-            raise RequestError(f"input_ids must have shape [B, T] with B, T >= 1, got {tuple(ids.shape)}")
-        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            raise RequestError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
-        self._check_token_range(ids.flatten().tolist())
-        if ids.shape[1] > self.args.max_position_embeddings:
-            raise RequestError(
-                f"input of {ids.shape[1]} tokens exceeds the model's {self.args.max_position_embeddings} positions")
-        return ids.to(device=self.device, dtype=torch.long)
-
-    def _check_token_range(self, tokens: list[int]) -> None:
-        bad = [t for t in tokens if not 0 <= t < self.args.vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.args.vocab_size})")
-
     # ---- generation -----------------------------------------------------------------------------------------------
     def generate(
         self,
@@ -283,7 +258,7 @@ class MoEPrefetchEngine:
         this call;
         `speculative="mtp"` verifies the MTP draft in the same forward (two tokens per forward when accepted).
         `callback` receives each token as it is produced. Ctrl-C returns the tokens produced so far."""
-        events = self._events(self._request(prompts, max_new_tokens, temperature, top_k, top_p, seed, predictor,
+        events = self._events(self._new_request(prompts, max_new_tokens, temperature, top_k, top_p, seed, predictor,
                                             lookahead, speculative, stop_at_eos, event_log, min_confidence),
                               want_text=callback is not None)
         try:
@@ -315,71 +290,14 @@ class MoEPrefetchEngine:
         values = [kwargs.pop(name, default) for name, default in zip(names, defaults)]
         if kwargs:
             raise RequestError(f"unknown argument(s) to stream: {', '.join(kwargs)}")
-        return self._events(self._request(prompts, max_new_tokens, *values))
+        return self._events(self._new_request(prompts, max_new_tokens, *values))
 
-    def _request(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead, speculative,
-                 stop_at_eos, event_log, min_confidence=None) -> Request:
+    def _new_request(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead,
+                     speculative, stop_at_eos, event_log, min_confidence=None) -> Request:
         self._check_idle()
-        if min_confidence is None:
-            min_confidence = self.options.min_confidence
-        check_fraction("min_confidence", min_confidence, upper_open=False)
-        if event_log is not None:
-            parent = Path(event_log).expanduser().resolve().parent
-            if not parent.is_dir() or not os.access(parent, os.W_OK):
-                raise RequestError(f"event_log {event_log!r} cannot be written: {parent} is not a writable directory")
-        token_prompts = self._tokenize(prompts)
-        check_positive_int("max_new_tokens", max_new_tokens)
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, ()).item())
-        sampling = SamplingParams(temperature, top_k, top_p, seed)
-        sampling.validate()
-        spec = predictor_spec(predictor if predictor is not None else self.options.predictor,
-                              self.options.lookahead if lookahead is None else lookahead, self.has_mtp)
-        if speculative not in SPECULATIVE_MODES:
-            raise RequestError(f"speculative must be None or 'mtp', got {speculative!r}")
-        if speculative == "mtp" and not self.has_mtp:
-            raise RequestError("speculative='mtp' needs an MTP layer, and this checkpoint has none")
-        if len(token_prompts) > self.options.max_batch_size:
-            raise RequestError(f"{len(token_prompts)} prompts exceed max_batch_size={self.options.max_batch_size} "
-                               f"set at load time")
-        for i, prompt in enumerate(token_prompts):
-            if len(prompt) > self.args.max_position_embeddings:
-                raise RequestError(f"prompt {i} has {len(prompt)} tokens, more than the model's "
-                                   f"{self.args.max_position_embeddings} positions")
-            # +2: the decode step writes the shadow/draft row one position ahead, and an accepted draft one more
-            needed = len(prompt) + max_new_tokens + 2
-            if needed > self.options.max_seq_len:
-                raise RequestError(f"prompt {i} ({len(prompt)} tokens) plus max_new_tokens={max_new_tokens} needs "
-                                   f"{needed} positions, more than max_seq_len={self.options.max_seq_len}")
-        return Request(token_prompts, max_new_tokens, sampling, spec, speculative, stop_at_eos, event_log,
-                       float(min_confidence))
-
-    def _tokenize(self, prompts: Any) -> list[list[int]]:
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        elif isinstance(prompts, torch.Tensor):
-            prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
-        if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-            raise RequestError("prompts must be a string, a non-empty list of strings or a list of token-id lists")
-        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
-            prompts = [list(prompts)]
-        out: list[list[int]] = []
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                if self.tokenizer is None:
-                    raise RequestError(
-                        f"prompt {i} is text but {self.path} has no tokenizer (no tokenizer.json); pass token ids")
-                ids = list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"]) if prompt else []
-            elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in prompt):
-                ids = list(prompt)
-            else:
-                raise RequestError(f"prompt {i} must be a string or a list of integer token ids")
-            if not ids:
-                raise RequestError(f"prompt {i} is empty")
-            self._check_token_range(ids)
-            out.append(ids)
-        return out
+        return build_request(self.args, self.tokenizer, self.options, self.path, self.has_mtp, prompts,
+                             max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead, speculative,
+                             stop_at_eos, event_log, min_confidence)
 
     def _decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

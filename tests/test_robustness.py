@@ -309,3 +309,22 @@ def test_more_bad_options(checkpoint_factory, engine, tmp_path):
         static.set_hot_set_from_profile(share=None)
     with pytest.raises(RequestError, match="event_log .* cannot be written"):
         engine.generate([[3, 4]], max_new_tokens=2, event_log=tmp_path / "missing" / "events.jsonl")
+
+
+def test_close_releases_the_pool_and_the_host_store(checkpoint_factory):
+    import gc
+    import weakref
+
+    engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False, expert_cache_slots=4)
+    engine.generate([[3, 4, 5]], max_new_tokens=4, stop_at_eos=False, predictor="mtp+next_layer_gate")
+    arena = weakref.ref(engine.residency.store.arena)
+    pool = weakref.ref(engine.residency.pool)
+    with engine:
+        pass  # leaving the block closes it
+    gc.collect()
+    assert arena() is None and pool() is None  # nothing keeps the experts' memory alive
+    for call in (lambda: engine.generate([[3]], max_new_tokens=2), lambda: engine.forward([[3]]),
+                 engine.memory_stats):
+        with pytest.raises(RequestError, match="has been closed"):
+            call()
+    engine.close()  # closing twice is harmless

@@ -187,9 +187,8 @@ if HAS_TRITON:
                         H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, REC_W: tl.constexpr,
                         GATE_W: tl.constexpr, UP_W: tl.constexpr, REC_S: tl.constexpr, GATE_S: tl.constexpr,
                         UP_S: tl.constexpr, SCOLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                        QUANT: tl.constexpr,
-                        ACT: tl.constexpr, N_PAD: tl.constexpr, K_PAD: tl.constexpr, BI: tl.constexpr,
-                        BK: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+                        QUANT: tl.constexpr, ACT: tl.constexpr, N_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                        BI: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
         """mid[u, r, i-tile] = act(x_r . gate_u) * (x_r . up_u) for the rows r of expert u."""
         u = tl.program_id(0)
         tile = tl.program_id(1)
@@ -219,8 +218,7 @@ if HAS_TRITON:
     def _down_kernel(mid_ptr, assign_ptr, u_key_ptr, u_slot_ptr, u_dst_ptr, w_ptr, s_ptr, delta_ptr, y_ptr, n_rows,
                      H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, REC_W: tl.constexpr,
                      DOWN_W: tl.constexpr, REC_S: tl.constexpr, DOWN_S: tl.constexpr, SCOLS: tl.constexpr,
-                     BR: tl.constexpr,
-                     BC: tl.constexpr, QUANT: tl.constexpr, N_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                     BR: tl.constexpr, BC: tl.constexpr, QUANT: tl.constexpr, N_PAD: tl.constexpr, K_PAD: tl.constexpr,
                      BH: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
         """y[u, r, h-tile] = mid[u, r] . down_u[h-tile] (fp32) for the rows r of expert u."""
         u = tl.program_id(0)

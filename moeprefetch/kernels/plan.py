@@ -141,6 +141,170 @@ if HAS_TRITON:
         tl.atomic_max(protect + rslot, deadline[:, None] + e2[None, :] * 0, mask=cand & (rslot >= 0))
 
     @triton.jit
+    def _distinct(e, valid, idx, PAD: tl.constexpr):
+        """Entries e (with `valid`) -> (first use of each distinct value, each entry's rank among the distinct
+        values in first-use order)."""
+        same = (e[:, None] == e[None, :]) & valid[:, None] & valid[None, :]
+        first = valid & ~(tl.max((same & (idx[None, :] < idx[:, None])).to(tl.int32), axis=1) > 0)
+        first_at = tl.min(tl.where(same, idx[None, :], PAD), axis=1)  # index of each entry's first use
+        rank = tl.sum((first[None, :] & (idx[None, :] < first_at[:, None])).to(tl.int32), axis=1)
+        return first, rank
+
+    @triton.jit
+    def _exact_rows(ids_x, act_x, nx, position, now, assign, u_key, u_slot, u_dst, slot_of, last_use,
+                    prefetched_at, use_count, inflight_of, e_made, counters, E: tl.constexpr, K: tl.constexpr,
+                    XK_PAD: tl.constexpr, NC: tl.constexpr):
+        """The exact rows' distinct experts: hit / late / miss, recency, prefetch usefulness, counters."""
+        ix = tl.arange(0, XK_PAD)
+        inside = ix < nx * K
+        on_x = inside & (tl.load(act_x + ix // K, mask=inside, other=0) != 0)
+        ex = tl.load(ids_x + ix, mask=inside, other=0).to(tl.int32)
+        first, u_of = _distinct(ex, on_x, ix, XK_PAD)
+        u_first = _exclusive_cumsum(first)
+        tl.store(assign + ix, tl.where(on_x, u_of, -1), mask=inside)
+        key = position * E + ex
+        slot = tl.load(slot_of + key, mask=first, other=-1)
+        infl = tl.load(inflight_of + key, mask=first, other=-1)
+        hit = first & (slot >= 0)
+        made = tl.load(prefetched_at + slot, mask=hit, other=-1)
+        was_prefetch = hit & (made >= 0)
+        late = first & (slot < 0) & (infl >= 0)
+        miss = first & (slot < 0) & (infl < 0)
+        tl.store(u_key + u_first, key, mask=first)
+        tl.store(u_slot + u_first, slot, mask=first)
+        tl.store(u_dst + u_first, -1, mask=first)
+        tl.store(last_use + slot, now, mask=hit)
+        tl.store(prefetched_at + slot, -1, mask=was_prefetch)
+        tl.store(use_count + key, tl.load(use_count + key, mask=first, other=0) + 1, mask=first)
+        tl.store(e_made + infl, -1, mask=late)  # served late: on landing it is no unused prefetch
+        _bump(counters, position, 0, _count(first), NC)  # uses
+        _bump(counters, position, 1, _count(hit & ~was_prefetch), NC)  # hit
+        _bump(counters, position, 2, _count(was_prefetch), NC)  # prefetched
+        _bump(counters, position, 3, _count(late), NC)  # late
+        _bump(counters, position, 4, _count(miss), NC)  # miss
+        _bump(counters, position, 5, _count(late | miss), NC)  # zero_copy
+        _bump(counters, position, 9, tl.sum(tl.where(was_prefetch, now - made, 0), axis=0), NC)  # lead_sum
+        return ex, first, u_first, key, miss
+
+    @triton.jit
+    def _admit(key, miss, u_first, position, now, step_base, u_dst, adm_key, adm_slot, slot_of, key_of,
+               slot_state, last_use, protect, prefetched_at, pinned, inflight_of, victims, cursor_ptr, scratch,
+               counters, S, E: tl.constexpr, WIN: tl.constexpr, NC: tl.constexpr):
+        """Victims for the misses: each admitted miss is written into its victim slot by the expert kernel."""
+        taken = _pop_victims(_count(miss), now, step_base, victims, cursor_ptr, key_of, slot_state, protect,
+                             last_use, pinned, scratch, S, WIN)
+        tl.debug_barrier()
+        miss_rank = _exclusive_cumsum(miss)
+        admit = miss & (miss_rank < taken)
+        v = tl.load(scratch + miss_rank, mask=admit, other=0)
+        _evict(v, admit, slot_of, key_of, prefetched_at, counters, E, NC, 6, 8)
+        tl.store(key_of + v, key, mask=admit)
+        tl.store(slot_state + v, 2, mask=admit)  # FILLING
+        tl.store(last_use + v, now, mask=admit)
+        tl.store(inflight_of + key, -2, mask=admit)  # ADMITTING
+        tl.store(u_dst + u_first, v, mask=admit)
+        tl.store(adm_key + u_first, key, mask=admit)
+        tl.store(adm_slot + u_first, v, mask=admit)
+        _bump(counters, position, 15, _count(admit), NC)  # admitted
+
+    @triton.jit
+    def _score(ex, first, position, dstep, pred, counters, R, MIN_CONF, P: tl.constexpr, P_MAIN: tl.constexpr,
+               E: tl.constexpr, E_PAD: tl.constexpr, NC: tl.constexpr):
+        """Recall and precision of the predictions made for this (step, layer)."""
+        if position < P_MAIN:
+            row = pred + ((dstep % R) * P + position) * E
+            e_all = tl.arange(0, E_PAD)
+            conf = tl.load(row + e_all, mask=e_all < E, other=0.0)
+            conf_x = tl.load(row + ex, mask=first, other=0.0)
+            _bump(counters, position, 10, _count((conf > 0) & (conf >= MIN_CONF)), NC)  # predicted
+            _bump(counters, position, 11, _count(first), NC)  # truth
+            _bump(counters, position, 12, _count(first & (conf_x > 0) & (conf_x >= MIN_CONF)), NC)  # correct
+
+    @triton.jit
+    def _shadow_rows(ids_s, act_s, ns, nx, position, ex, first, u_first, assign, u_key, u_slot, u_dst, slot_of,
+                     E: tl.constexpr, K: tl.constexpr, SK_PAD: tl.constexpr):
+        """Shadow rows share the exact rows' experts and use other experts only where they are published."""
+        js = tl.arange(0, SK_PAD)
+        inside_s = js < ns * K
+        on_s = inside_s & (tl.load(act_s + js // K, mask=inside_s, other=0) != 0)
+        es = tl.load(ids_s + js, mask=inside_s, other=0).to(tl.int32)
+        match = (es[:, None] == ex[None, :]) & first[None, :] & on_s[:, None]
+        in_exact = tl.max(match.to(tl.int32), axis=1) > 0
+        u_exact = tl.sum(tl.where(match, u_first[None, :], 0), axis=1)
+        skey = position * E + es
+        sslot = tl.load(slot_of + skey, mask=on_s & ~in_exact, other=-1)
+        avail = on_s & ~in_exact & (sslot >= 0)
+        first_s, rank_s = _distinct(es, avail, js, SK_PAD)
+        u_s = _count(first) + rank_s
+        tl.store(assign + nx * K + js, tl.where(in_exact, u_exact, tl.where(avail, u_s, -1)), mask=inside_s)
+        tl.store(u_key + u_s, skey, mask=first_s)
+        tl.store(u_slot + u_s, sslot, mask=first_s)
+        tl.store(u_dst + u_s, -1, mask=first_s)
+
+    @triton.jit
+    def _reserve(position, step, dstep, now, step_base, pred, slot_of, key_of, slot_state, last_use, protect,
+                 prefetched_at, pinned, inflight_of, e_state, e_key, e_slot, e_deadline, e_made, e_next, e_done,
+                 e_ready, victims, cursor_ptr, fills_for, counters, scratch, scratch_e, S, BUDGET, MAX_INFLIGHT,
+                 MIN_CONF, R, P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
+                 M: tl.constexpr, ROWS_PAD: tl.constexpr, WIN: tl.constexpr, NC: tl.constexpr):
+        """Fills for the window's missing predicted experts: rank within a target (its budget), then across targets
+        in deadline order (the cap in flight, free entries, victims)."""
+        rows, off, q, row_ok, ring_row, deadline, e2, cell_ok, cand, rkey, rslot = _window_cells(
+            position, step, dstep, pred, slot_of, P, P_MAIN, E, E_PAD, R, ROWS_PAD, MIN_CONF)
+        tl.atomic_max(protect + rslot, deadline[:, None] + e2[None, :] * 0, mask=cand & (rslot >= 0))
+        rinfl = tl.load(inflight_of + rkey, mask=cand, other=0)
+        need = cand & (rslot < 0) & (rinfl == -1)
+        # a key wanted this step is not also fetched for the next step
+        later = (off[:, None] == 1) & (q[:, None] > position)
+        conf0 = tl.load(pred + ((dstep % R) * P + q[:, None]) * E + e2[None, :], mask=cell_ok & later, other=0.0)
+        need = need & ~(later & (conf0 > 0) & (conf0 >= MIN_CONF))
+        used = tl.load(fills_for + ring_row * P + q, mask=row_ok, other=0)
+        in_row = tl.cumsum(need.to(tl.int32), axis=1) - need.to(tl.int32)
+        within = need & ((used[:, None] + in_row) < BUDGET)
+        row_total = tl.sum(within.to(tl.int32), axis=1)
+        grank = (tl.cumsum(row_total, axis=0) - row_total)[:, None] + tl.cumsum(within.to(tl.int32), axis=1) \
+            - within.to(tl.int32)
+        jm = tl.arange(0, M)
+        states = tl.load(e_state + jm)
+        free = states == 0  # E_FREE
+        tl.store(scratch_e + _exclusive_cumsum(free), jm, mask=free)
+        room = tl.minimum(MAX_INFLIGHT - _count(states == 1), _count(free))
+        tl.debug_barrier()
+        got = _pop_victims(_count2(within & (grank < room)), now, step_base, victims, cursor_ptr, key_of,
+                           slot_state, protect, last_use, pinned, scratch, S, WIN)
+        tl.debug_barrier()
+        go = within & (grank < got)
+        rv = tl.load(scratch + grank, mask=go, other=0)
+        rj = tl.load(scratch_e + grank, mask=go, other=0)
+        _evict(rv, go, slot_of, key_of, prefetched_at, counters, E, NC, 6, 8)
+        zero = e2[None, :] * 0
+        tl.store(key_of + rv, rkey, mask=go)
+        tl.store(slot_state + rv, 2, mask=go)  # FILLING
+        tl.store(protect + rv, deadline[:, None] + zero, mask=go)
+        tl.store(last_use + rv, now + zero, mask=go)
+        tl.store(inflight_of + rkey, rj, mask=go)
+        tl.store(e_key + rj, rkey, mask=go)
+        tl.store(e_slot + rj, rv, mask=go)
+        tl.store(e_deadline + rj, deadline[:, None] + zero, mask=go)
+        tl.store(e_made + rj, now + zero, mask=go)
+        tl.store(e_next + rj, 0, mask=go)
+        tl.store(e_done + rj, 0, mask=go)  # a reused entry's counts restart: no early 'ready'
+        tl.store(e_ready + rj, 0, mask=go)
+        tl.store(e_state + rj, 1, mask=go)  # E_ACTIVE
+        issued = tl.sum(go.to(tl.int32), axis=1)
+        tl.atomic_add(fills_for + ring_row * P + q, issued, mask=row_ok)
+        tl.atomic_add(counters + q * NC + 7, issued, mask=row_ok)  # prefetch_issued
+
+    @triton.jit
+    def _write_order(order, e_state, e_next, e_deadline, position, CHUNKS, M: tl.constexpr):
+        """Unfinished fills by deadline, for the fill launch that follows this plan."""
+        jl = tl.arange(0, M)
+        live = (tl.load(e_state + jl) == 1) & (tl.load(e_next + jl) < CHUNKS)
+        sort_key = tl.where(live, tl.load(e_deadline + jl) * M + jl, 9223372036854775807)
+        ordered = tl.sort(sort_key)
+        tl.store(order + (position + 1) * M + jl, tl.where(ordered < 9223372036854775807, ordered % M, -1))
+
+    @triton.jit
     def _plan_kernel(
         # inputs of the layer
         ids_x, act_x, ids_s, act_s, nx, ns, position,
@@ -169,163 +333,33 @@ if HAS_TRITON:
         _publish(slot_of, slot_state, prefetched_at, inflight_of, e_state, e_key, e_slot, e_made, e_ready, adm_key,
                  adm_slot, counters, E, M, A, A_PAD, NC, 13, 14, CHUNKS)
         tl.debug_barrier()
-
-        # ---- the exact rows' distinct experts, first-use order ----
-        ix = tl.arange(0, XK_PAD)
-        inside = ix < nx * K
-        on_x = inside & (tl.load(act_x + ix // K, mask=inside, other=0) != 0)
-        ex = tl.load(ids_x + ix, mask=inside, other=0).to(tl.int32)
-        same = (ex[:, None] == ex[None, :]) & on_x[:, None] & on_x[None, :]
-        earlier = tl.max((same & (ix[None, :] < ix[:, None])).to(tl.int32), axis=1) > 0
-        first = on_x & ~earlier
-        first_at = tl.min(tl.where(same, ix[None, :], XK_PAD), axis=1)  # index of each entry's first use
-        u_first = _exclusive_cumsum(first)
-        u_of = tl.sum((first[None, :] & (ix[None, :] < first_at[:, None])).to(tl.int32), axis=1)
-        tl.store(assign + ix, tl.where(on_x, u_of, -1), mask=inside)
-        n_exact = _count(first)
-
-        key = position * E + ex
-        slot = tl.load(slot_of + key, mask=first, other=-1)
-        infl = tl.load(inflight_of + key, mask=first, other=-1)
-        hit = first & (slot >= 0)
-        made = tl.load(prefetched_at + slot, mask=hit, other=-1)
-        was_prefetch = hit & (made >= 0)
-        late = first & (slot < 0) & (infl >= 0)
-        miss = first & (slot < 0) & (infl < 0)
-        tl.store(u_key + u_first, key, mask=first)
-        tl.store(u_slot + u_first, slot, mask=first)
-        tl.store(u_dst + u_first, -1, mask=first)
-        tl.store(last_use + slot, now, mask=hit)
-        tl.store(prefetched_at + slot, -1, mask=was_prefetch)
-        tl.store(use_count + key, tl.load(use_count + key, mask=first, other=0) + 1, mask=first)
-        tl.store(e_made + infl, -1, mask=late)
-        _bump(counters, position, 0, n_exact, NC)  # uses
-        _bump(counters, position, 1, _count(hit & ~was_prefetch), NC)  # hit
-        _bump(counters, position, 2, _count(was_prefetch), NC)  # prefetched
-        _bump(counters, position, 3, _count(late), NC)  # late
-        _bump(counters, position, 4, _count(miss), NC)  # miss
-        _bump(counters, position, 5, _count(late | miss), NC)  # zero_copy
-        _bump(counters, position, 9, tl.sum(tl.where(was_prefetch, now - made, 0), axis=0), NC)  # lead_sum
+        ex, first, u_first, key, miss = _exact_rows(ids_x, act_x, nx, position, now, assign, u_key, u_slot, u_dst,
+                                                    slot_of, last_use, prefetched_at, use_count, inflight_of, e_made,
+                                                    counters, E, K, XK_PAD, NC)
         tl.debug_barrier()
-
-        # ---- live predictions protect their resident experts before any victim is chosen ----
-        if RESERVE != 0:
+        if RESERVE != 0:  # live predictions protect their resident experts before any victim is chosen
             _protect_window(position, step, dstep, pred, slot_of, protect, P, P_MAIN, E, E_PAD, R, ROWS_PAD,
                             MIN_CONF)
             tl.debug_barrier()
-
-        # ---- admissions: victims for the misses ----
-        n_miss = _count(miss)
-        taken = _pop_victims(n_miss, now, step_base, victims, cursor_ptr, key_of, slot_state, protect, last_use,
-                             pinned, scratch, S, WIN)
-        tl.debug_barrier()
-        miss_rank = _exclusive_cumsum(miss)
-        admit = miss & (miss_rank < taken)
-        v = tl.load(scratch + miss_rank, mask=admit, other=0)
-        _evict(v, admit, slot_of, key_of, prefetched_at, counters, E, NC, 6, 8)
-        tl.store(key_of + v, key, mask=admit)
-        tl.store(slot_state + v, 2, mask=admit)  # FILLING
-        tl.store(last_use + v, now, mask=admit)
-        tl.store(inflight_of + key, -2, mask=admit)  # ADMITTING
-        tl.store(u_dst + u_first, v, mask=admit)
-        tl.store(adm_key + u_first, key, mask=admit)
-        tl.store(adm_slot + u_first, v, mask=admit)
-        _bump(counters, position, 15, _count(admit), NC)  # admitted
-
-        # ---- counters of predictions, routing trace ----
+        _admit(key, miss, u_first, position, now, step_base, u_dst, adm_key, adm_slot, slot_of, key_of, slot_state,
+               last_use, protect, prefetched_at, pinned, inflight_of, victims, cursor_ptr, scratch, counters, S, E,
+               WIN, NC)
         if RECALL != 0:
-            if position < P_MAIN:
-                row = pred + ((dstep % R) * P + position) * E
-                e_all = tl.arange(0, E_PAD)
-                conf = tl.load(row + e_all, mask=e_all < E, other=0.0)
-                predicted = (conf > 0) & (conf >= MIN_CONF)
-                conf_x = tl.load(row + ex, mask=first, other=0.0)
-                _bump(counters, position, 10, _count(predicted), NC)
-                _bump(counters, position, 11, n_exact, NC)
-                _bump(counters, position, 12, _count(first & (conf_x > 0) & (conf_x >= MIN_CONF)), NC)
+            _score(ex, first, position, dstep, pred, counters, R, MIN_CONF, P, P_MAIN, E, E_PAD, NC)
         if TRACE != 0:
             tl.store(trace + (dstep * P + position) * E + ex, 1, mask=first)
         tl.debug_barrier()
-
-        # ---- shadow rows: the exact rows' experts, or published ones ----
         if SHADOW != 0:
-            js = tl.arange(0, SK_PAD)
-            inside_s = js < ns * K
-            on_s = inside_s & (tl.load(act_s + js // K, mask=inside_s, other=0) != 0)
-            es = tl.load(ids_s + js, mask=inside_s, other=0).to(tl.int32)
-            match = (es[:, None] == ex[None, :]) & first[None, :] & on_s[:, None]
-            in_exact = tl.max(match.to(tl.int32), axis=1) > 0
-            u_exact = tl.sum(tl.where(match, u_first[None, :], 0), axis=1)
-            skey = position * E + es
-            sslot = tl.load(slot_of + skey, mask=on_s & ~in_exact, other=-1)
-            avail = on_s & ~in_exact & (sslot >= 0)
-            same_s = (es[:, None] == es[None, :]) & avail[:, None] & avail[None, :]
-            first_s = avail & ~(tl.max((same_s & (js[None, :] < js[:, None])).to(tl.int32), axis=1) > 0)
-            first_at_s = tl.min(tl.where(same_s, js[None, :], SK_PAD), axis=1)
-            u_s = n_exact + tl.sum((first_s[None, :] & (js[None, :] < first_at_s[:, None])).to(tl.int32), axis=1)
-            out = tl.where(in_exact, u_exact, tl.where(avail, u_s, -1))
-            tl.store(assign + nx * K + js, out, mask=inside_s)
-            tl.store(u_key + u_s, skey, mask=first_s)
-            tl.store(u_slot + u_s, sslot, mask=first_s)
-            tl.store(u_dst + u_s, -1, mask=first_s)
+            _shadow_rows(ids_s, act_s, ns, nx, position, ex, first, u_first, assign, u_key, u_slot, u_dst, slot_of,
+                         E, K, SK_PAD)
             tl.debug_barrier()
-
-        # ---- prefetch reservation over the prediction window ----
         if RESERVE != 0:
-            rows, off, q, row_ok, ring_row, deadline, e2, cell_ok, cand, rkey, rslot = _window_cells(
-                position, step, dstep, pred, slot_of, P, P_MAIN, E, E_PAD, R, ROWS_PAD, MIN_CONF)
-            resident = cand & (rslot >= 0)
-            tl.atomic_max(protect + rslot, deadline[:, None] + e2[None, :] * 0, mask=resident)
-            rinfl = tl.load(inflight_of + rkey, mask=cand, other=0)
-            need = cand & (rslot < 0) & (rinfl == -1)
-            # a key wanted this step is not also fetched for the next step
-            conf0 = tl.load(pred + ((dstep % R) * P + q[:, None]) * E + e2[None, :],
-                            mask=cell_ok & (off[:, None] == 1) & (q[:, None] > position), other=0.0)
-            need = need & ~((off[:, None] == 1) & (q[:, None] > position) & (conf0 > 0) & (conf0 >= MIN_CONF))
-            used = tl.load(fills_for + ring_row * P + q, mask=row_ok, other=0)
-            in_row = tl.cumsum(need.to(tl.int32), axis=1) - need.to(tl.int32)
-            within = need & ((used[:, None] + in_row) < BUDGET)
-            row_total = tl.sum(within.to(tl.int32), axis=1)
-            row_start = tl.cumsum(row_total, axis=0) - row_total
-            grank = row_start[:, None] + tl.cumsum(within.to(tl.int32), axis=1) - within.to(tl.int32)
-            jm = tl.arange(0, M)
-            states = tl.load(e_state + jm)
-            free = states == 0  # E_FREE
-            tl.store(scratch_e + _exclusive_cumsum(free), jm, mask=free)
-            room = tl.minimum(MAX_INFLIGHT - _count(states == 1), _count(free))
-            want = _count2(within & (grank < room))
+            _reserve(position, step, dstep, now, step_base, pred, slot_of, key_of, slot_state, last_use, protect,
+                     prefetched_at, pinned, inflight_of, e_state, e_key, e_slot, e_deadline, e_made, e_next, e_done,
+                     e_ready, victims, cursor_ptr, fills_for, counters, scratch, scratch_e, S, BUDGET, MAX_INFLIGHT,
+                     MIN_CONF, R, P, P_MAIN, E, E_PAD, M, ROWS_PAD, WIN, NC)
             tl.debug_barrier()
-            got = _pop_victims(want, now, step_base, victims, cursor_ptr, key_of, slot_state, protect, last_use,
-                               pinned, scratch, S, WIN)
-            tl.debug_barrier()
-            go = within & (grank < got)
-            rv = tl.load(scratch + grank, mask=go, other=0)
-            rj = tl.load(scratch_e + grank, mask=go, other=0)
-            _evict(rv, go, slot_of, key_of, prefetched_at, counters, E, NC, 6, 8)
-            tl.store(key_of + rv, rkey, mask=go)
-            tl.store(slot_state + rv, 2, mask=go)  # FILLING
-            tl.store(protect + rv, deadline[:, None] + e2[None, :] * 0, mask=go)
-            tl.store(last_use + rv, now + e2[None, :] * 0, mask=go)
-            tl.store(inflight_of + rkey, rj, mask=go)
-            tl.store(e_key + rj, rkey, mask=go)
-            tl.store(e_slot + rj, rv, mask=go)
-            tl.store(e_deadline + rj, deadline[:, None] + e2[None, :] * 0, mask=go)
-            tl.store(e_made + rj, now + e2[None, :] * 0, mask=go)
-            tl.store(e_next + rj, 0, mask=go)
-            tl.store(e_done + rj, 0, mask=go)  # a reused entry's counts restart: no early 'ready'
-            tl.store(e_ready + rj, 0, mask=go)
-            tl.store(e_state + rj, 1, mask=go)  # E_ACTIVE
-            tl.atomic_add(fills_for + ring_row * P + q, tl.sum(go.to(tl.int32), axis=1), mask=row_ok)
-            tl.atomic_add(counters + q * NC + 7, tl.sum(go.to(tl.int32), axis=1), mask=row_ok)  # issued
-            tl.debug_barrier()
-
-        # ---- unfinished fills by deadline, for the next fill launch ----
-        jl = tl.arange(0, M)
-        live = (tl.load(e_state + jl) == 1) & (tl.load(e_next + jl) < CHUNKS)
-        sort_key = tl.where(live, tl.load(e_deadline + jl) * M + jl, 9223372036854775807)
-        ordered = tl.sort(sort_key)
-        tl.store(order + (position + 1) * M + jl, tl.where(ordered < 9223372036854775807, ordered % M, -1))
-
+        _write_order(order, e_state, e_next, e_deadline, position, CHUNKS, M)
 
     @triton.jit
     def _step_start_kernel(step_ptr, dstep_ptr, step_base_ptr, progress_ptr, cursor_ptr, slot_of, key_of,

@@ -1,0 +1,115 @@
+"""Requests: every argument of a generate/stream/forward call checked and turned into a `Request`, before any state
+changes, so a bad request raises one clear `RequestError` and the engine serves the next one normally."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .build import EngineOptions, check_fraction, check_positive_int, predictor_spec
+from .config import ModelArgs
+from .errors import RequestError
+from .sampling import SamplingParams
+from .session import Request
+
+SPECULATIVE_MODES = (None, "mtp")
+
+
+def build_request(args: ModelArgs, tokenizer: Any, options: EngineOptions, path: Path, has_mtp: bool, prompts: Any,
+                  max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, predictor: Any,
+                  lookahead: Any, speculative: Any, stop_at_eos: bool, event_log: Any,
+                  min_confidence: Any = None) -> Request:
+    """A generate/stream call's arguments, checked against the model and the engine's options."""
+    if min_confidence is None:
+        min_confidence = options.min_confidence
+    check_fraction("min_confidence", min_confidence, upper_open=False)
+    if event_log is not None:
+        parent = Path(event_log).expanduser().resolve().parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise RequestError(f"event_log {event_log!r} cannot be written: {parent} is not a writable directory")
+    token_prompts = tokenize(prompts, tokenizer, args, path)
+    check_positive_int("max_new_tokens", max_new_tokens)
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, ()).item())
+    sampling = SamplingParams(temperature, top_k, top_p, seed)
+    sampling.validate()
+    spec = predictor_spec(predictor if predictor is not None else options.predictor,
+                          options.lookahead if lookahead is None else lookahead, has_mtp)
+    if speculative not in SPECULATIVE_MODES:
+        raise RequestError(f"speculative must be None or 'mtp', got {speculative!r}")
+    if speculative == "mtp" and not has_mtp:
+        raise RequestError("speculative='mtp' needs an MTP layer, and this checkpoint has none")
+    if len(token_prompts) > options.max_batch_size:
+        raise RequestError(f"{len(token_prompts)} prompts exceed max_batch_size={options.max_batch_size} "
+                           f"set at load time")
+    for i, prompt in enumerate(token_prompts):
+        if len(prompt) > args.max_position_embeddings:
+            raise RequestError(f"prompt {i} has {len(prompt)} tokens, more than the model's "
+                               f"{args.max_position_embeddings} positions")
+        # +2: the decode step writes the shadow/draft row one position ahead, and an accepted draft one more
+        needed = len(prompt) + max_new_tokens + 2
+        if needed > options.max_seq_len:
+            raise RequestError(f"prompt {i} ({len(prompt)} tokens) plus max_new_tokens={max_new_tokens} needs "
+                               f"{needed} positions, more than max_seq_len={options.max_seq_len}")
+    return Request(token_prompts, max_new_tokens, sampling, spec, speculative, stop_at_eos, event_log,
+                   float(min_confidence))
+
+
+def tokenize(prompts: Any, tokenizer: Any, args: ModelArgs, path: Path) -> list[list[int]]:
+    """Prompts in any accepted form -> token-id lists, checked against the vocabulary."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    elif isinstance(prompts, torch.Tensor):
+        prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
+    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise RequestError("prompts must be a string, a non-empty list of strings or a list of token-id lists")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        prompts = [list(prompts)]
+    out: list[list[int]] = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise RequestError(
+                    f"prompt {i} is text but {path} has no tokenizer (no tokenizer.json); pass token ids")
+            ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"]) if prompt else []
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in prompt):
+            ids = list(prompt)
+        else:
+            raise RequestError(f"prompt {i} must be a string or a list of integer token ids")
+        if not ids:
+            raise RequestError(f"prompt {i} is empty")
+        check_token_range(ids, args)
+        out.append(ids)
+    return out
+
+
+def as_batch_tensor(input_ids: Any, args: ModelArgs, device: torch.device) -> torch.Tensor:
+    """input_ids for `forward`: a [B, T] tensor or equal-length lists -> int64 on the device."""
+    if isinstance(input_ids, torch.Tensor):
+        ids = input_ids
+    else:
+        try:
+            ids = torch.tensor(input_ids)
+        except (TypeError, ValueError):
+            raise RequestError("input_ids must be a [B, T] tensor or a list of equal-length token-id lists") from None
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.shape[1] == 0 or ids.shape[0] == 0:
+        raise RequestError(f"input_ids must have shape [B, T] with B, T >= 1, got {tuple(ids.shape)}")
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise RequestError(f"input_ids must be integer token ids, got dtype {ids.dtype}")
+    check_token_range(ids.flatten().tolist(), args)
+    if ids.shape[1] > args.max_position_embeddings:
+        raise RequestError(
+            f"input of {ids.shape[1]} tokens exceeds the model's {args.max_position_embeddings} positions")
+    return ids.to(device=device, dtype=torch.long)
+
+
+def check_token_range(tokens: list[int], args: ModelArgs) -> None:
+    bad = [t for t in tokens if not 0 <= t < args.vocab_size]
+    if bad:
+        raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {args.vocab_size})")
