@@ -181,6 +181,8 @@ def test_shadow_rows_use_exact_experts_and_published_ones_only():
     t.start()
     out = t.plan(0, [[0, 1]], shadow=[[1, 6]])  # 1 is computed for the exact row; 6 is published
     assert out["assign"][1] == [1, 2] and out["key"][2] == 6 and out["slot"][2] >= 0
+    shadow_slot = out["slot"][2]
+    assert t.st.last_use[shadow_slot] == 2 * (int(t.st.step) * 3 + 0)  # read now: no fill may take it this step
     out = t.plan(1, [[0, 1]], shadow=[[5, 4]])  # neither is available: the shadow row skips both
     assert out["assign"][1] == [-1, -1]
     assert t.count("uses") == 6  # shadow rows are never counted

@@ -221,9 +221,10 @@ if HAS_TRITON:
             _bump(counters, position, 12, _count(first & (conf_x > 0) & (conf_x >= MIN_CONF)), NC)  # correct
 
     @triton.jit
-    def _shadow_rows(ids_s, act_s, ns, nx, position, ex, first, u_first, assign, u_key, u_slot, u_dst, slot_of,
-                     E: tl.constexpr, K: tl.constexpr, SK_PAD: tl.constexpr):
-        """Shadow rows share the exact rows' experts and use other experts only where they are published."""
+    def _shadow_rows(ids_s, act_s, ns, nx, position, now, ex, first, u_first, assign, u_key, u_slot, u_dst,
+                     slot_of, last_use, E: tl.constexpr, K: tl.constexpr, SK_PAD: tl.constexpr):
+        """Shadow rows share the exact rows' experts and use other experts only where they are published; a slot
+        they read counts as used this step, so no fill of this step can overwrite it while it is read."""
         js = tl.arange(0, SK_PAD)
         inside_s = js < ns * K
         on_s = inside_s & (tl.load(act_s + js // K, mask=inside_s, other=0) != 0)
@@ -240,6 +241,7 @@ if HAS_TRITON:
         tl.store(u_key + u_s, skey, mask=first_s)
         tl.store(u_slot + u_s, sslot, mask=first_s)
         tl.store(u_dst + u_s, -1, mask=first_s)
+        tl.store(last_use + sslot, now, mask=first_s)
 
     @triton.jit
     def _reserve(position, step, dstep, now, step_base, pred, slot_of, key_of, slot_state, last_use, protect,
@@ -350,8 +352,8 @@ if HAS_TRITON:
             tl.store(trace + (dstep * P + position) * E + ex, 1, mask=first)
         tl.debug_barrier()
         if SHADOW != 0:
-            _shadow_rows(ids_s, act_s, ns, nx, position, ex, first, u_first, assign, u_key, u_slot, u_dst, slot_of,
-                         E, K, SK_PAD)
+            _shadow_rows(ids_s, act_s, ns, nx, position, now, ex, first, u_first, assign, u_key, u_slot, u_dst,
+                         slot_of, last_use, E, K, SK_PAD)
             tl.debug_barrier()
         if RESERVE != 0:
             _reserve(position, step, dstep, now, step_base, pred, slot_of, key_of, slot_state, last_use, protect,

@@ -188,7 +188,8 @@ def plan_layer(
         t.bump(position, "admitted")
 
     if ids_s is not None and act_s is not None:
-        _shadow_rows(t, position * e_count, ids_s.tolist(), act_s.tolist(), nx, exact, out_assign, keys, slots)
+        _shadow_rows(t, position * e_count, ids_s.tolist(), act_s.tolist(), nx, exact, out_assign, keys, slots,
+                     now)
 
     if count_recall and position < cfg.main_positions:
         conf = st.pred[dstep % cfg.ring, position].tolist()
@@ -211,8 +212,10 @@ def plan_layer(
 
 
 def _shadow_rows(t: _Lists, key_base: int, rows: list[list[int]], active: list[bool], offset: int,
-                 exact: dict[int, int], out_assign: list[list[int]], keys: list[int], slots: list[int]) -> None:
-    """Shadow rows share the exact rows' experts and use other experts only where they are published."""
+                 exact: dict[int, int], out_assign: list[list[int]], keys: list[int], slots: list[int],
+                 now: int) -> None:
+    """Shadow rows share the exact rows' experts and use other experts only where they are published. A slot a
+    shadow row reads counts as used this step, so no fill of this step can overwrite it while it is read."""
     extra: dict[int, int] = {}
     for r, row in enumerate(rows):
         if not active[r]:
@@ -228,6 +231,7 @@ def _shadow_rows(t: _Lists, key_base: int, rows: list[list[int]], active: list[b
                 u = len(exact) + len(extra)
                 extra[e] = u
                 keys[u], slots[u] = key_base + e, slot
+                t.last_use[slot] = now
             out_assign[offset + r][j] = extra[e]
 
 
