@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# how the MTP head reads its routed experts: only those in VRAM (drafts steer speed, never tokens), or all of them
+DRAFT_EXPERTS = ("cached", "all")
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 ExpertKey = tuple[int, int]
@@ -51,6 +54,7 @@ class EngineOptions:
     prefill_chunk: int
     expert_dtype: str
     min_confidence: float = 0.0
+    draft_experts: str = "cached"  # the MTP head's routed experts: "cached" (VRAM only) or "all"
     cuda_graphs: bool = True
     progress: bool = True
 
@@ -138,8 +142,10 @@ def validate_hot_set(hot_set: Any, layers: list[int], n_experts: int) -> list[Ex
 def _check_options(policy: str, expert_dtype: str, max_batch_size: Any, prefill_chunk: Any,
                    max_inflight_experts: Any, stream_layers: Any, expert_cache_slots: Any, stream_ahead: Any,
                    min_confidence: Any, prefetch_budget: Any, vram_budget: Any, expert_cache_fraction: Any,
-                   max_seq_len: Any) -> None:
+                   max_seq_len: Any, draft_experts: Any = "cached") -> None:
     """Every engine option, checked before anything is read or allocated."""
+    if draft_experts not in DRAFT_EXPERTS:
+        raise RequestError(f"draft_experts must be one of {', '.join(DRAFT_EXPERTS)}, got {draft_experts!r}")
     if policy not in POLICIES:
         raise RequestError(f"unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if expert_dtype not in EXPERT_DTYPES:
@@ -180,6 +186,7 @@ def build_engine(
     prefetch_budget: float,
     max_inflight_experts: int | None,
     min_confidence: float,
+    draft_experts: str,
     max_seq_len: int | None,
     max_batch_size: int,
     prefill_chunk: int,
@@ -196,7 +203,7 @@ def build_engine(
     torch_dtype = resolve_dtype(dtype)
     _check_options(policy, expert_dtype, max_batch_size, prefill_chunk, max_inflight_experts, stream_layers,
                    expert_cache_slots, stream_ahead, min_confidence, prefetch_budget, vram_budget,
-                   expert_cache_fraction, max_seq_len)
+                   expert_cache_fraction, max_seq_len, draft_experts)
     budget_bytes = parse_bytes(vram_budget) if vram_budget is not None else None
 
     args = load_model_args(path)
@@ -214,7 +221,7 @@ def build_engine(
         device=dev, dtype=torch_dtype, policy=policy, predictor=predictor, lookahead=lookahead,
         prefetch_budget=float(prefetch_budget), max_inflight_experts=max_inflight_experts, max_seq_len=seq_len,
         max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, expert_dtype=expert_dtype,
-        min_confidence=float(min_confidence), cuda_graphs=bool(cuda_graphs), progress=progress)
+        min_confidence=float(min_confidence), draft_experts=draft_experts, cuda_graphs=bool(cuda_graphs), progress=progress)
     block = (args.quant.block_rows, args.quant.block_cols) if args.quant else (128, 128)
     fmt = ExpertFormat.build(args.hidden_size, args.moe_intermediate_size, torch_dtype, expert_dtype, block)
     expert_layers = list(args.moe_layers) + ([args.mtp_layer_index] if has_mtp else [])

@@ -44,6 +44,7 @@ class StepShape:
     top_p: bool
     reserve: bool  # predictions become prefetches (never with every expert resident)
     record: bool = False  # the routing is recorded into the table's trace (the oracle's first pass)
+    draft_cached: bool = False  # the MTP head computes with cached experts only; its misses become next-step fills
 
     @property
     def extra(self) -> int:
@@ -251,9 +252,17 @@ class DecodeStep:
 
         def routed(layer: int, flat: list[torch.Tensor], routings: list[Routing]) -> list[torch.Tensor]:
             act = self.active.repeat_interleave(rows)
-            out = self.res.decode_experts(layer, flat[0].contiguous(), routings[0].ids, act, None, None,
-                                          routings[0].weights, self.buffers, self.shape.reserve, count_recall=False)
-            return [out]
+            ids, weights = routings[0].ids, routings[0].weights
+            if not self.shape.draft_cached:
+                out = self.res.decode_experts(layer, flat[0].contiguous(), ids, act, None, None, weights,
+                                              self.buffers, self.shape.reserve, count_recall=False)
+                return [out]
+            # Drafts only steer prefetching and speculation (which verifies them), so the head may draft with the
+            # experts already in VRAM: its rows ride as shadow rows, and it never moves an expert over the link
+            # (on the reference model its own misses cost more bytes than all its predictions saved).
+            none = ids[:0]
+            return [self.res.decode_experts(layer, flat[0].contiguous(), none, act[:0], ids, act, weights,
+                                            self.buffers, self.shape.reserve, count_recall=False)]
 
         x = block(args, mtp.layer, [x], attend, routed, self.runner.act)[0]
         logits = self.runner.mtp_logits(x)  # [B, M, V]

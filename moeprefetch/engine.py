@@ -72,6 +72,7 @@ class MoEPrefetchEngine:
         prefetch_budget: float = 1.5,
         max_inflight_experts: int | None = None,
         min_confidence: float = 0.0,
+        draft_experts: str = "cached",
         max_seq_len: int | None = None,
         max_batch_size: int = 8,
         prefill_chunk: int = 512,
@@ -91,7 +92,9 @@ class MoEPrefetchEngine:
         planner size the slots. `predictor` (default: `mtp+next_layer_gate` when the
         checkpoint has an MTP layer, else `next_layer_gate`), `lookahead` and `policy` are defaults that `generate`
         may override. `prefetch_budget` caps fills per (step, layer) at that multiple of top-k per row,
-        `max_inflight_experts` the fills in flight, `min_confidence` the predictions worth a fill. When the
+        `max_inflight_experts` the fills in flight, `min_confidence` the predictions worth a fill. `draft_experts="cached"` lets the MTP head draft with the
+        experts already in VRAM (its misses become fills for the next step; drafts change speed, never tokens);
+        `"all"` reads every expert it routes to, from host when missing. When the
         non-expert weights do not fit the budget, the largest layers stream from host RAM `stream_ahead` layers ahead
         of the compute; `stream_layers=N` asks for N streamed layers explicitly.
         """
@@ -99,7 +102,8 @@ class MoEPrefetchEngine:
             cls, path, device, dtype, expert_cache_slots=expert_cache_slots, expert_cache_fraction=expert_cache_fraction,
             vram_budget=vram_budget, policy=policy,
             predictor=predictor, lookahead=lookahead, prefetch_budget=prefetch_budget,
-            max_inflight_experts=max_inflight_experts, min_confidence=min_confidence, max_seq_len=max_seq_len,
+            max_inflight_experts=max_inflight_experts, min_confidence=min_confidence, draft_experts=draft_experts,
+            max_seq_len=max_seq_len,
             max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, expert_dtype=expert_dtype,
             pin_memory=pin_memory, hot_set=hot_set, cuda_graphs=cuda_graphs, stream_layers=stream_layers,
             stream_ahead=stream_ahead, progress=progress)

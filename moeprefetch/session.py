@@ -114,7 +114,7 @@ class Session:
         budget = max(int(math.ceil(options.prefetch_budget * self.args.num_experts_per_tok * rows)), 0)
         inflight = options.max_inflight_experts or max(2 * self.args.num_experts_per_tok * rows, 4)
         res.configure(ring=self.spec.ring, budget_per_target=budget, max_inflight=inflight,
-                      min_confidence=request.min_confidence)
+                      min_confidence=request.min_confidence, spare_recent=0 if self.spec.oracle else 1)
         res.begin_call()
         if self.record:
             res.trace = engine._trace_buffer()
@@ -200,10 +200,11 @@ class Session:
         options, res = self.engine.options, self.res
         mode = "verify" if self.speculative else ("shadow" if self.shadow else "none")
         sampling = self.request.sampling
+        reserve = self.spec.active and not res.preloaded
+        draft_cached = self.uses_mtp and not res.preloaded and options.draft_experts == "cached"
         shape = StepShape(batch=self.batch, mode=mode, spec=self.spec, run_mtp=self.uses_mtp,
                           greedy=sampling.greedy, top_k=0 < sampling.top_k < self.args.vocab_size,
-                          top_p=sampling.top_p < 1.0, reserve=self.spec.active and not res.preloaded,
-                          record=self.record)
+                          top_p=sampling.top_p < 1.0, reserve=reserve, record=self.record, draft_cached=draft_cached)
         return self.engine._decode_step(caches, shape, self.trace)
 
     def _advance(self, out: StepOutput, drafts: list[int], probs: list[float], positions: list[int],

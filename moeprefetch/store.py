@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -78,14 +79,36 @@ def register_pinned(tensor: torch.Tensor) -> PinResult:
     code = cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
     ok = int(code) == 0 if not hasattr(code, "value") else code.value == 0
     if not ok:
-        torch.cuda.synchronize()  # clear the sticky-free error state of the failed call
+        _clear_last_cuda_error()
         return PinResult(False, time.perf_counter() - start, f"cudaHostRegister returned {code}")
     return PinResult(True, time.perf_counter() - start)
 
 
-def unregister_pinned(tensor: torch.Tensor) -> None:
+def unpin_when_freed(tensor: torch.Tensor) -> Callable[[], None]:
+    """The undo of a successful `register_pinned`: call it to unpin now; it also runs (once) when the tensor is
+    collected, so an owner dropped without close() never leaves registered pages behind for the allocator to hand
+    out again (CUDA would refuse to register them for the next owner)."""
+    return weakref.finalize(tensor, _unregister, tensor.data_ptr())
+
+
+def _unregister(ptr: int) -> None:
     if torch.cuda.is_available():
-        torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def _clear_last_cuda_error() -> None:
+    """A refused cudaHostRegister leaves its code as the runtime's last error, and PyTorch's next kernel-launch check
+    would raise it as if that kernel had failed. torch's cudart bindings have no cudaGetLastError, so call it from
+    the libcudart this process already loaded (dlopen of a loaded library returns that same instance)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as fh:
+            paths = {line.split()[-1] for line in fh if "libcudart.so" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except (OSError, AttributeError):
+        logger.debug("could not clear the CUDA runtime's last error", exc_info=True)
 
 
 class HostExpertStore:
@@ -144,6 +167,7 @@ class HostExpertStore:
             self.pin_seconds = result.seconds
             self.pinned = result.pinned
             if result.pinned:
+                self._unpin = unpin_when_freed(self.arena)
                 logger.info("expert store page-locked (%.2f GiB) in %.2f s", self.nbytes / GiB, result.seconds)
             else:
                 logger.warning(
@@ -154,5 +178,5 @@ class HostExpertStore:
 
     def close(self) -> None:
         if self.pinned:
-            unregister_pinned(self.arena)
+            self._unpin()
             self.pinned = False

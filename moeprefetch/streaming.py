@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from .store import check_host_ram, register_pinned, unregister_pinned
+from .store import check_host_ram, register_pinned, unpin_when_freed
 from .transfer import TransferEngine
 from .weights import LayerWeights, iter_tensors
 
@@ -53,6 +53,7 @@ class LayerStreamer:
                 n = tensor.numel() * tensor.element_size()
                 self.host[row, offset : offset + n].copy_(tensor.contiguous().view(-1).view(torch.uint8))
         self.pinned = pin and register_pinned(self.host).pinned
+        self._unpin = unpin_when_freed(self.host) if self.pinned else None
         self.ring = torch.empty((self.ring_size, self.record_bytes), dtype=torch.uint8, device=device)
         self.transfer = TransferEngine(device, self.ring_size)
         self.occupant: list[int | None] = [None] * self.ring_size
@@ -116,6 +117,6 @@ class LayerStreamer:
 
     def close(self) -> None:
         self.transfer.synchronize()
-        if self.pinned:
-            unregister_pinned(self.host)
+        if self._unpin is not None:
+            self._unpin()
             self.pinned = False

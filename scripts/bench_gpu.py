@@ -529,7 +529,8 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
                           args.prompt_tokens, seed=1)
     common = dict(device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                   max_seq_len=args.max_seq_len, max_batch_size=1, progress=False)
-    base = {"workload": name, "batch": 1, "prompt_tokens": [len(p) for p in prompts], "vram_budget_gib": args.budget_gib}
+    base = {"workload": name + (f"#{args.variant}" if args.variant else ""), "batch": 1,
+            "prompt_tokens": [len(p) for p in prompts], "vram_budget_gib": args.budget_gib}
     budget = args.budget_gib if name != "ref17" else None
 
     # all-resident: the compute-only bound
@@ -546,6 +547,13 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         row.update(active_bytes_per_token=active, hbm_gbps=active / (resident_ms / 1000) / 1e9,
                    cache_fraction=1.0, expert_bytes=expert_bytes, total_experts=total_experts)
         emit({**base, **row, "vram_budget_gib": None})
+        if engine.has_mtp and (not args.systems or "all_resident_mtp" in args.systems.split(",")):
+            # the compute the MTP machinery adds (shadow row and head) when no byte crosses the link
+            row = run_row(engine, "all_resident_mtp", prompts, args.new_tokens, predictor="mtp", runs=args.runs)
+            emit({**base, **row, "vram_budget_gib": None, "cache_fraction": 1.0})
+            if args.profile:
+                emit({**base, "system": "all_resident_mtp_timeline",
+                      **timeline(engine, prompts[0], args.new_tokens, "mtp")})
         if args.profile:
             emit({**base, "system": "all_resident_timeline", **timeline(engine, prompts[0], args.new_tokens, "none")})
         reference_sequences = row["sequences"]
@@ -560,7 +568,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
     _free()
 
     # offloaded: one engine (one store fill), every predictor on the same prompts and budget
-    offload_kwargs = dict(common)
+    offload_kwargs = dict(common, max_inflight_experts=args.max_inflight, draft_experts=args.draft_experts)
     if budget is not None:
         offload_kwargs["vram_budget"] = f"{budget}GiB"
     else:
@@ -588,7 +596,8 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
                (f"next_layer_gate@{cut}", "next_layer_gate", None, None, cut),
                ("oracle", "oracle", None, args.oracle_lookahead, 0.0)]
     if engine.has_mtp:
-        systems += [("mtp", "mtp", None, None, 0.0), ("mtp+next_layer_gate", "mtp+next_layer_gate", None, None, 0.0),
+        systems += [("mtp", "mtp", None, None, 0.0), (f"mtp@{cut}", "mtp", None, None, cut),
+                    ("mtp+next_layer_gate", "mtp+next_layer_gate", None, None, 0.0),
                     (f"mtp+next_layer_gate@{cut}", "mtp+next_layer_gate", None, None, cut),
                     ("mtp_router+next_layer_gate", "mtp_router+next_layer_gate", None, None, 0.0),
                     ("speculative_mtp", "none", "mtp", None, 0.0),
@@ -607,7 +616,8 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
             emit({**base, "system": system, "failed": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc(limit=4)})
     if args.profile:
-        for predictor in ("none", "oracle", "mtp+next_layer_gate" if engine.has_mtp else "next_layer_gate"):
+        default = ("none", "oracle", "mtp+next_layer_gate" if engine.has_mtp else "next_layer_gate")
+        for predictor in args.profile_predictors.split(",") if args.profile_predictors else default:
             try:
                 emit({**base, "system": f"timeline_{predictor}",
                       **timeline(engine, prompts[0], args.new_tokens, predictor)})
@@ -695,11 +705,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--profile", action="store_true", help="also record per-op time splits (eager runs)")
+    parser.add_argument("--profile-predictors", default="", help="the offloaded timelines to record (comma list)")
     parser.add_argument("--oracle-lookahead", type=int, default=2, help="decode steps the oracle prefetches ahead")
-    parser.add_argument("--min-confidence", type=float, default=0.15, help="the confidence cut of the '@' rows")
+    parser.add_argument("--min-confidence", type=float, default=0.1, help="the confidence cut of the '@' rows")
     parser.add_argument("--hf-baseline", action="store_true", help="v2lite: run transformers + accelerate offload")
     parser.add_argument("--hf-tokens", type=int, default=4)
     parser.add_argument("--systems", default="", help="only these rows (comma list; default all)")
+    parser.add_argument("--max-inflight", type=int, default=None, help="fills in flight at most (engine default)")
+    parser.add_argument("--draft-experts", choices=["cached", "all"], default="cached",
+                        help="the MTP head's routed experts (engine option draft_experts)")
+    parser.add_argument("--variant", default="", help="a tag appended to every row's workload (settings runs)")
     parser.add_argument("--expert-dtypes", default="", help="also run offloaded rows with these expert formats, "
                         "e.g. fp8,int8")
     args = parser.parse_args(argv)

@@ -96,14 +96,14 @@ def test_a_host_read_gives_exactly_the_slot_result():
 # ---- the plan kernel against the reference: identical tables after random sequences --------------------------------
 
 
-def _simulate(seed: int, policy: str, slots: int, steps: int = 6, positions: int = 4, experts: int = 8, k: int = 2,
-              nx: int = 2, ns: int = 1):
+def _simulate(seed: int, policy: str, slots: int, spare: int, steps: int = 6, positions: int = 4, experts: int = 8,
+              k: int = 2, nx: int = 2, ns: int = 1):
     from moeprefetch.kernels.plan import Planner
 
     g = torch.Generator().manual_seed(seed)
     cfg = ResidencyConfig(positions=positions, main_positions=positions - 1, n_experts=experts, n_slots=slots,
                           record_bytes=256, ring=2, entries=16, max_inflight=4, budget_per_target=3,
-                          min_confidence=0.2, chunk_bytes=64, policy=policy)
+                          min_confidence=0.2, chunk_bytes=64, policy=policy, spare_recent=spare)
     u = (nx + ns) * k
     tables = [TableState.allocate(cfg, u, torch.device("cpu")) for _ in range(2)]
     for table in tables:
@@ -155,13 +155,14 @@ def _same(tables, where: str) -> None:
         assert torch.equal(a[name], b[name]), f"{name} differs at {where}:\n{a[name]}\n{b[name]}"
 
 
-@pytest.mark.parametrize("seed,policy,slots", [(0, "lru", 7), (1, "lfu", 20), (2, "static", 14), (3, "lru", 30)])
-def test_plan_kernel_matches_the_reference(seed, policy, slots):
+@pytest.mark.parametrize("seed,policy,slots,spare", [(0, "lru", 7, 1), (1, "lfu", 20, 0), (2, "static", 14, 1),
+                                                     (3, "lru", 30, 0), (4, "lru", 12, 2)])
+def test_plan_kernel_matches_the_reference(seed, policy, slots, spare):
     if DEVICE == "cuda":
         pytest.skip("runs the kernel on CPU tensors (interpreter); the GPU path is covered by the engine tests")
     from moeprefetch.residency.state import C
 
-    totals = _simulate(seed, policy, slots)
+    totals = _simulate(seed, policy, slots, spare)
     # the random walk reaches every outcome the kernel handles
     for name in ("hit", "miss", "admitted", "evictions", "prefetch_issued", "fills_done"):
         assert totals[C[name]] > 0, name

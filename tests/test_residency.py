@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moeprefetch.residency.plan import finish_call, plan_layer, step_start
@@ -125,6 +126,22 @@ def test_predicted_experts_are_fetched_within_budget_and_used_in_time():
     t.plan(1, [[2, 3]])  # the fills are published, then used: prefetched (useful)
     assert t.count("prefetched") == 2 and t.count("fills_done") == 2
     assert t.count("predicted") == 3 and t.count("predicted_correct") == 2
+
+
+@pytest.mark.parametrize("spare_recent", [0, 1])
+def test_prefetches_spare_last_steps_experts_and_misses_do_not(spare_recent):
+    t = Table(slots=4, spare_recent=spare_recent)
+    t.start()
+    t.plan(0, [[0, 1]])
+    t.start()
+    t.plan(0, [[2, 3]])  # the cache is full: 0 and 1 from two steps ago, 2 and 3 from the last step
+    t.start()
+    t.predict(0, 1, [4, 5])
+    t.plan(0, [[6, 7]])  # the misses take 0's and 1's slots; only last step's 2 and 3 are left
+    assert t.count("prefetch_issued") == (2 if spare_recent == 0 else 0)
+    if spare_recent:
+        t.plan(1, [[4, 5]])  # a miss may evict last step's experts
+        assert t.count("admitted") == 8 and {2, 3}.isdisjoint(t.resident() | set(t.st.key_of.tolist()))
 
 
 def test_low_confidence_predictions_are_neither_fetched_nor_counted():

@@ -170,6 +170,37 @@ def test_pinning_refused_falls_back_to_pageable_with_a_warning(caplog):
     assert store.record(2, 3)[0].item() == 3
 
 
+def test_a_pinned_store_is_unpinned_once_whether_closed_or_dropped(monkeypatch):
+    """A store dropped without close() unregisters its arena when collected (the allocator may reuse the addresses
+    for the next store, whose registration CUDA would refuse); close() unregisters now and never a second time."""
+    import gc
+
+    from moeprefetch import store as store_module
+    from moeprefetch.experts import ExpertFormat
+
+    unpinned: list[int] = []
+    monkeypatch.setattr(store_module, "_unregister", unpinned.append)
+    fmt = ExpertFormat.build(64, 32, torch.float32)
+
+    def pinned_store() -> HostExpertStore:
+        s = HostExpertStore(fmt, [1, 2], 4, pin=True, pin_fn=lambda t: PinResult(True, 0.0))
+        s.fill(lambda layer, expert, out: out.fill_(expert), progress=False)
+        return s
+
+    closed = pinned_store()
+    address = closed.arena.data_ptr()
+    closed.close()
+    closed.close()
+    del closed
+    gc.collect()
+    assert unpinned == [address]
+    dropped = pinned_store()
+    address = dropped.arena.data_ptr()
+    del dropped
+    gc.collect()
+    assert unpinned[1:] == [address]
+
+
 def test_out_of_memory_during_a_step_leaves_the_engine_usable(checkpoint_factory, monkeypatch):
     engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False, expert_cache_slots=8)
     expected = engine.generate([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False).sequences

@@ -78,28 +78,34 @@ if HAS_TRITON:
         tl.store(adm_key + a, -1, mask=on)
 
     @triton.jit
-    def _pop_victims(count, now, step_base, victims, cursor_ptr, key_of, slot_state, protect, last_use, pinned,
-                     scratch, S, WIN: tl.constexpr):
-        """Up to `count` eligible victims from the eviction queue, written to scratch[0:taken]; returns taken."""
+    def _pop_victims(count, now, step_base, warm_from, victims, cursor_ptr, key_of, slot_state, protect, last_use,
+                     pinned, scratch, S, WIN: tl.constexpr):
+        """Up to `count` eligible victims from the eviction queue, written to scratch[0:taken]; returns taken. The
+        pop stops at the first held slot used at or after `warm_from` (see residency/plan.py `_pop_victims`)."""
         cursor = tl.load(cursor_ptr)
         taken = count * 0
+        blocked = count * 0
         lanes = tl.arange(0, WIN)
-        while (taken < count) & (cursor < S):
+        while (taken < count) & (cursor < S) & (blocked == 0):
             w = cursor + lanes
             inside = w < S
             v = tl.load(victims + w, mask=inside, other=0)
             held = tl.load(key_of + v, mask=inside, other=-1)
             pin = tl.load(pinned + tl.maximum(held, 0), mask=inside & (held >= 0), other=0)
-            ok = inside & (tl.load(slot_state + v, mask=inside, other=2) != 2) & (pin == 0)
+            state = tl.load(slot_state + v, mask=inside, other=2)
+            used = tl.load(last_use + v, mask=inside, other=0)
+            stop = tl.min(tl.where(inside & (state != 0) & (used >= warm_from), lanes, WIN), axis=0)
+            ok = inside & (lanes < stop) & (state != 2) & (pin == 0)
             ok = ok & (tl.load(protect + v, mask=inside, other=0) < now)
-            ok = ok & (tl.load(last_use + v, mask=inside, other=0) < step_base)
+            ok = ok & (used < step_base)
             rank = taken + _exclusive_cumsum(ok)
             take = ok & (rank < count)
             tl.store(scratch + rank, v, mask=take)
             got = _count(take)
             last = tl.max(tl.where(take, w, -1), axis=0)
             taken += got
-            cursor = tl.where((taken == count) & (got > 0), last + 1, cursor + WIN)
+            blocked = (stop < WIN).to(tl.int32)
+            cursor = tl.where((taken == count) & (got > 0), last + 1, cursor + stop)
         tl.store(cursor_ptr, tl.minimum(cursor, S))
         return taken
 
@@ -191,8 +197,8 @@ if HAS_TRITON:
                slot_state, last_use, protect, prefetched_at, pinned, inflight_of, victims, cursor_ptr, scratch,
                counters, S, E: tl.constexpr, WIN: tl.constexpr, NC: tl.constexpr):
         """Victims for the misses: each admitted miss is written into its victim slot by the expert kernel."""
-        taken = _pop_victims(_count(miss), now, step_base, victims, cursor_ptr, key_of, slot_state, protect,
-                             last_use, pinned, scratch, S, WIN)
+        taken = _pop_victims(_count(miss), now, step_base, now + 1, victims, cursor_ptr, key_of, slot_state,
+                             protect, last_use, pinned, scratch, S, WIN)
         tl.debug_barrier()
         miss_rank = _exclusive_cumsum(miss)
         admit = miss & (miss_rank < taken)
@@ -247,7 +253,7 @@ if HAS_TRITON:
     def _reserve(position, step, dstep, now, step_base, pred, slot_of, key_of, slot_state, last_use, protect,
                  prefetched_at, pinned, inflight_of, e_state, e_key, e_slot, e_deadline, e_made, e_next, e_done,
                  e_ready, victims, cursor_ptr, fills_for, counters, scratch, scratch_e, S, BUDGET, MAX_INFLIGHT,
-                 MIN_CONF, R, P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
+                 MIN_CONF, SPARE, R, P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
                  M: tl.constexpr, ROWS_PAD: tl.constexpr, WIN: tl.constexpr, NC: tl.constexpr):
         """Fills for the window's missing predicted experts: rank within a target (its budget), then across targets
         in deadline order (the cap in flight, free entries, victims)."""
@@ -272,7 +278,8 @@ if HAS_TRITON:
         tl.store(scratch_e + _exclusive_cumsum(free), jm, mask=free)
         room = tl.minimum(MAX_INFLIGHT - _count(states == 1), _count(free))
         tl.debug_barrier()
-        got = _pop_victims(_count2(within & (grank < room)), now, step_base, victims, cursor_ptr, key_of,
+        warm_from = tl.where(SPARE > 0, step_base - 2 * P * SPARE, now + 1)
+        got = _pop_victims(_count2(within & (grank < room)), now, step_base, warm_from, victims, cursor_ptr, key_of,
                            slot_state, protect, last_use, pinned, scratch, S, WIN)
         tl.debug_barrier()
         go = within & (grank < got)
@@ -318,7 +325,7 @@ if HAS_TRITON:
         order, adm_key, adm_slot, victims, cursor_ptr, step_ptr, step_base_ptr, progress_ptr, dstep_ptr,
         pred, fills_for, counters, trace, scratch, scratch_e,
         # shapes and policy
-        S, CHUNKS, BUDGET, MAX_INFLIGHT, MIN_CONF, R, SHADOW, RESERVE, RECALL, TRACE,
+        S, CHUNKS, BUDGET, MAX_INFLIGHT, MIN_CONF, SPARE, R, SHADOW, RESERVE, RECALL, TRACE,
         P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
         M: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, K: tl.constexpr, XK_PAD: tl.constexpr,
         SK_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, WIN: tl.constexpr, NC: tl.constexpr,
@@ -359,7 +366,7 @@ if HAS_TRITON:
             _reserve(position, step, dstep, now, step_base, pred, slot_of, key_of, slot_state, last_use, protect,
                      prefetched_at, pinned, inflight_of, e_state, e_key, e_slot, e_deadline, e_made, e_next, e_done,
                      e_ready, victims, cursor_ptr, fills_for, counters, scratch, scratch_e, S, BUDGET, MAX_INFLIGHT,
-                     MIN_CONF, R, P, P_MAIN, E, E_PAD, M, ROWS_PAD, WIN, NC)
+                     MIN_CONF, SPARE, R, P, P_MAIN, E, E_PAD, M, ROWS_PAD, WIN, NC)
             tl.debug_barrier()
         _write_order(order, e_state, e_next, e_deadline, position, CHUNKS, M)
 
@@ -489,8 +496,8 @@ class Planner:
             SK_PAD=_pow2(max(ids_s.shape[0] * self.top_k, 2)) if shadow else 2,
             R=cfg.ring, ROWS_PAD=_pow2(2 * max(cfg.main_positions, 1)),
             CHUNKS=cfg.chunks, BUDGET=cfg.budget_per_target, MAX_INFLIGHT=cfg.max_inflight,
-            MIN_CONF=float(cfg.min_confidence), WIN=VICTIM_WINDOW, NC=len(COUNTERS), SHADOW=int(shadow),
-            RESERVE=int(reserve), RECALL=int(count_recall), TRACE=int(trace is not None))
+            MIN_CONF=float(cfg.min_confidence), SPARE=cfg.spare_recent, WIN=VICTIM_WINDOW, NC=len(COUNTERS),
+            SHADOW=int(shadow), RESERVE=int(reserve), RECALL=int(count_recall), TRACE=int(trace is not None))
 
 
 # the kernel writes counter columns by number; keep them tied to the names

@@ -88,12 +88,16 @@ def _eligible(t: _Lists, slot: int, now: int, step_base: int) -> bool:
     )
 
 
-def _pop_victims(t: _Lists, count: int, now: int, step_base: int) -> list[int]:
-    """Up to `count` victims, the next eligible slots of the step's eviction queue."""
+def _pop_victims(t: _Lists, count: int, now: int, step_base: int, warm_from: int | None = None) -> list[int]:
+    """Up to `count` victims, the next eligible slots of the step's eviction queue. With `warm_from` (prefetches),
+    the pop stops at the first held slot used at or after that clock: the queue is in recency order, so the rest are
+    as recent, and they stay for demand misses."""
     taken: list[int] = []
     i = t.cursor
     while len(taken) < count and i < len(t.victims):
         slot = t.victims[i]
+        if warm_from is not None and t.slot_state[slot] != FREE and t.last_use[slot] >= warm_from:
+            break
         i += 1
         if _eligible(t, slot, now, step_base):
             taken.append(slot)
@@ -279,7 +283,7 @@ def _reserve(t: _Lists, cfg: ResidencyConfig, position: int, now: int, step_base
     free_entries = [j for j, s in enumerate(t.e_state) if s == E_FREE]
     room = max(min(cfg.max_inflight - active, len(free_entries)), 0)
     chosen = chosen[:room]
-    victims = _pop_victims(t, len(chosen), now, step_base)
+    victims = _pop_victims(t, len(chosen), now, step_base, _warm_from(cfg, step_base))
     for (ring_row, q, key, deadline), slot, j in zip(chosen, victims, free_entries):
         _evict(t, cfg, slot)
         t.key_of[slot] = key
@@ -292,6 +296,14 @@ def _reserve(t: _Lists, cfg: ResidencyConfig, position: int, now: int, step_base
         t.e_next[j] = t.e_done[j] = t.e_ready[j] = 0
         t.fills_for[ring_row][q] += 1
         t.bump(q, "prefetch_issued")
+
+
+def _warm_from(cfg: ResidencyConfig, step_base: int) -> int | None:
+    """The clock from which a held expert is too recent to make room for a prefetch (None: no limit). On a cache
+    much smaller than two steps' experts, a prefetch that evicts last step's experts mostly evicts experts that the
+    next steps miss again: on the reference model at 25 % cached, sparing them cut the bytes that
+    mtp+next_layer_gate moved per token by a third at the same critical-path misses (BENCHMARKS.md)."""
+    return step_base - cfg.steps_clock * cfg.spare_recent if cfg.spare_recent > 0 else None
 
 
 def _order(t: _Lists, cfg: ResidencyConfig, launch: int) -> None:

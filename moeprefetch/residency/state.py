@@ -47,6 +47,7 @@ class ResidencyConfig:
     max_inflight: int = 16  # fills reserved and not yet complete, at most
     budget_per_target: int = 9  # fills per (step, layer), at most
     min_confidence: float = 0.0  # predictions below this are neither fetched nor counted
+    spare_recent: int = 1  # prefetches never evict an expert used within this many previous steps (misses may)
     chunk_bytes: int = 1 << 16  # unit of a fill: claimed and copied by one program at a time
     policy: str = "lru"
 
