@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The committed default sweep: the reference model on the CPU, 3 cache sizes x 7 predictors (lookahead 1), plus the
-# look-ahead predictors at lookahead 2 and 4, and two predictors with a confidence cut of 0.15; 8 held-out prompts x
+# look-ahead predictors at lookahead 2 and 4, and three predictors with a confidence cut of 0.1; 8 held-out prompts x
 # 32 new tokens per point; then its report. About six minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,7 @@ python experiments/sweep.py -m cache.fraction=0.125,0.25,0.5 \
   predictor=none,previous,next_layer_gate,mtp,mtp_router,mtp_gate,oracle "${common[@]}"
 python experiments/sweep.py -m cache.fraction=0.125,0.25,0.5 predictor=next_layer_gate,oracle lookahead=2,4 \
   "${common[@]}"
-python experiments/sweep.py -m cache.fraction=0.125,0.25,0.5 predictor=mtp_gate,next_layer_gate \
-  predictor.min_confidence=0.15 "${common[@]}"
+python experiments/sweep.py -m cache.fraction=0.125,0.25,0.5 predictor=mtp,mtp_gate,next_layer_gate \
+  predictor.min_confidence=0.1 "${common[@]}"
 find "$out" -mindepth 1 -type d -empty -delete
 python experiments/report.py "$out/results.jsonl"

@@ -41,24 +41,29 @@ def _resolve(path: str) -> Path:
     return p if p.is_absolute() else ROOT / p
 
 
+def engine_config(cfg: DictConfig) -> "EngineConfig":
+    """The composed config groups as the engine's one option type (the API and the CLI build the same)."""
+    from moeprefetch import EngineConfig
+
+    device = cfg.device.name
+    slots = int(cfg.cache.slots) if cfg.cache.slots is not None else None
+    fraction = float(cfg.cache.fraction) if cfg.cache.fraction is not None and slots is None else None
+    budget = cfg.cache.budget
+    return EngineConfig(
+        device=device, dtype=cfg.model.dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
+        expert_cache_slots=slots if not budget else None, expert_cache_fraction=fraction if not budget else None,
+        vram_budget=budget or None, policy=cfg.cache.policy, expert_dtype=cfg.model.expert_dtype,
+        prefetch_budget=float(cfg.predictor.prefetch_budget), max_inflight_experts=cfg.predictor.max_inflight_experts,
+        draft_experts=cfg.predictor.get("draft_experts", "cached"), cuda_graphs=bool(cfg.device.cuda_graphs),
+        max_batch_size=int(cfg.workload.batch), progress=False)
+
+
 @lru_cache(maxsize=4)
-def _engine(path: str, device: str, dtype: str | None, slots: int | None, fraction: float | None, budget: str | None,
-            policy: str, expert_dtype: str, prefetch_budget: float, max_inflight: int | None, cuda_graphs: bool,
-            batch: int):
+def _engine(path: str, config: "EngineConfig"):
     """Engines are reused across points that differ only in per-call settings (predictor, lookahead)."""
     from moeprefetch import MoEPrefetchEngine
 
-    kwargs: dict[str, Any] = dict(device=device, policy=policy, expert_dtype=expert_dtype,
-                                  prefetch_budget=prefetch_budget, max_inflight_experts=max_inflight,
-                                  cuda_graphs=cuda_graphs, max_batch_size=batch, progress=False)
-    kwargs["dtype"] = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    if budget:
-        kwargs["vram_budget"] = budget
-    elif slots is not None:
-        kwargs["expert_cache_slots"] = slots
-    elif fraction is not None:
-        kwargs["expert_cache_fraction"] = fraction
-    return MoEPrefetchEngine.from_pretrained(_resolve(path), **kwargs)
+    return MoEPrefetchEngine.from_pretrained(_resolve(path), config=config)
 
 
 def load_prompts(cfg: DictConfig) -> list[str]:
@@ -96,6 +101,7 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
         "predictor": cfg.predictor.name,
         "prefetch_budget": cfg.predictor.prefetch_budget,
         "min_confidence": float(cfg.predictor.get("min_confidence", 0.0)),
+        "draft_experts": cfg.predictor.get("draft_experts", "cached"),
         "lookahead": int(cfg.lookahead),
         "speculative": cfg.speculative,
         "batch": int(cfg.workload.batch),
@@ -105,11 +111,7 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
     row: dict[str, Any] = {**config, **_environment(cfg.device.name)}
     start = time.perf_counter()
     try:
-        slots = int(cfg.cache.slots) if cfg.cache.slots is not None else None
-        fraction = float(cfg.cache.fraction) if cfg.cache.fraction is not None and slots is None else None
-        engine = _engine(cfg.model.path, cfg.device.name, cfg.model.dtype, slots, fraction, cfg.cache.budget,
-                         cfg.cache.policy, cfg.model.expert_dtype, float(cfg.predictor.prefetch_budget),
-                         cfg.predictor.max_inflight_experts, bool(cfg.device.cuda_graphs), int(cfg.workload.batch))
+        engine = _engine(cfg.model.path, engine_config(cfg))
         prompts = load_prompts(cfg)
         batch = int(cfg.workload.batch)
         batches = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]

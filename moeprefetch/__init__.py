@@ -2,9 +2,11 @@
 
 from .engine import GenerationResult, MoEPrefetchEngine, TokenEvent
 from .errors import CheckpointError, MoEPrefetchError, RequestError, ResourceError
+from .options import EngineConfig
 
 __all__ = [
     "MoEPrefetchEngine",
+    "EngineConfig",
     "GenerationResult",
     "TokenEvent",
     "MoEPrefetchError",

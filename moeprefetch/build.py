@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from .residency.state import POLICIES
 from .checkpoint import CheckpointReader
 from .config import ModelArgs, load_model_args
 from .errors import CheckpointError, RequestError, ResourceError
-from .experts import EXPERT_DTYPES, CheckpointExperts, ExpertFormat
+from .experts import CheckpointExperts, ExpertFormat
 from .planner import MemoryPlan, parse_bytes, plan_memory
+from .options import EngineConfig, check_positive_int
 from .predictors import MTP_PREDICTORS, PredictorSpec
 from .residency import Residency
 from .runner import KVCaches
@@ -32,8 +32,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# how the MTP head reads its routed experts: only those in VRAM (drafts steer speed, never tokens), or all of them
-DRAFT_EXPERTS = ("cached", "all")
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -84,17 +82,6 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise RequestError(f"dtype {dtype!r} is not supported; use float32, bfloat16 or float16")
 
 
-def check_positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise RequestError(f"{name} must be a positive integer, got {value!r}")
-
-
-def check_fraction(name: str, value: Any, upper_open: bool = True) -> None:
-    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0
-            or (value >= 1 if upper_open else value > 1)):
-        raise RequestError(f"{name} must be a number in [0, 1{')' if upper_open else ']'}, got {value!r}")
-
-
 def predictor_spec(spec: str, lookahead: int, has_mtp: bool) -> PredictorSpec:
     """Parse and check a predictor against the model (one clear sentence when it cannot work)."""
     check_positive_int("lookahead", lookahead)
@@ -139,113 +126,60 @@ def validate_hot_set(hot_set: Any, layers: list[int], n_experts: int) -> list[Ex
     return keys
 
 
-def _check_options(policy: str, expert_dtype: str, max_batch_size: Any, prefill_chunk: Any,
-                   max_inflight_experts: Any, stream_layers: Any, expert_cache_slots: Any, stream_ahead: Any,
-                   min_confidence: Any, prefetch_budget: Any, vram_budget: Any, expert_cache_fraction: Any,
-                   max_seq_len: Any, draft_experts: Any = "cached") -> None:
-    """Every engine option, checked before anything is read or allocated."""
-    if draft_experts not in DRAFT_EXPERTS:
-        raise RequestError(f"draft_experts must be one of {', '.join(DRAFT_EXPERTS)}, got {draft_experts!r}")
-    if policy not in POLICIES:
-        raise RequestError(f"unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    if expert_dtype not in EXPERT_DTYPES:
-        raise RequestError(f"expert_dtype must be one of {', '.join(EXPERT_DTYPES)}, got {expert_dtype!r}")
-    check_positive_int("max_batch_size", max_batch_size)
-    check_positive_int("prefill_chunk", prefill_chunk)
-    for name, value in (("max_inflight_experts", max_inflight_experts), ("stream_layers", stream_layers),
-                        ("expert_cache_slots", expert_cache_slots), ("max_seq_len", max_seq_len)):
-        if value is not None:
-            check_positive_int(name, value)
-    check_positive_int("stream_ahead", stream_ahead)
-    check_fraction("min_confidence", min_confidence, upper_open=False)
-    if (not isinstance(prefetch_budget, (int, float)) or isinstance(prefetch_budget, bool)
-            or not math.isfinite(prefetch_budget) or prefetch_budget < 0):
-        raise RequestError(f"prefetch_budget must be a number >= 0 (a multiple of top-k), got {prefetch_budget!r}")
-    sizes = [name for name, value in (("expert_cache_slots", expert_cache_slots), ("vram_budget", vram_budget),
-                                      ("expert_cache_fraction", expert_cache_fraction)) if value is not None]
-    if len(sizes) > 1:
-        raise RequestError(f"give one of {' or '.join(sizes)}, not both: each sizes the expert cache")
-    if expert_cache_fraction is not None and (
-            not isinstance(expert_cache_fraction, (int, float)) or isinstance(expert_cache_fraction, bool)
-            or not 0 < expert_cache_fraction <= 1):
-        raise RequestError(f"expert_cache_fraction must be a number in (0, 1], got {expert_cache_fraction!r}")
-
-
-def build_engine(
-    cls: type["MoEPrefetchEngine"],
-    path: str | Path,
-    device: str | torch.device,
-    dtype: str | torch.dtype,
-    *,
-    expert_cache_slots: int | None,
-    expert_cache_fraction: float | None,
-    vram_budget: str | int | float | None,
-    policy: str,
-    predictor: str | None,
-    lookahead: int,
-    prefetch_budget: float,
-    max_inflight_experts: int | None,
-    min_confidence: float,
-    draft_experts: str,
-    max_seq_len: int | None,
-    max_batch_size: int,
-    prefill_chunk: int,
-    expert_dtype: str,
-    pin_memory: bool,
-    hot_set: Sequence[ExpertKey] | None,
-    cuda_graphs: bool,
-    stream_layers: int | None,
-    stream_ahead: int,
-    progress: bool,
-) -> "MoEPrefetchEngine":
+def build_engine(cls: type["MoEPrefetchEngine"], path: str | Path, config: EngineConfig) -> "MoEPrefetchEngine":
+    config.check()
     path = Path(path)
-    dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype)
-    _check_options(policy, expert_dtype, max_batch_size, prefill_chunk, max_inflight_experts, stream_layers,
-                   expert_cache_slots, stream_ahead, min_confidence, prefetch_budget, vram_budget,
-                   expert_cache_fraction, max_seq_len, draft_experts)
-    budget_bytes = parse_bytes(vram_budget) if vram_budget is not None else None
-
+    dev, torch_dtype = resolve_device(config.device), resolve_dtype(config.dtype)
+    budget_bytes = parse_bytes(config.vram_budget) if config.vram_budget is not None else None
     args = load_model_args(path)
     reader = CheckpointReader(path)
     tokenizer = _load_tokenizer(path)
     has_mtp = _has_mtp(args, reader)
-    # measured best recall, precision and hit rate of the predictors (BENCHMARKS.md, experiments/results)
-    predictor = predictor or ("mtp+next_layer_gate" if has_mtp else "next_layer_gate")
-    predictor_spec(predictor, lookahead, has_mtp)
-    seq_len = max_seq_len or min(args.max_position_embeddings, 4096)
-    if seq_len > args.max_position_embeddings:
-        raise RequestError(
-            f"max_seq_len={seq_len} exceeds the model's max_position_embeddings ({args.max_position_embeddings})")
-    options = EngineOptions(
-        device=dev, dtype=torch_dtype, policy=policy, predictor=predictor, lookahead=lookahead,
-        prefetch_budget=float(prefetch_budget), max_inflight_experts=max_inflight_experts, max_seq_len=seq_len,
-        max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, expert_dtype=expert_dtype,
-        min_confidence=float(min_confidence), draft_experts=draft_experts, cuda_graphs=bool(cuda_graphs), progress=progress)
+    options = resolve_options(config, args, has_mtp, dev, torch_dtype)
     block = (args.quant.block_rows, args.quant.block_cols) if args.quant else (128, 128)
-    fmt = ExpertFormat.build(args.hidden_size, args.moe_intermediate_size, torch_dtype, expert_dtype, block)
+    fmt = ExpertFormat.build(args.hidden_size, args.moe_intermediate_size, torch_dtype, config.expert_dtype, block)
     expert_layers = list(args.moe_layers) + ([args.mtp_layer_index] if has_mtp else [])
     total_experts = len(expert_layers) * args.n_routed_experts
-    if expert_cache_fraction is not None:
-        expert_cache_slots = max(round(expert_cache_fraction * total_experts), args.num_experts_per_tok)
-    plan = plan_engine_memory(args, reader, options, fmt, total_experts, has_mtp, budget_bytes, expert_cache_slots,
-                              stream_layers, stream_ahead)
+    slots = config.expert_cache_slots
+    if config.expert_cache_fraction is not None:
+        slots = max(round(config.expert_cache_fraction * total_experts), args.num_experts_per_tok)
+    plan = plan_engine_memory(args, reader, options, fmt, total_experts, has_mtp, budget_bytes, slots,
+                              config.stream_layers, config.stream_ahead)
     logger.info(plan.describe())
     for note in plan.notes:
         logger.info(note)
 
-    hot = validate_hot_set(hot_set, expert_layers, args.n_routed_experts)
-    if hot and policy != "static":
+    hot = validate_hot_set(config.hot_set, expert_layers, args.n_routed_experts)
+    if hot and config.policy != "static":
         raise RequestError("hot_set is only used by policy='static'")
     if not plan.all_resident and len(hot) > plan.expert_slots - args.num_experts_per_tok:
         raise RequestError(
             f"the static hot set ({len(hot)} experts) leaves fewer than top-k ({args.num_experts_per_tok}) of the "
             f"{plan.expert_slots} cache slots free")
     start = time.perf_counter()
-    weights, streamer, residency = _load(reader, args, options, plan, fmt, expert_layers, block, hot, pin_memory)
+    weights, streamer, residency = _load(reader, args, options, plan, fmt, expert_layers, block, hot,
+                                         config.pin_memory)
     reader.close()
     logger.info("loaded %s in %.1f s", path, time.perf_counter() - start)
     return cls(path, args, weights, residency, tokenizer, options, plan, streamer)
+
+
+def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device: torch.device,
+                    dtype: torch.dtype) -> EngineOptions:
+    """The options as the engine uses them, resolved against the checkpoint."""
+    # measured best recall, precision and hit rate of the predictors (BENCHMARKS.md, experiments/results)
+    predictor = config.predictor or ("mtp+next_layer_gate" if has_mtp else "next_layer_gate")
+    predictor_spec(predictor, config.lookahead, has_mtp)
+    seq_len = config.max_seq_len or min(args.max_position_embeddings, 4096)
+    if seq_len > args.max_position_embeddings:
+        raise RequestError(
+            f"max_seq_len={seq_len} exceeds the model's max_position_embeddings ({args.max_position_embeddings})")
+    return EngineOptions(
+        device=device, dtype=dtype, policy=config.policy, predictor=predictor, lookahead=config.lookahead,
+        prefetch_budget=float(config.prefetch_budget), max_inflight_experts=config.max_inflight_experts,
+        max_seq_len=seq_len, max_batch_size=config.max_batch_size, prefill_chunk=config.prefill_chunk,
+        expert_dtype=config.expert_dtype, min_confidence=float(config.min_confidence),
+        draft_experts=config.draft_experts, cuda_graphs=bool(config.cuda_graphs), progress=bool(config.progress))
 
 
 def _load(reader: CheckpointReader, args: ModelArgs, options: EngineOptions, plan: MemoryPlan, fmt: ExpertFormat,

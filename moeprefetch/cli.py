@@ -22,6 +22,7 @@ EXIT_INTERRUPTED = 130
 
 
 def _parser() -> argparse.ArgumentParser:
+    from .options import DRAFT_EXPERTS, EngineConfig
     from .predictors import PREDICTOR_NAMES
 
     common = argparse.ArgumentParser(add_help=False)  # -v works before or after the sub-command
@@ -41,23 +42,22 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--device", default="cpu", help="cpu or cuda")
+    gen.add_argument("--device", default="cpu", help=EngineConfig.help("device"))
     gen.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
-    gen.add_argument("--cache-slots", type=int, default=None, help="routed-expert slots in device memory")
+    gen.add_argument("--cache-slots", type=int, default=None, help=EngineConfig.help("expert_cache_slots"))
     gen.add_argument("--cache-fraction", type=float, default=None,
                      help="expert slots as a share of all routed experts (default 0.25 for the reference model)")
-    gen.add_argument("--vram-budget", default=None, help="device-memory budget, e.g. 12GiB (sizes the cache)")
+    gen.add_argument("--vram-budget", default=None, help=EngineConfig.help("vram_budget"))
     gen.add_argument("--all-resident", action="store_true", help="keep every expert in device memory")
-    gen.add_argument("--policy", default="lru", help="lru, lfu or static")
+    gen.add_argument("--policy", default="lru", help=EngineConfig.help("policy"))
     gen.add_argument("--predictor", default=None,
                      help=f"{', '.join(PREDICTOR_NAMES)}, or a combination such as mtp+next_layer_gate")
-    gen.add_argument("--lookahead", type=int, default=None,
-                     help="MoE layers ahead for next_layer_gate, decode steps ahead for oracle")
-    gen.add_argument("--min-confidence", type=float, default=None,
-                     help="predictions below this confidence are neither fetched nor counted (default 0)")
-    gen.add_argument("--prefetch-budget", type=float, default=1.5, help="experts prefetched per layer, x top-k")
+    gen.add_argument("--lookahead", type=int, default=None, help=EngineConfig.help("lookahead"))
+    gen.add_argument("--min-confidence", type=float, default=None, help=EngineConfig.help("min_confidence"))
+    gen.add_argument("--prefetch-budget", type=float, default=1.5, help=EngineConfig.help("prefetch_budget"))
+    gen.add_argument("--draft-experts", choices=DRAFT_EXPERTS, default="cached", help=EngineConfig.help("draft_experts"))
     gen.add_argument("--speculative", choices=["mtp"], default=None)
-    gen.add_argument("--max-seq-len", type=int, default=None)
+    gen.add_argument("--max-seq-len", type=int, default=None, help=EngineConfig.help("max_seq_len"))
     gen.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming it")
     gen.add_argument("--stats-json", default=None, help="write result.stats.to_dict() here")
     gen.add_argument("--events-jsonl", default=None, help="write every expert event here")
@@ -76,6 +76,7 @@ def _generate(ns: argparse.Namespace) -> int:
     import torch
 
     from .engine import MoEPrefetchEngine
+    from .options import EngineConfig
     from .report import summary_lines
 
     sizes = [flag for flag, given in (("--cache-slots", ns.cache_slots is not None),
@@ -90,7 +91,7 @@ def _generate(ns: argparse.Namespace) -> int:
         _check_writable(Path(ns.events_jsonl), "--events-jsonl")
     dtype = ns.dtype or ("bfloat16" if ns.device.startswith("cuda") else "float32")
     kwargs: dict[str, Any] = dict(device=ns.device, dtype=dtype, policy=ns.policy, prefetch_budget=ns.prefetch_budget,
-                                  progress=ns.verbose)
+                                  draft_experts=ns.draft_experts, progress=ns.verbose)
     for name in ("max_seq_len", "predictor", "lookahead", "min_confidence"):
         if getattr(ns, name) is not None:
             kwargs[name] = getattr(ns, name)
@@ -112,7 +113,7 @@ def _generate(ns: argparse.Namespace) -> int:
     if not prompts:
         prompts = [DEFAULT_PROMPT]
     kwargs["max_batch_size"] = max(len(prompts), 1)
-    engine = MoEPrefetchEngine.from_pretrained(ns.path, **kwargs)
+    engine = MoEPrefetchEngine.from_pretrained(ns.path, config=EngineConfig.from_mapping(kwargs))
     streaming = not ns.no_stream and len(prompts) == 1 and engine.tokenizer is not None
     echoed = [False]
 

@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .build import EngineOptions, build_engine, check_fraction
+from .build import EngineOptions, build_engine
+from .options import EngineConfig, check_fraction
 from .config import ModelArgs
 from .decode import DecodeStep, StepShape
 from .errors import RequestError, ResourceError
@@ -32,7 +33,7 @@ from .weights import ModelWeights, weights_nbytes
 logger = logging.getLogger(__name__)
 
 ExpertKey = tuple[int, int]
-__all__ = ["MoEPrefetchEngine", "GenerationResult", "TokenEvent", "EngineOptions"]
+__all__ = ["MoEPrefetchEngine", "GenerationResult", "TokenEvent", "EngineConfig", "EngineOptions"]
 
 
 class MoEPrefetchEngine:
@@ -57,56 +58,30 @@ class MoEPrefetchEngine:
         self._trace: torch.Tensor | None = None
 
     @classmethod
-    def from_pretrained(
-        cls,
-        path: str | Path,
-        device: str | torch.device = "cpu",
-        dtype: str | torch.dtype = torch.float32,
-        *,
-        expert_cache_slots: int | None = None,
-        expert_cache_fraction: float | None = None,
-        vram_budget: str | int | float | None = None,
-        policy: str = "lru",
-        predictor: str | None = None,
-        lookahead: int = 1,
-        prefetch_budget: float = 1.5,
-        max_inflight_experts: int | None = None,
-        min_confidence: float = 0.0,
-        draft_experts: str = "cached",
-        max_seq_len: int | None = None,
-        max_batch_size: int = 8,
-        prefill_chunk: int = 512,
-        expert_dtype: str = "model",
-        pin_memory: bool = True,
-        hot_set: Sequence[ExpertKey] | None = None,
-        cuda_graphs: bool = True,
-        stream_layers: int | None = None,
-        stream_ahead: int = 2,
-        progress: bool = False,
-    ) -> "MoEPrefetchEngine":
+    def from_pretrained(cls, path: str | Path, device: str | torch.device | None = None,
+                        dtype: str | torch.dtype | None = None, *, config: EngineConfig | None = None,
+                        **options: Any) -> "MoEPrefetchEngine":
         """Load a local Hugging Face checkpoint directory of a DeepSeek-V3/V2 model.
 
-        Without `expert_cache_slots` or `vram_budget` every expert is resident. `expert_cache_slots=N` keeps N
-        routed-expert slots (across all layers) in device memory and the experts in page-locked host RAM;
-        `expert_cache_fraction=0.25` sizes them as a share of all routed experts; `vram_budget="12GiB"` lets the
-        planner size the slots. `predictor` (default: `mtp+next_layer_gate` when the
-        checkpoint has an MTP layer, else `next_layer_gate`), `lookahead` and `policy` are defaults that `generate`
-        may override. `prefetch_budget` caps fills per (step, layer) at that multiple of top-k per row,
-        `max_inflight_experts` the fills in flight, `min_confidence` the predictions worth a fill. `draft_experts="cached"` lets the MTP head draft with the
-        experts already in VRAM (its misses become fills for the next step; drafts change speed, never tokens);
-        `"all"` reads every expert it routes to, from host when missing. When the
-        non-expert weights do not fit the budget, the largest layers stream from host RAM `stream_ahead` layers ahead
-        of the compute; `stream_layers=N` asks for N streamed layers explicitly.
+        `options` are the fields of `EngineConfig` (its defaults apply; `config=` gives a whole one, which `device`,
+        `dtype` and `options` then override). Without `expert_cache_slots`, `expert_cache_fraction` or
+        `vram_budget` every expert is resident. `expert_cache_slots=N` keeps N routed-expert slots (across all layers)
+        in device memory and the experts in page-locked host RAM; `expert_cache_fraction=0.25` sizes them as a share
+        of all routed experts; `vram_budget="12GiB"` lets the planner size the slots. `predictor` (default:
+        `mtp+next_layer_gate` when the checkpoint has an MTP layer, else `next_layer_gate`), `lookahead`,
+        `min_confidence` and `policy` are defaults that `generate` may override. `prefetch_budget` caps fills per
+        (step, layer) at that multiple of top-k per row, `max_inflight_experts` the fills in flight.
+        `draft_experts="cached"` lets the MTP head draft with the experts already in VRAM (drafts change speed, never
+        tokens); `"all"` reads every expert it routes to, from host when missing. When the non-expert weights do not
+        fit the budget, the largest layers stream from host RAM `stream_ahead` layers ahead of the compute;
+        `stream_layers=N` asks for N streamed layers explicitly.
         """
-        return build_engine(
-            cls, path, device, dtype, expert_cache_slots=expert_cache_slots, expert_cache_fraction=expert_cache_fraction,
-            vram_budget=vram_budget, policy=policy,
-            predictor=predictor, lookahead=lookahead, prefetch_budget=prefetch_budget,
-            max_inflight_experts=max_inflight_experts, min_confidence=min_confidence, draft_experts=draft_experts,
-            max_seq_len=max_seq_len,
-            max_batch_size=max_batch_size, prefill_chunk=prefill_chunk, expert_dtype=expert_dtype,
-            pin_memory=pin_memory, hot_set=hot_set, cuda_graphs=cuda_graphs, stream_layers=stream_layers,
-            stream_ahead=stream_ahead, progress=progress)
+        given = dict(options)
+        if device is not None:
+            given["device"] = device
+        if dtype is not None:
+            given["dtype"] = dtype
+        return build_engine(cls, path, (config or EngineConfig()).updated(given))
 
     # ---- properties -----------------------------------------------------------------------------------------------
     @property

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from .build import EngineOptions, check_fraction, check_positive_int, predictor_spec
+from .build import EngineOptions, predictor_spec
+from .options import check_fraction, check_positive_int
 from .config import ModelArgs
 from .errors import RequestError
 from .sampling import SamplingParams

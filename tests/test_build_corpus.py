@@ -1,4 +1,4 @@
-"""Tests for scripts/build_corpus.py: cleaning, splitting, tokenizer, encoding, offline pipeline.
+"""Tests for reference/build_corpus.py: cleaning, splitting, tokenizer, encoding, offline pipeline.
 
 Everything here is CPU-only, offline and fast: downloads are replaced by a pre-filled cache
 holding tiny synthetic .deb/.wheel files built by the tests themselves.
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "build_corpus.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "reference" / "build_corpus.py"
 
 WORDS = (
     "the kernel driver memory page cache device module function returns value when each "

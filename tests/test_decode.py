@@ -72,6 +72,28 @@ def test_batch_of_four_matches_all_resident_at_every_cache_size(reference):
             check_invariants(result.stats.to_dict(), engine.residency.expert_bytes)
 
 
+def test_draft_experts_change_what_the_mtp_head_reads_never_the_tokens(reference):
+    """'cached': the head drafts with the experts in VRAM and never reads one from host during decode; 'all' reads
+    every expert it routes to. Tokens are the same either way, for the shadow-row predictor and for speculation."""
+    path, prompts, expected, _, _ = reference
+    for slots in (3, 11):
+        reads = {}
+        for mode in ("cached", "all"):
+            engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=slots,
+                                                       draft_experts=mode)
+            mtp_layer = engine.residency.layers[-1]
+            for predictor, speculative in (("mtp", None), ("mtp+next_layer_gate", None), ("none", "mtp")):
+                engine.reset_expert_cache()
+                result = engine.generate(prompts, max_new_tokens=10, stop_at_eos=False, predictor=predictor,
+                                         speculative=speculative)
+                assert result.sequences == expected, (slots, mode, predictor, speculative)
+                head = result.stats.decode_per_layer[mtp_layer]
+                reads[mode, predictor] = head.uses, head.zero_copy
+        for predictor in ("mtp", "mtp+next_layer_gate", "none"):
+            assert reads["cached", predictor] == (0, 0)
+            assert reads["all", predictor][0] > 0
+
+
 def test_small_caches_admit_misses_and_prefetches_land(reference):
     """A cache smaller than a prefill chunk's experts still works: experts without a free slot stream through
     staging; misses are admitted as they stream; predicted experts arrive before their layer."""

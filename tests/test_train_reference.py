@@ -1,4 +1,4 @@
-"""Tests for scripts/train_reference.py and scripts/evaluate_reference.py (CPU, tiny shapes, a few seconds).
+"""Tests for reference/train_reference.py and reference/evaluate_reference.py (CPU, tiny shapes, a few seconds).
 
 The key guarantees: the saved checkpoint is a real DeepSeek-V3 HF checkpoint (transformers reproduces our main
 and MTP logits), the sharding/index is consistent, the training-time dense-masked MoE equals a sparse per-expert
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "reference"
 
 TINY_SHAPE = [
     "--hidden-size", "32", "--num-layers", "3", "--num-heads", "2", "--qk-nope-dim", "8", "--qk-rope-dim", "4",
@@ -367,7 +367,7 @@ def test_evaluate_reference_writes_eval_and_card(checkpoint: Path, corpus: Path,
     card = (checkpoint / "README.md").read_text()
     for heading in ("## Data", "## Tokenizer", "## Architecture", "## Training", "## Held-out evaluation",
                     "## Expert load balance", "## Reproduce", "Greedy MTP draft acceptance", "synthetic",
-                    "python scripts/train_reference.py", "python scripts/evaluate_reference.py"):
+                    "python reference/train_reference.py", "python reference/evaluate_reference.py"):
         assert heading in card
 
 

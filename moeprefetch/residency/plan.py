@@ -299,10 +299,10 @@ def _reserve(t: _Lists, cfg: ResidencyConfig, position: int, now: int, step_base
 
 
 def _warm_from(cfg: ResidencyConfig, step_base: int) -> int | None:
-    """The clock from which a held expert is too recent to make room for a prefetch (None: no limit). On a cache
-    much smaller than two steps' experts, a prefetch that evicts last step's experts mostly evicts experts that the
-    next steps miss again: on the reference model at 25 % cached, sparing them cut the bytes that
-    mtp+next_layer_gate moved per token by a third at the same critical-path misses (BENCHMARKS.md)."""
+    """The clock from which a held expert is too recent to make room for a prefetch (None: no limit; misses are
+    never limited). On a cache barely larger than a step's experts, a prefetch that evicts the last step's experts
+    mostly evicts experts that the next steps miss again: on the reference model at 25 % cached, sparing them cut
+    the experts mtp+next_layer_gate moved per token from 12.6 to 8.3 for 10 % more misses (BENCHMARKS.md)."""
     return step_base - cfg.steps_clock * cfg.spare_recent if cfg.spare_recent > 0 else None
 
 

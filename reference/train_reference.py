@@ -1184,7 +1184,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     model.eval()
     saved = save_checkpoint(model, args.out, args.corpus, int(args.shard_size_mb * MB))
     log = {
-        "command": "python scripts/train_reference.py " + shlex.join(argv),
+        "command": "python reference/train_reference.py " + shlex.join(argv),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "model_config": asdict(cfg),
         "parameters": params,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Evaluate a reference checkpoint written by ``scripts/train_reference.py`` and write its model card.
+"""Evaluate a reference checkpoint written by ``reference/train_reference.py`` and write its model card.
 
 Measured on the corpus' HELD-OUT ids:
 
@@ -35,7 +35,7 @@ LOG = logging.getLogger("evaluate_reference")
 
 
 def import_train_reference() -> ModuleType:
-    """Import the sibling training script as a module (scripts/ is not a package)."""
+    """Import the sibling training script as a module (reference/ is not a package)."""
     name = "train_reference"
     if name in sys.modules:
         return sys.modules[name]
@@ -278,7 +278,7 @@ def render_model_card(
     sections = [
         "# moeprefetch reference model (DeepSeek-V3 architecture, tiny)",
         "A small DeepSeek-V3-architecture language model with one multi-token-prediction (MTP) layer, trained from "
-        "scratch by `scripts/train_reference.py` as a realistic, non-random routing and MTP-drafting workload for "
+        "scratch by `reference/train_reference.py` as a realistic, non-random routing and MTP-drafting workload for "
         "the moeprefetch engine. It is loadable with `transformers.DeepseekV3ForCausalLM.from_pretrained(dir)`; "
         f"the MTP layer is stored as `model.layers.{cfg['num_hidden_layers']}.*` (DeepSeek layout, embedding and "
         "head shared with the main model and not duplicated).",
@@ -315,7 +315,7 @@ def render_model_card(
         "## Expert load balance (held-out text)",
         _table(["MoE layer", "max/mean", "min/mean", "entropy (normalised)", "CV", "dead experts"], balance_rows),
         "## Reproduce",
-        "```bash\n" + train_log.get("command", "python scripts/train_reference.py ...") + "\n"
+        "```bash\n" + train_log.get("command", "python reference/train_reference.py ...") + "\n"
         + result["command"] + "\n```",
     ]
     return "\n\n".join(sections) + "\n"
@@ -374,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     acceptance = greedy_mtp_acceptance(model, prompts, args.new_tokens, amp)
     result = {
         "checkpoint": str(args.checkpoint),
-        "command": "python scripts/evaluate_reference.py " + shlex.join(argv),
+        "command": "python reference/evaluate_reference.py " + shlex.join(argv),
         "device": str(device),
         "dtype": args.dtype,
         "moe_impl": impl,

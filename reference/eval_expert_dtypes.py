@@ -5,7 +5,7 @@ Compares each variant with the uncompressed model (fp32 compute; the checkpoint 
 agreement of the next-token prediction, mean KL(reference || variant), and the held-out loss itself. Writes a JSON and
 a markdown table.
 
-    python scripts/eval_expert_dtypes.py --corpus build/corpus --out experiments/results/expert_dtype_accuracy
+    python reference/eval_expert_dtypes.py --corpus build/corpus --out experiments/results/expert_dtype_accuracy
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['windows']} held-out windows x {result['window_tokens']} tokens ({result['predictions']:,} next-token "
         f"predictions), CPU, torch {result['torch']}. Reference: the checkpoint's bf16 weights computed in fp32. The "
         "expert record size is that of the CPU engine's compute dtype (fp32 here; on the GPU the bf16 record is half "
-        "of it). Produced by `scripts/eval_expert_dtypes.py`.",
+        "of it). Produced by `reference/eval_expert_dtypes.py`.",
         "",
         "| variant | bytes per expert record | top-1 agreement with reference | KL(reference ‖ variant), nats | held-out loss |",
         "|---|---|---|---|---|",

@@ -3,7 +3,7 @@
 
 One command, from a clean Debian machine with network access::
 
-    python scripts/build_corpus.py --out build/corpus
+    python reference/build_corpus.py --out build/corpus
 
 Sources (all redistributable, all fetched through ordinary package clients):
 

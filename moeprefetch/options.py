@@ -1,0 +1,116 @@
+"""`EngineConfig`: every option of an engine, as a user writes it, in one frozen dataclass.
+
+The Python API (`MoEPrefetchEngine.from_pretrained(path, **options)` or `config=`), the command line and the hydra
+sweeps all build one of these, so an option has one name, one default and one check. `check()` validates every field
+before anything is read or allocated (one sentence per mistake); `build.py` then resolves the values (device, dtype,
+predictor default) against the checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .errors import RequestError
+from .experts import EXPERT_DTYPES
+from .residency.state import POLICIES
+
+# how the MTP head reads its routed experts: only those in VRAM (drafts steer speed, never tokens), or all of them
+DRAFT_EXPERTS = ("cached", "all")
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str | torch.device = _opt("cpu", "cpu or cuda (cuda:N)")
+    dtype: str | torch.dtype = _opt(torch.float32, "compute dtype: float32, bfloat16 or float16")
+    # the VRAM expert cache: none of the three = every expert resident
+    expert_cache_slots: int | None = _opt(None, "routed-expert slots in device memory")
+    expert_cache_fraction: float | None = _opt(None, "expert slots as a share of all routed experts")
+    vram_budget: str | int | float | None = _opt(None, "device-memory budget that sizes the cache, e.g. 12GiB")
+    policy: str = _opt("lru", "cache policy: lru, lfu or static")
+    hot_set: Sequence[tuple[int, int]] | None = _opt(None, "the static policy's pinned (layer, expert) pairs")
+    # prediction and prefetching (defaults that generate() may override per call)
+    predictor: str | None = _opt(None, "prefetch predictor (default mtp+next_layer_gate, or next_layer_gate "
+                                       "without an MTP layer)")
+    lookahead: int = _opt(1, "MoE layers ahead for next_layer_gate, decode steps ahead for oracle")
+    prefetch_budget: float = _opt(1.5, "prefetches per (step, layer), as a multiple of top-k")
+    max_inflight_experts: int | None = _opt(None, "prefetches in flight at most (default 2 x top-k per row)")
+    min_confidence: float = _opt(0.0, "predictions below this confidence are neither fetched nor counted")
+    draft_experts: str = _opt("cached", "the MTP head drafts with the experts in VRAM (cached) or reads every one "
+                                        "it routes to (all)")
+    # shapes and formats
+    max_seq_len: int | None = _opt(None, "longest sequence (default min(model limit, 4096))")
+    max_batch_size: int = _opt(8, "largest batch of a call")
+    prefill_chunk: int = _opt(512, "prompt tokens per prefill step")
+    expert_dtype: str = _opt("model", "expert records on the wire: model, fp8 or int8")
+    # mechanics
+    pin_memory: bool = _opt(True, "page-lock the host expert store")
+    cuda_graphs: bool = _opt(True, "capture each decode step as one CUDA graph")
+    stream_layers: int | None = _opt(None, "layers streamed from host RAM (default: as the budget needs)")
+    stream_ahead: int = _opt(2, "streamed layers copied ahead of the compute")
+    progress: bool = _opt(False, "progress bars while loading")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def help(cls, name: str) -> str:
+        """An option's one-line description (the CLI's help text)."""
+        return next(f.metadata["help"] for f in fields(cls) if f.name == name)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "EngineConfig":
+        """From keyword options (API) or a config mapping (hydra): an unknown name is one clear sentence."""
+        return cls().updated(values)
+
+    def updated(self, values: Mapping[str, Any]) -> "EngineConfig":
+        unknown = sorted(set(values) - set(self.names()))
+        if unknown:
+            raise RequestError(f"unknown engine option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
+                               f"; the options are: {', '.join(self.names())}")
+        return replace(self, **values)
+
+    def check(self) -> None:
+        """Every option, checked before anything is read or allocated."""
+        if self.draft_experts not in DRAFT_EXPERTS:
+            raise RequestError(f"draft_experts must be one of {', '.join(DRAFT_EXPERTS)}, got {self.draft_experts!r}")
+        if self.policy not in POLICIES:
+            raise RequestError(f"unknown cache policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.expert_dtype not in EXPERT_DTYPES:
+            raise RequestError(f"expert_dtype must be one of {', '.join(EXPERT_DTYPES)}, got {self.expert_dtype!r}")
+        for name in ("max_batch_size", "prefill_chunk", "stream_ahead", "lookahead"):
+            check_positive_int(name, getattr(self, name))
+        for name in ("max_inflight_experts", "stream_layers", "expert_cache_slots", "max_seq_len"):
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
+        check_fraction("min_confidence", self.min_confidence, upper_open=False)
+        budget = self.prefetch_budget
+        if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not math.isfinite(budget) or budget < 0:
+            raise RequestError(f"prefetch_budget must be a number >= 0 (a multiple of top-k), got {budget!r}")
+        sizes = [name for name in ("expert_cache_slots", "vram_budget", "expert_cache_fraction")
+                 if getattr(self, name) is not None]
+        if len(sizes) > 1:
+            raise RequestError(f"give one of {' or '.join(sizes)}, not both: each sizes the expert cache")
+        fraction = self.expert_cache_fraction
+        if fraction is not None and (not isinstance(fraction, (int, float)) or isinstance(fraction, bool)
+                                     or not 0 < fraction <= 1):
+            raise RequestError(f"expert_cache_fraction must be a number in (0, 1], got {fraction!r}")
+
+
+def check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise RequestError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_fraction(name: str, value: Any, upper_open: bool = True) -> None:
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0
+            or (value >= 1 if upper_open else value > 1)):
+        raise RequestError(f"{name} must be a number in [0, 1{')' if upper_open else ']'}, got {value!r}")
