@@ -147,26 +147,29 @@ def write_report(results: Path, out: Path | None = None) -> Path:
 
 
 def _summary_section(rows: list[dict[str, Any]]) -> list[str]:
-    columns = ["predictor", "lookahead", "min_confidence", "policy", "cache_slots", "cache_fraction", "hit_rate",
-               "prediction_recall_main_layers", "prediction_precision_main_layers", "misses_per_token", "mb_per_token",
-               "prefetch_waste", "decode_tokens_per_s"]
+    columns = ["predictor", "lookahead", "min_confidence", "policy", "cache_slots", "cache_fraction",
+               "decode_hit_rate", "prediction_recall_main_layers", "prediction_precision_main_layers",
+               "misses_per_token", "mb_per_token", "prefetch_waste", "decode_tokens_per_s"]
     table_rows = sorted((_derived(r) for r in rows),
                         key=lambda r: (r["cache_slots"], r["predictor"], r["lookahead"], r.get("min_confidence") or 0))
     return ["## All points", "", markdown_table(table_rows, columns, {
-        "hit_rate": ".1%", "prediction_recall": ".1%", "prediction_precision": ".1%", "cache_fraction": ".0%",
-        "prediction_recall_main_layers": ".1%", "prediction_precision_main_layers": ".1%",
+        "hit_rate": ".1%", "decode_hit_rate": ".1%", "prediction_recall": ".1%", "prediction_precision": ".1%",
+        "cache_fraction": ".0%", "prediction_recall_main_layers": ".1%", "prediction_precision_main_layers": ".1%",
         "mb_per_token": ".2f", "prefetch_waste": ".1%", "decode_tokens_per_s": ".1f", "misses_per_token": ".2f"}),
         ""]
 
 
 def _derived(row: dict[str, Any]) -> dict[str, Any]:
+    """The decode figures a row's statistics already hold (`Stats.to_dict`), under the report's column names; rows
+    written before those fields existed fall back to whole-call counts per generated token."""
     tokens = max(row.get("generated_tokens", 0) - row.get("batch", 1) * row.get("prompt_count", 1), 1)
     return {
-        "prediction_recall_main_layers": row.get("prediction_recall"),  # rows from before the field existed
+        "prediction_recall_main_layers": row.get("prediction_recall"),
         "prediction_precision_main_layers": row.get("prediction_precision"),
+        "decode_hit_rate": row.get("hit_rate"),
         **row,
-        "misses_per_token": row.get("misses", 0) / tokens,
-        "mb_per_token": row.get("bytes_h2d", 0) / 1e6 / tokens,
+        "misses_per_token": row.get("decode_misses_per_token", row.get("misses", 0) / tokens),
+        "mb_per_token": row.get("decode_bytes_h2d_per_token", row.get("bytes_h2d", 0) / tokens) / 1e6,
     }
 
 
@@ -195,8 +198,8 @@ def _figures(rows: list[dict[str, Any]], out: Path, conditions: str) -> list[str
 
     derived = [_derived(r) for r in rows]
     plots = [
-        ("hit_rate", "hit rate", "hit_rate_vs_cache.png"),
-        ("mb_per_token", "MB moved host->device per token", "bytes_vs_cache.png"),
+        ("decode_hit_rate", "decode hit rate", "hit_rate_vs_cache.png"),
+        ("mb_per_token", "MB moved host->device per decode token", "bytes_vs_cache.png"),
         ("prefetch_waste", "share of prefetches wasted", "waste_vs_cache.png"),
         ("prediction_recall_main_layers", "next-step recall, main MoE layers", "recall_vs_cache.png"),
     ]

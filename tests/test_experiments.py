@@ -85,7 +85,7 @@ def test_tiny_sweep_end_to_end(tmp_path, checkpoint_factory, tiny_tokenizer_dir)
                             capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert report.returncode == 0, report.stderr[-2000:]
     text = (sweep_dir / "report.md").read_text()
-    assert "![hit rate](hit_rate_vs_cache.png)" in text and "Failed points" in text
+    assert "![decode hit rate](hit_rate_vs_cache.png)" in text and "Failed points" in text
     for png in ("hit_rate_vs_cache.png", "recall_vs_cache.png", "bytes_vs_cache.png", "recall_precision_per_layer.png"):
         assert (sweep_dir / png).stat().st_size > 5000
 
