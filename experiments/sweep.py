@@ -31,6 +31,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from moeprefetch.accounting import merge_stats  # noqa: E402
+from moeprefetch.options import EngineConfig  # noqa: E402
 
 logger = logging.getLogger("sweep")
 
@@ -41,10 +42,8 @@ def _resolve(path: str) -> Path:
     return p if p.is_absolute() else ROOT / p
 
 
-def engine_config(cfg: DictConfig) -> "EngineConfig":
+def engine_config(cfg: DictConfig) -> EngineConfig:
     """The composed config groups as the engine's one option type (the API and the CLI build the same)."""
-    from moeprefetch import EngineConfig
-
     device = cfg.device.name
     slots = int(cfg.cache.slots) if cfg.cache.slots is not None else None
     fraction = float(cfg.cache.fraction) if cfg.cache.fraction is not None and slots is None else None
@@ -59,7 +58,7 @@ def engine_config(cfg: DictConfig) -> "EngineConfig":
 
 
 @lru_cache(maxsize=4)
-def _engine(path: str, config: "EngineConfig"):
+def _engine(path: str, config: EngineConfig):
     """Engines are reused across points that differ only in per-call settings (predictor, lookahead)."""
     from moeprefetch import MoEPrefetchEngine
 

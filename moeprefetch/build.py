@@ -6,11 +6,10 @@ Everything a user can get wrong is checked here before anything large is allocat
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,7 +24,7 @@ from .residency import Residency
 from .runner import KVCaches
 from .store import HostExpertStore
 from .streaming import LayerStreamer
-from .weights import load_model_weights
+from .weights import load_model_weights, resident_bytes
 
 if TYPE_CHECKING:
     from .engine import MoEPrefetchEngine
@@ -224,18 +223,7 @@ def plan_engine_memory(
     stream_ahead: int = 2,
 ) -> MemoryPlan:
     element = torch.tensor([], dtype=options.dtype).element_size()
-    layer_bytes: dict[int, int] = {}
-    resident = 0
-    for name, info in reader.tensors.items():
-        if ".mlp.experts." in name or name.endswith("_scale_inv"):
-            continue
-        numel = math.prod(info.shape)
-        nbytes = numel * (4 if ".mlp.gate." in name else element)
-        resident += nbytes
-        if name.startswith("model.layers."):
-            layer = int(name.split(".")[2])
-            if layer < args.num_hidden_layers:  # the MTP layer stays resident
-                layer_bytes[layer] = layer_bytes.get(layer, 0) + nbytes
+    resident, layer_bytes = resident_bytes(reader, args, element)
     kv = KVCaches.bytes_per_token(args, options.dtype, has_mtp) * options.max_seq_len * options.max_batch_size
     rows = options.max_batch_size * 2
     workspace = (

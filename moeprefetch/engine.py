@@ -8,10 +8,9 @@ the engine serves the next one normally.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -24,7 +23,7 @@ from .planner import MemoryPlan
 from .predictors import PredictorSpec
 from .residency import Residency
 from .runner import KVCaches, ModelRunner
-from .sampling import DeviceSampler, SamplingParams
+from .sampling import DeviceSampler
 from .requests import as_batch_tensor, build_request
 from .session import GenerationResult, Request, Session, TokenEvent
 from .streaming import LayerStreamer

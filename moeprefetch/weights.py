@@ -1,6 +1,6 @@
 """Checkpoint tensors -> typed weight objects for everything except routed experts (see experts.py).
 
-The name table below is the only place that knows Hugging Face tensor names. Each tensor is checked against the shape
+With experts.py (the routed experts' names) this is the only place that knows Hugging Face tensor names. Each tensor is checked against the shape
 the config implies and its dtype before it is used; FP8 block-quantised tensors are dequantised with their
 `*_scale_inv` here, so the compute code only ever sees the engine's dtype (routers and their bias stay fp32).
 """
@@ -8,6 +8,7 @@ the config implies and its dtype before it is used; FP8 block-quantised tensors 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, fields
 from typing import Iterator
 
@@ -243,6 +244,23 @@ def mtp_tensor_names(args: ModelArgs, reader: CheckpointReader) -> tuple[list[st
         required += [f"{p}.mlp.shared_experts.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
     present = [name for name in reader.tensors if name.startswith(f"{p}.")]
     return required, present
+
+
+def resident_bytes(reader: CheckpointReader, args: ModelArgs, element_size: int) -> tuple[int, dict[int, int]]:
+    """Device bytes of everything but the routed experts (routers in fp32, the rest in the engine's dtype, FP8
+    scales dropped by dequantisation): the total, and per main decoder layer (the candidates for streaming; the MTP
+    layer always stays resident)."""
+    total, per_layer = 0, {}
+    for name, info in reader.tensors.items():
+        if ".mlp.experts." in name or name.endswith("_scale_inv"):
+            continue
+        nbytes = math.prod(info.shape) * (4 if ".mlp.gate." in name else element_size)
+        total += nbytes
+        if name.startswith("model.layers."):
+            layer = int(name.split(".")[2])
+            if layer < args.num_hidden_layers:
+                per_layer[layer] = per_layer.get(layer, 0) + nbytes
+    return total, per_layer
 
 
 def load_model_weights(

@@ -28,7 +28,6 @@ from moeprefetch.experts import ExpertFormat, gathered_expert_ffn  # noqa: E402
 from moeprefetch.kernels.experts import RoutedExperts  # noqa: E402
 from moeprefetch.kernels.fill import Filler  # noqa: E402
 from moeprefetch.kernels.plan import Planner  # noqa: E402
-from moeprefetch.residency.plan import victim_order  # noqa: E402
 from moeprefetch.residency.state import E_ACTIVE, ResidencyConfig, TableState  # noqa: E402
 
 
