@@ -53,7 +53,8 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         expert_cache_slots=slots if not budget else None, expert_cache_fraction=fraction if not budget else None,
         vram_budget=budget or None, policy=cfg.cache.policy, expert_dtype=cfg.model.expert_dtype,
         prefetch_budget=float(cfg.predictor.prefetch_budget), max_inflight_experts=cfg.predictor.max_inflight_experts,
-        draft_experts=cfg.predictor.get("draft_experts", "cached"), cuda_graphs=bool(cfg.device.cuda_graphs),
+        draft_experts=cfg.predictor.get("draft_experts", "cached"),
+        spare_recent=int(cfg.predictor.get("spare_recent", 1)), cuda_graphs=bool(cfg.device.cuda_graphs),
         max_batch_size=int(cfg.workload.batch), progress=False)
 
 
@@ -101,6 +102,7 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
         "prefetch_budget": cfg.predictor.prefetch_budget,
         "min_confidence": float(cfg.predictor.get("min_confidence", 0.0)),
         "draft_experts": cfg.predictor.get("draft_experts", "cached"),
+        "spare_recent": int(cfg.predictor.get("spare_recent", 1)),
         "lookahead": int(cfg.lookahead),
         "speculative": cfg.speculative,
         "batch": int(cfg.workload.batch),

@@ -51,6 +51,7 @@ class EngineOptions:
     prefill_chunk: int
     expert_dtype: str
     min_confidence: float = 0.0
+    spare_recent: int = 1  # prefetches spare the experts used in the last N steps (not the oracle's)
     draft_experts: str = "cached"  # the MTP head's routed experts: "cached" (VRAM only) or "all"
     cuda_graphs: bool = True
     progress: bool = True
@@ -178,6 +179,7 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
         prefetch_budget=float(config.prefetch_budget), max_inflight_experts=config.max_inflight_experts,
         max_seq_len=seq_len, max_batch_size=config.max_batch_size, prefill_chunk=config.prefill_chunk,
         expert_dtype=config.expert_dtype, min_confidence=float(config.min_confidence),
+        spare_recent=config.spare_recent,
         draft_experts=config.draft_experts, cuda_graphs=bool(config.cuda_graphs), progress=bool(config.progress))
 
 

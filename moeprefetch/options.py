@@ -43,6 +43,8 @@ class EngineConfig:
     prefetch_budget: float = _opt(1.5, "prefetches per (step, layer), as a multiple of top-k")
     max_inflight_experts: int | None = _opt(None, "prefetches in flight at most (default 2 x top-k per row)")
     min_confidence: float = _opt(0.0, "predictions below this confidence are neither fetched nor counted")
+    spare_recent: int = _opt(1, "prefetches never evict an expert used in the last N steps (0: any victim; the "
+                                "oracle always uses Belady's)")
     draft_experts: str = _opt("cached", "the MTP head drafts with the experts in VRAM (cached) or reads every one "
                                         "it routes to (all)")
     # shapes and formats
@@ -88,6 +90,9 @@ class EngineConfig:
             raise RequestError(f"expert_dtype must be one of {', '.join(EXPERT_DTYPES)}, got {self.expert_dtype!r}")
         for name in ("max_batch_size", "prefill_chunk", "stream_ahead", "lookahead"):
             check_positive_int(name, getattr(self, name))
+        spare = self.spare_recent
+        if not isinstance(spare, int) or isinstance(spare, bool) or spare < 0:
+            raise RequestError(f"spare_recent must be an integer >= 0 (steps), got {spare!r}")
         for name in ("max_inflight_experts", "stream_layers", "expert_cache_slots", "max_seq_len"):
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))

@@ -113,8 +113,9 @@ class Session:
         rows = self.batch * (2 if self.speculative else 1)
         budget = max(int(math.ceil(options.prefetch_budget * self.args.num_experts_per_tok * rows)), 0)
         inflight = options.max_inflight_experts or max(2 * self.args.num_experts_per_tok * rows, 4)
+        spare = 0 if self.spec.oracle else options.spare_recent  # Belady's victims need no sparing
         res.configure(ring=self.spec.ring, budget_per_target=budget, max_inflight=inflight,
-                      min_confidence=request.min_confidence, spare_recent=0 if self.spec.oracle else 1)
+                      min_confidence=request.min_confidence, spare_recent=spare)
         res.begin_call()
         if self.record:
             res.trace = engine._trace_buffer()

@@ -568,7 +568,8 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
     _free()
 
     # offloaded: one engine (one store fill), every predictor on the same prompts and budget
-    offload_kwargs = dict(common, max_inflight_experts=args.max_inflight, draft_experts=args.draft_experts)
+    offload_kwargs = dict(common, max_inflight_experts=args.max_inflight, draft_experts=args.draft_experts,
+                          spare_recent=args.spare_recent)
     if budget is not None:
         offload_kwargs["vram_budget"] = f"{budget}GiB"
     else:
@@ -714,6 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-inflight", type=int, default=None, help="fills in flight at most (engine default)")
     parser.add_argument("--draft-experts", choices=["cached", "all"], default="cached",
                         help="the MTP head's routed experts (engine option draft_experts)")
+    parser.add_argument("--spare-recent", type=int, default=1, help="engine option spare_recent (steps)")
     parser.add_argument("--variant", default="", help="a tag appended to every row's workload (settings runs)")
     parser.add_argument("--expert-dtypes", default="", help="also run offloaded rows with these expert formats, "
                         "e.g. fp8,int8")

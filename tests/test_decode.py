@@ -94,6 +94,17 @@ def test_draft_experts_change_what_the_mtp_head_reads_never_the_tokens(reference
             assert reads["all", predictor][0] > 0
 
 
+def test_sparing_recent_experts_changes_the_fills_never_the_tokens(reference):
+    path, prompts, expected, _, _ = reference
+    issued = {}
+    for spare in (0, 1, 3):
+        engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=7, spare_recent=spare)
+        result = engine.generate(prompts, max_new_tokens=10, stop_at_eos=False, predictor="mtp+next_layer_gate")
+        assert result.sequences == expected, spare
+        issued[spare] = result.stats.to_dict()["prefetch_issued"]
+    assert issued[0] > issued[1] >= issued[3]  # the longer the memory, the fewer victims a prefetch may take
+
+
 def test_small_caches_admit_misses_and_prefetches_land(reference):
     """A cache smaller than a prefill chunk's experts still works: experts without a free slot stream through
     staging; misses are admitted as they stream; predicted experts arrive before their layer."""
