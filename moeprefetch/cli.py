@@ -55,7 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--lookahead", type=int, default=None, help=EngineConfig.help("lookahead"))
     gen.add_argument("--min-confidence", type=float, default=None, help=EngineConfig.help("min_confidence"))
     gen.add_argument("--prefetch-budget", type=float, default=1.5, help=EngineConfig.help("prefetch_budget"))
-    gen.add_argument("--draft-experts", choices=DRAFT_EXPERTS, default="cached", help=EngineConfig.help("draft_experts"))
+    gen.add_argument("--draft-experts", choices=DRAFT_EXPERTS, default="cached",
+                     help=EngineConfig.help("draft_experts"))
+    gen.add_argument("--spare-recent", type=int, default=1, help=EngineConfig.help("spare_recent"))
     gen.add_argument("--speculative", choices=["mtp"], default=None)
     gen.add_argument("--max-seq-len", type=int, default=None, help=EngineConfig.help("max_seq_len"))
     gen.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming it")
@@ -91,7 +93,7 @@ def _generate(ns: argparse.Namespace) -> int:
         _check_writable(Path(ns.events_jsonl), "--events-jsonl")
     dtype = ns.dtype or ("bfloat16" if ns.device.startswith("cuda") else "float32")
     kwargs: dict[str, Any] = dict(device=ns.device, dtype=dtype, policy=ns.policy, prefetch_budget=ns.prefetch_budget,
-                                  draft_experts=ns.draft_experts, progress=ns.verbose)
+                                  draft_experts=ns.draft_experts, spare_recent=ns.spare_recent, progress=ns.verbose)
     for name in ("max_seq_len", "predictor", "lookahead", "min_confidence"):
         if getattr(ns, name) is not None:
             kwargs[name] = getattr(ns, name)
