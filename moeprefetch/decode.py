@@ -44,7 +44,7 @@ class StepShape:
     top_p: bool
     reserve: bool  # predictions become prefetches (never with every expert resident)
     record: bool = False  # the routing is recorded into the table's trace (the oracle's first pass)
-    draft_cached: bool = False  # the MTP head computes with cached experts only; its misses become next-step fills
+    draft_cached: bool = False  # the MTP head computes with the routed experts in VRAM only and never fetches one
 
     @property
     def extra(self) -> int:

@@ -43,10 +43,11 @@ class EngineConfig:
     prefetch_budget: float = _opt(1.5, "prefetches per (step, layer), as a multiple of top-k")
     max_inflight_experts: int | None = _opt(None, "prefetches in flight at most (default 2 x top-k per row)")
     min_confidence: float = _opt(0.0, "predictions below this confidence are neither fetched nor counted")
-    spare_recent: int = _opt(1, "prefetches never evict an expert used in the last N steps (0: any victim; the "
-                                "oracle always uses Belady's)")
-    draft_experts: str = _opt("cached", "the MTP head drafts with the experts in VRAM (cached) or reads every one "
-                                        "it routes to (all)")
+    spare_recent: int = _opt(1, "prefetches never evict an expert used in the last N steps (0: any victim; lru "
+                                "and static policies; the oracle uses Belady's victims)")
+    draft_experts: str = _opt("cached", "the MTP head drafts with the routed experts in VRAM, fetching none (cached: "
+                                        "offloaded, mostly its shared expert alone), or reads every one it routes "
+                                        "to (all)")
     # shapes and formats
     max_seq_len: int | None = _opt(None, "longest sequence (default min(model limit, 4096))")
     max_batch_size: int = _opt(8, "largest batch of a call")
@@ -91,8 +92,8 @@ class EngineConfig:
         for name in ("max_batch_size", "prefill_chunk", "stream_ahead", "lookahead"):
             check_positive_int(name, getattr(self, name))
         spare = self.spare_recent
-        if not isinstance(spare, int) or isinstance(spare, bool) or spare < 0:
-            raise RequestError(f"spare_recent must be an integer >= 0 (steps), got {spare!r}")
+        if not isinstance(spare, int) or isinstance(spare, bool) or not 0 <= spare <= 64:
+            raise RequestError(f"spare_recent must be an integer from 0 to 64 (steps), got {spare!r}")
         for name in ("max_inflight_experts", "stream_layers", "expert_cache_slots", "max_seq_len"):
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))

@@ -113,7 +113,8 @@ class Session:
         rows = self.batch * (2 if self.speculative else 1)
         budget = max(int(math.ceil(options.prefetch_budget * self.args.num_experts_per_tok * rows)), 0)
         inflight = options.max_inflight_experts or max(2 * self.args.num_experts_per_tok * rows, 4)
-        spare = 0 if self.spec.oracle else options.spare_recent  # Belady's victims need no sparing
+        # Belady's victims need no sparing; LFU's queue is not in recency order, which the sparing rule relies on
+        spare = 0 if self.spec.oracle or options.policy == "lfu" else options.spare_recent
         res.configure(ring=self.spec.ring, budget_per_target=budget, max_inflight=inflight,
                       min_confidence=request.min_confidence, spare_recent=spare)
         res.begin_call()

@@ -104,11 +104,19 @@ def _clear_last_cuda_error() -> None:
 
     try:
         with open("/proc/self/maps") as fh:
-            paths = {line.split()[-1] for line in fh if "libcudart.so" in line}
-        for path in paths:
+            paths = {line.split()[5] for line in fh if "libcudart.so" in line and len(line.split()) == 6}
+    except OSError:
+        paths = set()
+    cleared = False
+    for path in paths:
+        try:
             ctypes.CDLL(path).cudaGetLastError()
-    except (OSError, AttributeError):
-        logger.debug("could not clear the CUDA runtime's last error", exc_info=True)
+            cleared = True
+        except (OSError, AttributeError):
+            continue
+    if not cleared:
+        logger.warning("could not clear the CUDA runtime's error after the refused registration; if the next CUDA call "
+                       "fails with 'cudaErrorHostMemoryAlreadyRegistered', that is its origin")
 
 
 class HostExpertStore:

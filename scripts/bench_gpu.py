@@ -547,16 +547,16 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         row.update(active_bytes_per_token=active, hbm_gbps=active / (resident_ms / 1000) / 1e9,
                    cache_fraction=1.0, expert_bytes=expert_bytes, total_experts=total_experts)
         emit({**base, **row, "vram_budget_gib": None})
+        reference_sequences = row["sequences"]
         if engine.has_mtp and (not args.systems or "all_resident_mtp" in args.systems.split(",")):
             # the compute the MTP machinery adds (shadow row and head) when no byte crosses the link
-            row = run_row(engine, "all_resident_mtp", prompts, args.new_tokens, predictor="mtp", runs=args.runs)
-            emit({**base, **row, "vram_budget_gib": None, "cache_fraction": 1.0})
+            head = run_row(engine, "all_resident_mtp", prompts, args.new_tokens, predictor="mtp", runs=args.runs)
+            emit({**base, **head, "vram_budget_gib": None, "cache_fraction": 1.0})
             if args.profile:
                 emit({**base, "system": "all_resident_mtp_timeline",
                       **timeline(engine, prompts[0], args.new_tokens, "mtp")})
         if args.profile:
             emit({**base, "system": "all_resident_timeline", **timeline(engine, prompts[0], args.new_tokens, "none")})
-        reference_sequences = row["sequences"]
         engine.close()
         del engine
     except Exception as exc:

@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         result = engine.generate([prompts[call % len(prompts)]], max_new_tokens=ns.tokens_per_call,
                                  stop_at_eos=False, predictor=ns.predictor)
         stats = result.stats.to_dict()
+        if stats["decode_steps"] == 0:
+            raise SystemExit("a call made no decode step: give --tokens-per-call of at least 2")
         steps += stats["decode_steps"]
         call += 1
         report["calls"].append({

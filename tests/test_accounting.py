@@ -31,7 +31,7 @@ def test_bytes_count_whole_records_and_the_chunks_of_unfinished_fills():
     assert view["bytes_h2d"] == view["zero_copy_bytes"] + view["fill_bytes"]
 
 
-def test_hits_include_prefetched_and_late_and_ratios_are_none_without_data():
+def test_hits_include_prefetched_and_late_and_prediction_ratios_are_none_without_data():
     c = counters(uses=10, hit=4, prefetched=2, late=1, miss=3, predicted=8, truth=10, predicted_correct=6)
     view = c.as_dict()
     assert view["hits"] == 7 and view["misses"] == 3 and view["hits"] + view["misses"] == view["expert_uses"]

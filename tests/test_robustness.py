@@ -77,7 +77,7 @@ def test_bad_request_then_the_same_engine_serves(engine, expected, kwargs, messa
         (dict(max_seq_len=100000), RequestError, "exceeds the model's max_position_embeddings"),
         (dict(prefetch_budget=-1), RequestError, "prefetch_budget must be a number >= 0"),
         (dict(draft_experts="some"), RequestError, "draft_experts must be one of cached, all"),
-        (dict(spare_recent=-1), RequestError, "spare_recent must be an integer >= 0"),
+        (dict(spare_recent=-1), RequestError, "spare_recent must be an integer from 0 to 64"),
         (dict(cache_slots=3), RequestError, "unknown engine option 'cache_slots'; the options are: device"),
     ],
 )
