@@ -144,20 +144,28 @@ def test_prefetches_spare_last_steps_experts_and_misses_do_not(spare_recent):
         assert t.count("admitted") == 8 and {2, 3}.isdisjoint(t.resident() | set(t.st.key_of.tolist()))
 
 
-def test_a_slot_used_this_step_does_not_hide_the_cold_ones_behind_it():
-    """The queue is sorted at the step's start: an old expert hit during the step sits at its head, recent now, yet
-    the prefetch must still reach the cold slots behind it (it is skipped, not a reason to stop)."""
+def test_a_slot_hit_this_step_ends_the_prefetches_victims_but_not_the_misses():
+    """Prefetches take only the untouched head of the queue (sorted at the step's start): once an old expert at its
+    head is hit, it is recent, and the prefetches of the rest of the step take no victim; a miss still finds one."""
     t = Table(slots=6, spare_recent=1)
     for rows in ([[0, 1]], [[2, 3]], [[4, 5]]):
         t.start()
         t.plan(0, rows)
     t.start()
-    t.predict(1, 1, [6, 7])  # next step: may not evict 4 and 5 (last step's); 2 and 3 are cold
+    t.predict(1, 1, [6, 7])
     t.plan(0, [[0, 1]])  # hits 0 and 1, the oldest, at the head of the queue
-    assert t.count("prefetch_issued") == 2
-    t.land_fills()
-    t.plan(1, [[7, 6]])
+    assert t.count("prefetch_issued") == 0
+    t.plan(1, [[6, 7]])  # misses: they evict the cold 2 and 3 behind the hit slots
+    t.start()  # publishes
     assert {t.key(1, 6), t.key(1, 7), 0, 1, 4, 5} == t.resident()
+    fresh = Table(slots=6, spare_recent=0)  # without sparing, the prefetches take 2 and 3
+    for rows in ([[0, 1]], [[2, 3]], [[4, 5]]):
+        fresh.start()
+        fresh.plan(0, rows)
+    fresh.start()
+    fresh.predict(1, 1, [6, 7])
+    fresh.plan(0, [[0, 1]])
+    assert fresh.count("prefetch_issued") == 2
 
 
 def test_low_confidence_predictions_are_neither_fetched_nor_counted():

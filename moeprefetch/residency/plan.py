@@ -90,14 +90,16 @@ def _eligible(t: _Lists, slot: int, now: int, step_base: int) -> bool:
 
 def _pop_victims(t: _Lists, count: int, now: int, step_base: int, warm_from: int | None = None) -> list[int]:
     """Up to `count` victims, the next eligible slots of the step's eviction queue. With `warm_from` (prefetches),
-    the pop stops at the first held slot last used in [warm_from, step start): the queue was sorted by recency at the
-    step's start, so every later slot is as recent (or was used this step, which makes it no victim at all), and they
-    stay for demand misses. A slot used this step is skipped, not stopped at: its place in the queue is older."""
+    the pop stops at the first held slot used at or after that clock, in the last steps or in this one: prefetches
+    take only the untouched head of the queue (sorted by recency at the step's start), and everything from the
+    first recent slot on stays for demand misses. Stopping also at a slot hit during this step is deliberate: on the
+    reference model at 25 % cached, skipping such slots instead let `mtp+next_layer_gate` move 11.6 experts per
+    token instead of 8.3, with more misses (1.7 instead of 1.5 per token)."""
     taken: list[int] = []
     i = t.cursor
     while len(taken) < count and i < len(t.victims):
         slot = t.victims[i]
-        if warm_from is not None and t.slot_state[slot] != FREE and warm_from <= t.last_use[slot] < step_base:
+        if warm_from is not None and t.slot_state[slot] != FREE and t.last_use[slot] >= warm_from:
             break
         i += 1
         if _eligible(t, slot, now, step_base):
