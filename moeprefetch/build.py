@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 ExpertKey = tuple[int, int]
@@ -39,6 +38,8 @@ ExpertKey = tuple[int, int]
 
 @dataclass(frozen=True)
 class EngineOptions:
+    """`EngineConfig` resolved against the checkpoint (built only by `resolve_options`, so no defaults here)."""
+
     device: torch.device
     dtype: torch.dtype
     policy: str
@@ -50,11 +51,11 @@ class EngineOptions:
     max_batch_size: int
     prefill_chunk: int
     expert_dtype: str
-    min_confidence: float = 0.0
-    spare_recent: int = 1  # prefetches spare the experts used in the last N steps (not the oracle's)
-    draft_experts: str = "cached"  # the MTP head's routed experts: "cached" (VRAM only) or "all"
-    cuda_graphs: bool = True
-    progress: bool = True
+    min_confidence: float
+    spare_recent: int
+    draft_experts: str
+    cuda_graphs: bool
+    progress: bool
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -49,15 +49,17 @@ def _parser() -> argparse.ArgumentParser:
                      help="expert slots as a share of all routed experts (default 0.25 for the reference model)")
     gen.add_argument("--vram-budget", default=None, help=EngineConfig.help("vram_budget"))
     gen.add_argument("--all-resident", action="store_true", help="keep every expert in device memory")
-    gen.add_argument("--policy", default="lru", help=EngineConfig.help("policy"))
+    defaults = EngineConfig()
+    gen.add_argument("--policy", default=defaults.policy, help=EngineConfig.help("policy"))
     gen.add_argument("--predictor", default=None,
                      help=f"{', '.join(PREDICTOR_NAMES)}, or a combination such as mtp+next_layer_gate")
     gen.add_argument("--lookahead", type=int, default=None, help=EngineConfig.help("lookahead"))
     gen.add_argument("--min-confidence", type=float, default=None, help=EngineConfig.help("min_confidence"))
-    gen.add_argument("--prefetch-budget", type=float, default=1.5, help=EngineConfig.help("prefetch_budget"))
-    gen.add_argument("--draft-experts", choices=DRAFT_EXPERTS, default="cached",
+    gen.add_argument("--prefetch-budget", type=float, default=defaults.prefetch_budget,
+                     help=EngineConfig.help("prefetch_budget"))
+    gen.add_argument("--draft-experts", choices=DRAFT_EXPERTS, default=defaults.draft_experts,
                      help=EngineConfig.help("draft_experts"))
-    gen.add_argument("--spare-recent", type=int, default=1, help=EngineConfig.help("spare_recent"))
+    gen.add_argument("--spare-recent", type=int, default=defaults.spare_recent, help=EngineConfig.help("spare_recent"))
     gen.add_argument("--speculative", choices=["mtp"], default=None)
     gen.add_argument("--max-seq-len", type=int, default=None, help=EngineConfig.help("max_seq_len"))
     gen.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming it")
