@@ -55,6 +55,7 @@ class EngineOptions:
     spare_recent: int
     draft_experts: str
     cuda_graphs: bool
+    fused_kernels: bool
     progress: bool
 
 
@@ -181,7 +182,8 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
         max_seq_len=seq_len, max_batch_size=config.max_batch_size, prefill_chunk=config.prefill_chunk,
         expert_dtype=config.expert_dtype, min_confidence=float(config.min_confidence),
         spare_recent=config.spare_recent,
-        draft_experts=config.draft_experts, cuda_graphs=bool(config.cuda_graphs), progress=bool(config.progress))
+        draft_experts=config.draft_experts, cuda_graphs=bool(config.cuda_graphs),
+        fused_kernels=bool(config.fused_kernels), progress=bool(config.progress))
 
 
 def _load(reader: CheckpointReader, args: ModelArgs, options: EngineOptions, plan: MemoryPlan, fmt: ExpertFormat,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .model import Routing, attention_absorbed, block, mtp_input, rms_norm, route
+from .model import Routing, block, mtp_input
 from .predictors import PredictionRing, PredictorSpec, routing_confidence
 from .residency import PlanBuffers
 from .runner import KVCaches, ModelRunner
@@ -74,6 +74,7 @@ class DecodeStep:
         self.args = runner.args
         self.weights = runner.weights
         self.res = runner.residency
+        self.ops = runner.decode_ops
         self.caches = caches
         self.sampler = sampler
         self.shape = shape
@@ -174,16 +175,15 @@ class DecodeStep:
             groups.append(F.embedding(self.inputs[:, 3:4], embed))
         for lw in self.weights.layers:
             self.runner.enter(lw.index)
-            groups = block(self.args, lw, groups, self._attend(lw, pos), self._routed, self.runner.act)
+            groups = block(self.ops, lw, groups, self._attend(lw, pos), self._routed)
             self.runner.leave(lw.index)
-        eps = self.args.rms_norm_eps
-        hidden = rms_norm(groups[0][:, 0], self.weights.final_norm, eps)
+        hidden = self.ops.norm(groups[0][:, 0], self.weights.final_norm)
         self.logits.copy_(self.runner.logits(hidden))
         next_tokens = self.sampler(self.logits, self.params, self.rows, pos + 1)
         self.outputs[:, 0].copy_(next_tokens)
         mtp_tokens, mtp_hidden = [next_tokens], [hidden]
         if shape.mode == "verify":
-            draft_hidden = rms_norm(groups[1][:, 0], self.weights.final_norm, eps)
+            draft_hidden = self.ops.norm(groups[1][:, 0], self.weights.final_norm)
             second = self.sampler(self.runner.logits(draft_hidden), self.params, self.rows, pos + 2)
             self.outputs[:, 1].copy_(second)
             mtp_tokens.append(second)
@@ -193,12 +193,11 @@ class DecodeStep:
         res.end_step()
 
     def _attend(self, lw, pos: torch.Tensor):
-        args, rope = self.args, self.runner.rope
         kv = self.caches.layers[lw.index]
 
         def attend(group: int, normed: torch.Tensor) -> torch.Tensor:
             positions = pos[:, None] + group  # extra rows sit one position ahead
-            return attention_absorbed(args, lw.attn, rope, normed, positions, kv)
+            return self.ops.attend_decode(lw.attn, normed, positions, kv)
 
         return attend
 
@@ -233,7 +232,7 @@ class DecodeStep:
         if spec.previous:
             ring.write(1, position, routings[0].ids, routing_confidence(routings[0].weights) * live)
         for target in self.gate_targets.get(layer, ()):
-            guess = route(self.args, self.routers[target].router, h)
+            guess = self.ops.route(self.routers[target].router, h)
             ring.write(0, self.res.position[target], guess.ids, routing_confidence(guess.weights) * live)
         if spec.shadow and self.shape.mode == "shadow":
             conf = routing_confidence(routings[1].weights) * (live * self.draft_conf[:, None])
@@ -248,7 +247,7 @@ class DecodeStep:
         kv = self.caches.mtp
 
         def attend(_: int, normed: torch.Tensor) -> torch.Tensor:
-            return attention_absorbed(args, mtp.layer.attn, self.runner.rope, normed, positions, kv, positions - 1)
+            return self.ops.attend_decode(mtp.layer.attn, normed, positions, kv, positions - 1)
 
         def routed(layer: int, flat: list[torch.Tensor], routings: list[Routing]) -> list[torch.Tensor]:
             act = self.active.repeat_interleave(rows)
@@ -264,7 +263,7 @@ class DecodeStep:
             return [self.res.decode_experts(layer, flat[0].contiguous(), none, act[:0], ids, act, weights,
                                             self.buffers, self.shape.reserve, count_recall=False)]
 
-        x = block(args, mtp.layer, [x], attend, routed, self.runner.act)[0]
+        x = block(self.ops, mtp.layer, [x], attend, routed)[0]
         logits = self.runner.mtp_logits(x)  # [B, M, V]
         probs, drafts = logits.softmax(-1).max(-1)
         self.outputs[:, 2:].copy_(drafts)
@@ -275,5 +274,5 @@ class DecodeStep:
             for lw in self.routers.values():
                 if self.res.position[lw.index] >= self.res.cfg.main_positions:
                     continue
-                guess = route(args, lw.router, rms_norm(flat, lw.post_attention_norm, args.rms_norm_eps))
+                guess = self.ops.route(lw.router, self.ops.norm(flat, lw.post_attention_norm))
                 self.ring.write(1, self.res.position[lw.index], guess.ids, routing_confidence(guess.weights) * live)

@@ -22,7 +22,7 @@ from .errors import RequestError, ResourceError
 from .planner import MemoryPlan
 from .predictors import PredictorSpec
 from .residency import Residency
-from .runner import KVCaches, ModelRunner
+from .runner import FusedDecodeShape, KVCaches, ModelRunner
 from .sampling import DeviceSampler
 from .requests import as_batch_tensor, build_request
 from .session import GenerationResult, Request, Session, TokenEvent
@@ -45,7 +45,9 @@ class MoEPrefetchEngine:
         self.weights = weights
         self.residency = residency
         self.streamer = streamer
-        self.runner = ModelRunner(args, weights, residency, options.device, streamer)
+        self.runner = ModelRunner(args, weights, residency, options.device, streamer,
+                                  fused_decode=FusedDecodeShape(options.max_seq_len, 2 * options.max_batch_size,
+                                                                options.dtype) if options.fused_kernels else None)
         self.sampler = DeviceSampler(args.vocab_size, options.device)
         self.tokenizer = tokenizer
         self.options = options

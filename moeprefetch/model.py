@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelArgs
+from .kernels.router import RouterShape, select_experts_reference
 from .rope import RotaryEmbedding
 from .weights import AttentionWeights, LayerWeights, Linear, MLPWeights, MTPWeights, RouterWeights
 
@@ -164,31 +165,17 @@ class Routing:
     scores: torch.Tensor  # [N, E] fp32 selection scores (biased for V3), for ranking predictions
 
 
+def router_shape(args: ModelArgs) -> RouterShape:
+    return RouterShape(n_experts=args.n_routed_experts, top_k=args.num_experts_per_tok, n_group=args.n_group,
+                       topk_group=args.topk_group, method=args.topk_method, sigmoid=args.scoring_func == "sigmoid",
+                       norm_topk_prob=args.norm_topk_prob, scaling=args.routed_scaling_factor)
+
+
 def route(args: ModelArgs, router: RouterWeights, x: torch.Tensor) -> Routing:
     """x [N, H] -> top-k experts and weights, exactly as DeepSeek-V3 (sigmoid, bias for selection only,
     group-limited) or V2 (softmax, greedy or group-limited greedy)."""
     logits = F.linear(x.float(), router.weight)  # [N, E], fp32 like the reference implementations
-    if args.scoring_func == "sigmoid":
-        scores = logits.sigmoid()
-    else:
-        scores = logits.softmax(dim=-1)
-    choice = scores + router.bias if router.bias is not None else scores
-    groups, topk_group, k = args.n_group, args.topk_group, args.num_experts_per_tok
-    if args.topk_method != "greedy" and groups > 1 and topk_group < groups:
-        grouped = choice.view(-1, groups, args.n_routed_experts // groups)
-        if args.topk_method == "noaux_tc":
-            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
-        else:  # group_limited_greedy ranks groups by their best expert
-            group_scores = grouped.amax(dim=-1)
-        keep = group_scores.topk(topk_group, dim=-1).indices
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-        # -inf, never 0.0: biased V3 scores can be negative and a 0.0 mask would let masked groups win
-        choice = choice.masked_fill(~group_mask.repeat_interleave(args.n_routed_experts // groups, 1), float("-inf"))
-    ids = choice.topk(k, dim=-1).indices
-    weights = scores.gather(1, ids)  # unbiased scores: the bias only selects
-    if args.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    weights = weights * args.routed_scaling_factor
+    ids, weights, choice = select_experts_reference(router_shape(args), logits, router.bias)
     return Routing(ids=ids, weights=weights, scores=choice)
 
 
@@ -211,13 +198,45 @@ def combine_expert_outputs(outputs: torch.Tensor, weights: torch.Tensor, valid: 
 RoutedFn = Callable[[int, list[torch.Tensor], list[Routing]], list[torch.Tensor]]
 
 
+class LayerOps:
+    """How the pieces of a decoder layer are computed. These are the definitions (torch, any device);
+    `layer_ops.FusedOps` computes the same with fused Triton kernels for the device's decode step."""
+
+    def __init__(self, args: ModelArgs, act: Callable[[torch.Tensor], torch.Tensor], rope: RotaryEmbedding):
+        self.args = args
+        self.act = act
+        self.rope = rope
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.args.rms_norm_eps)
+
+    def residual_norm(self, x: torch.Tensor, deltas: list[torch.Tensor], weight: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(x + the deltas' sum rounded to x's dtype, its RMSNorm by `weight`, or None without one)."""
+        total = deltas[0]
+        for d in deltas[1:]:
+            total = total.float() + d.float()
+        x = x + total.to(x.dtype)
+        return x, (self.norm(x, weight) if weight is not None else None)
+
+    def route(self, router: RouterWeights, h: torch.Tensor) -> Routing:
+        return route(self.args, router, h)
+
+    def mlp(self, w: MLPWeights, h: torch.Tensor) -> torch.Tensor:
+        return mlp(w, h, self.act)
+
+    def attend_decode(self, w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, kv: LayerKV,
+                      slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode attention of x [B, L, H] at rotary `positions` [B, L], stored at cache index `slots`."""
+        return attention_absorbed(self.args, w, self.rope, x, positions, kv, slots)
+
+
 def block(
-    args: ModelArgs,
+    ops: LayerOps,
     lw: LayerWeights,
     groups: list[torch.Tensor],
     attend: Callable[[int, torch.Tensor], torch.Tensor],
     routed: RoutedFn,
-    act: Callable[[torch.Tensor], torch.Tensor],
 ) -> list[torch.Tensor]:
     """One decoder layer over groups of rows: prefill chunks (one group), decode steps (real rows, then shadow or
     draft rows) and the MTP head all run this.
@@ -226,16 +245,16 @@ def block(
     the real rows' kernels. The feed-forward half sees every group at once: a dense MLP per group, or routers per
     group and `routed(layer, router inputs, routings)` for the routed experts of all groups together (so that an
     expert's bytes are read once for every row that uses it), plus the shared experts."""
-    eps = args.rms_norm_eps
-    groups = [x + attend(i, rms_norm(x, lw.input_norm, eps)) for i, x in enumerate(groups)]
-    hs = [rms_norm(x, lw.post_attention_norm, eps) for x in groups]
+    groups, hs = list(groups), []
+    for i, x in enumerate(groups):
+        groups[i], h = ops.residual_norm(x, [attend(i, ops.norm(x, lw.input_norm))], lw.post_attention_norm)
+        hs.append(h)
     if lw.router is None:
-        return [x + mlp(lw.mlp, h, act) for x, h in zip(groups, hs)]
+        return [ops.residual_norm(x, [ops.mlp(lw.mlp, h)], None)[0] for x, h in zip(groups, hs)]
     flat = [h.reshape(-1, h.shape[-1]) for h in hs]
-    outs = routed(lw.index, flat, [route(args, lw.router, f) for f in flat])
-    if lw.shared is not None:
-        outs = [out + mlp(lw.shared, f, act).float() for out, f in zip(outs, flat)]
-    return [x + out.to(x.dtype).view_as(x) for x, out in zip(groups, outs)]
+    outs = routed(lw.index, flat, [ops.route(lw.router, f) for f in flat])
+    deltas = [[out] if lw.shared is None else [out, ops.mlp(lw.shared, f)] for out, f in zip(outs, flat)]
+    return [ops.residual_norm(x, [d.view(x.shape) for d in ds], None)[0] for x, ds in zip(groups, deltas)]
 
 
 def mtp_input(args: ModelArgs, mtp: MTPWeights, embed: torch.Tensor, next_tokens: torch.Tensor,

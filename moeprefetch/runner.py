@@ -15,7 +15,9 @@ import torch.nn.functional as F
 
 from .config import ModelArgs
 from .experts import activation
-from .model import LayerKV, Routing, attention_expanded, block, mtp_input, rms_norm
+from .kernels import kernels_usable
+from .layer_ops import FusedOps
+from .model import LayerKV, LayerOps, Routing, attention_expanded, block, mtp_input, rms_norm
 from .residency import Residency
 from .rope import RotaryEmbedding
 from .weights import LayerWeights, ModelWeights
@@ -56,6 +58,15 @@ class KVCaches:
             kv.rope.zero_()
 
 
+@dataclass(frozen=True)
+class FusedDecodeShape:
+    """What the fused decode kernels are sized for: the KV capacity and the rows of one step (exact + extra)."""
+
+    capacity: int
+    max_rows: int
+    dtype: torch.dtype
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -64,6 +75,7 @@ class ModelRunner:
         residency: Residency,
         device: torch.device,
         streamer: "LayerStreamer | None" = None,
+        fused_decode: FusedDecodeShape | None = None,
     ):
         self.args = args
         self.weights = weights
@@ -72,6 +84,12 @@ class ModelRunner:
         self.device = device
         self.rope = RotaryEmbedding(args.rope, args.qk_rope_head_dim, device)
         self.act = activation(args.hidden_act)
+        self.ops = LayerOps(args, self.act, self.rope)
+        # decode steps on CUDA run fused kernels; the CPU (and fused_kernels=False) runs the definitions
+        self.decode_ops = self.ops
+        if fused_decode is not None and kernels_usable(device.type):
+            self.decode_ops = FusedOps(args, self.act, args.hidden_act, self.rope, fused_decode.capacity,
+                                       fused_decode.max_rows, fused_decode.dtype, device)
 
     def logits(self, hidden_normed: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden_normed, self.weights.lm_head).float()
@@ -100,7 +118,7 @@ class ModelRunner:
         def attend(_: int, normed: torch.Tensor) -> torch.Tensor:
             return attention_expanded(self.args, lw.attn, self.rope, normed, positions, kv, row, start)
 
-        return block(self.args, lw, [x], attend, self._routed, self.act)[0]
+        return block(self.ops, lw, [x], attend, self._routed)[0]
 
     def forward_block(
         self, tokens: torch.Tensor, positions: torch.Tensor, caches: KVCaches | None, row: int, start: int

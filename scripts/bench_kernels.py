@@ -9,6 +9,7 @@ Rows (medians of CUDA-event timings after a warm-up, each repeated inside a CUDA
 - overlap: the fill kernel copying while a chain of bf16 GEMVs (HBM-bound, like decode) runs, against each alone.
 
     python scripts/bench_kernels.py --out /tmp/kernels.json
+    python scripts/bench_kernels.py --out /tmp/tiles.json --tiles-sweep   # the expert kernel's tile choices
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moeprefetch.experts import ExpertFormat, gathered_expert_ffn  # noqa: E402
-from moeprefetch.kernels.experts import RoutedExperts  # noqa: E402
+from moeprefetch.kernels.experts import RoutedExperts, Tiles  # noqa: E402
 from moeprefetch.kernels.fill import Filler  # noqa: E402
 from moeprefetch.kernels.plan import Planner  # noqa: E402
 from moeprefetch.residency.state import E_ACTIVE, ResidencyConfig, TableState  # noqa: E402
@@ -57,10 +58,61 @@ def timed(fn, repeats: int = 20, warmup: int = 3, graph: bool = False) -> float:
     return statistics.median(times)
 
 
+TILE_CANDIDATES = (  # (block_i, block_h, block_k, num_warps, num_stages, swap)
+    (64, 64, 128, 4, 3, False), (64, 64, 128, 4, 4, True), (64, 64, 256, 4, 3, True), (64, 64, 128, 4, 5, True),
+    (128, 128, 128, 4, 3, True), (64, 64, 64, 4, 6, True), (32, 32, 128, 4, 4, False), (16, 16, 256, 4, 3, False),
+    (16, 16, 512, 4, 2, False), (32, 32, 256, 2, 3, False), (64, 64, 128, 8, 4, True),
+)
+
+
+def tiles_sweep(out: Path) -> int:
+    """One V2-Lite MoE layer (experts in VRAM) through the expert kernel with each tile choice, at 1, 4, 8 and 16
+    rows (distinct experts of random routing), against a cuBLAS GEMV over the same bytes (the HBM anchor)."""
+    dev = torch.device("cuda")
+    fmt = ExpertFormat.build(2048, 1408, torch.bfloat16)
+    rec, n_experts, top_k = fmt.record_bytes, 64, 6
+    pool = (torch.randn(n_experts, rec // 2, device=dev, dtype=torch.bfloat16) * 0.02).view(torch.uint8)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    results = []
+    anchor_w = torch.randn(6 * 3 * 1408, 2048, device=dev, dtype=torch.bfloat16)  # the bytes of 6 experts
+    anchor_x = torch.randn(2048, 1, device=dev, dtype=torch.bfloat16)
+    anchor_ms = timed(lambda: torch.mm(anchor_w, anchor_x), graph=True, repeats=50)
+    anchor_bytes = anchor_w.numel() * 2
+    for tiles_tuple in TILE_CANDIDATES:
+        tiles = Tiles(*tiles_tuple)
+        kernel = RoutedExperts(fmt, pool, None, "silu", F.silu, 16, top_k, use_kernels=True, tiles=tiles)
+        row = {"tiles": tiles_tuple}
+        for rows in (1, 4, 8, 16):
+            ids = torch.stack([torch.randperm(n_experts, generator=g)[:top_k] for _ in range(rows)])
+            distinct = sorted(set(ids.flatten().tolist()))
+            u_of = {e: i for i, e in enumerate(distinct)}
+            assign = torch.tensor([[u_of[e] for e in r] for r in ids.tolist()], dtype=torch.int32, device=dev)
+            keys = torch.full((kernel.max_experts,), -1, dtype=torch.int32, device=dev)
+            keys[: len(distinct)] = torch.tensor(distinct, dtype=torch.int32, device=dev)
+            slots = keys.clone()
+            none = torch.full_like(keys, -1)
+            x = torch.randn(rows, 2048, device=dev, dtype=torch.bfloat16)
+            w = torch.rand(rows, top_k, device=dev)
+            o = torch.empty(rows, 2048, device=dev)
+            ms = timed(lambda: kernel(x, assign, w, keys, slots, none, out=o), graph=True, repeats=50)
+            row[f"rows{rows}_ms"] = ms
+            row[f"rows{rows}_gbps"] = len(distinct) * fmt.payload_bytes / ms / 1e6
+        results.append(row)
+        print(row, flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "cublas_gemv_same_bytes_ms": anchor_ms,
+                               "cublas_gemv_gbps": anchor_bytes / anchor_ms / 1e6, "tiles": results}, indent=1))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tiles-sweep", action="store_true", help="only time the expert kernel's tile choices")
     ns = parser.parse_args()
+    if ns.tiles_sweep:
+        return tiles_sweep(ns.out)
     dev = torch.device("cuda")
     rows: dict[str, float] = {}
     fmt = ExpertFormat.build(2048, 1408, torch.bfloat16)

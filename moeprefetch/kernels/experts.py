@@ -35,9 +35,31 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .common import activate, dot, next_pow2
+
 ACTIVATIONS = {"silu": 0, "relu": 1, "gelu_pytorch_tanh": 2}  # the kernel's activations; others use the reference
 ROW_PAD_MIN = 16  # tl.dot needs at least 16 rows
-BLOCK_I, BLOCK_K, BLOCK_H = 64, 128, 64  # fixed tiles: configs never depend on the data, so neither do the bits
+GEMV_MAX_ROWS = 4  # up to this many rows per step, the kernels multiply on the CUDA cores (no tl.dot, no padding)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Tile sizes and launch shape of the expert kernels. Fixed per engine (never chosen from the data), so a row's
+    bits never depend on what else is computed; `block_k` sets the order of each dot product's reduction."""
+
+    block_i: int = 64  # gate/up rows (intermediate features) per program
+    block_h: int = 64  # down rows (hidden features) per program
+    block_k: int = 128  # reduction step
+    num_warps: int = 4
+    num_stages: int = 3
+    swap: bool = False  # weights as the dot's left operand (its M = the tile's rows): Hopper's wgmma needs M >= 64
+
+
+# Measured on the H200 at V2-Lite's expert shape (experiments/results/tiles_h200.json): with tl.dot, 32-row tiles
+# beat 64 at one row per step (85 vs 104 us per layer) and tie from 4 rows on; the CUDA-core GEMV tiles serve steps
+# of at most GEMV_MAX_ROWS rows.
+DEFAULT_TILES = Tiles(block_i=32, block_h=32, block_k=128, num_warps=4, num_stages=4)
+GEMV_TILES = Tiles(block_i=16, block_h=16, block_k=128, num_warps=4, num_stages=3)
 
 
 @dataclass(frozen=True)
@@ -121,25 +143,13 @@ def routed_experts_reference(
 if HAS_TRITON:
 
     @triton.jit
-    def _activate(g, ACT: tl.constexpr):
-        if ACT == 0:
-            out = g * tl.sigmoid(g)
-        elif ACT == 1:
-            out = tl.maximum(g, 0.0)
-        else:  # tanh-approximated GELU; tanh(y) = 2 sigmoid(2y) - 1
-            y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            out = 0.5 * g * (2.0 * tl.sigmoid(2.0 * y))
-        return out
-
-    @triton.jit
-    def _dot(a, b, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
-        """a [M, K] @ b [K, N] in fp32. DOT_F32 upcasts first: the interpreter's dot reads bf16 bits wrongly."""
-        if DOT_F32:
-            out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            out = tl.dot(a, b, input_precision="ieee")
+    def _rows_dot(rows_tile, w_tile, IEEE: tl.constexpr, DOT_F32: tl.constexpr, SWAP: tl.constexpr):
+        """rows [N_PAD, K] . weights [B, K]^T, as [N_PAD, B] or (SWAP) [B, N_PAD]. Each output element is its own dot
+        product either way, so a row's result never depends on the other rows of the tile."""
+        if SWAP:
+            out = dot(w_tile, tl.trans(rows_tile), IEEE, DOT_F32)
         else:
-            out = tl.dot(a, b)
+            out = dot(rows_tile, tl.trans(w_tile), IEEE, DOT_F32)
         return out
 
     @triton.jit
@@ -188,29 +198,39 @@ if HAS_TRITON:
                         GATE_W: tl.constexpr, UP_W: tl.constexpr, REC_S: tl.constexpr, GATE_S: tl.constexpr,
                         UP_S: tl.constexpr, SCOLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                         QUANT: tl.constexpr, ACT: tl.constexpr, N_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                        BI: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+                        BI: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+                        SWAP: tl.constexpr):
         """mid[u, r, i-tile] = act(x_r . gate_u) * (x_r . up_u) for the rows r of expert u."""
         u = tl.program_id(0)
         tile = tl.program_id(1)
         key, src_w, src_s, dst_w, dst_s, admit = _record_bases(u, u_key_ptr, u_slot_ptr, u_dst_ptr, delta_ptr,
                                                                REC_W, REC_S)
-        if key >= 0:
-            rows, row_on = _rows_of(u, assign_ptr, n_rows, TOPK, N_PAD, K_PAD)
-            ri = tile * BI + tl.arange(0, BI)
+        if key < 0:  # unused entries of the fixed grid do nothing
+            return
+        rows, row_on = _rows_of(u, assign_ptr, n_rows, TOPK, N_PAD, K_PAD)
+        ri = tile * BI + tl.arange(0, BI)
+        if SWAP:
+            acc_g = tl.zeros([BI, N_PAD], dtype=tl.float32)
+            acc_u = tl.zeros([BI, N_PAD], dtype=tl.float32)
+        else:
             acc_g = tl.zeros([N_PAD, BI], dtype=tl.float32)
             acc_u = tl.zeros([N_PAD, BI], dtype=tl.float32)
-            for k0 in range(0, H, BK):
-                rk = k0 + tl.arange(0, BK)
-                xt = tl.load(x_ptr + rows[:, None] * H + rk[None, :], mask=row_on[:, None] & (rk[None, :] < H),
-                             other=0.0)
-                mask = (ri[:, None] < I) & (rk[None, :] < H)
-                g = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, GATE_W, GATE_S, ri, rk, mask,
-                                      H, SCOLS, BR, BC, QUANT, x_ptr.dtype.element_ty)
-                up = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, UP_W, UP_S, ri, rk, mask,
-                                       H, SCOLS, BR, BC, QUANT, x_ptr.dtype.element_ty)
-                acc_g += _dot(xt, tl.trans(g), IEEE, DOT_F32)
-                acc_u += _dot(xt, tl.trans(up), IEEE, DOT_F32)
-            mid = (_activate(acc_g, ACT) * acc_u).to(mid_ptr.dtype.element_ty)
+        for k0 in range(0, H, BK):
+            rk = k0 + tl.arange(0, BK)
+            xt = tl.load(x_ptr + rows[:, None] * H + rk[None, :], mask=row_on[:, None] & (rk[None, :] < H),
+                         other=0.0)
+            mask = (ri[:, None] < I) & (rk[None, :] < H)
+            g = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, GATE_W, GATE_S, ri, rk, mask,
+                                  H, SCOLS, BR, BC, QUANT, x_ptr.dtype.element_ty)
+            up = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, UP_W, UP_S, ri, rk, mask,
+                                   H, SCOLS, BR, BC, QUANT, x_ptr.dtype.element_ty)
+            acc_g += _rows_dot(xt, g, IEEE, DOT_F32, SWAP)
+            acc_u += _rows_dot(xt, up, IEEE, DOT_F32, SWAP)
+        mid = (activate(acc_g, ACT) * acc_u).to(mid_ptr.dtype.element_ty)
+        if SWAP:
+            out = mid_ptr + (u * N_PAD + rows[None, :]) * I + ri[:, None]
+            tl.store(out, mid, mask=row_on[None, :] & (ri[:, None] < I))
+        else:
             out = mid_ptr + (u * N_PAD + rows[:, None]) * I + ri[None, :]
             tl.store(out, mid, mask=row_on[:, None] & (ri[None, :] < I))
 
@@ -219,24 +239,33 @@ if HAS_TRITON:
                      H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, REC_W: tl.constexpr,
                      DOWN_W: tl.constexpr, REC_S: tl.constexpr, DOWN_S: tl.constexpr, SCOLS: tl.constexpr,
                      BR: tl.constexpr, BC: tl.constexpr, QUANT: tl.constexpr, N_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                     BH: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+                     BH: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+                     SWAP: tl.constexpr):
         """y[u, r, h-tile] = mid[u, r] . down_u[h-tile] (fp32) for the rows r of expert u."""
         u = tl.program_id(0)
         tile = tl.program_id(1)
         key, src_w, src_s, dst_w, dst_s, admit = _record_bases(u, u_key_ptr, u_slot_ptr, u_dst_ptr, delta_ptr,
                                                                REC_W, REC_S)
-        if key >= 0:
-            rows, row_on = _rows_of(u, assign_ptr, n_rows, TOPK, N_PAD, K_PAD)
-            rh = tile * BH + tl.arange(0, BH)
+        if key < 0:
+            return
+        rows, row_on = _rows_of(u, assign_ptr, n_rows, TOPK, N_PAD, K_PAD)
+        rh = tile * BH + tl.arange(0, BH)
+        if SWAP:
+            acc = tl.zeros([BH, N_PAD], dtype=tl.float32)
+        else:
             acc = tl.zeros([N_PAD, BH], dtype=tl.float32)
-            for k0 in range(0, I, BK):
-                rk = k0 + tl.arange(0, BK)
-                m = tl.load(mid_ptr + (u * N_PAD + rows[:, None]) * I + rk[None, :],
-                            mask=row_on[:, None] & (rk[None, :] < I), other=0.0)
-                mask = (rh[:, None] < H) & (rk[None, :] < I)
-                d = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, DOWN_W, DOWN_S, rh, rk, mask,
-                                      I, SCOLS, BR, BC, QUANT, mid_ptr.dtype.element_ty)
-                acc += _dot(m, tl.trans(d), IEEE, DOT_F32)
+        for k0 in range(0, I, BK):
+            rk = k0 + tl.arange(0, BK)
+            m = tl.load(mid_ptr + (u * N_PAD + rows[:, None]) * I + rk[None, :],
+                        mask=row_on[:, None] & (rk[None, :] < I), other=0.0)
+            mask = (rh[:, None] < H) & (rk[None, :] < I)
+            d = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, DOWN_W, DOWN_S, rh, rk, mask,
+                                  I, SCOLS, BR, BC, QUANT, mid_ptr.dtype.element_ty)
+            acc += _rows_dot(m, d, IEEE, DOT_F32, SWAP)
+        if SWAP:
+            out = y_ptr + (u * N_PAD + rows[None, :]) * H + rh[:, None]
+            tl.store(out, acc, mask=row_on[None, :] & (rh[:, None] < H))
+        else:
             out = y_ptr + (u * N_PAD + rows[:, None]) * H + rh[None, :]
             tl.store(out, acc, mask=row_on[:, None] & (rh[None, :] < H))
 
@@ -256,20 +285,93 @@ if HAS_TRITON:
         tl.store(out_ptr + r * H + rh, acc, mask=rh < H)
 
 
+    @triton.jit
+    def _rows_fma(rows_tile, w_tile, acc):
+        """acc [N_PAD, B, K] += rows [N_PAD, K] x weights [B, K], on the CUDA cores; summed over K at the end."""
+        return acc + rows_tile.to(tl.float32)[:, None, :] * w_tile.to(tl.float32)[None, :, :]
+
+    @triton.jit
+    def _gate_up_gemv_kernel(x_ptr, assign_ptr, u_key_ptr, u_slot_ptr, u_dst_ptr, w_ptr, s_ptr, delta_ptr, mid_ptr,
+                             n_rows, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, REC_W: tl.constexpr,
+                             GATE_W: tl.constexpr, UP_W: tl.constexpr, REC_S: tl.constexpr, GATE_S: tl.constexpr,
+                             UP_S: tl.constexpr, SCOLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                             QUANT: tl.constexpr, ACT: tl.constexpr, N_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                             BI: tl.constexpr, BK: tl.constexpr):
+        """`_gate_up_kernel` for a few rows: the same tiles and admission, multiplied without tensor cores (a
+        batch-1 GEMV would waste 15 of 16 padded rows on tl.dot, and its shared-memory staging limits occupancy)."""
+        u = tl.program_id(0)
+        tile = tl.program_id(1)
+        key, src_w, src_s, dst_w, dst_s, admit = _record_bases(u, u_key_ptr, u_slot_ptr, u_dst_ptr, delta_ptr,
+                                                               REC_W, REC_S)
+        if key < 0:
+            return
+        rows, row_on = _rows_of(u, assign_ptr, n_rows, TOPK, N_PAD, K_PAD)
+        ri = tile * BI + tl.arange(0, BI)
+        acc_g = tl.zeros([N_PAD, BI, BK], dtype=tl.float32)
+        acc_u = tl.zeros([N_PAD, BI, BK], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            rk = k0 + tl.arange(0, BK)
+            xt = tl.load(x_ptr + rows[:, None] * H + rk[None, :], mask=row_on[:, None] & (rk[None, :] < H),
+                         other=0.0)
+            mask = (ri[:, None] < I) & (rk[None, :] < H)
+            g = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, GATE_W, GATE_S, ri, rk, mask,
+                                  H, SCOLS, BR, BC, QUANT, x_ptr.dtype.element_ty)
+            up = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, UP_W, UP_S, ri, rk, mask,
+                                   H, SCOLS, BR, BC, QUANT, x_ptr.dtype.element_ty)
+            acc_g = _rows_fma(xt, g, acc_g)
+            acc_u = _rows_fma(xt, up, acc_u)
+        mid = (activate(tl.sum(acc_g, axis=2), ACT) * tl.sum(acc_u, axis=2)).to(mid_ptr.dtype.element_ty)
+        out = mid_ptr + (u * N_PAD + rows[:, None]) * I + ri[None, :]
+        tl.store(out, mid, mask=row_on[:, None] & (ri[None, :] < I))
+
+    @triton.jit
+    def _down_gemv_kernel(mid_ptr, assign_ptr, u_key_ptr, u_slot_ptr, u_dst_ptr, w_ptr, s_ptr, delta_ptr, y_ptr,
+                          n_rows, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, REC_W: tl.constexpr,
+                          DOWN_W: tl.constexpr, REC_S: tl.constexpr, DOWN_S: tl.constexpr, SCOLS: tl.constexpr,
+                          BR: tl.constexpr, BC: tl.constexpr, QUANT: tl.constexpr, N_PAD: tl.constexpr,
+                          K_PAD: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
+        """`_down_kernel` for a few rows, on the CUDA cores."""
+        u = tl.program_id(0)
+        tile = tl.program_id(1)
+        key, src_w, src_s, dst_w, dst_s, admit = _record_bases(u, u_key_ptr, u_slot_ptr, u_dst_ptr, delta_ptr,
+                                                               REC_W, REC_S)
+        if key < 0:
+            return
+        rows, row_on = _rows_of(u, assign_ptr, n_rows, TOPK, N_PAD, K_PAD)
+        rh = tile * BH + tl.arange(0, BH)
+        acc = tl.zeros([N_PAD, BH, BK], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            rk = k0 + tl.arange(0, BK)
+            m = tl.load(mid_ptr + (u * N_PAD + rows[:, None]) * I + rk[None, :],
+                        mask=row_on[:, None] & (rk[None, :] < I), other=0.0)
+            mask = (rh[:, None] < H) & (rk[None, :] < I)
+            d = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, DOWN_W, DOWN_S, rh, rk, mask,
+                                  I, SCOLS, BR, BC, QUANT, mid_ptr.dtype.element_ty)
+            acc = _rows_fma(m, d, acc)
+        out = y_ptr + (u * N_PAD + rows[:, None]) * H + rh[None, :]
+        tl.store(out, tl.sum(acc, axis=2), mask=row_on[:, None] & (rh[None, :] < H))
+
+
+
 class RoutedExperts:
     """The fused routed-expert computation over one slot pool and host arena, with fixed scratch buffers (so the
     launches can be captured in a CUDA graph)."""
 
     def __init__(self, fmt: ExpertFormat, pool: torch.Tensor, host: torch.Tensor | None, act_name: str,
-                 act: Callable[[torch.Tensor], torch.Tensor], max_rows: int, top_k: int, use_kernels: bool):
+                 act: Callable[[torch.Tensor], torch.Tensor], max_rows: int, top_k: int, use_kernels: bool,
+                 tiles: Tiles | None = None):
         self.fmt = fmt
+        # The multiply (CUDA cores or tl.dot) and the tiles are fixed by the engine's largest step, never by a
+        # step's rows: a row's bits must not depend on what else the step computes.
+        self.gemv = max_rows <= GEMV_MAX_ROWS
+        self.tiles = tiles or (GEMV_TILES if self.gemv else DEFAULT_TILES)
         self.layout = RecordLayout.of(fmt)
         self.pool = pool
         self.host = host
         self.act = act
         self.top_k = top_k
-        self.n_pad = row_pad(max_rows)
-        self.max_experts = self.n_pad * top_k  # distinct experts of one layer, at most
+        self.n_pad = next_pow2(max_rows) if self.gemv and HAS_TRITON else row_pad(max_rows)
+        self.max_experts = max_rows * top_k  # distinct experts of one layer, at most (numbered in first-use order)
         self.use_kernels = use_kernels and act_name in ACTIVATIONS
         self.act_code = ACTIVATIONS.get(act_name, 0)
         if not self.use_kernels:
@@ -299,22 +401,39 @@ class RoutedExperts:
     def launches(self, x: torch.Tensor, assign: torch.Tensor, weights: torch.Tensor, u_key: torch.Tensor,
                  u_slot: torch.Tensor, u_dst: torch.Tensor, out: torch.Tensor) -> list[Launch]:
         n, k = assign.shape
-        lay = self.layout
-        u_count = u_key.shape[0]
+        lay, t = self.layout, self.tiles
+        u_count = min(u_key.shape[0], n * k)  # u is numbered in first-use order: u < rows x k
         assert n <= self.n_pad and u_count <= self.max_experts and x.is_contiguous()
         ieee = x.dtype == torch.float32
         common = dict(assign_ptr=assign, u_key_ptr=u_key, u_slot_ptr=u_slot, u_dst_ptr=u_dst, w_ptr=self._w,
                       s_ptr=self._s, delta_ptr=self._delta, n_rows=n, H=lay.hidden, I=lay.intermediate, TOPK=k,
                       REC_W=lay.rec_w, REC_S=max(lay.rec_s, 1), BR=lay.block_rows, BC=lay.block_cols,
-                      QUANT=lay.quantized, N_PAD=self.n_pad, K_PAD=max(2, 1 << (k - 1).bit_length()), BK=BLOCK_K,
-                      IEEE=ieee, DOT_F32=INTERPRET and not ieee)
+                      QUANT=lay.quantized, N_PAD=self.n_pad, K_PAD=max(2, 1 << (k - 1).bit_length()), BK=t.block_k,
+                      IEEE=ieee, DOT_F32=INTERPRET and not ieee, SWAP=t.swap)
+        shape = dict(num_warps=t.num_warps, num_stages=t.num_stages)
+        if self.gemv:
+            for name in ("IEEE", "DOT_F32", "SWAP"):
+                del common[name]
+            return [
+                Launch(_gate_up_gemv_kernel, (u_count, triton.cdiv(lay.intermediate, t.block_i)), **shape, x_ptr=x,
+                       mid_ptr=self._mid, GATE_W=lay.gate_w, UP_W=lay.up_w, GATE_S=lay.gate_s, UP_S=lay.up_s,
+                       SCOLS=triton.cdiv(lay.hidden, lay.block_cols), ACT=self.act_code, BI=t.block_i, **common),
+                Launch(_down_gemv_kernel, (u_count, triton.cdiv(lay.hidden, t.block_h)), **shape,
+                       mid_ptr=self._mid, y_ptr=self._y, DOWN_W=lay.down_w, DOWN_S=lay.down_s,
+                       SCOLS=triton.cdiv(lay.intermediate, lay.block_cols), BH=t.block_h, **common),
+                self._combine(y_n=n, assign=assign, weights=weights, out=out),
+            ]
         return [
-            Launch(_gate_up_kernel, (u_count, triton.cdiv(lay.intermediate, BLOCK_I)), x_ptr=x, mid_ptr=self._mid,
-                   GATE_W=lay.gate_w, UP_W=lay.up_w, GATE_S=lay.gate_s, UP_S=lay.up_s,
-                   SCOLS=triton.cdiv(lay.hidden, lay.block_cols), ACT=self.act_code, BI=BLOCK_I, **common),
-            Launch(_down_kernel, (u_count, triton.cdiv(lay.hidden, BLOCK_H)), mid_ptr=self._mid, y_ptr=self._y,
-                   DOWN_W=lay.down_w, DOWN_S=lay.down_s, SCOLS=triton.cdiv(lay.intermediate, lay.block_cols),
-                   BH=BLOCK_H, **common),
-            Launch(_combine_kernel, (n, triton.cdiv(lay.hidden, 256)), y_ptr=self._y, assign_ptr=assign,
-                   weights_ptr=weights, out_ptr=out, H=lay.hidden, TOPK=k, N_PAD=self.n_pad, BH=256),
+            Launch(_gate_up_kernel, (u_count, triton.cdiv(lay.intermediate, t.block_i)), **shape, x_ptr=x,
+                   mid_ptr=self._mid, GATE_W=lay.gate_w, UP_W=lay.up_w, GATE_S=lay.gate_s, UP_S=lay.up_s,
+                   SCOLS=triton.cdiv(lay.hidden, lay.block_cols), ACT=self.act_code, BI=t.block_i, **common),
+            Launch(_down_kernel, (u_count, triton.cdiv(lay.hidden, t.block_h)), **shape, mid_ptr=self._mid,
+                   y_ptr=self._y, DOWN_W=lay.down_w, DOWN_S=lay.down_s,
+                   SCOLS=triton.cdiv(lay.intermediate, lay.block_cols), BH=t.block_h, **common),
+            self._combine(y_n=n, assign=assign, weights=weights, out=out),
         ]
+
+    def _combine(self, y_n: int, assign: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> Launch:
+        return Launch(_combine_kernel, (y_n, triton.cdiv(self.layout.hidden, 256)), y_ptr=self._y,
+                      assign_ptr=assign, weights_ptr=weights, out_ptr=out, H=self.layout.hidden, TOPK=self.top_k,
+                      N_PAD=self.n_pad, BH=256)

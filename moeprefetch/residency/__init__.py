@@ -88,7 +88,7 @@ class Residency:
         self._no_assign = torch.zeros(0, top_k, dtype=i32, device=device)
         self._host_plan = PlanBuffers(n_experts, self.max_experts, 1, 1, device)
         self.act_name = hidden_act
-        self.experts = RoutedExperts(fmt, self.pool, self.host, hidden_act, self.act, self.max_rows, top_k,
+        self.experts = RoutedExperts(fmt, self.pool, self.host, hidden_act, self.act, max_rows, top_k,
                                      self.use_kernels)
         self.set_hot_set(hot_set or [])
         self.configure()

@@ -1,0 +1,78 @@
+"""The decoder layer's pieces computed by fused Triton kernels, for the device's decode step.
+
+`FusedOps` overrides the definitions of `model.LayerOps` (which the CPU path and prefill run): residual add and
+RMSNorm in one kernel, the router's selection in one kernel, the MLP's activation-times-up in one kernel, and MLA
+decode attention over each row's real context length (`kernels/attention.py`). The projections stay cuBLAS GEMVs,
+which read weights at HBM speed. Results match the definitions within rounding (tests state the tolerance); they are
+bit-stable run to run, because no kernel's configuration depends on the data.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelArgs
+from .kernels.attention import MLADecode
+from .kernels.norm import act_mul, residual_norm
+from .kernels.router import select_experts
+from .model import LayerKV, LayerOps, Routing, absorbed_weights, linear, router_shape
+from .rope import RotaryEmbedding
+from .weights import AttentionWeights, MLPWeights, RouterWeights
+
+
+class FusedOps(LayerOps):
+    """Fused kernels for rows of decode steps; `use_kernels=False` gives the same structure on the references (what
+    the CPU tests compare against without Triton's interpreter)."""
+
+    def __init__(self, args: ModelArgs, act, act_name: str, rope: RotaryEmbedding, capacity: int, max_rows: int,
+                 dtype: torch.dtype, device: torch.device, use_kernels: bool = True):
+        super().__init__(args, act, rope)
+        self.act_name = act_name
+        self.use_kernels = use_kernels
+        self.router = router_shape(args)
+        self.mla = MLADecode(args.num_attention_heads, args.qk_nope_head_dim, args.kv_lora_rank,
+                             args.qk_rope_head_dim, capacity, max_rows, dtype, device, use_kernels)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return residual_norm(x.contiguous(), [], weight, self.args.rms_norm_eps, self.use_kernels)[1]
+
+    def residual_norm(self, x: torch.Tensor, deltas: list[torch.Tensor], weight: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        deltas = [d.contiguous() for d in deltas]
+        return residual_norm(x.contiguous(), deltas, weight, self.args.rms_norm_eps, self.use_kernels)
+
+    def route(self, router: RouterWeights, h: torch.Tensor) -> Routing:
+        logits = F.linear(h.float(), router.weight)
+        ids, weights, choice = select_experts(self.router, logits, router.bias, self.use_kernels)
+        return Routing(ids=ids, weights=weights, scores=choice)
+
+    def mlp(self, w: MLPWeights, h: torch.Tensor) -> torch.Tensor:
+        middle = act_mul(linear(h, w.gate_proj), linear(h, w.up_proj), self.act_name, self.act, self.use_kernels)
+        return linear(middle, w.down_proj)
+
+    def attend_decode(self, w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, kv: LayerKV,
+                      slots: torch.Tensor | None = None) -> torch.Tensor:
+        """`model.attention_absorbed` over each row's keys 0..slot only: x [B, L, H] at rotary `positions` [B, L],
+        stored at cache index `slots` (default: the positions)."""
+        args = self.args
+        if not self.use_kernels:
+            return super().attend_decode(w, x, positions, kv, slots)
+        slots = positions if slots is None else slots
+        b, length, hidden = x.shape
+        rows, heads, nope = b * length, args.num_attention_heads, args.qk_nope_head_dim
+        flat = x.reshape(rows, hidden)
+        if w.q_proj is not None:
+            q = linear(flat, w.q_proj)
+        else:
+            q = linear(self.norm(linear(flat, w.q_a_proj), w.q_a_norm), w.q_b_proj)
+        q = q.view(rows, heads, args.qk_head_dim)
+        slots_flat = slots.reshape(rows).contiguous()
+        self.mla.prepare(q, linear(flat, w.kv_a_proj), positions.reshape(rows).contiguous(), slots_flat, length,
+                         kv.latent, kv.rope, w.kv_a_norm, args.rms_norm_eps, self.rope.inv_freq,
+                         self.rope.attention_factor, self.rope.interleave)
+        w_uk, w_uv = absorbed_weights(args, w)  # [h, n, c], [h, v, c]
+        q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w_uk)  # [h, R, c]
+        out_latent = self.mla.attend(q_latent, q, kv.latent, kv.rope, slots_flat, length, args.softmax_scale)
+        out = torch.bmm(out_latent, w_uv.transpose(1, 2))  # [h, R, v]
+        return linear(out.transpose(0, 1).reshape(b, length, heads * args.v_head_dim), w.o_proj)
