@@ -97,7 +97,8 @@ class DecodeStep:
         self.outputs_host = torch.zeros(self.outputs.shape, dtype=torch.int64, pin_memory=pin)
         self.probs_host = torch.zeros(self.probs.shape, dtype=torch.float32, pin_memory=pin)
         self.rows = torch.arange(b, device=dev)
-        self.buffers = PlanBuffers(self.res.max_rows, self.res.max_experts, self.args.num_experts_per_tok, h, dev)
+        self.buffers = PlanBuffers(self.res.max_rows, self.res.max_experts, self.args.num_experts_per_tok, h, dev,
+                                   step_rows=2 * b)
         self.ring = PredictionRing(self.res.st.pred, self.res.st.decode_step, shape.spec.ring)
         moe = [lw.index for lw in self.weights.layers if lw.router is not None]
         depth = shape.spec.gate_depth

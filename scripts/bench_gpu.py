@@ -345,26 +345,29 @@ def rss_gib() -> float:
 
 def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], new_tokens: int, *,
             predictor: str = "none", speculative: str | None = None, runs: int = 3,
-            lookahead: int | None = None, min_confidence: float = 0.0) -> dict[str, Any]:
-    """Warm-up once, then `runs` measured generations (one per prompt, cold expert cache each); medians."""
+            lookahead: int | None = None, min_confidence: float = 0.0, batch: int = 1) -> dict[str, Any]:
+    """Warm-up once, then `runs` measured generations (one per prompt, or `batch` prompts at once; cold expert cache
+    each); medians. Per-token figures count the tokens of every row."""
     device = engine.device
     kwargs = dict(predictor=predictor, speculative=speculative, stop_at_eos=False, lookahead=lookahead,
                   min_confidence=min_confidence)
     engine.reset_expert_cache()
-    engine.generate([prompts[0]], max_new_tokens=min(8, new_tokens), **kwargs)
+    engine.generate([prompts[i % len(prompts)] for i in range(batch)], max_new_tokens=min(8, new_tokens), **kwargs)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
     results, sequences = [], []
     for run in range(runs):
         engine.reset_expert_cache()
-        result = engine.generate([prompts[run % len(prompts)]], max_new_tokens=new_tokens, **kwargs)
+        result = engine.generate([prompts[(run + i) % len(prompts)] for i in range(batch)], max_new_tokens=new_tokens,
+                                 **kwargs)
         results.append(result.stats.to_dict())
-        sequences.append(result.sequences[0])
+        sequences.append(result.sequences[0] if batch == 1 else result.sequences)
     med = lambda key: statistics.median(r.get(key) or 0.0 for r in results)  # noqa: E731
     decode_tokens = statistics.median(r["generated_tokens"] - 1 for r in results)
     row = {
         "system": system,
+        "batch": batch,
         "predictor": predictor,
         "lookahead": lookahead or engine.options.lookahead,
         "min_confidence": min_confidence,
@@ -448,6 +451,14 @@ def timeline(engine: MoEPrefetchEngine, prompt: list[int], new_tokens: int, pred
                             [(e.time_range.start, e.time_range.end) for e in side])
     last = max(e.time_range.end for e in decode)
     out = {f"{k}_ms_per_token": v / 1000 / tokens for k, v in totals.items()}
+    by_name: dict[str, list[float]] = {}
+    for e in main:
+        entry = by_name.setdefault(e.name[:60], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.elapsed_us()
+    out["kernels_per_token"] = sum(n for n, _ in by_name.values()) / tokens
+    out["by_kernel"] = sorted(([name, n / tokens, us / 1000 / tokens] for name, (n, us) in by_name.items()),
+                              key=lambda row: -row[2])[:30]  # [name, launches/token, ms/token]
     out.update(wall_ms_per_token=(last - decode_start) / 1000 / tokens, main_busy_ms_per_token=busy / 1000 / tokens,
                fill_ms_per_token=fills / 1000 / tokens, fill_overlapped_ms_per_token=overlap / 1000 / tokens,
                decode_tokens=tokens, ms_per_token_untraced=result.stats.to_dict()["ms_per_token"])
@@ -671,6 +682,55 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         _free()
 
 
+def bench_decode_compute(name: str, path: Path, args: argparse.Namespace, device: torch.device,
+                         emit: Callable[[dict[str, Any]], None]) -> None:
+    """Every expert resident: decode at a short and a 4,096-token context, the fused kernels against the torch
+    definitions (`fused_kernels=False`), and batches 1-16 (the decode-compute rows)."""
+    config = json.loads((path / "config.json").read_text())
+    short = prompts_for(path, None, config["vocab_size"], args.runs, args.prompt_tokens, seed=1)
+    context = min(4096, config["max_position_embeddings"] - 2 * args.new_tokens)
+    long = prompts_for(path, None, config["vocab_size"], 2, context, seed=2)
+    base = {"workload": name + (f"#{args.variant}" if args.variant else ""), "vram_budget_gib": None,
+            "cache_fraction": 1.0}
+    common = dict(device=str(device), dtype=torch.bfloat16, progress=False, max_batch_size=1)
+
+    def row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], runs: int, new_tokens: int,
+            batch: int = 1) -> dict[str, Any]:
+        out = run_row(engine, system, prompts, new_tokens, runs=runs, batch=batch)
+        active = _active_bytes(engine)
+        out.update(active_bytes_per_token=active, prompt_tokens=[len(p) for p in prompts],
+                   hbm_gbps=active / (out["ms_per_token"] * batch / 1000) / 1e9 if batch == 1 else None)
+        emit({**base, **out})
+        return out
+
+    for fused in (True, False):
+        suffix = "" if fused else "_unfused"
+        try:
+            engine = MoEPrefetchEngine.from_pretrained(path, **common, max_seq_len=context + 2 * args.new_tokens,
+                                                       fused_kernels=fused)
+            row(engine, "all_resident" + suffix, short, args.runs, args.new_tokens)
+            row(engine, "all_resident_ctx4096" + suffix, long, 2, 32)
+            if args.profile and fused:
+                emit({**base, "system": "all_resident_timeline",
+                      **timeline(engine, short[0], args.new_tokens, "none")})
+            engine.close()
+        except Exception as exc:
+            emit({**base, "system": "all_resident" + suffix, "failed": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc(limit=4)})
+        _free()
+    try:
+        engine = MoEPrefetchEngine.from_pretrained(path, **{**common, "max_batch_size": 16},
+                                                   max_seq_len=args.prompt_tokens + 2 * args.new_tokens)
+        many = prompts_for(path, None, config["vocab_size"], 16, args.prompt_tokens, seed=3)
+        for batch in (1, 4, 8, 16):
+            row(engine, f"all_resident_b{batch}", many, 2, args.new_tokens, batch=batch)
+        engine.close()
+    except Exception as exc:
+        emit({**base, "system": "all_resident_batches", "failed": f"{type(exc).__name__}: {exc}",
+              "traceback": traceback.format_exc(limit=4)})
+    _free()
+
+
 def _active_bytes(engine: MoEPrefetchEngine) -> int:
     """Bytes a decode step must read from device memory at batch 1: resident weights except the embedding table
     (one row is read), plus top-k routed experts per MoE layer."""
@@ -712,6 +772,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-baseline", action="store_true", help="v2lite: run transformers + accelerate offload")
     parser.add_argument("--hf-tokens", type=int, default=4)
     parser.add_argument("--systems", default="", help="only these rows (comma list; default all)")
+    parser.add_argument("--decode-compute", action="store_true",
+                        help="v2lite/v3layers: only the all-resident decode-compute rows (contexts, fused vs not, "
+                             "batches)")
     parser.add_argument("--max-inflight", type=int, default=None, help="fills in flight at most (engine default)")
     parser.add_argument("--draft-experts", choices=["cached", "all"], default="cached",
                         help="the MTP head's routed experts (engine option draft_experts)")
@@ -742,7 +805,8 @@ def main(argv: list[str] | None = None) -> int:
         brief = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                  if k in ("workload", "system", "ms_per_token", "hit_rate", "stall_ms_per_token", "h2d_gbps",
                           "prediction_recall", "floor_ms_per_token", "failed", "same_tokens_as_all_resident",
-                          "hbm_gbps", "draft_acceptance", "cache_fraction", "peak_vram_gib")}
+                          "hbm_gbps", "draft_acceptance", "cache_fraction", "peak_vram_gib",
+                          "decode_tokens_per_s", "kernels_per_token", "wall_ms_per_token")}
         print(json.dumps(brief), flush=True)
 
     for name in args.workloads.split(","):
@@ -758,7 +822,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 raise ValueError(f"unknown workload {name}")
             logger.info("%s checkpoint ready in %.1f s", name, time.perf_counter() - start)
-            bench_workload(name, path, args, device, link, emit)
+            if args.decode_compute:
+                bench_decode_compute(name, path, args, device, emit)
+            else:
+                bench_workload(name, path, args, device, link, emit)
         except Exception as exc:
             emit({"workload": name, "system": "setup", "failed": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc()})

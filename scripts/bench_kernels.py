@@ -58,16 +58,19 @@ def timed(fn, repeats: int = 20, warmup: int = 3, graph: bool = False) -> float:
     return statistics.median(times)
 
 
-TILE_CANDIDATES = (  # (block_i, block_h, block_k, num_warps, num_stages, swap)
-    (64, 64, 128, 4, 3, False), (64, 64, 128, 4, 4, True), (64, 64, 256, 4, 3, True), (64, 64, 128, 4, 5, True),
-    (128, 128, 128, 4, 3, True), (64, 64, 64, 4, 6, True), (32, 32, 128, 4, 4, False), (16, 16, 256, 4, 3, False),
-    (16, 16, 512, 4, 2, False), (32, 32, 256, 2, 3, False), (64, 64, 128, 8, 4, True),
+GEMV_CANDIDATES = (  # (block_i, block_h, block_k, num_warps, num_stages): steps of <= 4 rows, CUDA cores
+    (16, 16, 128, 4, 3), (32, 32, 64, 4, 3), (8, 8, 256, 4, 3), (16, 16, 256, 4, 2), (32, 32, 128, 8, 3),
+    (16, 16, 128, 2, 3), (64, 64, 32, 4, 4),
+)
+DOT_CANDIDATES = (  # (block_i, block_h, block_k, num_warps, num_stages): larger steps, tl.dot
+    (32, 32, 128, 4, 4), (64, 64, 128, 4, 3), (32, 32, 64, 4, 5), (32, 64, 128, 4, 4),
 )
 
 
 def tiles_sweep(out: Path) -> int:
-    """One V2-Lite MoE layer (experts in VRAM) through the expert kernel with each tile choice, at 1, 4, 8 and 16
-    rows (distinct experts of random routing), against a cuBLAS GEMV over the same bytes (the HBM anchor)."""
+    """One V2-Lite MoE layer (experts in VRAM) through the expert kernel with each tile choice: the GEMV path at 1
+    and 2 rows, the tl.dot path at 4, 8 and 16 rows (distinct experts of random routing); against a cuBLAS GEMV
+    over the bytes of 6 experts (the HBM anchor)."""
     dev = torch.device("cuda")
     fmt = ExpertFormat.build(2048, 1408, torch.bfloat16)
     rec, n_experts, top_k = fmt.record_bytes, 64, 6
@@ -77,32 +80,32 @@ def tiles_sweep(out: Path) -> int:
     anchor_w = torch.randn(6 * 3 * 1408, 2048, device=dev, dtype=torch.bfloat16)  # the bytes of 6 experts
     anchor_x = torch.randn(2048, 1, device=dev, dtype=torch.bfloat16)
     anchor_ms = timed(lambda: torch.mm(anchor_w, anchor_x), graph=True, repeats=50)
-    anchor_bytes = anchor_w.numel() * 2
-    for tiles_tuple in TILE_CANDIDATES:
-        tiles = Tiles(*tiles_tuple)
-        kernel = RoutedExperts(fmt, pool, None, "silu", F.silu, 16, top_k, use_kernels=True, tiles=tiles)
-        row = {"tiles": tiles_tuple}
-        for rows in (1, 4, 8, 16):
-            ids = torch.stack([torch.randperm(n_experts, generator=g)[:top_k] for _ in range(rows)])
-            distinct = sorted(set(ids.flatten().tolist()))
-            u_of = {e: i for i, e in enumerate(distinct)}
-            assign = torch.tensor([[u_of[e] for e in r] for r in ids.tolist()], dtype=torch.int32, device=dev)
-            keys = torch.full((kernel.max_experts,), -1, dtype=torch.int32, device=dev)
-            keys[: len(distinct)] = torch.tensor(distinct, dtype=torch.int32, device=dev)
-            slots = keys.clone()
-            none = torch.full_like(keys, -1)
-            x = torch.randn(rows, 2048, device=dev, dtype=torch.bfloat16)
-            w = torch.rand(rows, top_k, device=dev)
-            o = torch.empty(rows, 2048, device=dev)
-            ms = timed(lambda: kernel(x, assign, w, keys, slots, none, out=o), graph=True, repeats=50)
-            row[f"rows{rows}_ms"] = ms
-            row[f"rows{rows}_gbps"] = len(distinct) * fmt.payload_bytes / ms / 1e6
+    cases = [(c, rows, step) for c in GEMV_CANDIDATES for rows, step in ((1, 2), (2, 4))]
+    cases += [(c, rows, 16) for c in DOT_CANDIDATES for rows in (1, 4, 8, 16)]
+    for tiles_tuple, rows, step_rows in cases:
+        kernel = RoutedExperts(fmt, pool, None, "silu", F.silu, 16, top_k, use_kernels=True,
+                               tiles=Tiles(*tiles_tuple))
+        ids = torch.stack([torch.randperm(n_experts, generator=g)[:top_k] for _ in range(rows)])
+        distinct = sorted(set(ids.flatten().tolist()))
+        u_of = {e: i for i, e in enumerate(distinct)}
+        assign = torch.tensor([[u_of[e] for e in r] for r in ids.tolist()], dtype=torch.int32, device=dev)
+        keys = torch.full((kernel.max_experts,), -1, dtype=torch.int32, device=dev)
+        keys[: len(distinct)] = torch.tensor(distinct, dtype=torch.int32, device=dev)
+        none = torch.full_like(keys, -1)
+        x = torch.randn(rows, 2048, device=dev, dtype=torch.bfloat16)
+        w = torch.rand(rows, top_k, device=dev)
+        o = torch.empty(rows, 2048, device=dev)
+        ms = timed(lambda: kernel(x, assign, w, keys, keys, none, out=o, step_rows=step_rows), graph=True,
+                   repeats=50)
+        row = {"tiles": tiles_tuple, "path": "gemv" if step_rows <= 4 else "dot", "rows": rows, "ms": ms,
+               "gbps": len(distinct) * fmt.payload_bytes / ms / 1e6}
         results.append(row)
         print(row, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                "cublas_gemv_same_bytes_ms": anchor_ms,
-                               "cublas_gemv_gbps": anchor_bytes / anchor_ms / 1e6, "tiles": results}, indent=1))
+                               "cublas_gemv_gbps": anchor_w.numel() * 2 / anchor_ms / 1e6, "tiles": results},
+                              indent=1))
     return 0
 
 

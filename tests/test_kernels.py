@@ -58,11 +58,10 @@ def test_routed_experts_match_float64_from_slots_and_host(dtype, expert_dtype, t
     u_dst = torch.tensor([-1, 2, -1, -1, -1, -1], dtype=torch.int32, device=DEVICE)
     assign = torch.tensor([[0, 1], [2, 0], [-1, 3]], dtype=torch.int32, device=DEVICE)
     weights = torch.rand(rows, k, generator=g).to(DEVICE)
-    kernel = RoutedExperts(fmt, pool, host, "silu", F.silu, max_rows, k, use_kernels=True,
+    kernel = RoutedExperts(fmt, pool, host, "silu", F.silu, 8, k, use_kernels=True,
                            tiles=Tiles(swap=swap) if max_rows > 4 else None)
-    assert kernel.gemv == (max_rows <= 4)
     out = kernel(x, assign, weights, u_key, u_slot, u_dst, out=torch.full((rows, fmt.hidden), float("nan"),
-                                                                           device=DEVICE))
+                                                                           device=DEVICE), step_rows=max_rows)
     keys = u_key.tolist()
     expected = torch.zeros(rows, fmt.hidden, dtype=torch.float64)
     for r in range(rows):
@@ -213,7 +212,106 @@ def test_kernels_compile_for_hopper():
                           env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if "shared_bytes" in line]
-    assert len(lines) == 12  # six kernels, bf16 and fp8 experts
+    from moeprefetch.kernels.compile_check import example_launches
+
+    assert len(lines) == 2 * len(example_launches())  # every launch, with bf16 and with fp8 experts
+    assert len(lines) >= 32
     for line in lines:
         shared = int(line.rsplit("'shared_bytes':", 1)[1].strip(" }"))
         assert shared <= 228 * 1024, line  # fits one Hopper multiprocessor
+
+
+# ---- the fused decode-layer kernels against their references -------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,nope,latent,rope_dim,capacity,per_seq,interleave", [
+    (4, 16, 32, 8, 300, 1, True),  # three splits of keys, one head block padded from 4 heads
+    (20, 8, 48, 16, 130, 2, False),  # two head blocks, two new tokens per sequence, ragged latent
+])
+def test_mla_decode_attention_matches_the_absorbed_definition(dtype, tolerance, heads, nope, latent, rope_dim,
+                                                              capacity, per_seq, interleave):
+    """prepare + attend give model.attention_absorbed's result over each row's own keys; keys beyond a row's slot
+    (garbage here) are never read."""
+    from moeprefetch.kernels.attention import MLADecode, attend_reference
+
+    g = torch.Generator().manual_seed(heads)
+    batch = 2
+    rows = batch * per_seq
+    mla = MLADecode(heads, nope, latent, rope_dim, capacity, rows, dtype, torch.device(DEVICE), True)
+    latent_cache = torch.randn(batch, capacity, latent, generator=g).to(dtype).to(DEVICE)
+    rope_cache = torch.randn(batch, capacity, rope_dim, generator=g).to(dtype).to(DEVICE)
+    slots = torch.tensor([capacity - 2, 3][:batch]).repeat_interleave(per_seq) + torch.arange(per_seq).repeat(batch)
+    slots = slots.to(DEVICE)
+    positions = slots + 5
+    q = torch.randn(rows, heads, nope + rope_dim, generator=g).to(dtype).to(DEVICE)
+    kv = torch.randn(rows, latent + rope_dim, generator=g).to(dtype).to(DEVICE)
+    norm = (torch.rand(latent, generator=g) + 0.5).to(dtype).to(DEVICE)
+    inv_freq = (1.0 / 10000 ** (torch.arange(0, rope_dim, 2).float() / rope_dim)).to(DEVICE)
+    ref_q, ref_latent, ref_rope = q.clone(), latent_cache.clone(), rope_cache.clone()
+    MLADecode(heads, nope, latent, rope_dim, capacity, rows, dtype, torch.device(DEVICE), False).prepare(
+        ref_q, kv, positions, slots, per_seq, ref_latent, ref_rope, norm, 1e-6, inv_freq, 1.2, interleave)
+    mla.prepare(q, kv, positions, slots, per_seq, latent_cache, rope_cache, norm, 1e-6, inv_freq, 1.2, interleave)
+    ulp = 1e-6 if dtype == torch.float32 else 3e-2
+    for got, want in ((q, ref_q), (latent_cache, ref_latent), (rope_cache, ref_rope)):
+        assert (got.float() - want.float()).abs().max().item() <= ulp * max(1.0, want.float().abs().max().item())
+    q_latent = torch.randn(heads, rows, latent, generator=g).to(dtype).to(DEVICE)
+    out = mla.attend(q_latent, q, latent_cache, rope_cache, slots, per_seq, 0.2)
+    cache_rows = torch.arange(rows, device=DEVICE) // per_seq
+    want = attend_reference(q_latent.double(), q[..., nope:].double(), latent_cache.double(), rope_cache.double(),
+                            cache_rows, slots, 0.2)
+    error = ((out.double() - want).norm() / want.norm()).item()
+    assert error < tolerance, error
+
+
+def test_residual_norm_and_act_mul_match_their_references():
+    from moeprefetch.kernels.norm import act_mul, residual_norm
+
+    g = torch.Generator().manual_seed(3)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        x = torch.randn(3, 200, generator=g).to(dtype).to(DEVICE)
+        d1 = torch.randn(3, 200, generator=g).to(DEVICE)  # fp32, like the routed experts' sum
+        d2 = torch.randn(3, 200, generator=g).to(dtype).to(DEVICE)
+        w = torch.rand(200, generator=g).to(dtype).to(DEVICE)
+        for deltas, weight in (([], w), ([d2], w), ([d1, d2], w), ([d1, d2], None)):
+            want_x, want_n = residual_norm(x, deltas, weight, 1e-6, use_kernel=False)
+            got_x, got_n = residual_norm(x, deltas, weight, 1e-6, use_kernel=True)
+            if dtype == torch.float32 or DEVICE == "cuda":
+                assert torch.equal(got_x, want_x)  # the residual add rounds exactly as the definition
+            else:  # the interpreter's fp32 -> bf16 conversion may round differently from the device's
+                assert (got_x.float() - want_x.float()).abs().max().item() <= 2 ** -6 * want_x.float().abs().max()
+            if weight is not None:
+                assert (got_n.float() - want_n.float()).abs().max().item() <= tol * 4
+            else:
+                assert got_n is None
+        gate, up = (torch.randn(2, 300, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+        for name, fn in (("silu", F.silu), ("relu", F.relu), ("gelu_pytorch_tanh", lambda t: F.gelu(t, approximate="tanh"))):
+            got = act_mul(gate, up, name, fn, use_kernel=True)
+            want = fn(gate) * up
+            assert (got.float() - want.float()).abs().max().item() <= tol * 4, name
+
+
+@pytest.mark.parametrize("shape", [
+    dict(n_experts=64, top_k=6, n_group=1, topk_group=1, method="greedy", sigmoid=False, norm_topk_prob=False,
+         scaling=1.0),
+    dict(n_experts=256, top_k=8, n_group=8, topk_group=4, method="noaux_tc", sigmoid=True, norm_topk_prob=True,
+         scaling=2.5),
+    dict(n_experts=16, top_k=3, n_group=4, topk_group=2, method="group_limited_greedy", sigmoid=False,
+         norm_topk_prob=True, scaling=1.5),
+    dict(n_experts=10, top_k=4, n_group=5, topk_group=2, method="noaux_tc", sigmoid=True, norm_topk_prob=True,
+         scaling=2.0),
+])
+def test_router_selection_matches_the_definition(shape):
+    from moeprefetch.kernels.router import RouterShape, select_experts, select_experts_reference
+
+    router = RouterShape(**shape)
+    g = torch.Generator().manual_seed(router.n_experts)
+    logits = torch.randn(7, router.n_experts, generator=g).to(DEVICE)
+    bias = (torch.randn(router.n_experts, generator=g) * 0.3).to(DEVICE) if router.sigmoid else None
+    got = select_experts(router, logits, bias, use_kernel=True)
+    want = select_experts_reference(router, logits, bias)
+    assert torch.equal(got[0], want[0])  # the same experts in the same (descending) order
+    assert torch.allclose(got[1], want[1], rtol=1e-5, atol=1e-7)
+    assert torch.equal(torch.isinf(got[2]), torch.isinf(want[2]))  # the same groups masked
+    finite = torch.isfinite(want[2])
+    assert torch.allclose(got[2][finite], want[2][finite], rtol=1e-5, atol=1e-7)

@@ -227,13 +227,18 @@ class MLADecode:
                               factor, interleave, self.nope)
             return
         assert q.is_contiguous() and kv.is_contiguous() and latent_cache.is_contiguous()
+        self.prepare_launch(q, kv, positions, slots, rows_per_seq, latent_cache, rope_cache, norm_weight, eps,
+                            inv_freq, factor, interleave)()
+
+    def prepare_launch(self, q, kv, positions, slots, rows_per_seq, latent_cache, rope_cache, norm_weight, eps,
+                       inv_freq, factor, interleave) -> Launch:
         half = self.rope_dim // 2
-        Launch(_prepare_kernel, (n_rows,), num_warps=4, num_stages=1, q_ptr=q, kv_ptr=kv, pos_ptr=positions,
-               slot_ptr=slots, latent_ptr=latent_cache, rope_ptr=rope_cache, norm_ptr=norm_weight,
-               inv_freq_ptr=inv_freq, eps=eps, factor=factor, rows_per_seq=rows_per_seq,
-               cap=latent_cache.shape[1], NH=self.heads, NOPE=self.nope, C=self.latent, HALF=half,
-               INTERLEAVE=interleave, HP=next_pow2(self.heads), CP=next_pow2(self.latent),
-               HALFP=next_pow2(half))()
+        return Launch(_prepare_kernel, (q.shape[0],), num_warps=4, num_stages=1, q_ptr=q, kv_ptr=kv,
+                      pos_ptr=positions, slot_ptr=slots, latent_ptr=latent_cache, rope_ptr=rope_cache,
+                      norm_ptr=norm_weight, inv_freq_ptr=inv_freq, eps=eps, factor=factor, rows_per_seq=rows_per_seq,
+                      cap=latent_cache.shape[1], NH=self.heads, NOPE=self.nope, C=self.latent, HALF=half,
+                      INTERLEAVE=interleave, HP=next_pow2(self.heads), CP=next_pow2(self.latent),
+                      HALFP=next_pow2(half))
 
     def attend(self, q_latent: torch.Tensor, q: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor,
                slots: torch.Tensor, rows_per_seq: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:

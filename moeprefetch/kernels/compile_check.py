@@ -82,13 +82,45 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
     launches["plan"] = planner.launch(3, ids, act, ids, act, assign, u_vec, u_vec, u_vec, True, True)
     launches["step_start"] = planner.start_launch(True)
     launches["fill"] = Filler(st, cfg, pool, host, use_kernel=True).launch(3)
-    experts_ = RoutedExperts(fmt, pool, host, "silu", F.silu, 16, top_k, use_kernels=True)
     x = torch.zeros(2 * rows, hidden, dtype=torch.bfloat16)
     out = torch.zeros(2 * rows, hidden)
     weights = torch.zeros(2 * rows, top_k)
-    for name, launch in zip(("gate_up", "down", "combine"),
-                            experts_.launches(x, assign, weights, u_vec, u_vec, u_vec, out)):
-        launches[name] = launch
+    for max_rows, tag in ((16, ""), (2, "_gemv")):  # tl.dot tiles, and the CUDA-core path of small steps
+        experts_ = RoutedExperts(fmt, pool, host, "silu", F.silu, max_rows, top_k, use_kernels=True)
+        for name, launch in zip(("gate_up", "down", "combine"),
+                                experts_.launches(x[:max_rows], assign[:max_rows], weights[:max_rows], u_vec, u_vec,
+                                                  u_vec, out[:max_rows], max_rows)):
+            launches[name + tag] = launch
+    launches.update(layer_launches(hidden, experts, top_k))
+    return launches
+
+
+def layer_launches(hidden: int, experts: int, top_k: int, heads: int = 16, latent: int = 512, rope_dim: int = 64,
+                   nope: int = 128, rows: int = 2) -> dict:
+    """The fused decode-layer kernels (norm, act*up, router, MLA decode attention) at a model's shape."""
+    from .attention import MLADecode
+    from .norm import act_mul_launch, residual_norm_launch
+    from .router import RouterShape, select_launch
+
+    bf16 = torch.bfloat16
+    x = torch.zeros(rows, hidden, dtype=bf16)
+    launches = {"residual_norm": residual_norm_launch(x, [x.float(), x], x[0], 1e-6, x, x),
+                "act_mul": act_mul_launch(x, x, 0, x)}
+    logits = torch.zeros(rows, experts)
+    ids = torch.zeros(rows, top_k, dtype=torch.int64)
+    for method, groups in (("greedy", 1), ("noaux_tc", 8)):
+        router = RouterShape(experts, top_k, groups, max(1, groups // 2), method, method == "noaux_tc", True, 2.5)
+        launches[f"router_{method}"] = select_launch(router, logits, logits[0], ids, logits[:, :top_k], logits)
+    mla = MLADecode(heads, nope, latent, rope_dim, 4096, rows, bf16, torch.device("cpu"), True)
+    q = torch.zeros(rows, heads, nope + rope_dim, dtype=bf16)
+    kv = torch.zeros(rows, latent + rope_dim, dtype=bf16)
+    cache_latent, cache_rope = torch.zeros(1, 8, latent, dtype=bf16), torch.zeros(1, 8, rope_dim, dtype=bf16)
+    slots = torch.zeros(rows, dtype=torch.int64)
+    launches["mla_prepare"] = mla.prepare_launch(q, kv, slots, slots, 1, cache_latent, cache_rope, kv[0], 1e-6,
+                                                 logits[0], 1.0, True)
+    q_latent = torch.zeros(heads, rows, latent, dtype=bf16)
+    split, merge = mla.attend_launches(q_latent, q, cache_latent, cache_rope, slots, 1, 0.1, q_latent)
+    launches.update(mla_split=split, mla_merge=merge)
     return launches
 
 

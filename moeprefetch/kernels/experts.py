@@ -361,16 +361,14 @@ class RoutedExperts:
                  act: Callable[[torch.Tensor], torch.Tensor], max_rows: int, top_k: int, use_kernels: bool,
                  tiles: Tiles | None = None):
         self.fmt = fmt
-        # The multiply (CUDA cores or tl.dot) and the tiles are fixed by the engine's largest step, never by a
-        # step's rows: a row's bits must not depend on what else the step computes.
-        self.gemv = max_rows <= GEMV_MAX_ROWS
-        self.tiles = tiles or (GEMV_TILES if self.gemv else DEFAULT_TILES)
+        self.max_rows = max_rows
+        self.tiles = tiles
         self.layout = RecordLayout.of(fmt)
         self.pool = pool
         self.host = host
         self.act = act
         self.top_k = top_k
-        self.n_pad = next_pow2(max_rows) if self.gemv and HAS_TRITON else row_pad(max_rows)
+        self.n_pad = row_pad(max_rows)  # rows of a tl.dot tile
         self.max_experts = max_rows * top_k  # distinct experts of one layer, at most (numbered in first-use order)
         self.use_kernels = use_kernels and act_name in ACTIVATIONS
         self.act_code = ACTIVATIONS.get(act_name, 0)
@@ -387,31 +385,37 @@ class RoutedExperts:
         self._y = torch.empty(self.max_experts, self.n_pad, fmt.hidden, dtype=torch.float32, device=device)
 
     def __call__(self, x: torch.Tensor, assign: torch.Tensor, weights: torch.Tensor, u_key: torch.Tensor,
-                 u_slot: torch.Tensor, u_dst: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+                 u_slot: torch.Tensor, u_dst: torch.Tensor, out: torch.Tensor | None = None,
+                 step_rows: int | None = None) -> torch.Tensor:
+        """Routed output [N, H] fp32. `step_rows` (default: the engine's maximum) bounds the rows of every call the
+        caller makes with the same shape of step; it picks the multiply, so a row's bits never depend on how many
+        rows one call happens to carry (extra shadow rows, inactive rows)."""
         if not self.use_kernels:
             result = routed_experts_reference(x, assign, weights, u_key, u_slot, u_dst, self.pool, self.host,
                                               self.fmt, self.act)
             return result if out is None else out.copy_(result)
         out = torch.empty(assign.shape[0], self.layout.hidden, dtype=torch.float32, device=x.device) \
             if out is None else out
-        for launch in self.launches(x, assign, weights, u_key, u_slot, u_dst, out):
+        for launch in self.launches(x, assign, weights, u_key, u_slot, u_dst, out, step_rows or self.max_rows):
             launch()
         return out
 
     def launches(self, x: torch.Tensor, assign: torch.Tensor, weights: torch.Tensor, u_key: torch.Tensor,
-                 u_slot: torch.Tensor, u_dst: torch.Tensor, out: torch.Tensor) -> list[Launch]:
+                 u_slot: torch.Tensor, u_dst: torch.Tensor, out: torch.Tensor, step_rows: int) -> list[Launch]:
         n, k = assign.shape
-        lay, t = self.layout, self.tiles
+        gemv = step_rows <= GEMV_MAX_ROWS
+        lay, t = self.layout, self.tiles or (GEMV_TILES if gemv else DEFAULT_TILES)
+        n_pad = next_pow2(step_rows) if gemv else self.n_pad
         u_count = min(u_key.shape[0], n * k)  # u is numbered in first-use order: u < rows x k
-        assert n <= self.n_pad and u_count <= self.max_experts and x.is_contiguous()
+        assert n <= min(step_rows, self.max_rows) and u_count <= self.max_experts and x.is_contiguous()
         ieee = x.dtype == torch.float32
         common = dict(assign_ptr=assign, u_key_ptr=u_key, u_slot_ptr=u_slot, u_dst_ptr=u_dst, w_ptr=self._w,
                       s_ptr=self._s, delta_ptr=self._delta, n_rows=n, H=lay.hidden, I=lay.intermediate, TOPK=k,
                       REC_W=lay.rec_w, REC_S=max(lay.rec_s, 1), BR=lay.block_rows, BC=lay.block_cols,
-                      QUANT=lay.quantized, N_PAD=self.n_pad, K_PAD=max(2, 1 << (k - 1).bit_length()), BK=t.block_k,
+                      QUANT=lay.quantized, N_PAD=n_pad, K_PAD=max(2, 1 << (k - 1).bit_length()), BK=t.block_k,
                       IEEE=ieee, DOT_F32=INTERPRET and not ieee, SWAP=t.swap)
         shape = dict(num_warps=t.num_warps, num_stages=t.num_stages)
-        if self.gemv:
+        if gemv:
             for name in ("IEEE", "DOT_F32", "SWAP"):
                 del common[name]
             return [
@@ -421,7 +425,7 @@ class RoutedExperts:
                 Launch(_down_gemv_kernel, (u_count, triton.cdiv(lay.hidden, t.block_h)), **shape,
                        mid_ptr=self._mid, y_ptr=self._y, DOWN_W=lay.down_w, DOWN_S=lay.down_s,
                        SCOLS=triton.cdiv(lay.intermediate, lay.block_cols), BH=t.block_h, **common),
-                self._combine(y_n=n, assign=assign, weights=weights, out=out),
+                self._combine(n, assign, weights, out, n_pad),
             ]
         return [
             Launch(_gate_up_kernel, (u_count, triton.cdiv(lay.intermediate, t.block_i)), **shape, x_ptr=x,
@@ -430,10 +434,9 @@ class RoutedExperts:
             Launch(_down_kernel, (u_count, triton.cdiv(lay.hidden, t.block_h)), **shape, mid_ptr=self._mid,
                    y_ptr=self._y, DOWN_W=lay.down_w, DOWN_S=lay.down_s,
                    SCOLS=triton.cdiv(lay.intermediate, lay.block_cols), BH=t.block_h, **common),
-            self._combine(y_n=n, assign=assign, weights=weights, out=out),
+            self._combine(n, assign, weights, out, n_pad),
         ]
 
-    def _combine(self, y_n: int, assign: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> Launch:
-        return Launch(_combine_kernel, (y_n, triton.cdiv(self.layout.hidden, 256)), y_ptr=self._y,
-                      assign_ptr=assign, weights_ptr=weights, out_ptr=out, H=self.layout.hidden, TOPK=self.top_k,
-                      N_PAD=self.n_pad, BH=256)
+    def _combine(self, n: int, assign: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, n_pad: int) -> Launch:
+        return Launch(_combine_kernel, (n, triton.cdiv(self.layout.hidden, 256)), y_ptr=self._y, assign_ptr=assign,
+                      weights_ptr=weights, out_ptr=out, H=self.layout.hidden, TOPK=self.top_k, N_PAD=n_pad, BH=256)

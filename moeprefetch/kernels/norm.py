@@ -89,11 +89,17 @@ def residual_norm(x: torch.Tensor, deltas: list[torch.Tensor], weight: torch.Ten
     assert x.is_contiguous() and all(d.is_contiguous() for d in flat)
     new_x = (torch.empty_like(x) if x_out is None else x_out) if deltas else x
     out = torch.empty_like(x) if weight is not None else None
-    Launch(_residual_norm_kernel, (rows,), num_warps=4 if h <= 4096 else 8, num_stages=1, x_ptr=x,
-           d1_ptr=flat[0] if flat else x, d2_ptr=flat[1] if len(flat) > 1 else x,
-           w_ptr=weight if weight is not None else x, x_out_ptr=new_x, out_ptr=out if out is not None else x,
-           eps=eps, H=h, N_DELTAS=len(flat), NORM=weight is not None, HP=next_pow2(h))()
+    residual_norm_launch(x, flat, weight, eps, new_x, out)()
     return new_x, out
+
+
+def residual_norm_launch(x: torch.Tensor, deltas: list[torch.Tensor], weight: torch.Tensor | None, eps: float,
+                         new_x: torch.Tensor, out: torch.Tensor | None) -> Launch:
+    h = x.shape[-1]
+    return Launch(_residual_norm_kernel, (x.numel() // h,), num_warps=4 if h <= 4096 else 8, num_stages=1, x_ptr=x,
+                  d1_ptr=deltas[0] if deltas else x, d2_ptr=deltas[1] if len(deltas) > 1 else x,
+                  w_ptr=weight if weight is not None else x, x_out_ptr=new_x, out_ptr=out if out is not None else x,
+                  eps=eps, H=h, N_DELTAS=len(deltas), NORM=weight is not None, HP=next_pow2(h))
 
 
 def act_mul(gate: torch.Tensor, up: torch.Tensor, act_name: str, act, use_kernel: bool) -> torch.Tensor:
@@ -102,7 +108,11 @@ def act_mul(gate: torch.Tensor, up: torch.Tensor, act_name: str, act, use_kernel
         return act_mul_reference(gate, up, act)
     assert gate.is_contiguous() and up.is_contiguous() and gate.shape == up.shape
     out = torch.empty_like(gate)
-    block = 1024
-    Launch(_act_mul_kernel, (triton.cdiv(gate.numel(), block),), num_warps=4, num_stages=1, gate_ptr=gate,
-           up_ptr=up, out_ptr=out, n=gate.numel(), ACT=ACT_CODES[act_name], BLOCK=block)()
+    act_mul_launch(gate, up, ACT_CODES[act_name], out)()
     return out
+
+
+def act_mul_launch(gate: torch.Tensor, up: torch.Tensor, act_code: int, out: torch.Tensor) -> Launch:
+    block = 1024
+    return Launch(_act_mul_kernel, (triton.cdiv(gate.numel(), block),), num_warps=4, num_stages=1, gate_ptr=gate,
+                  up_ptr=up, out_ptr=out, n=gate.numel(), ACT=act_code, BLOCK=block)

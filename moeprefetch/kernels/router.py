@@ -136,12 +136,18 @@ def select_experts(shape: RouterShape, logits: torch.Tensor, bias: torch.Tensor 
     ids = torch.empty(n, k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
     choice = torch.empty_like(logits)
+    select_launch(shape, logits, bias, ids, weights, choice)()
+    return ids, weights, choice
+
+
+def select_launch(shape: RouterShape, logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
+                  weights: torch.Tensor, choice: torch.Tensor) -> Launch:
+    k = shape.top_k
     groups = shape.n_group if shape.grouped else 1
     size = shape.n_experts // groups
-    Launch(_select_kernel, (n,), num_warps=4, num_stages=1, logits_ptr=logits,
+    return Launch(_select_kernel, (logits.shape[0],), num_warps=4, num_stages=1, logits_ptr=logits,
            bias_ptr=bias if bias is not None else logits, ids_ptr=ids, weights_ptr=weights, choice_ptr=choice,
            scaling=float(shape.scaling), E=shape.n_experts, G=groups, GS=size, GP=next_pow2(groups),
            SP=next_pow2(size), K=k, TOPK_GROUP=shape.topk_group, METHOD=METHODS[shape.method],
            GROUPED=shape.grouped, SIGMOID=shape.sigmoid, HAS_BIAS=bias is not None, NORM=shape.norm_topk_prob,
-           KP=next_pow2(k))()
-    return ids, weights, choice
+           KP=next_pow2(k))

@@ -207,7 +207,7 @@ class Residency:
             nx = ids_x.shape[0]
             weights = torch.cat((weights[:nx], renormalise(weights[nx:], assign[nx:] >= 0)))
         return self.experts(x, assign, weights.contiguous(), buffers.u_key, buffers.u_slot, buffers.u_dst,
-                            out=buffers.out[:n])
+                            out=buffers.out[:n], step_rows=buffers.step_rows)
 
     # ---- prefill: host-driven, many tokens per expert ------------------------------------------------------------
     def prefill_experts(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -317,7 +317,9 @@ class Residency:
 class PlanBuffers:
     """Static per-step buffers between a layer's plan and its expert kernel (reused by every layer of a step)."""
 
-    def __init__(self, rows: int, max_experts: int, top_k: int, hidden: int, device: torch.device):
+    def __init__(self, rows: int, max_experts: int, top_k: int, hidden: int, device: torch.device,
+                 step_rows: int | None = None):
+        self.step_rows = step_rows or rows  # the most rows one of the step's layers computes (fixes the kernel)
         i32 = torch.int32
         self.assign = torch.full((rows, top_k), -1, dtype=i32, device=device)
         self.u_key = torch.full((max_experts,), -1, dtype=i32, device=device)

@@ -1,0 +1,53 @@
+"""layer_ops.FusedOps: whole decode steps through the fused kernels (Triton's interpreter on the CPU, real kernels
+on CUDA) against the definitions, on tiny checkpoints of every attention and router variant, in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeprefetch import MoEPrefetchEngine
+from moeprefetch.kernels import HAS_TRITON
+from moeprefetch.layer_ops import FusedOps
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _fused(engine: MoEPrefetchEngine) -> FusedOps:
+    runner = engine.runner
+    return FusedOps(engine.args, runner.act, engine.args.hidden_act, runner.rope, engine.options.max_seq_len,
+                    2 * engine.options.max_batch_size, engine.options.dtype, engine.device)
+
+
+def _last_logits(engine: MoEPrefetchEngine) -> torch.Tensor:
+    (step,) = engine._steps.values()
+    return step.logits.clone()
+
+
+@pytest.mark.parametrize("variant,predictor,slots", [
+    ("v3_groups_qlora_yarn", "none", None),  # grouped sigmoid router, q LoRA, YaRN, interleaved rope
+    ("v3_nogroup_plainrope", "mtp", 5),  # shared experts x2, de-interleaved rope, the MTP head and its shadow row
+    ("v2_group_limited", "next_layer_gate", 7),  # softmax router, group-limited greedy, q_proj
+])
+def test_fused_decode_matches_the_definitions(checkpoint_factory, variant, predictor, slots):
+    path = checkpoint_factory(variant)
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10], [9, 10]]
+    options = dict(device=DEVICE, progress=False, max_seq_len=160, max_batch_size=2, cuda_graphs=False,
+                   fused_kernels=False)
+    if slots is not None:
+        options["expert_cache_slots"] = slots
+    engine = MoEPrefetchEngine.from_pretrained(path, **options)
+    expected = engine.generate(prompts, max_new_tokens=6, stop_at_eos=False, predictor=predictor)
+    expected_logits = _last_logits(engine)
+    engine.close()
+
+    engine = MoEPrefetchEngine.from_pretrained(path, **options)
+    engine.runner.decode_ops = _fused(engine)
+    got = engine.generate(prompts, max_new_tokens=6, stop_at_eos=False, predictor=predictor)
+    logits = _last_logits(engine)
+    engine.close()
+    assert got.sequences == expected.sequences
+    error = ((logits - expected_logits).norm() / expected_logits.norm()).item()
+    assert error < 1e-5, error
+    assert got.stats.to_dict()["decode_hit_rate"] == expected.stats.to_dict()["decode_hit_rate"]
