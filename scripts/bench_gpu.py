@@ -709,7 +709,7 @@ def bench_decode_compute(name: str, path: Path, args: argparse.Namespace, device
             engine = MoEPrefetchEngine.from_pretrained(path, **common, max_seq_len=context + 2 * args.new_tokens,
                                                        fused_kernels=fused)
             row(engine, "all_resident" + suffix, short, args.runs, args.new_tokens)
-            row(engine, "all_resident_ctx4096" + suffix, long, 2, 32)
+            row(engine, "all_resident_ctx4096" + suffix, long, 2, args.new_tokens)
             if args.profile and fused:
                 emit({**base, "system": "all_resident_timeline",
                       **timeline(engine, short[0], args.new_tokens, "none")})
