@@ -29,7 +29,7 @@ if HAS_TRITON:
 
     from .common import dot, next_pow2
 
-SPLIT_KEYS = 128  # keys per split: fixed, so a row's bits never depend on the capacity or the batch
+SPLIT_KEYS = 64  # keys per split: fixed, so a row's bits never depend on the capacity or the batch
 BLOCK_KEYS = 32  # keys per step inside a split
 HEAD_BLOCK = 16  # heads per program (tl.dot needs at least 16 rows)
 

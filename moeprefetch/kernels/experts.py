@@ -55,10 +55,10 @@ class Tiles:
     swap: bool = False  # weights as the dot's left operand (its M = the tile's rows): Hopper's wgmma needs M >= 64
 
 
-# Measured on the H200 at V2-Lite's expert shape (experiments/results/tiles_h200.json): with tl.dot, 32-row tiles
-# beat 64 at one row per step (85 vs 104 us per layer) and tie from 4 rows on; the CUDA-core GEMV tiles serve steps
-# of at most GEMV_MAX_ROWS rows.
-DEFAULT_TILES = Tiles(block_i=32, block_h=32, block_k=128, num_warps=4, num_stages=4)
+# Measured on the H200 at V2-Lite's expert shape (experiments/results/tiles_h200.json, one MoE layer, experts in
+# VRAM): the CUDA-core GEMV with 16-row tiles reads one row's 6 experts in 54 us (1.9 TB/s; tl.dot's best: 62 us);
+# with 8 and 16 rows, 64-row tl.dot tiles lead (2.2 and 2.4 TB/s).
+DEFAULT_TILES = Tiles(block_i=64, block_h=64, block_k=128, num_warps=4, num_stages=3)
 GEMV_TILES = Tiles(block_i=16, block_h=16, block_k=128, num_warps=4, num_stages=3)
 
 
