@@ -18,21 +18,50 @@ from .kernels.norm import act_mul, residual_norm
 from .kernels.router import select_experts
 from .model import LayerKV, LayerOps, Routing, absorbed_weights, linear, router_shape
 from .rope import RotaryEmbedding
-from .weights import AttentionWeights, MLPWeights, RouterWeights
+from .weights import AttentionWeights, LayerWeights, Linear, MLPWeights, RouterWeights
+
+
+def fuse_rows(parts: list[Linear]) -> torch.Tensor | None:
+    """One weight [sum of outs, in] for projections that read the same input; each part's weight becomes a view into
+    it, so the memory is not doubled and every other reader (prefill) keeps working. None where a part has a bias."""
+    if any(p.bias is not None for p in parts):
+        return None
+    fused = torch.cat([p.weight for p in parts])
+    start = 0
+    for p in parts:
+        rows = p.weight.shape[0]
+        p.weight = fused[start : start + rows]
+        start += rows
+    return fused
 
 
 class FusedOps(LayerOps):
     """Fused kernels for rows of decode steps; `use_kernels=False` gives the same structure on the references (what
-    the CPU tests compare against without Triton's interpreter)."""
+    the CPU tests compare against without Triton's interpreter).
+
+    Given the layers' weights (`fuse`), projections that read the same input become one GEMV: the query (or its
+    LoRA down-projection) with kv_a_proj, and each MLP's gate with its up projection."""
 
     def __init__(self, args: ModelArgs, act, act_name: str, rope: RotaryEmbedding, capacity: int, max_rows: int,
-                 dtype: torch.dtype, device: torch.device, use_kernels: bool = True):
+                 dtype: torch.dtype, device: torch.device, use_kernels: bool = True,
+                 fuse: list[LayerWeights] | None = None):
         super().__init__(args, act, rope)
         self.act_name = act_name
         self.use_kernels = use_kernels
+        self._fused: dict[int, torch.Tensor] = {}  # id(weights object) -> its fused projection
+        for lw in fuse or []:
+            self._fuse_layer(lw)
         self.router = router_shape(args)
         self.mla = MLADecode(args.num_attention_heads, args.qk_nope_head_dim, args.kv_lora_rank,
                              args.qk_rope_head_dim, capacity, max_rows, dtype, device, use_kernels)
+
+    def _fuse_layer(self, lw: LayerWeights) -> None:
+        query = lw.attn.q_proj if lw.attn.q_proj is not None else lw.attn.q_a_proj
+        for owner, parts in ((lw.attn, [query, lw.attn.kv_a_proj]),
+                             *((m, [m.gate_proj, m.up_proj]) for m in (lw.mlp, lw.shared) if m is not None)):
+            fused = fuse_rows(parts)
+            if fused is not None:
+                self._fused[id(owner)] = fused
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return residual_norm(x.contiguous(), [], weight, self.args.rms_norm_eps, self.use_kernels)[1]
@@ -48,8 +77,12 @@ class FusedOps(LayerOps):
         return Routing(ids=ids, weights=weights, scores=choice)
 
     def mlp(self, w: MLPWeights, h: torch.Tensor) -> torch.Tensor:
-        middle = act_mul(linear(h, w.gate_proj), linear(h, w.up_proj), self.act_name, self.act, self.use_kernels)
-        return linear(middle, w.down_proj)
+        fused = self._fused.get(id(w))
+        if fused is None:
+            gate, up = linear(h, w.gate_proj), linear(h, w.up_proj)
+        else:
+            gate, up = F.linear(h, fused).chunk(2, dim=-1)
+        return linear(act_mul(gate, up, self.act_name, self.act, self.use_kernels), w.down_proj)
 
     def attend_decode(self, w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, kv: LayerKV,
                       slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,13 +95,17 @@ class FusedOps(LayerOps):
         b, length, hidden = x.shape
         rows, heads, nope = b * length, args.num_attention_heads, args.qk_nope_head_dim
         flat = x.reshape(rows, hidden)
-        if w.q_proj is not None:
-            q = linear(flat, w.q_proj)
+        fused = self._fused.get(id(w))
+        query = w.q_proj if w.q_proj is not None else w.q_a_proj
+        if fused is None:
+            q, kv_a = linear(flat, query), linear(flat, w.kv_a_proj)
         else:
-            q = linear(self.norm(linear(flat, w.q_a_proj), w.q_a_norm), w.q_b_proj)
+            q, kv_a = F.linear(flat, fused).split([query.weight.shape[0], w.kv_a_proj.weight.shape[0]], dim=-1)
+        if w.q_proj is None:
+            q = linear(self.norm(q, w.q_a_norm), w.q_b_proj)
         q = q.view(rows, heads, args.qk_head_dim)
         slots_flat = slots.reshape(rows).contiguous()
-        self.mla.prepare(q, linear(flat, w.kv_a_proj), positions.reshape(rows).contiguous(), slots_flat, length,
+        self.mla.prepare(q, kv_a, positions.reshape(rows).contiguous(), slots_flat, length,
                          kv.latent, kv.rope, w.kv_a_norm, args.rms_norm_eps, self.rope.inv_freq,
                          self.rope.attention_factor, self.rope.interleave)
         w_uk, w_uv = absorbed_weights(args, w)  # [h, n, c], [h, v, c]

@@ -88,8 +88,10 @@ class ModelRunner:
         # decode steps on CUDA run fused kernels; the CPU (and fused_kernels=False) runs the definitions
         self.decode_ops = self.ops
         if fused_decode is not None and kernels_usable(device.type):
+            resident = [lw for lw in weights.layers if streamer is None or not streamer.streams(lw.index)]
             self.decode_ops = FusedOps(args, self.act, args.hidden_act, self.rope, fused_decode.capacity,
-                                       fused_decode.max_rows, fused_decode.dtype, device)
+                                       fused_decode.max_rows, fused_decode.dtype, device,
+                                       fuse=resident + ([weights.mtp.layer] if weights.mtp is not None else []))
 
     def logits(self, hidden_normed: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden_normed, self.weights.lm_head).float()

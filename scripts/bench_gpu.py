@@ -694,8 +694,12 @@ def bench_decode_compute(name: str, path: Path, args: argparse.Namespace, device
             "cache_fraction": 1.0}
     common = dict(device=str(device), dtype=torch.bfloat16, progress=False, max_batch_size=1)
 
+    wanted = set(args.systems.split(",")) if args.systems else None
+
     def row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], runs: int, new_tokens: int,
-            batch: int = 1) -> dict[str, Any]:
+            batch: int = 1) -> dict[str, Any] | None:
+        if wanted is not None and system not in wanted:
+            return None
         out = run_row(engine, system, prompts, new_tokens, runs=runs, batch=batch)
         active = _active_bytes(engine)
         out.update(active_bytes_per_token=active, prompt_tokens=[len(p) for p in prompts],
@@ -705,6 +709,8 @@ def bench_decode_compute(name: str, path: Path, args: argparse.Namespace, device
 
     for fused in (True, False):
         suffix = "" if fused else "_unfused"
+        if wanted is not None and not {"all_resident" + suffix, "all_resident_ctx4096" + suffix} & wanted:
+            continue
         try:
             engine = MoEPrefetchEngine.from_pretrained(path, **common, max_seq_len=context + 2 * args.new_tokens,
                                                        fused_kernels=fused)

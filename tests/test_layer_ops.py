@@ -15,9 +15,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _fused(engine: MoEPrefetchEngine) -> FusedOps:
-    runner = engine.runner
+    runner, weights = engine.runner, engine.weights
+    layers = weights.layers + ([weights.mtp.layer] if weights.mtp is not None else [])
     return FusedOps(engine.args, runner.act, engine.args.hidden_act, runner.rope, engine.options.max_seq_len,
-                    2 * engine.options.max_batch_size, engine.options.dtype, engine.device)
+                    2 * engine.options.max_batch_size, engine.options.dtype, engine.device, fuse=layers)
 
 
 def _last_logits(engine: MoEPrefetchEngine) -> torch.Tensor:
@@ -43,7 +44,13 @@ def test_fused_decode_matches_the_definitions(checkpoint_factory, variant, predi
     engine.close()
 
     engine = MoEPrefetchEngine.from_pretrained(path, **options)
+    before = engine.forward([prompts[0]])
+    bytes_before = engine.memory_stats()["vram_resident_bytes"]
     engine.runner.decode_ops = _fused(engine)
+    # fused projections re-lay weights as views: every other reader (here the uncached forward) is unchanged
+    assert torch.equal(engine.forward([prompts[0]]), before)
+    assert engine.memory_stats()["vram_resident_bytes"] == bytes_before
+    assert len(engine.runner.decode_ops._fused) >= 2 * engine.args.num_hidden_layers
     got = engine.generate(prompts, max_new_tokens=6, stop_at_eos=False, predictor=predictor)
     logits = _last_logits(engine)
     engine.close()

@@ -93,7 +93,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _prepare_kernel(q_ptr, kv_ptr, pos_ptr, slot_ptr, latent_ptr, rope_ptr, norm_ptr, inv_freq_ptr, eps, factor,
-                        rows_per_seq, cap, NH: tl.constexpr, NOPE: tl.constexpr, C: tl.constexpr,
+                        rows_per_seq, cap, q_stride, kv_stride, NH: tl.constexpr, NOPE: tl.constexpr, C: tl.constexpr,
                         HALF: tl.constexpr, INTERLEAVE: tl.constexpr, HP: tl.constexpr, CP: tl.constexpr,
                         HALFP: tl.constexpr):
         r = tl.program_id(0)
@@ -108,7 +108,7 @@ if HAS_TRITON:
         sin = tl.sin(freq) * factor
         # the queries' rope parts, every head at once: [HP, HALFP]
         heads = tl.arange(0, HP)
-        q_base = q_ptr + r * NH * qk + heads[:, None] * qk + NOPE
+        q_base = q_ptr + r * q_stride + heads[:, None] * qk + NOPE
         q_on = (heads[:, None] < NH) & j_on[None, :]
         x1, x2 = _rotate_pairs(q_base, j[None, :], HALF, INTERLEAVE, q_on)
         out_ty = q_ptr.dtype.element_ty
@@ -119,19 +119,19 @@ if HAS_TRITON:
         # the new key: normalised latent and rotated rope key, into the cache at (b, slot)
         cs = tl.arange(0, CP)
         c_on = cs < C
-        lat = tl.load(kv_ptr + r * (C + 2 * HALF) + cs, mask=c_on, other=0.0).to(tl.float32)
+        lat = tl.load(kv_ptr + r * kv_stride + cs, mask=c_on, other=0.0).to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(lat * lat, axis=0) / C + eps)
         normed = (lat * inv).to(out_ty).to(tl.float32)
         w = tl.load(norm_ptr + cs, mask=c_on, other=0.0).to(tl.float32)
         entry = b * cap + slot
         tl.store(latent_ptr + entry * C + cs, (w * normed).to(out_ty), mask=c_on)
-        k1, k2 = _rotate_pairs(kv_ptr + r * (C + 2 * HALF) + C, j, HALF, INTERLEAVE, j_on)
+        k1, k2 = _rotate_pairs(kv_ptr + r * kv_stride + C, j, HALF, INTERLEAVE, j_on)
         tl.store(rope_ptr + entry * 2 * HALF + j, (k1 * cos - k2 * sin).to(out_ty), mask=j_on)
         tl.store(rope_ptr + entry * 2 * HALF + HALF + j, (k2 * cos + k1 * sin).to(out_ty), mask=j_on)
 
     @triton.jit
     def _split_kernel(ql_ptr, q_ptr, latent_ptr, rope_ptr, slot_ptr, part_o_ptr, part_lse_ptr, scale, rows_per_seq,
-                      n_rows, cap, n_splits, NH: tl.constexpr, NOPE: tl.constexpr, C: tl.constexpr,
+                      n_rows, cap, n_splits, q_stride, NH: tl.constexpr, NOPE: tl.constexpr, C: tl.constexpr,
                       RD: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, HB: tl.constexpr,
                       SPLIT: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
         """A partial softmax over one split of one row's keys, for one block of heads."""
@@ -149,7 +149,7 @@ if HAS_TRITON:
         h_on = heads < NH
         q = tl.load(ql_ptr + (heads[:, None] * n_rows + r) * C + cs[None, :], mask=h_on[:, None] & (cs[None, :] < C),
                     other=0.0)
-        qr = tl.load(q_ptr + (r * NH + heads[:, None]) * (NOPE + RD) + NOPE + rs[None, :],
+        qr = tl.load(q_ptr + r * q_stride + heads[:, None] * (NOPE + RD) + NOPE + rs[None, :],
                      mask=h_on[:, None] & (rs[None, :] < RD), other=0.0)
         m = tl.full([HB], float("-inf"), dtype=tl.float32)
         den = tl.zeros([HB], dtype=tl.float32)
@@ -219,14 +219,15 @@ class MLADecode:
     def prepare(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 rows_per_seq: int, latent_cache: torch.Tensor, rope_cache: torch.Tensor, norm_weight: torch.Tensor,
                 eps: float, inv_freq: torch.Tensor, factor: float, interleave: bool) -> None:
-        """q [R, h, n+r] (contiguous; its rope part is rotated in place), kv [R, c+r]; positions and slots [R]."""
+        """q [R, h, n+r] (rows may be strided; its rope part is rotated in place), kv [R, c+r] (rows may be
+        strided: both can be views into one fused projection's output); positions and slots [R]."""
         n_rows = q.shape[0]
         if not self.use_kernels:
             rows = torch.arange(n_rows, device=q.device) // rows_per_seq
             prepare_reference(q, kv, positions, slots, rows, latent_cache, rope_cache, norm_weight, eps, inv_freq,
                               factor, interleave, self.nope)
             return
-        assert q.is_contiguous() and kv.is_contiguous() and latent_cache.is_contiguous()
+        assert q.stride()[1:] == (q.shape[2], 1) and kv.stride(1) == 1 and latent_cache.is_contiguous()
         self.prepare_launch(q, kv, positions, slots, rows_per_seq, latent_cache, rope_cache, norm_weight, eps,
                             inv_freq, factor, interleave)()
 
@@ -236,7 +237,8 @@ class MLADecode:
         return Launch(_prepare_kernel, (q.shape[0],), num_warps=4, num_stages=1, q_ptr=q, kv_ptr=kv,
                       pos_ptr=positions, slot_ptr=slots, latent_ptr=latent_cache, rope_ptr=rope_cache,
                       norm_ptr=norm_weight, inv_freq_ptr=inv_freq, eps=eps, factor=factor, rows_per_seq=rows_per_seq,
-                      cap=latent_cache.shape[1], NH=self.heads, NOPE=self.nope, C=self.latent, HALF=half,
+                      cap=latent_cache.shape[1], q_stride=q.stride(0), kv_stride=kv.stride(0), NH=self.heads,
+                      NOPE=self.nope, C=self.latent, HALF=half,
                       INTERLEAVE=interleave, HP=next_pow2(self.heads), CP=next_pow2(self.latent),
                       HALFP=next_pow2(half))
 
@@ -250,7 +252,7 @@ class MLADecode:
             rows = torch.arange(n_rows, device=q.device) // rows_per_seq
             return out.copy_(attend_reference(q_latent, q[..., self.nope:], latent_cache, rope_cache, rows, slots,
                                               scale))
-        assert n_rows <= self.max_rows and q_latent.is_contiguous() and q.is_contiguous()
+        assert n_rows <= self.max_rows and q_latent.is_contiguous() and q.stride()[1:] == (q.shape[2], 1)
         for launch in self.attend_launches(q_latent, q, latent_cache, rope_cache, slots, rows_per_seq, scale, out):
             launch()
         return out
@@ -264,6 +266,7 @@ class MLADecode:
             Launch(_split_kernel, (n_rows, self.n_splits, triton.cdiv(heads, HEAD_BLOCK)), num_warps=4, num_stages=2,
                    ql_ptr=q_latent, q_ptr=q, latent_ptr=latent_cache, rope_ptr=rope_cache, slot_ptr=slots,
                    part_o_ptr=self._part_o, part_lse_ptr=self._part_lse, scale=scale, rows_per_seq=rows_per_seq,
+                   q_stride=q.stride(0),
                    cap=latent_cache.shape[1], NOPE=self.nope, RD=self.rope_dim, RP=next_pow2(self.rope_dim, 16),
                    HB=HEAD_BLOCK, BS=BLOCK_KEYS, IEEE=ieee, DOT_F32=INTERPRET and not ieee, **common),
             Launch(_merge_kernel, (n_rows, heads), num_warps=4, num_stages=1, part_o_ptr=self._part_o,

@@ -405,7 +405,7 @@ class RoutedExperts:
         n, k = assign.shape
         gemv = step_rows <= GEMV_MAX_ROWS
         lay, t = self.layout, self.tiles or (GEMV_TILES if gemv else DEFAULT_TILES)
-        n_pad = next_pow2(step_rows) if gemv else self.n_pad
+        n_pad = next_pow2(step_rows) if gemv else row_pad(min(step_rows, self.max_rows))
         u_count = min(u_key.shape[0], n * k)  # u is numbered in first-use order: u < rows x k
         assert n <= min(step_rows, self.max_rows) and u_count <= self.max_experts and x.is_contiguous()
         ieee = x.dtype == torch.float32

@@ -67,14 +67,16 @@ if HAS_TRITON:
             tl.store(out_ptr + r * H + cols, (w * normed).to(dtype), mask=on)
 
     @triton.jit
-    def _act_mul_kernel(gate_ptr, up_ptr, out_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
-        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    def _act_mul_kernel(gate_ptr, up_ptr, out_ptr, n, gate_stride, up_stride, ACT: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        r = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         on = cols < n
-        gate = tl.load(gate_ptr + cols, mask=on, other=0.0)
-        up = tl.load(up_ptr + cols, mask=on, other=0.0)
+        gate = tl.load(gate_ptr + r * gate_stride + cols, mask=on, other=0.0)
+        up = tl.load(up_ptr + r * up_stride + cols, mask=on, other=0.0)
         # the reference rounds act(gate) to the compute dtype before the product
         a = activate(gate.to(tl.float32), ACT).to(gate.dtype).to(tl.float32)
-        tl.store(out_ptr + cols, (a * up.to(tl.float32)).to(gate.dtype), mask=on)
+        tl.store(out_ptr + r * n + cols, (a * up.to(tl.float32)).to(gate.dtype), mask=on)
 
 
 def residual_norm(x: torch.Tensor, deltas: list[torch.Tensor], weight: torch.Tensor | None, eps: float,
@@ -103,16 +105,20 @@ def residual_norm_launch(x: torch.Tensor, deltas: list[torch.Tensor], weight: to
 
 
 def act_mul(gate: torch.Tensor, up: torch.Tensor, act_name: str, act, use_kernel: bool) -> torch.Tensor:
-    """act(gate) * up, elementwise, in the compute dtype (the MLP's middle)."""
+    """act(gate) * up, elementwise, in the compute dtype (the MLP's middle). gate and up are [rows, I] with unit
+    column stride (they may be the halves of one fused projection's output)."""
     if not use_kernel or act_name not in ACT_CODES:
         return act_mul_reference(gate, up, act)
-    assert gate.is_contiguous() and up.is_contiguous() and gate.shape == up.shape
-    out = torch.empty_like(gate)
+    lead = gate.shape[:-1]
+    gate, up = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
+    assert gate.stride(1) == 1 and up.stride(1) == 1 and gate.shape == up.shape
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     act_mul_launch(gate, up, ACT_CODES[act_name], out)()
-    return out
+    return out.view(*lead, gate.shape[-1])
 
 
 def act_mul_launch(gate: torch.Tensor, up: torch.Tensor, act_code: int, out: torch.Tensor) -> Launch:
     block = 1024
-    return Launch(_act_mul_kernel, (triton.cdiv(gate.numel(), block),), num_warps=4, num_stages=1, gate_ptr=gate,
-                  up_ptr=up, out_ptr=out, n=gate.numel(), ACT=act_code, BLOCK=block)
+    rows, n = gate.shape
+    return Launch(_act_mul_kernel, (rows, triton.cdiv(n, block)), num_warps=4, num_stages=1, gate_ptr=gate, up_ptr=up,
+                  out_ptr=out, n=n, gate_stride=gate.stride(0), up_stride=up.stride(0), ACT=act_code, BLOCK=block)
