@@ -52,7 +52,6 @@ class Tiles:
     block_k: int = 128  # reduction step
     num_warps: int = 4
     num_stages: int = 3
-    swap: bool = False  # weights as the dot's left operand (its M = the tile's rows): Hopper's wgmma needs M >= 64
 
 
 # Measured on the H200 at V2-Lite's expert shape (experiments/results/tiles_h200.json, one MoE layer, experts in
@@ -143,13 +142,30 @@ def routed_experts_reference(
 if HAS_TRITON:
 
     @triton.jit
-    def _rows_dot(rows_tile, w_tile, IEEE: tl.constexpr, DOT_F32: tl.constexpr, SWAP: tl.constexpr):
-        """rows [N_PAD, K] . weights [B, K]^T, as [N_PAD, B] or (SWAP) [B, N_PAD]. Each output element is its own dot
-        product either way, so a row's result never depends on the other rows of the tile."""
-        if SWAP:
-            out = dot(w_tile, tl.trans(rows_tile), IEEE, DOT_F32)
+    def _acc_zeros(N_PAD: tl.constexpr, B: tl.constexpr, BK: tl.constexpr, FMA: tl.constexpr):
+        if FMA:  # per-lane partial sums, reduced over K once at the end
+            acc = tl.zeros([N_PAD, B, BK], dtype=tl.float32)
         else:
-            out = dot(rows_tile, tl.trans(w_tile), IEEE, DOT_F32)
+            acc = tl.zeros([N_PAD, B], dtype=tl.float32)
+        return acc
+
+    @triton.jit
+    def _acc_add(acc, rows_tile, w_tile, FMA: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+        """acc += rows [N_PAD, K] . weights [B, K]^T: on the CUDA cores (FMA; a batch-1 GEMV would waste 15 of 16
+        padded rows on tl.dot, whose shared-memory staging also limits occupancy) or with tl.dot. Either way each
+        output element is its own dot product, so a row's result never depends on the other rows of the tile."""
+        if FMA:
+            out = acc + rows_tile.to(tl.float32)[:, None, :] * w_tile.to(tl.float32)[None, :, :]
+        else:
+            out = acc + dot(rows_tile, tl.trans(w_tile), IEEE, DOT_F32)
+        return out
+
+    @triton.jit
+    def _acc_total(acc, FMA: tl.constexpr):
+        if FMA:
+            out = tl.sum(acc, axis=2)
+        else:
+            out = acc
         return out
 
     @triton.jit
@@ -199,7 +215,7 @@ if HAS_TRITON:
                         UP_S: tl.constexpr, SCOLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                         QUANT: tl.constexpr, ACT: tl.constexpr, N_PAD: tl.constexpr, K_PAD: tl.constexpr,
                         BI: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-                        SWAP: tl.constexpr):
+                        FMA: tl.constexpr):
         """mid[u, r, i-tile] = act(x_r . gate_u) * (x_r . up_u) for the rows r of expert u."""
         u = tl.program_id(0)
         tile = tl.program_id(1)
@@ -209,12 +225,8 @@ if HAS_TRITON:
             return
         rows, row_on = _rows_of(u, assign_ptr, n_rows, TOPK, N_PAD, K_PAD)
         ri = tile * BI + tl.arange(0, BI)
-        if SWAP:
-            acc_g = tl.zeros([BI, N_PAD], dtype=tl.float32)
-            acc_u = tl.zeros([BI, N_PAD], dtype=tl.float32)
-        else:
-            acc_g = tl.zeros([N_PAD, BI], dtype=tl.float32)
-            acc_u = tl.zeros([N_PAD, BI], dtype=tl.float32)
+        acc_g = _acc_zeros(N_PAD, BI, BK, FMA)
+        acc_u = _acc_zeros(N_PAD, BI, BK, FMA)
         for k0 in range(0, H, BK):
             rk = k0 + tl.arange(0, BK)
             xt = tl.load(x_ptr + rows[:, None] * H + rk[None, :], mask=row_on[:, None] & (rk[None, :] < H),
@@ -224,15 +236,11 @@ if HAS_TRITON:
                                   H, SCOLS, BR, BC, QUANT, x_ptr.dtype.element_ty)
             up = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, UP_W, UP_S, ri, rk, mask,
                                    H, SCOLS, BR, BC, QUANT, x_ptr.dtype.element_ty)
-            acc_g += _rows_dot(xt, g, IEEE, DOT_F32, SWAP)
-            acc_u += _rows_dot(xt, up, IEEE, DOT_F32, SWAP)
-        mid = (activate(acc_g, ACT) * acc_u).to(mid_ptr.dtype.element_ty)
-        if SWAP:
-            out = mid_ptr + (u * N_PAD + rows[None, :]) * I + ri[:, None]
-            tl.store(out, mid, mask=row_on[None, :] & (ri[:, None] < I))
-        else:
-            out = mid_ptr + (u * N_PAD + rows[:, None]) * I + ri[None, :]
-            tl.store(out, mid, mask=row_on[:, None] & (ri[None, :] < I))
+            acc_g = _acc_add(acc_g, xt, g, FMA, IEEE, DOT_F32)
+            acc_u = _acc_add(acc_u, xt, up, FMA, IEEE, DOT_F32)
+        mid = (activate(_acc_total(acc_g, FMA), ACT) * _acc_total(acc_u, FMA)).to(mid_ptr.dtype.element_ty)
+        out = mid_ptr + (u * N_PAD + rows[:, None]) * I + ri[None, :]
+        tl.store(out, mid, mask=row_on[:, None] & (ri[None, :] < I))
 
     @triton.jit
     def _down_kernel(mid_ptr, assign_ptr, u_key_ptr, u_slot_ptr, u_dst_ptr, w_ptr, s_ptr, delta_ptr, y_ptr, n_rows,
@@ -240,7 +248,7 @@ if HAS_TRITON:
                      DOWN_W: tl.constexpr, REC_S: tl.constexpr, DOWN_S: tl.constexpr, SCOLS: tl.constexpr,
                      BR: tl.constexpr, BC: tl.constexpr, QUANT: tl.constexpr, N_PAD: tl.constexpr, K_PAD: tl.constexpr,
                      BH: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-                     SWAP: tl.constexpr):
+                     FMA: tl.constexpr):
         """y[u, r, h-tile] = mid[u, r] . down_u[h-tile] (fp32) for the rows r of expert u."""
         u = tl.program_id(0)
         tile = tl.program_id(1)
@@ -250,10 +258,7 @@ if HAS_TRITON:
             return
         rows, row_on = _rows_of(u, assign_ptr, n_rows, TOPK, N_PAD, K_PAD)
         rh = tile * BH + tl.arange(0, BH)
-        if SWAP:
-            acc = tl.zeros([BH, N_PAD], dtype=tl.float32)
-        else:
-            acc = tl.zeros([N_PAD, BH], dtype=tl.float32)
+        acc = _acc_zeros(N_PAD, BH, BK, FMA)
         for k0 in range(0, I, BK):
             rk = k0 + tl.arange(0, BK)
             m = tl.load(mid_ptr + (u * N_PAD + rows[:, None]) * I + rk[None, :],
@@ -261,13 +266,9 @@ if HAS_TRITON:
             mask = (rh[:, None] < H) & (rk[None, :] < I)
             d = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, DOWN_W, DOWN_S, rh, rk, mask,
                                   I, SCOLS, BR, BC, QUANT, mid_ptr.dtype.element_ty)
-            acc += _rows_dot(m, d, IEEE, DOT_F32, SWAP)
-        if SWAP:
-            out = y_ptr + (u * N_PAD + rows[None, :]) * H + rh[:, None]
-            tl.store(out, acc, mask=row_on[None, :] & (rh[:, None] < H))
-        else:
-            out = y_ptr + (u * N_PAD + rows[:, None]) * H + rh[None, :]
-            tl.store(out, acc, mask=row_on[:, None] & (rh[None, :] < H))
+            acc = _acc_add(acc, m, d, FMA, IEEE, DOT_F32)
+        out = y_ptr + (u * N_PAD + rows[:, None]) * H + rh[None, :]
+        tl.store(out, _acc_total(acc, FMA), mask=row_on[:, None] & (rh[None, :] < H))
 
     @triton.jit
     def _combine_kernel(y_ptr, assign_ptr, weights_ptr, out_ptr, H: tl.constexpr, TOPK: tl.constexpr,
@@ -283,74 +284,6 @@ if HAS_TRITON:
             term = tl.load(y_ptr + (u.to(tl.int64) * N_PAD + r) * H + rh, mask=(rh < H) & valid, other=0.0)
             acc += tl.where(valid, w * term, 0.0)
         tl.store(out_ptr + r * H + rh, acc, mask=rh < H)
-
-
-    @triton.jit
-    def _rows_fma(rows_tile, w_tile, acc):
-        """acc [N_PAD, B, K] += rows [N_PAD, K] x weights [B, K], on the CUDA cores; summed over K at the end."""
-        return acc + rows_tile.to(tl.float32)[:, None, :] * w_tile.to(tl.float32)[None, :, :]
-
-    @triton.jit
-    def _gate_up_gemv_kernel(x_ptr, assign_ptr, u_key_ptr, u_slot_ptr, u_dst_ptr, w_ptr, s_ptr, delta_ptr, mid_ptr,
-                             n_rows, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, REC_W: tl.constexpr,
-                             GATE_W: tl.constexpr, UP_W: tl.constexpr, REC_S: tl.constexpr, GATE_S: tl.constexpr,
-                             UP_S: tl.constexpr, SCOLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                             QUANT: tl.constexpr, ACT: tl.constexpr, N_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                             BI: tl.constexpr, BK: tl.constexpr):
-        """`_gate_up_kernel` for a few rows: the same tiles and admission, multiplied without tensor cores (a
-        batch-1 GEMV would waste 15 of 16 padded rows on tl.dot, and its shared-memory staging limits occupancy)."""
-        u = tl.program_id(0)
-        tile = tl.program_id(1)
-        key, src_w, src_s, dst_w, dst_s, admit = _record_bases(u, u_key_ptr, u_slot_ptr, u_dst_ptr, delta_ptr,
-                                                               REC_W, REC_S)
-        if key < 0:
-            return
-        rows, row_on = _rows_of(u, assign_ptr, n_rows, TOPK, N_PAD, K_PAD)
-        ri = tile * BI + tl.arange(0, BI)
-        acc_g = tl.zeros([N_PAD, BI, BK], dtype=tl.float32)
-        acc_u = tl.zeros([N_PAD, BI, BK], dtype=tl.float32)
-        for k0 in range(0, H, BK):
-            rk = k0 + tl.arange(0, BK)
-            xt = tl.load(x_ptr + rows[:, None] * H + rk[None, :], mask=row_on[:, None] & (rk[None, :] < H),
-                         other=0.0)
-            mask = (ri[:, None] < I) & (rk[None, :] < H)
-            g = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, GATE_W, GATE_S, ri, rk, mask,
-                                  H, SCOLS, BR, BC, QUANT, x_ptr.dtype.element_ty)
-            up = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, UP_W, UP_S, ri, rk, mask,
-                                   H, SCOLS, BR, BC, QUANT, x_ptr.dtype.element_ty)
-            acc_g = _rows_fma(xt, g, acc_g)
-            acc_u = _rows_fma(xt, up, acc_u)
-        mid = (activate(tl.sum(acc_g, axis=2), ACT) * tl.sum(acc_u, axis=2)).to(mid_ptr.dtype.element_ty)
-        out = mid_ptr + (u * N_PAD + rows[:, None]) * I + ri[None, :]
-        tl.store(out, mid, mask=row_on[:, None] & (ri[None, :] < I))
-
-    @triton.jit
-    def _down_gemv_kernel(mid_ptr, assign_ptr, u_key_ptr, u_slot_ptr, u_dst_ptr, w_ptr, s_ptr, delta_ptr, y_ptr,
-                          n_rows, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, REC_W: tl.constexpr,
-                          DOWN_W: tl.constexpr, REC_S: tl.constexpr, DOWN_S: tl.constexpr, SCOLS: tl.constexpr,
-                          BR: tl.constexpr, BC: tl.constexpr, QUANT: tl.constexpr, N_PAD: tl.constexpr,
-                          K_PAD: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
-        """`_down_kernel` for a few rows, on the CUDA cores."""
-        u = tl.program_id(0)
-        tile = tl.program_id(1)
-        key, src_w, src_s, dst_w, dst_s, admit = _record_bases(u, u_key_ptr, u_slot_ptr, u_dst_ptr, delta_ptr,
-                                                               REC_W, REC_S)
-        if key < 0:
-            return
-        rows, row_on = _rows_of(u, assign_ptr, n_rows, TOPK, N_PAD, K_PAD)
-        rh = tile * BH + tl.arange(0, BH)
-        acc = tl.zeros([N_PAD, BH, BK], dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            rk = k0 + tl.arange(0, BK)
-            m = tl.load(mid_ptr + (u * N_PAD + rows[:, None]) * I + rk[None, :],
-                        mask=row_on[:, None] & (rk[None, :] < I), other=0.0)
-            mask = (rh[:, None] < H) & (rk[None, :] < I)
-            d = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, DOWN_W, DOWN_S, rh, rk, mask,
-                                  I, SCOLS, BR, BC, QUANT, mid_ptr.dtype.element_ty)
-            acc = _rows_fma(m, d, acc)
-        out = y_ptr + (u * N_PAD + rows[:, None]) * H + rh[None, :]
-        tl.store(out, tl.sum(acc, axis=2), mask=row_on[:, None] & (rh[None, :] < H))
-
 
 
 class RoutedExperts:
@@ -413,20 +346,8 @@ class RoutedExperts:
                       s_ptr=self._s, delta_ptr=self._delta, n_rows=n, H=lay.hidden, I=lay.intermediate, TOPK=k,
                       REC_W=lay.rec_w, REC_S=max(lay.rec_s, 1), BR=lay.block_rows, BC=lay.block_cols,
                       QUANT=lay.quantized, N_PAD=n_pad, K_PAD=max(2, 1 << (k - 1).bit_length()), BK=t.block_k,
-                      IEEE=ieee, DOT_F32=INTERPRET and not ieee, SWAP=t.swap)
+                      IEEE=ieee, DOT_F32=INTERPRET and not ieee, FMA=gemv)
         shape = dict(num_warps=t.num_warps, num_stages=t.num_stages)
-        if gemv:
-            for name in ("IEEE", "DOT_F32", "SWAP"):
-                del common[name]
-            return [
-                Launch(_gate_up_gemv_kernel, (u_count, triton.cdiv(lay.intermediate, t.block_i)), **shape, x_ptr=x,
-                       mid_ptr=self._mid, GATE_W=lay.gate_w, UP_W=lay.up_w, GATE_S=lay.gate_s, UP_S=lay.up_s,
-                       SCOLS=triton.cdiv(lay.hidden, lay.block_cols), ACT=self.act_code, BI=t.block_i, **common),
-                Launch(_down_gemv_kernel, (u_count, triton.cdiv(lay.hidden, t.block_h)), **shape,
-                       mid_ptr=self._mid, y_ptr=self._y, DOWN_W=lay.down_w, DOWN_S=lay.down_s,
-                       SCOLS=triton.cdiv(lay.intermediate, lay.block_cols), BH=t.block_h, **common),
-                self._combine(n, assign, weights, out, n_pad),
-            ]
         return [
             Launch(_gate_up_kernel, (u_count, triton.cdiv(lay.intermediate, t.block_i)), **shape, x_ptr=x,
                    mid_ptr=self._mid, GATE_W=lay.gate_w, UP_W=lay.up_w, GATE_S=lay.gate_s, UP_S=lay.up_s,
