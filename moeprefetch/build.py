@@ -17,6 +17,8 @@ from .checkpoint import CheckpointReader
 from .config import ModelArgs, load_model_args
 from .errors import CheckpointError, RequestError, ResourceError
 from .experts import CheckpointExperts, ExpertFormat
+from .kernels import kernels_usable
+from .kernels.attention import MLADecode
 from .planner import MemoryPlan, parse_bytes, plan_memory
 from .options import EngineConfig, check_positive_int
 from .predictors import MTP_PREDICTORS, PredictorSpec
@@ -238,6 +240,8 @@ def plan_engine_memory(
         + 2 * fmt.record_bytes  # prefill staging of experts that find no free slot
         + 256 * 1024**2  # allocator slack, logits, small tensors
     )
+    if options.fused_kernels and kernels_usable(options.device.type):  # the fused attention's split partials
+        workspace += MLADecode.scratch_bytes(args.num_attention_heads, args.kv_lora_rank, options.max_seq_len, rows)
     return plan_memory(
         resident_bytes=resident,
         layer_bytes=layer_bytes,

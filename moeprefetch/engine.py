@@ -46,8 +46,8 @@ class MoEPrefetchEngine:
         self.residency = residency
         self.streamer = streamer
         self.runner = ModelRunner(args, weights, residency, options.device, streamer,
-                                  fused_decode=FusedDecodeShape(options.max_seq_len, 2 * options.max_batch_size,
-                                                                options.dtype) if options.fused_kernels else None)
+                                  fused_decode=FusedDecodeShape(options.max_seq_len, 2 * options.max_batch_size)
+                                  if options.fused_kernels else None)
         self.sampler = DeviceSampler(args.vocab_size, options.device)
         self.tokenizer = tokenizer
         self.options = options

@@ -43,7 +43,7 @@ class FusedOps(LayerOps):
     LoRA down-projection) with kv_a_proj, and each MLP's gate with its up projection."""
 
     def __init__(self, args: ModelArgs, act, act_name: str, rope: RotaryEmbedding, capacity: int, max_rows: int,
-                 dtype: torch.dtype, device: torch.device, use_kernels: bool = True,
+                 device: torch.device, use_kernels: bool = True,
                  fuse: list[LayerWeights] | None = None):
         super().__init__(args, act, rope)
         self.act_name = act_name
@@ -51,9 +51,11 @@ class FusedOps(LayerOps):
         self._fused: dict[int, torch.Tensor] = {}  # id(weights object) -> its fused projection
         for lw in fuse or []:
             self._fuse_layer(lw)
+        if fuse and device.type == "cuda":
+            torch.cuda.empty_cache()  # the parts' old blocks: fused copies replaced them
         self.router = router_shape(args)
         self.mla = MLADecode(args.num_attention_heads, args.qk_nope_head_dim, args.kv_lora_rank,
-                             args.qk_rope_head_dim, capacity, max_rows, dtype, device, use_kernels)
+                             args.qk_rope_head_dim, capacity, max_rows, device, use_kernels)
 
     def _fuse_layer(self, lw: LayerWeights) -> None:
         query = lw.attn.q_proj if lw.attn.q_proj is not None else lw.attn.q_a_proj

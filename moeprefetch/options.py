@@ -56,8 +56,9 @@ class EngineConfig:
     # mechanics
     pin_memory: bool = _opt(True, "page-lock the host expert store")
     cuda_graphs: bool = _opt(True, "capture each decode step as one CUDA graph")
-    fused_kernels: bool = _opt(True, "decode steps on CUDA run fused Triton kernels (False: the torch definitions, "
-                                     "for comparison)")
+    fused_kernels: bool = _opt(True, "decode steps on CUDA run fused Triton kernels for norms, routers, attention "
+                                     "and projections (False: the torch definitions, for comparison; the routed "
+                                     "experts' kernel is the same either way)")
     stream_layers: int | None = _opt(None, "layers streamed from host RAM (default: as the budget needs)")
     stream_ahead: int = _opt(2, "streamed layers copied ahead of the compute")
     progress: bool = _opt(False, "progress bars while loading")

@@ -64,7 +64,6 @@ class FusedDecodeShape:
 
     capacity: int
     max_rows: int
-    dtype: torch.dtype
 
 
 class ModelRunner:
@@ -90,7 +89,7 @@ class ModelRunner:
         if fused_decode is not None and kernels_usable(device.type):
             resident = [lw for lw in weights.layers if streamer is None or not streamer.streams(lw.index)]
             self.decode_ops = FusedOps(args, self.act, args.hidden_act, self.rope, fused_decode.capacity,
-                                       fused_decode.max_rows, fused_decode.dtype, device,
+                                       fused_decode.max_rows, device,
                                        fuse=resident + ([weights.mtp.layer] if weights.mtp is not None else []))
 
     def logits(self, hidden_normed: torch.Tensor) -> torch.Tensor:

@@ -237,7 +237,7 @@ def test_mla_decode_attention_matches_the_absorbed_definition(dtype, tolerance, 
     g = torch.Generator().manual_seed(heads)
     batch = 2
     rows = batch * per_seq
-    mla = MLADecode(heads, nope, latent, rope_dim, capacity, rows, dtype, torch.device(DEVICE), True)
+    mla = MLADecode(heads, nope, latent, rope_dim, capacity, rows, torch.device(DEVICE), True)
     latent_cache = torch.randn(batch, capacity, latent, generator=g).to(dtype).to(DEVICE)
     rope_cache = torch.randn(batch, capacity, rope_dim, generator=g).to(dtype).to(DEVICE)
     slots = torch.tensor([capacity - 2, 3][:batch]).repeat_interleave(per_seq) + torch.arange(per_seq).repeat(batch)
@@ -248,7 +248,7 @@ def test_mla_decode_attention_matches_the_absorbed_definition(dtype, tolerance, 
     norm = (torch.rand(latent, generator=g) + 0.5).to(dtype).to(DEVICE)
     inv_freq = (1.0 / 10000 ** (torch.arange(0, rope_dim, 2).float() / rope_dim)).to(DEVICE)
     ref_q, ref_latent, ref_rope = q.clone(), latent_cache.clone(), rope_cache.clone()
-    MLADecode(heads, nope, latent, rope_dim, capacity, rows, dtype, torch.device(DEVICE), False).prepare(
+    MLADecode(heads, nope, latent, rope_dim, capacity, rows, torch.device(DEVICE), False).prepare(
         ref_q, kv, positions, slots, per_seq, ref_latent, ref_rope, norm, 1e-6, inv_freq, 1.2, interleave)
     mla.prepare(q, kv, positions, slots, per_seq, latent_cache, rope_cache, norm, 1e-6, inv_freq, 1.2, interleave)
     ulp = 1e-6 if dtype == torch.float32 else 3e-2

@@ -18,7 +18,7 @@ def _fused(engine: MoEPrefetchEngine) -> FusedOps:
     runner, weights = engine.runner, engine.weights
     layers = weights.layers + ([weights.mtp.layer] if weights.mtp is not None else [])
     return FusedOps(engine.args, runner.act, engine.args.hidden_act, runner.rope, engine.options.max_seq_len,
-                    2 * engine.options.max_batch_size, engine.options.dtype, engine.device, fuse=layers)
+                    2 * engine.options.max_batch_size, engine.device, fuse=layers)
 
 
 def _last_logits(engine: MoEPrefetchEngine) -> torch.Tensor:

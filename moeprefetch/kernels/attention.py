@@ -29,7 +29,8 @@ if HAS_TRITON:
 
     from .common import dot, next_pow2
 
-SPLIT_KEYS = 64  # keys per split: fixed, so a row's bits never depend on the capacity or the batch
+SPLIT_KEYS = 64  # keys per split: fixed, so a row's bits never depend on the capacity or the batch; the grid covers
+# the capacity with whole splits (the last split masks its tail)
 BLOCK_KEYS = 32  # keys per step inside a split
 HEAD_BLOCK = 16  # heads per program (tl.dot needs at least 16 rows)
 
@@ -170,7 +171,7 @@ if HAS_TRITON:
             den = den * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + dot(p.to(lat.dtype), lat, IEEE, DOT_F32)
             m = m_new
-        part = (r * n_splits + split) * NH + heads
+        part = (r.to(tl.int64) * n_splits + split) * NH + heads  # int64: the scratch can exceed 2**31 elements
         tl.store(part_o_ptr + part[:, None] * CP + cs[None, :], acc / den[:, None], mask=h_on[:, None])
         tl.store(part_lse_ptr + part, m + tl.log(den), mask=h_on)
 
@@ -178,7 +179,7 @@ if HAS_TRITON:
     def _merge_kernel(part_o_ptr, part_lse_ptr, slot_ptr, out_ptr, n_rows, n_splits, NH: tl.constexpr,
                       C: tl.constexpr, CP: tl.constexpr, SPLIT: tl.constexpr):
         """out[head, r] = the splits' partial results weighted by their softmax mass, in split order."""
-        r = tl.program_id(0)
+        r = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         used = (tl.load(slot_ptr + r).to(tl.int32) + SPLIT) // SPLIT
         cs = tl.arange(0, CP)
@@ -200,7 +201,7 @@ class MLADecode:
     can be captured in a CUDA graph. `use_kernels=False` runs the references."""
 
     def __init__(self, heads: int, nope: int, latent: int, rope_dim: int, capacity: int, max_rows: int,
-                 dtype: torch.dtype, device: torch.device, use_kernels: bool):
+                 device: torch.device, use_kernels: bool):
         self.heads, self.nope, self.latent, self.rope_dim = heads, nope, latent, rope_dim
         self.capacity, self.max_rows = capacity, max_rows
         self.use_kernels = use_kernels
@@ -253,6 +254,7 @@ class MLADecode:
             return out.copy_(attend_reference(q_latent, q[..., self.nope:], latent_cache, rope_cache, rows, slots,
                                               scale))
         assert n_rows <= self.max_rows and q_latent.is_contiguous() and q.stride()[1:] == (q.shape[2], 1)
+        assert latent_cache.shape[1] <= self.n_splits * SPLIT_KEYS, "the cache is longer than the splits cover"
         for launch in self.attend_launches(q_latent, q, latent_cache, rope_cache, slots, rows_per_seq, scale, out):
             launch()
         return out

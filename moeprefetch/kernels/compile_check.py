@@ -111,7 +111,7 @@ def layer_launches(hidden: int, experts: int, top_k: int, heads: int = 16, laten
     for method, groups in (("greedy", 1), ("noaux_tc", 8)):
         router = RouterShape(experts, top_k, groups, max(1, groups // 2), method, method == "noaux_tc", True, 2.5)
         launches[f"router_{method}"] = select_launch(router, logits, logits[0], ids, logits[:, :top_k], logits)
-    mla = MLADecode(heads, nope, latent, rope_dim, 4096, rows, bf16, torch.device("cpu"), True)
+    mla = MLADecode(heads, nope, latent, rope_dim, 4096, rows, torch.device("cpu"), True)
     q = torch.zeros(rows, heads, nope + rope_dim, dtype=bf16)
     kv = torch.zeros(rows, latent + rope_dim, dtype=bf16)
     cache_latent, cache_rope = torch.zeros(1, 8, latent, dtype=bf16), torch.zeros(1, 8, rope_dim, dtype=bf16)

@@ -360,4 +360,5 @@ class RoutedExperts:
 
     def _combine(self, n: int, assign: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, n_pad: int) -> Launch:
         return Launch(_combine_kernel, (n, triton.cdiv(self.layout.hidden, 256)), y_ptr=self._y, assign_ptr=assign,
-                      weights_ptr=weights, out_ptr=out, H=self.layout.hidden, TOPK=self.top_k, N_PAD=n_pad, BH=256)
+                      weights_ptr=weights, out_ptr=out, H=self.layout.hidden, TOPK=assign.shape[1], N_PAD=n_pad,
+                      BH=256)
