@@ -120,6 +120,7 @@ class Stats:
     decode_steps: int = 0
     decode_syncs: int = 0  # device->host synchronisations during decode
     prefill_seconds: float = 0.0
+    ttft_seconds: float = 0.0  # from the call's start to its first tokens (every sequence's, after prefill)
     decode_seconds: float = 0.0
     draft_proposed: int = 0
     draft_accepted: int = 0
@@ -157,6 +158,7 @@ class Stats:
                 "generated_tokens": self.generated_tokens,
                 "decode_steps": self.decode_steps,
                 "prefill_seconds": self.prefill_seconds,
+                "ttft_seconds": self.ttft_seconds,
                 "decode_seconds": self.decode_seconds,
                 "prefill_tokens_per_s": self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0,
                 "decode_tokens_per_s": tokens / self.decode_seconds if self.decode_seconds else 0.0,
@@ -221,8 +223,8 @@ def merge_stats(runs: list[Stats]) -> Stats:
             for layer, counters in source.items():
                 target[layer] = target[layer] + counters if layer in target else counters
         for name in ("prompt_tokens", "generated_tokens", "sequences", "decode_steps", "decode_syncs",
-                     "prefill_seconds", "decode_seconds", "draft_proposed", "draft_accepted", "mtp_drafts_checked",
-                     "mtp_drafts_correct"):
+                     "prefill_seconds", "ttft_seconds", "decode_seconds", "draft_proposed", "draft_accepted",
+                     "mtp_drafts_checked", "mtp_drafts_correct"):
             setattr(merged, name, getattr(merged, name) + getattr(run, name))
     merged.extra = {"main_moe_layers": list(merged.main_layers), "runs": len(runs)}
     return merged

@@ -94,14 +94,13 @@ def attention_expanded(
     k_nope, value = expanded.split([n, args.v_head_dim], dim=-1)
     keys = torch.cat((k_nope, k_rope[:, :, None].expand(b, s, heads, -1)), dim=-1)  # [B, S, h, n+r]
     queries = torch.cat((q_nope, q_rope), dim=-1)
-    scores = torch.einsum("bthd,bshd->bhts", queries, keys) * args.softmax_scale
     key_pos = torch.arange(s, device=x.device)
     query_pos = torch.arange(start, start + t, device=x.device)
     causal = key_pos[None, :] <= query_pos[:, None]  # [T, S]
-    scores = scores.masked_fill(~causal, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
-    out = torch.einsum("bhts,bshv->bthv", probs, value).flatten(2)  # [B, T, h*v]
-    return linear(out, w.o_proj)
+    # a fused attention kernel (memory-efficient on CUDA): no [B, h, T, S] score tensor, so long prompts fit
+    out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys.transpose(1, 2), value.transpose(1, 2),
+                                         attn_mask=causal, scale=args.softmax_scale)  # [B, h, T, v]
+    return linear(out.transpose(1, 2).flatten(2), w.o_proj)
 
 
 def absorbed_weights(args: ModelArgs, w: AttentionWeights) -> tuple[torch.Tensor, torch.Tensor]:

@@ -108,6 +108,7 @@ class Session:
 
     # ---- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> Iterator[TokenEvent]:
+        started = time.perf_counter()
         engine, res, request = self.engine, self.res, self.request
         options = engine.options
         rows = self.batch * (2 if self.speculative else 1)
@@ -130,6 +131,7 @@ class Session:
         first, drafts, probs = self._prefill(caches)
         engine._sync()
         self.stats.prefill_seconds = time.perf_counter() - t0
+        self.stats.ttft_seconds = time.perf_counter() - started
         prefill_counters = res.st.counters.clone().cpu()
 
         active = [True] * self.batch

@@ -224,3 +224,11 @@ def test_streamed_pieces_never_split_a_character():
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
     assert max(decoded) <= 8  # a few tokens of context, however long the text
+
+
+def test_time_to_first_token_covers_prefill_and_precedes_decode(v3):
+    result = v3.generate([[3, 4, 5, 6, 7, 8], [9, 10]], max_new_tokens=4, stop_at_eos=False)
+    stats = result.stats.to_dict()
+    assert 0 < stats["prefill_seconds"] <= stats["ttft_seconds"]
+    assert stats["ttft_seconds"] < stats["prefill_seconds"] + 1.0  # only the call's set-up comes before prefill
+    assert stats["prefill_tokens_per_s"] == pytest.approx(8 / stats["prefill_seconds"])
