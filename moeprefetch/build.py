@@ -199,21 +199,20 @@ def _load(reader: CheckpointReader, args: ModelArgs, options: EngineOptions, pla
                                  pin=pin_memory and dev.type == "cuda")
         for i, layer in zip(plan.streamed_layers, streamer.layers):
             weights.layers[i] = layer
-    store = None
-    if not plan.all_resident:
-        store = HostExpertStore(fmt, expert_layers, args.n_routed_experts, pin=pin_memory and dev.type == "cuda")
-    residency = Residency(fmt, expert_layers, len(args.moe_layers), args.n_routed_experts, args.num_experts_per_tok,
-                          plan.expert_slots, dev, args.hidden_act, store, max_rows=2 * options.max_batch_size,
-                          policy=policy, hot_set=hot)
     experts = CheckpointExperts(reader, args, block)
 
     def pack(layer: int, expert: int, out: torch.Tensor) -> None:
         experts.pack(fmt, layer, expert, out)
 
+    store = None
+    if not plan.all_resident:  # filled (and page-locked) first: whether it is pinned decides the residency's kernels
+        store = HostExpertStore(fmt, expert_layers, args.n_routed_experts, pin=pin_memory and dev.type == "cuda")
+        store.fill(pack, progress)
+    residency = Residency(fmt, expert_layers, len(args.moe_layers), args.n_routed_experts, args.num_experts_per_tok,
+                          plan.expert_slots, dev, args.hidden_act, store, max_rows=2 * options.max_batch_size,
+                          policy=policy, hot_set=hot)
     if store is None:
         residency.preload(pack, progress)
-    else:
-        store.fill(pack, progress)
     return weights, streamer, residency
 
 

@@ -378,6 +378,7 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
         "ms_per_token": med("ms_per_token"),
         "decode_tokens_per_s": med("decode_tokens_per_s"),
         "prefill_tokens_per_s": med("prefill_tokens_per_s"),
+        "ttft_seconds": med("ttft_seconds"),
         "hit_rate": med("hit_rate"),
         "decode_hit_rate": med("decode_hit_rate"),
         "misses_per_token": med("decode_misses_per_token"),

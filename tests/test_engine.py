@@ -232,3 +232,28 @@ def test_time_to_first_token_covers_prefill_and_precedes_decode(v3):
     assert 0 < stats["prefill_seconds"] <= stats["ttft_seconds"]
     assert stats["ttft_seconds"] < stats["prefill_seconds"] + 1.0  # only the call's set-up comes before prefill
     assert stats["prefill_tokens_per_s"] == pytest.approx(8 / stats["prefill_seconds"])
+
+
+@pytest.mark.parametrize("slots", [None, 5])
+def test_prefill_through_the_grouped_expert_kernels_matches_the_loop(checkpoint_factory, slots):
+    """Prefill's grouped GEMM (Triton's interpreter on the CPU) against the per-expert loop it replaces on CUDA,
+    with every expert resident and with most read from host memory or admitted into slots."""
+    from moeprefetch.kernels import HAS_TRITON
+    from moeprefetch.kernels.grouped import GroupedExperts
+
+    if not HAS_TRITON:
+        pytest.skip("needs triton")
+    path = checkpoint_factory("v3_groups_qlora_yarn")
+    options = dict(progress=False, expert_cache_slots=slots) if slots else dict(progress=False)
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [9, 10]]
+    engine = MoEPrefetchEngine.from_pretrained(path, **options)
+    expected = engine.generate(prompts, max_new_tokens=5, stop_at_eos=False)
+    expected_logits = engine.forward([prompts[0]])
+    res = engine.residency
+    res.grouped = GroupedExperts(res.fmt, res.pool, res.host, engine.args.hidden_act, res.act, use_kernels=True)
+    engine.reset_expert_cache()
+    got = engine.generate(prompts, max_new_tokens=5, stop_at_eos=False)
+    logits = engine.forward([prompts[0]])
+    assert got.sequences == expected.sequences
+    assert torch.allclose(logits, expected_logits, rtol=1e-4, atol=1e-5)
+    assert not res.problems()

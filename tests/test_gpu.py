@@ -147,3 +147,33 @@ def test_close_gives_device_memory_back(checkpoint_factory):
         with pytest.raises(Exception, match="has been closed"):
             engine.generate([[3]], max_new_tokens=2)
     del engine
+
+
+def test_an_unpinned_store_falls_back_to_the_reference_residency(checkpoint_factory):
+    """pin_memory=False (or a refused page-lock) leaves host memory the GPU cannot read in place: the engine must
+    switch to the host-driven residency path, not hand pageable addresses to the kernels."""
+    path = checkpoint_factory("v3")
+    prompts = [[3, 4, 5, 6], [9, 10]]
+    reference = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16)
+    expected = reference.generate(prompts, max_new_tokens=8, stop_at_eos=False)
+    reference.close()
+    engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, expert_cache_slots=3,
+                                               pin_memory=False)
+    assert not engine.residency.use_kernels and not engine.residency.grouped.use_kernels
+    assert engine.generate(prompts, max_new_tokens=8, stop_at_eos=False).sequences == expected.sequences
+    engine.close()
+
+
+def test_fused_decode_logits_track_the_definitions_in_bf16(checkpoint_factory):
+    """The stated tolerance of the fused decode kernels in bf16: the first decode step's logits (same prompt, same
+    prefill) within 3 % relative norm of the torch definitions' (fp32 stays within 1e-5: test_layer_ops)."""
+    path = checkpoint_factory("v3_groups_qlora_yarn")
+    logits = []
+    for fused in (False, True):
+        engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, fused_kernels=fused)
+        engine.generate([[3, 4, 5, 6, 7]], max_new_tokens=2, stop_at_eos=False)
+        (step,) = engine._steps.values()
+        logits.append(step.logits.clone())
+        engine.close()
+    error = ((logits[1] - logits[0]).norm() / logits[0].norm()).item()
+    assert error < 3e-2, error

@@ -314,3 +314,43 @@ def test_router_selection_matches_the_definition(shape):
     assert torch.equal(torch.isinf(got[2]), torch.isinf(want[2]))  # the same groups masked
     finite = torch.isfinite(want[2])
     assert torch.allclose(got[2][finite], want[2][finite], rtol=1e-5, atol=1e-7)
+
+
+# ---- prefill's grouped GEMM ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,expert_dtype,tolerance", [(torch.float32, "model", 1e-5), (torch.bfloat16, "fp8", 2e-2),
+                                                          (torch.float32, "int8", 1e-5)])
+def test_grouped_prefill_experts_match_float64(dtype, expert_dtype, tolerance):
+    """Blocks of one expert's pairs (one expert with more pairs than a block), experts in slots and in host memory."""
+    from moeprefetch.kernels.grouped import BLOCK_M, GroupedExperts, plan_blocks
+    from moeprefetch.model import combine_expert_outputs
+
+    g = torch.Generator().manual_seed(11)
+    fmt = ExpertFormat.build(96, 72, dtype, expert_dtype, (32, 32))
+    host, _ = _experts(fmt, 5, g)
+    if DEVICE == "cuda":
+        host = host.pin_memory()
+    pool = torch.zeros(3, fmt.record_bytes, dtype=torch.uint8, device=DEVICE)
+    pool[1].copy_(host[3])
+    tokens, k = BLOCK_M + 10, 2
+    ids = torch.stack([torch.zeros(tokens, dtype=torch.int64), torch.randint(1, 5, (tokens,), generator=g)], 1)
+    distinct = sorted(set(ids.flatten().tolist()))
+    pair_token, order, blocks = plan_blocks(ids, {e: u for u, e in enumerate(distinct)})
+    assert blocks.shape[0] >= len(distinct) + 1  # expert 0 needs two blocks
+    keys = torch.tensor(distinct, dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([1 if e == 3 else -1 for e in distinct], dtype=torch.int32, device=DEVICE)
+    x = torch.randn(tokens, fmt.hidden, generator=g).to(dtype).to(DEVICE)
+    weights = torch.rand(tokens, k, generator=g).to(DEVICE)
+    grouped = GroupedExperts(fmt, pool, host, "silu", F.silu, use_kernels=True)
+    y = grouped(x, pair_token.to(DEVICE), blocks.to(DEVICE), keys, slots)
+    products = torch.empty_like(y)
+    products[order.to(DEVICE)] = y
+    out = combine_expert_outputs(products.view(tokens, k, -1), weights, None).cpu().double()
+    expected = torch.zeros(tokens, fmt.hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for j in range(k):
+            e = int(ids[t, j])
+            expected[t] += float(weights[t, j]) * _float64_expert(x[t : t + 1].cpu(), fmt, host[e])[0]
+    error = ((out - expected).norm() / expected.norm()).item()
+    assert error < tolerance, error

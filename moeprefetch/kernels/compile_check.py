@@ -63,6 +63,7 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
     from ..experts import ExpertFormat
     from ..residency.state import ResidencyConfig, TableState
     from .experts import RoutedExperts
+    from .grouped import GroupedExperts
     from .fill import Filler
     from .plan import Planner
 
@@ -91,6 +92,13 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
                                 experts_.launches(x[:max_rows], assign[:max_rows], weights[:max_rows], u_vec, u_vec,
                                                   u_vec, out[:max_rows], max_rows)):
             launches[name + tag] = launch
+    grouped = GroupedExperts(fmt, pool, host, "silu", F.silu, use_kernels=True)
+    blocks = torch.zeros(4, 3, dtype=torch.int32)
+    pairs = torch.zeros(64, dtype=torch.int32)
+    mid = torch.zeros(64, intermediate, dtype=torch.bfloat16)
+    for name, launch in zip(("grouped_gate_up", "grouped_down"),
+                            grouped.launches(x, pairs, blocks, u_vec, u_vec, mid, torch.zeros(64, hidden))):
+        launches[name] = launch
     launches.update(layer_launches(hidden, experts, top_k))
     return launches
 

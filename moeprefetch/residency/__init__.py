@@ -23,6 +23,7 @@ import torch
 from ..experts import ExpertFormat, activation, expert_ffn
 from ..kernels import kernels_usable
 from ..kernels.experts import RoutedExperts, row_pad
+from ..kernels.grouped import GroupedExperts, plan_blocks
 from ..kernels.fill import Filler
 from ..kernels.plan import Planner
 from ..model import combine_expert_outputs
@@ -62,7 +63,12 @@ class Residency:
         self.store = store
         self.preloaded = store is None
         self.act = activation(hidden_act)
-        self.use_kernels = kernels_usable(device.type) if use_kernels is None else use_kernels
+        # The kernels read missed experts in place from the host store: only page-locked memory has a device address.
+        reachable = store is None or store.pinned or device.type != "cuda"
+        self.use_kernels = (kernels_usable(device.type) and reachable) if use_kernels is None else use_kernels
+        if use_kernels is None and kernels_usable(device.type) and not reachable:
+            logger.warning("the host expert store is not page-locked, so the GPU cannot read it in place: decode "
+                           "runs the reference residency path (one synchronisation per MoE layer, much slower)")
         self.max_rows = row_pad(max_rows)  # rows of one decode step's MoE (exact + shadow/draft)
         self.max_experts = max(self.max_rows * top_k, n_experts)
         self.base_cfg = ResidencyConfig(
@@ -88,6 +94,8 @@ class Residency:
         self._no_assign = torch.zeros(0, top_k, dtype=i32, device=device)
         self._host_plan = PlanBuffers(n_experts, self.max_experts, 1, 1, device)
         self.act_name = hidden_act
+        self.grouped = GroupedExperts(fmt, self.pool, self.host, hidden_act, self.act,
+                                      self.use_kernels and device.type == "cuda")
         self.experts = RoutedExperts(fmt, self.pool, self.host, hidden_act, self.act, max_rows, top_k,
                                      self.use_kernels)
         self.set_hot_set(hot_set or [])
@@ -223,6 +231,8 @@ class Residency:
         self.prefill_planner(position, exact, torch.ones(d, dtype=torch.bool, device=self.device), None, None,
                              out.assign[:d], out.u_key, out.u_slot, out.u_dst, reserve=False, count_recall=False)
         slots, dsts = out.u_slot[:d].tolist(), out.u_dst[:d].tolist()
+        if self.grouped.use_kernels:
+            return self._prefill_grouped(position, x, ids_host, weights, distinct, slots, dsts)
         products = torch.zeros((x.shape[0], ids.shape[1], x.shape[1]), dtype=x.dtype, device=x.device)
         for u, expert in enumerate(distinct):
             record = self._prefill_record(position * self.n_experts + expert, slots[u], dsts[u])
@@ -231,6 +241,24 @@ class Residency:
             rows_d, kpos_d = rows.to(self.device), kpos.to(self.device)
             products[rows_d, kpos_d] = expert_ffn(x[rows_d], gate_up[0], down[0], self.act).to(products.dtype)
         return combine_expert_outputs(products, weights, None)
+
+    def _prefill_grouped(self, position: int, x: torch.Tensor, ids_host: torch.Tensor, weights: torch.Tensor,
+                         distinct: list[int], slots: list[int], dsts: list[int]) -> torch.Tensor:
+        """The layer's experts as one grouped GEMM per projection. Admitted experts are copied into their slots on
+        the copy path first (stream-ordered); an expert without a slot is read in place from host memory."""
+        keys = [position * self.n_experts + e for e in distinct]
+        for u, (slot, dst) in enumerate(zip(slots, dsts)):
+            if slot < 0 and dst >= 0:
+                self.pool[dst].copy_(self.host[keys[u]], non_blocking=True)  # type: ignore[index]
+                slots[u] = dst
+        pair_token, order, blocks = plan_blocks(ids_host, {e: u for u, e in enumerate(distinct)})
+        dev = self.device
+        y = self.grouped(x.contiguous(), pair_token.to(dev, non_blocking=True), blocks.to(dev, non_blocking=True),
+                         torch.tensor(keys, dtype=torch.int32).to(dev, non_blocking=True),
+                         torch.tensor(slots, dtype=torch.int32).to(dev, non_blocking=True))
+        products = torch.empty_like(y)
+        products[order.to(dev)] = y  # back to (token, k) order
+        return combine_expert_outputs(products.view(x.shape[0], ids_host.shape[1], -1), weights, None)
 
     def _prefill_record(self, key: int, slot: int, admit: int) -> torch.Tensor:
         """The VRAM bytes of an expert for prefill: its slot, its admission slot (copied in now) or staging."""

@@ -1,0 +1,185 @@
+"""Routed experts of a block of many tokens (prefill chunks) as one grouped GEMM per projection.
+
+The (token, k) pairs of a layer are sorted by distinct expert u on the host (prefill plans on the host anyway) and
+cut into blocks of at most BLOCK_M pairs of one expert. One program per (block, output tile) multiplies its pairs'
+rows by the expert's weight tile, read through the same record table as decode (`experts.py`): a VRAM slot, or
+the pinned host record over PCIe when the expert has no slot. Launches per layer: gate/up, down, and a gather that
+sums each token's k products in fixed k order — instead of a Python loop over experts.
+
+Inputs
+    x [T, H]           the chunk's router inputs
+    pair_token [P]     token of each sorted pair (P = T x k)
+    blocks [NB, 3]     int32 (u, first sorted pair, pairs) per block; u = -1 past the last block
+    u_key, u_slot      as in experts.py (u_dst unused: admissions are copied in before the launch)
+Output y [P, H] fp32 per sorted pair; `combine` returns [T, H] fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from ..experts import ExpertFormat, expert_ffn
+from . import HAS_TRITON, INTERPRET, Launch
+from .experts import ACTIVATIONS, RecordLayout
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    from .common import activate, dot
+    from .experts import _load_weight_tile, _record_bases
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64  # pairs per block, output features per program, reduction step
+logger = logging.getLogger(__name__)
+
+
+def plan_blocks(ids: torch.Tensor, u_of_expert: dict[int, int], block_m: int = BLOCK_M
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [T, k] (host) -> (pair_token [P], order [P]: the pair index t*k+j of each sorted pair, blocks [NB, 3])."""
+    t, k = ids.shape
+    u = torch.tensor([u_of_expert[e] for e in ids.flatten().tolist()], dtype=torch.int64)
+    order = torch.sort(u * (t * k) + torch.arange(t * k), stable=True).indices  # by expert, then pair index
+    counts = torch.bincount(u, minlength=len(u_of_expert)).tolist()
+    blocks, start = [], 0
+    for expert_u, count in enumerate(counts):
+        for first in range(0, count, block_m):
+            blocks.append((expert_u, start + first, min(block_m, count - first)))
+        start += count
+    return (order // k).to(torch.int32), order, torch.tensor(blocks, dtype=torch.int32).reshape(-1, 3)
+
+
+def grouped_reference(x: torch.Tensor, pair_token: torch.Tensor, blocks: torch.Tensor, u_key: torch.Tensor,
+                      u_slot: torch.Tensor, pool: torch.Tensor, host: torch.Tensor | None, fmt: ExpertFormat,
+                      act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The definition: each block's pairs through its expert (compute dtype GEMMs), y [P, H] fp32."""
+    y = torch.zeros(pair_token.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for u, first, count in blocks.tolist():
+        if u < 0:
+            continue
+        slot, key = int(u_slot[u]), int(u_key[u])
+        record = pool[slot] if slot >= 0 else host[key].to(pool.device)  # type: ignore[index]
+        gate_up, down = fmt.dequantize(record.view(1, -1))
+        tokens = pair_token[first : first + count].long()
+        y[first : first + count] = expert_ffn(x[tokens], gate_up[0], down[0], act).float()
+    return y
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _block_rows(blocks_ptr, b, BM: tl.constexpr):
+        u = tl.load(blocks_ptr + 3 * b)
+        first = tl.load(blocks_ptr + 3 * b + 1)
+        count = tl.load(blocks_ptr + 3 * b + 2)
+        pairs = first + tl.arange(0, BM)
+        return u, pairs, pairs < first + count
+
+    @triton.jit
+    def _grouped_gate_up_kernel(x_ptr, pair_token_ptr, blocks_ptr, u_key_ptr, u_slot_ptr, w_ptr, s_ptr, delta_ptr,
+                                mid_ptr, H: tl.constexpr, I: tl.constexpr, REC_W: tl.constexpr, GATE_W: tl.constexpr,
+                                UP_W: tl.constexpr, REC_S: tl.constexpr, GATE_S: tl.constexpr, UP_S: tl.constexpr,
+                                SCOLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, QUANT: tl.constexpr,
+                                ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                                IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+        """mid[pair, n-tile] = act(x_token . gate_u) * (x_token . up_u) for the pairs of one block."""
+        u, pairs, on = _block_rows(blocks_ptr, tl.program_id(0), BM)
+        if u < 0:
+            return
+        key, src_w, src_s, dst_w, dst_s, admit = _record_bases(u, u_key_ptr, u_slot_ptr, u_slot_ptr, delta_ptr,
+                                                               REC_W, REC_S)
+        tokens = tl.load(pair_token_ptr + pairs, mask=on, other=0).to(tl.int64)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            rk = k0 + tl.arange(0, BK)
+            xt = tl.load(x_ptr + tokens[:, None] * H + rk[None, :], mask=on[:, None] & (rk[None, :] < H), other=0.0)
+            mask = (rn[:, None] < I) & (rk[None, :] < H)
+            g = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, False, GATE_W, GATE_S, rn, rk, mask, H,
+                                  SCOLS, BR, BC, QUANT, x_ptr.dtype.element_ty)
+            up = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, False, UP_W, UP_S, rn, rk, mask, H,
+                                   SCOLS, BR, BC, QUANT, x_ptr.dtype.element_ty)
+            acc_g += dot(xt, tl.trans(g), IEEE, DOT_F32)
+            acc_u += dot(xt, tl.trans(up), IEEE, DOT_F32)
+        mid = (activate(acc_g, ACT) * acc_u).to(mid_ptr.dtype.element_ty)
+        tl.store(mid_ptr + pairs[:, None].to(tl.int64) * I + rn[None, :], mid, mask=on[:, None] & (rn[None, :] < I))
+
+    @triton.jit
+    def _grouped_down_kernel(mid_ptr, blocks_ptr, u_key_ptr, u_slot_ptr, w_ptr, s_ptr, delta_ptr, y_ptr,
+                             H: tl.constexpr, I: tl.constexpr, REC_W: tl.constexpr, DOWN_W: tl.constexpr,
+                             REC_S: tl.constexpr, DOWN_S: tl.constexpr, SCOLS: tl.constexpr, BR: tl.constexpr,
+                             BC: tl.constexpr, QUANT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                             BK: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+        """y[pair, n-tile] = mid[pair] . down_u[n-tile] (fp32) for the pairs of one block."""
+        u, pairs, on = _block_rows(blocks_ptr, tl.program_id(0), BM)
+        if u < 0:
+            return
+        key, src_w, src_s, dst_w, dst_s, admit = _record_bases(u, u_key_ptr, u_slot_ptr, u_slot_ptr, delta_ptr,
+                                                               REC_W, REC_S)
+        rows = pairs.to(tl.int64)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            rk = k0 + tl.arange(0, BK)
+            m = tl.load(mid_ptr + rows[:, None] * I + rk[None, :], mask=on[:, None] & (rk[None, :] < I), other=0.0)
+            mask = (rn[:, None] < H) & (rk[None, :] < I)
+            d = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, False, DOWN_W, DOWN_S, rn, rk, mask, I,
+                                  SCOLS, BR, BC, QUANT, mid_ptr.dtype.element_ty)
+            acc += dot(m, tl.trans(d), IEEE, DOT_F32)
+        tl.store(y_ptr + rows[:, None] * H + rn[None, :], acc, mask=on[:, None] & (rn[None, :] < H))
+
+
+class GroupedExperts:
+    """Prefill's routed experts: one grouped GEMM per projection over the slot pool and the host arena."""
+
+    def __init__(self, fmt: ExpertFormat, pool: torch.Tensor, host: torch.Tensor | None, act_name: str,
+                 act: Callable[[torch.Tensor], torch.Tensor], use_kernels: bool):
+        self.fmt, self.pool, self.host, self.act = fmt, pool, host, act
+        self.layout = RecordLayout.of(fmt)
+        self.use_kernels = use_kernels and act_name in ACTIVATIONS
+        self.act_code = ACTIVATIONS.get(act_name, 0)
+        if self.use_kernels:
+            w_size = torch.tensor([], dtype=fmt.payload_dtype).element_size()
+            delta = (host.data_ptr() - pool.data_ptr()) if host is not None else 0
+            self._delta = torch.tensor([delta // w_size, delta // 4], dtype=torch.int64, device=pool.device)
+            self._w = pool.view(fmt.payload_dtype)
+            self._s = pool.view(torch.float32) if fmt.quantized else self._w
+
+    def __call__(self, x: torch.Tensor, pair_token: torch.Tensor, blocks: torch.Tensor, u_key: torch.Tensor,
+                 u_slot: torch.Tensor) -> torch.Tensor:
+        """y [P, H] fp32: each sorted pair's expert output."""
+        if not self.use_kernels:
+            return grouped_reference(x, pair_token, blocks, u_key, u_slot, self.pool, self.host, self.fmt, self.act)
+        mid = torch.empty(pair_token.shape[0], self.fmt.intermediate, dtype=x.dtype, device=x.device)
+        y = torch.empty(pair_token.shape[0], self.fmt.hidden, dtype=torch.float32, device=x.device)
+        try:
+            for launch in self.launches(x.contiguous(), pair_token, blocks, u_key, u_slot, mid, y):
+                launch()
+        except (CompilationError, OutOfResources) as exc:
+            # a compiler that rejects the kernel must not take prefill down: the definition computes the same
+            logger.warning("the grouped prefill kernel did not compile here (%s); prefill uses the reference", exc)
+            self.use_kernels = False
+            return self(x, pair_token, blocks, u_key, u_slot)
+        return y
+
+    def launches(self, x, pair_token, blocks, u_key, u_slot, mid, y) -> list[Launch]:
+        lay = self.layout
+        ieee = x.dtype == torch.float32
+        common = dict(blocks_ptr=blocks, u_key_ptr=u_key, u_slot_ptr=u_slot, w_ptr=self._w, s_ptr=self._s,
+                      delta_ptr=self._delta, H=lay.hidden, I=lay.intermediate, REC_W=lay.rec_w,
+                      REC_S=max(lay.rec_s, 1), BR=lay.block_rows, BC=lay.block_cols, QUANT=lay.quantized, BM=BLOCK_M,
+                      BN=BLOCK_N, BK=BLOCK_K, IEEE=ieee, DOT_F32=INTERPRET and not ieee)
+        n_blocks = blocks.shape[0]
+        return [
+            Launch(_grouped_gate_up_kernel, (n_blocks, triton.cdiv(lay.intermediate, BLOCK_N)), x_ptr=x,
+                   pair_token_ptr=pair_token, mid_ptr=mid, GATE_W=lay.gate_w, UP_W=lay.up_w, GATE_S=lay.gate_s,
+                   UP_S=lay.up_s, SCOLS=triton.cdiv(lay.hidden, lay.block_cols), ACT=self.act_code, **common),
+            Launch(_grouped_down_kernel, (n_blocks, triton.cdiv(lay.hidden, BLOCK_N)), mid_ptr=mid, y_ptr=y,
+                   DOWN_W=lay.down_w, DOWN_S=lay.down_s, SCOLS=triton.cdiv(lay.intermediate, lay.block_cols),
+                   **common),
+        ]
