@@ -82,7 +82,8 @@ class DecodeStep:
                                      top_p=0.5 if shape.top_p else 1.0)
         self.oracle_trace = oracle_trace
         dev, b, h = runner.device, shape.batch, self.args.hidden_size
-        self.graphs = graphs and dev.type == "cuda" and runner.streamer is None
+        # the residency's reference path plans on the host (it synchronises), which a graph cannot capture
+        self.graphs = graphs and dev.type == "cuda" and runner.streamer is None and self.res.use_kernels
         self._graph: torch.cuda.CUDAGraph | None = None
         self._runs = 0
         m = shape.mtp_rows
