@@ -16,7 +16,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _fused(engine: MoEPrefetchEngine) -> FusedOps:
     runner, weights = engine.runner, engine.weights
-    layers = weights.layers + ([weights.mtp.layer] if weights.mtp is not None else [])
+    streamer = engine.streamer
+    layers = [lw for lw in weights.layers if streamer is None or not streamer.streams(lw.index)]
+    layers += [weights.mtp.layer] if weights.mtp is not None else []
     return FusedOps(engine.args, runner.act, engine.args.hidden_act, runner.rope, engine.options.max_seq_len,
                     2 * engine.options.max_batch_size, engine.device, fuse=layers)
 
@@ -58,3 +60,20 @@ def test_fused_decode_matches_the_definitions(checkpoint_factory, variant, predi
     error = ((logits - expected_logits).norm() / expected_logits.norm()).item()
     assert error < 1e-5, error
     assert got.stats.to_dict()["decode_hit_rate"] == expected.stats.to_dict()["decode_hit_rate"]
+
+
+def test_fused_decode_with_streamed_layers(checkpoint_factory):
+    """Streamed layers keep their own projections (their weights live in the streaming ring) and still decode
+    through the fused kernels; the tokens are the definitions'."""
+    path = checkpoint_factory("v3")
+    prompts = [[3, 4, 5, 6, 7], [9, 10]]
+    options = dict(progress=False, max_seq_len=64, max_batch_size=2, cuda_graphs=False, fused_kernels=False,
+                   stream_layers=2, device=DEVICE)
+    engine = MoEPrefetchEngine.from_pretrained(path, **options)
+    expected = engine.generate(prompts, max_new_tokens=5, stop_at_eos=False).sequences
+    ops = _fused(engine)
+    streamed = [lw for lw in engine.weights.layers if engine.streamer.streams(lw.index)]
+    assert streamed and all(id(lw.attn) not in ops._fused for lw in streamed)
+    engine.runner.decode_ops = ops
+    assert engine.generate(prompts, max_new_tokens=5, stop_at_eos=False).sequences == expected
+    engine.close()
