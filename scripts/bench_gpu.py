@@ -736,6 +736,31 @@ def bench_decode_compute(name: str, path: Path, args: argparse.Namespace, device
         emit({**base, "system": "all_resident_batches", "failed": f"{type(exc).__name__}: {exc}",
               "traceback": traceback.format_exc(limit=4)})
     _free()
+    prefill_rows(path, args, config, common, base, emit, wanted)
+
+
+def prefill_rows(path: Path, args: argparse.Namespace, config: dict[str, Any], common: dict[str, Any],
+                 base: dict[str, Any], emit: Callable[[dict[str, Any]], None], wanted: set[str] | None) -> None:
+    """Prefill tokens/s and time to first token per prompt length (every expert resident; one new token)."""
+    lengths = [n for n in (int(v) for v in args.prefill_lengths.split(",") if v)
+               if n + 4 <= config["max_position_embeddings"] and (wanted is None or f"prefill_{n}" in wanted)]
+    if not lengths:
+        return
+    try:
+        engine = MoEPrefetchEngine.from_pretrained(path, **common, max_seq_len=max(lengths) + 4)
+        for n in lengths:
+            prompts = prompts_for(path, None, config["vocab_size"], 3, n, seed=4)
+            engine.generate([prompts[0]], max_new_tokens=1, stop_at_eos=False)  # warm-up (kernel compiles)
+            stats = [engine.generate([p], max_new_tokens=1, stop_at_eos=False).stats.to_dict() for p in prompts]
+            emit({**base, "system": f"prefill_{n}", "prompt_tokens": n, "runs": len(prompts),
+                  "prefill_tokens_per_s": statistics.median(s["prefill_tokens_per_s"] for s in stats),
+                  "ttft_seconds": statistics.median(s["ttft_seconds"] for s in stats),
+                  "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if torch.cuda.is_available() else None})
+        engine.close()
+    except Exception as exc:
+        emit({**base, "system": "prefill", "failed": f"{type(exc).__name__}: {exc}",
+              "traceback": traceback.format_exc(limit=4)})
+    _free()
 
 
 def _active_bytes(engine: MoEPrefetchEngine) -> int:
@@ -779,6 +804,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-baseline", action="store_true", help="v2lite: run transformers + accelerate offload")
     parser.add_argument("--hf-tokens", type=int, default=4)
     parser.add_argument("--systems", default="", help="only these rows (comma list; default all)")
+    parser.add_argument("--prefill-lengths", default="64,512,2048,8192",
+                        help="--decode-compute: prompt lengths of the prefill rows (empty: none)")
     parser.add_argument("--decode-compute", action="store_true",
                         help="v2lite/v3layers: only the all-resident decode-compute rows (contexts, fused vs not, "
                              "batches)")
@@ -813,7 +840,8 @@ def main(argv: list[str] | None = None) -> int:
                  if k in ("workload", "system", "ms_per_token", "hit_rate", "stall_ms_per_token", "h2d_gbps",
                           "prediction_recall", "floor_ms_per_token", "failed", "same_tokens_as_all_resident",
                           "hbm_gbps", "draft_acceptance", "cache_fraction", "peak_vram_gib",
-                          "decode_tokens_per_s", "kernels_per_token", "wall_ms_per_token")}
+                          "decode_tokens_per_s", "kernels_per_token", "wall_ms_per_token", "prefill_tokens_per_s",
+                          "ttft_seconds")}
         print(json.dumps(brief), flush=True)
 
     for name in args.workloads.split(","):
