@@ -18,7 +18,8 @@ Output [N, H] fp32 = sum over j of weights[r, j] * expert(assign[r, j])(x[r]), i
 
 Why the tokens never change: an (row, expert) product is computed by the same program with the same tiles and the
 same reduction order whether its bytes come from a slot or from host memory, and no row's result depends on the
-other rows of its tile (each output element is its own dot product). Outputs are summed in fixed k order.
+other rows of its tile (each output element is its own dot product). Outputs are summed in fixed k order. The
+multiply (CUDA-core GEMV or tl.dot) and the tiles follow the step's shape (its most rows), never a call's data.
 """
 
 from __future__ import annotations
@@ -288,7 +289,8 @@ if HAS_TRITON:
 
 class RoutedExperts:
     """The fused routed-expert computation over one slot pool and host arena, with fixed scratch buffers (so the
-    launches can be captured in a CUDA graph)."""
+    launches can be captured in a CUDA graph). Steps of at most GEMV_MAX_ROWS rows multiply on the CUDA cores with
+    GEMV_TILES, larger ones with tl.dot and DEFAULT_TILES; `tiles` fixes one choice for both (benchmarks)."""
 
     def __init__(self, fmt: ExpertFormat, pool: torch.Tensor, host: torch.Tensor | None, act_name: str,
                  act: Callable[[torch.Tensor], torch.Tensor], max_rows: int, top_k: int, use_kernels: bool,
