@@ -225,7 +225,8 @@ def test_kernels_compile_for_hopper():
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,nope,latent,rope_dim,capacity,per_seq,interleave", [
-    (4, 16, 32, 8, 300, 1, True),  # three splits of keys, one head block padded from 4 heads
+    (4, 16, 32, 8, 300, 1, True),  # ten 32-key splits, one head block padded from 4 heads
+    (2, 8, 16, 8, 4500, 1, True),  # 71 splits of 64 keys (longer rows get larger splits, never more than 128)
     (20, 8, 48, 16, 130, 2, False),  # two head blocks, two new tokens per sequence, ragged latent
 ])
 def test_mla_decode_attention_matches_the_absorbed_definition(dtype, tolerance, heads, nope, latent, rope_dim,

@@ -5,10 +5,11 @@ Two steps per layer, both graph-safe because every length is read on the device:
 - `prepare`: from the projections' outputs, normalise the new latent (kv_a_norm), rotate the new rope key and the
   queries' rope parts, and write the key into the compressed cache at its slot;
 - `attend`: queries already multiplied into the latent space (q_nope . W_uk, a batched matmul outside) attend to the
-  cache entries 0..slot of their row. The keys are cut into fixed splits of `SPLIT_KEYS`; one program per
-  (row, split, head block) computes a partial softmax over its split, and a merge program per (row, head) combines
-  the splits that hold keys, in split order. Work and bytes grow with the real length, not the cache's capacity,
-  and a row's result depends only on its own keys (the splits are fixed, never chosen from the batch).
+  cache entries 0..slot of their row. A row's keys are cut into at most `SPLITS` splits of equal size (a multiple
+  of `BLOCK_KEYS`, computed on the device from the row's length); one program per (row, split, head block)
+  computes a partial softmax over its split, and a merge program per (row, head) combines the splits that hold
+  keys, in split order. Work and bytes grow with the real length, not the cache's capacity; the scratch does not
+  grow at all; and a row's result depends only on its own keys (never on the batch or the capacity).
 
 Layouts (R rows = batch x new tokens per row, h heads, c latent, r rope dims):
     q          [R, h, n + r]  the query projection's output; its rope part is rotated in place
@@ -29,9 +30,8 @@ if HAS_TRITON:
 
     from .common import dot, next_pow2
 
-SPLIT_KEYS = 64  # keys per split: fixed, so a row's bits never depend on the capacity or the batch; the grid covers
-# the capacity with whole splits (the last split masks its tail)
-BLOCK_KEYS = 32  # keys per step inside a split
+SPLITS = 128  # splits per row at most: enough programs for the device at batch 1, scratch independent of capacity
+BLOCK_KEYS = 32  # keys per step inside a split (a split holds a multiple of it)
 HEAD_BLOCK = 16  # heads per program (tl.dot needs at least 16 rows)
 
 
@@ -131,19 +131,25 @@ if HAS_TRITON:
         tl.store(rope_ptr + entry * 2 * HALF + HALF + j, (k2 * cos + k1 * sin).to(out_ty), mask=j_on)
 
     @triton.jit
+    def _split_size(n_keys, NS: tl.constexpr, BS: tl.constexpr):
+        """Keys per split of a row with n_keys keys: at most NS splits, each a multiple of BS keys."""
+        return ((n_keys + NS * BS - 1) // (NS * BS)) * BS
+
+    @triton.jit
     def _split_kernel(ql_ptr, q_ptr, latent_ptr, rope_ptr, slot_ptr, part_o_ptr, part_lse_ptr, scale, rows_per_seq,
                       n_rows, cap, n_splits, q_stride, NH: tl.constexpr, NOPE: tl.constexpr, C: tl.constexpr,
                       RD: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, HB: tl.constexpr,
-                      SPLIT: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+                      NS: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
         """A partial softmax over one split of one row's keys, for one block of heads."""
         r = tl.program_id(0)
         split = tl.program_id(1)
         heads = tl.program_id(2) * HB + tl.arange(0, HB)
         n_keys = tl.load(slot_ptr + r).to(tl.int32) + 1
-        start = split * SPLIT
+        size = _split_size(n_keys, NS, BS)
+        start = split * size
         if start >= n_keys:  # the merge reads only the splits that hold keys
             return
-        end = tl.minimum(start + SPLIT, n_keys)
+        end = tl.minimum(start + size, n_keys)
         b = (r // rows_per_seq).to(tl.int64)
         cs = tl.arange(0, CP)
         rs = tl.arange(0, RP)
@@ -177,11 +183,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _merge_kernel(part_o_ptr, part_lse_ptr, slot_ptr, out_ptr, n_rows, n_splits, NH: tl.constexpr,
-                      C: tl.constexpr, CP: tl.constexpr, SPLIT: tl.constexpr):
+                      C: tl.constexpr, CP: tl.constexpr, NS: tl.constexpr, BS: tl.constexpr):
         """out[head, r] = the splits' partial results weighted by their softmax mass, in split order."""
         r = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
-        used = (tl.load(slot_ptr + r).to(tl.int32) + SPLIT) // SPLIT
+        n_keys = tl.load(slot_ptr + r).to(tl.int32) + 1
+        size = _split_size(n_keys, NS, BS)
+        used = (n_keys + size - 1) // size
         cs = tl.arange(0, CP)
         top = tl.load(part_lse_ptr + r * n_splits * NH + head)
         for split in range(1, used):
@@ -197,7 +205,7 @@ if HAS_TRITON:
 
 
 class MLADecode:
-    """The two MLA decode steps for one engine: fixed scratch (rows x splits of the cache's capacity), so the launches
+    """The two MLA decode steps for one engine: fixed scratch (rows x SPLITS partial results), so the launches
     can be captured in a CUDA graph. `use_kernels=False` runs the references."""
 
     def __init__(self, heads: int, nope: int, latent: int, rope_dim: int, capacity: int, max_rows: int,
@@ -205,7 +213,7 @@ class MLADecode:
         self.heads, self.nope, self.latent, self.rope_dim = heads, nope, latent, rope_dim
         self.capacity, self.max_rows = capacity, max_rows
         self.use_kernels = use_kernels
-        self.n_splits = -(-capacity // SPLIT_KEYS)
+        self.n_splits = min(SPLITS, -(-capacity // BLOCK_KEYS))
         if use_kernels:
             self.c_pad = next_pow2(latent, 16)
             self._part_o = torch.empty(max_rows * self.n_splits * heads * self.c_pad, dtype=torch.float32,
@@ -214,7 +222,7 @@ class MLADecode:
 
     @staticmethod
     def scratch_bytes(heads: int, latent: int, capacity: int, max_rows: int) -> int:
-        splits = -(-capacity // SPLIT_KEYS)
+        splits = min(SPLITS, -(-capacity // BLOCK_KEYS))
         return max_rows * splits * heads * (max(16, 1 << (latent - 1).bit_length()) + 1) * 4
 
     def prepare(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -254,7 +262,6 @@ class MLADecode:
             return out.copy_(attend_reference(q_latent, q[..., self.nope:], latent_cache, rope_cache, rows, slots,
                                               scale))
         assert n_rows <= self.max_rows and q_latent.is_contiguous() and q.stride()[1:] == (q.shape[2], 1)
-        assert latent_cache.shape[1] <= self.n_splits * SPLIT_KEYS, "the cache is longer than the splits cover"
         for launch in self.attend_launches(q_latent, q, latent_cache, rope_cache, slots, rows_per_seq, scale, out):
             launch()
         return out
@@ -262,15 +269,14 @@ class MLADecode:
     def attend_launches(self, q_latent, q, latent_cache, rope_cache, slots, rows_per_seq, scale, out) -> list[Launch]:
         n_rows, heads = q.shape[0], self.heads
         ieee = q.dtype == torch.float32
-        common = dict(NH=heads, C=self.latent, CP=self.c_pad, SPLIT=SPLIT_KEYS, n_rows=n_rows,
+        common = dict(NH=heads, C=self.latent, CP=self.c_pad, NS=self.n_splits, BS=BLOCK_KEYS, n_rows=n_rows,
                       n_splits=self.n_splits)
         return [
             Launch(_split_kernel, (n_rows, self.n_splits, triton.cdiv(heads, HEAD_BLOCK)), num_warps=4, num_stages=2,
                    ql_ptr=q_latent, q_ptr=q, latent_ptr=latent_cache, rope_ptr=rope_cache, slot_ptr=slots,
                    part_o_ptr=self._part_o, part_lse_ptr=self._part_lse, scale=scale, rows_per_seq=rows_per_seq,
-                   q_stride=q.stride(0),
-                   cap=latent_cache.shape[1], NOPE=self.nope, RD=self.rope_dim, RP=next_pow2(self.rope_dim, 16),
-                   HB=HEAD_BLOCK, BS=BLOCK_KEYS, IEEE=ieee, DOT_F32=INTERPRET and not ieee, **common),
+                   q_stride=q.stride(0), cap=latent_cache.shape[1], NOPE=self.nope, RD=self.rope_dim, RP=next_pow2(self.rope_dim, 16),
+                   HB=HEAD_BLOCK, IEEE=ieee, DOT_F32=INTERPRET and not ieee, **common),
             Launch(_merge_kernel, (n_rows, heads), num_warps=4, num_stages=1, part_o_ptr=self._part_o,
                    part_lse_ptr=self._part_lse, slot_ptr=slots, out_ptr=out, **common),
         ]
