@@ -90,6 +90,7 @@ if HAS_TRITON:
         u, pairs, on = _block_rows(blocks_ptr, tl.program_id(0), BM)
         if u < 0:
             return
+        # no admission here (admitted experts were copied in first): the destination outputs go unused
         key, src_w, src_s, dst_w, dst_s, admit = _record_bases(u, u_key_ptr, u_slot_ptr, u_slot_ptr, delta_ptr,
                                                                REC_W, REC_S)
         tokens = tl.load(pair_token_ptr + pairs, mask=on, other=0).to(tl.int64)
