@@ -56,6 +56,7 @@ class EngineOptions:
     min_confidence: float
     spare_recent: int
     draft_experts: str
+    late_prefetch: str
     cuda_graphs: bool
     fused_kernels: bool
     progress: bool
@@ -184,7 +185,7 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
         max_seq_len=seq_len, max_batch_size=config.max_batch_size, prefill_chunk=config.prefill_chunk,
         expert_dtype=config.expert_dtype, min_confidence=float(config.min_confidence),
         spare_recent=config.spare_recent,
-        draft_experts=config.draft_experts, cuda_graphs=bool(config.cuda_graphs),
+        draft_experts=config.draft_experts, late_prefetch=config.late_prefetch, cuda_graphs=bool(config.cuda_graphs),
         fused_kernels=bool(config.fused_kernels), progress=bool(config.progress))
 
 

@@ -22,7 +22,7 @@ EXIT_INTERRUPTED = 130
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .options import DRAFT_EXPERTS, EngineConfig
+    from .options import DRAFT_EXPERTS, LATE_PREFETCH, EngineConfig
     from .predictors import PREDICTOR_NAMES
 
     common = argparse.ArgumentParser(add_help=False)  # -v works before or after the sub-command
@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft-experts", choices=DRAFT_EXPERTS, default=defaults.draft_experts,
                      help=EngineConfig.help("draft_experts"))
     gen.add_argument("--spare-recent", type=int, default=defaults.spare_recent, help=EngineConfig.help("spare_recent"))
+    gen.add_argument("--late-prefetch", choices=LATE_PREFETCH, default=defaults.late_prefetch,
+                     help=EngineConfig.help("late_prefetch"))
     gen.add_argument("--speculative", choices=["mtp"], default=None)
     gen.add_argument("--max-seq-len", type=int, default=None, help=EngineConfig.help("max_seq_len"))
     gen.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming it")
@@ -95,7 +97,8 @@ def _generate(ns: argparse.Namespace) -> int:
         _check_writable(Path(ns.events_jsonl), "--events-jsonl")
     dtype = ns.dtype or ("bfloat16" if ns.device.startswith("cuda") else "float32")
     kwargs: dict[str, Any] = dict(device=ns.device, dtype=dtype, policy=ns.policy, prefetch_budget=ns.prefetch_budget,
-                                  draft_experts=ns.draft_experts, spare_recent=ns.spare_recent, progress=ns.verbose)
+                                  draft_experts=ns.draft_experts, spare_recent=ns.spare_recent,
+                                  late_prefetch=ns.late_prefetch, progress=ns.verbose)
     for name in ("max_seq_len", "predictor", "lookahead", "min_confidence"):
         if getattr(ns, name) is not None:
             kwargs[name] = getattr(ns, name)

@@ -20,6 +20,7 @@ from .residency.state import POLICIES
 
 # how the MTP head reads its routed experts: only those in VRAM (drafts steer speed, never tokens), or all of them
 DRAFT_EXPERTS = ("cached", "all")
+LATE_PREFETCH = ("reread", "wait")
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -45,6 +46,9 @@ class EngineConfig:
     min_confidence: float = _opt(0.0, "predictions below this confidence are neither fetched nor counted")
     spare_recent: int = _opt(1, "prefetches never evict an expert used in the last N steps (0: any victim; lru "
                                 "and static policies; the oracle uses Belady's victims)")
+    late_prefetch: str = _opt("reread", "an expert whose prefetch is still in flight when its layer runs: read it "
+                                        "from host memory again (reread), or wait a bounded time for the fill "
+                                        "(wait; not yet measured on a GPU)")
     draft_experts: str = _opt("cached", "the MTP head drafts with the routed experts in VRAM, fetching none (cached: "
                                         "offloaded, mostly its shared expert alone), or reads every one it routes "
                                         "to (all)")
@@ -88,6 +92,8 @@ class EngineConfig:
         """Every option, checked before anything is read or allocated."""
         if self.draft_experts not in DRAFT_EXPERTS:
             raise RequestError(f"draft_experts must be one of {', '.join(DRAFT_EXPERTS)}, got {self.draft_experts!r}")
+        if self.late_prefetch not in LATE_PREFETCH:
+            raise RequestError(f"late_prefetch must be one of {', '.join(LATE_PREFETCH)}, got {self.late_prefetch!r}")
         if self.policy not in POLICIES:
             raise RequestError(f"unknown cache policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.expert_dtype not in EXPERT_DTYPES:

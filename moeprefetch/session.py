@@ -117,7 +117,8 @@ class Session:
         # Belady's victims need no sparing; LFU's queue is not in recency order, which the sparing rule relies on
         spare = 0 if self.spec.oracle or options.policy == "lfu" else options.spare_recent
         res.configure(ring=self.spec.ring, budget_per_target=budget, max_inflight=inflight,
-                      min_confidence=request.min_confidence, spare_recent=spare)
+                      min_confidence=request.min_confidence, spare_recent=spare,
+                      wait_late=options.late_prefetch == "wait")
         res.begin_call()
         if self.record:
             res.trace = engine._trace_buffer()

@@ -581,7 +581,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
 
     # offloaded: one engine (one store fill), every predictor on the same prompts and budget
     offload_kwargs = dict(common, max_inflight_experts=args.max_inflight, draft_experts=args.draft_experts,
-                          spare_recent=args.spare_recent)
+                          spare_recent=args.spare_recent, late_prefetch=args.late_prefetch)
     if budget is not None:
         offload_kwargs["vram_budget"] = f"{budget}GiB"
     else:
@@ -813,6 +813,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-experts", choices=["cached", "all"], default="cached",
                         help="the MTP head's routed experts (engine option draft_experts)")
     parser.add_argument("--spare-recent", type=int, default=1, help="engine option spare_recent (steps)")
+    parser.add_argument("--late-prefetch", choices=["reread", "wait"], default="reread",
+                        help="engine option late_prefetch (offloaded rows)")
     parser.add_argument("--variant", default="", help="a tag appended to every row's workload (settings runs)")
     parser.add_argument("--expert-dtypes", default="", help="also run offloaded rows with these expert formats, "
                         "e.g. fp8,int8")

@@ -177,3 +177,23 @@ def test_fused_decode_logits_track_the_definitions_in_bf16(checkpoint_factory):
         engine.close()
     error = ((logits[1] - logits[0]).norm() / logits[0].norm()).item()
     assert error < 3e-2, error
+
+
+def test_waiting_for_late_prefetches_keeps_the_tokens_on_gpu(checkpoint_factory):
+    """late_prefetch="wait" on the device: the plan hands late experts their fills' slots, the await kernel polls the
+    ready flags (bounded) while the fill kernel copies beside it; tokens and table invariants as with rereading."""
+    path = checkpoint_factory("v3")
+    prompts = [[3, 4, 5, 6], [9, 10]]
+    reference = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16)
+    expected = reference.generate(prompts, max_new_tokens=24, stop_at_eos=False).sequences
+    reference.close()
+    for slots in (3, 6):
+        engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, expert_cache_slots=slots,
+                                                   late_prefetch="wait")
+        for predictor in ("oracle", "mtp+next_layer_gate"):
+            result = engine.generate(prompts, max_new_tokens=24, stop_at_eos=False, predictor=predictor)
+            assert result.sequences == expected, (slots, predictor)
+            stats = result.stats.to_dict()
+            assert stats["bytes_h2d"] == stats["zero_copy_bytes"] + stats["fill_bytes"]
+            assert not engine.residency.problems()
+        engine.close()

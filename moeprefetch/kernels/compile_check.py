@@ -81,6 +81,14 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
     launches = {}
     planner = Planner(st, cfg, top_k, 16, 16, use_kernel=True)
     launches["plan"] = planner.launch(3, ids, act, ids, act, assign, u_vec, u_vec, u_vec, True, True)
+    from dataclasses import replace
+
+    from .fill import await_launch
+
+    waiting = Planner(st, replace(cfg, wait_late=True), top_k, 16, 16, use_kernel=True)
+    launches["plan_wait"] = waiting.launch(3, ids, act, ids, act, assign, u_vec, u_vec, u_vec, True, True,
+                                           u_wait=u_vec)
+    launches["await"] = await_launch(st, 3, u_vec, u_vec)
     launches["step_start"] = planner.start_launch(True)
     launches["fill"] = Filler(st, cfg, pool, host, use_kernel=True).launch(3)
     x = torch.zeros(2 * rows, hidden, dtype=torch.bfloat16)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..residency.state import E_ACTIVE, ResidencyConfig, TableState
+from ..residency.state import COUNTERS, C, E_ACTIVE, ResidencyConfig, TableState
 from . import HAS_TRITON, Launch
 
 if HAS_TRITON:
@@ -24,6 +24,7 @@ if HAS_TRITON:
 
 FILL_PROGRAMS = 16  # link-saturating yet small (h200.md 5: 16 programs copy at 51 GB/s beside compute)
 FILL_BLOCK = 2048  # int32 elements per load (8 KiB)
+AWAIT_SPINS = 2048  # polls of the ready flags before a late expert is read from host instead (not yet tuned)
 
 
 def launch_clock(st: TableState, cfg: ResidencyConfig, position: int) -> int:
@@ -46,7 +47,37 @@ def fill_reference(st: TableState, cfg: ResidencyConfig, pool: torch.Tensor, hos
         st.e_ready[j] = 1
 
 
+def await_reference(st: TableState, position: int, u_wait: torch.Tensor, u_slot: torch.Tensor) -> None:
+    """With `wait_late`: a late expert whose fill has landed keeps its fill's slot; otherwise it is read from host
+    (u_slot -1) and counted as zero-copy. On the CPU every listed fill has landed by now."""
+    ready = st.e_ready.tolist()
+    for u, j in enumerate(u_wait.tolist()):
+        if j >= 0 and not ready[j]:
+            u_slot[u] = -1
+            st.counters[position, C["zero_copy"]] += 1
+
+
 if HAS_TRITON:
+
+    @triton.jit
+    def _await_kernel(u_wait_ptr, u_slot_ptr, e_ready_ptr, counters_ptr, position, A: tl.constexpr,
+                      A_PAD: tl.constexpr, NC: tl.constexpr, ZERO_COPY: tl.constexpr, SPINS: tl.constexpr):
+        """Poll the ready flags of this layer's late experts' fills (acquire), a bounded number of times: a fill that
+        has not landed by then is read from host by the expert kernel, as without waiting (nothing can hang)."""
+        ua = tl.arange(0, A_PAD)
+        j = tl.load(u_wait_ptr + ua, mask=ua < A, other=-1)
+        waiting = j >= 0
+        ready = tl.zeros([A_PAD], dtype=tl.int32)
+        pending = tl.sum(waiting.to(tl.int32), axis=0)
+        spins = 0
+        while (pending > 0) & (spins < SPINS):
+            poll = waiting & (ready == 0)
+            ready = tl.where(poll, tl.atomic_add(e_ready_ptr + j, 0, mask=poll, sem="acquire"), ready)
+            pending = tl.sum((waiting & (ready == 0)).to(tl.int32), axis=0)
+            spins += 1
+        failed = waiting & (ready == 0)
+        tl.store(u_slot_ptr + ua, -1, mask=failed)
+        tl.atomic_add(counters_ptr + position * NC + ZERO_COPY, tl.sum(failed.to(tl.int64), axis=0))
 
     @triton.jit
     def _fill_kernel(order_ptr, e_key_ptr, e_slot_ptr, e_deadline_ptr, e_next_ptr, e_done_ptr, e_ready_ptr,
@@ -119,6 +150,11 @@ class Filler:
             return
         self.launch(position)()
 
+    def await_fills(self, position: int, u_wait: torch.Tensor, u_slot: torch.Tensor) -> None:
+        """On the main stream, between a layer's plan (and fill launch) and its expert kernel (`wait_late`)."""
+        if self.host is not None:
+            await_fills(self.st, position, u_wait, u_slot, self.use_kernel)
+
     def launch(self, position: int) -> Launch:
         st, cfg = self.st, self.cfg
         return Launch(
@@ -127,3 +163,19 @@ class Filler:
             e_done_ptr=st.e_done, e_ready_ptr=st.e_ready, progress_ptr=st.progress, step_ptr=st.step,
             pool_ptr=self._words, delta_ptr=self._delta, position=position, P=cfg.positions, M=cfg.entries,
             REC=cfg.record_bytes // 4, CHUNK=cfg.chunk_bytes // 4, N_CHUNKS=cfg.chunks, BLOCK=FILL_BLOCK)
+
+
+def await_fills(st: TableState, position: int, u_wait: torch.Tensor, u_slot: torch.Tensor, use_kernel: bool) -> None:
+    """The await step of `wait_late` (see `_await_kernel`): the kernel on the GPU, the reference elsewhere."""
+    if not use_kernel:
+        await_reference(st, position, u_wait, u_slot)
+        return
+    await_launch(st, position, u_wait, u_slot)()
+
+
+def await_launch(st: TableState, position: int, u_wait: torch.Tensor, u_slot: torch.Tensor) -> Launch:
+    a = u_wait.shape[0]
+    return Launch(_await_kernel, (1,), num_warps=4, num_stages=1, u_wait_ptr=u_wait, u_slot_ptr=u_slot,
+                  e_ready_ptr=st.e_ready, counters_ptr=st.counters, position=position, A=a,
+                  A_PAD=1 << max(a - 1, 0).bit_length(), NC=len(COUNTERS), ZERO_COPY=C["zero_copy"],
+                  SPINS=AWAIT_SPINS)

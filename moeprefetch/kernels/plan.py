@@ -157,10 +157,11 @@ if HAS_TRITON:
         return first, rank
 
     @triton.jit
-    def _exact_rows(ids_x, act_x, nx, position, now, assign, u_key, u_slot, u_dst, slot_of, last_use,
-                    prefetched_at, use_count, inflight_of, e_made, counters, E: tl.constexpr, K: tl.constexpr,
-                    XK_PAD: tl.constexpr, NC: tl.constexpr):
-        """The exact rows' distinct experts: hit / late / miss, recency, prefetch usefulness, counters."""
+    def _exact_rows(ids_x, act_x, nx, position, now, assign, u_key, u_slot, u_dst, u_wait, slot_of, last_use,
+                    prefetched_at, use_count, inflight_of, e_made, e_slot, e_deadline, counters, E: tl.constexpr,
+                    K: tl.constexpr, XK_PAD: tl.constexpr, NC: tl.constexpr, WAIT: tl.constexpr):
+        """The exact rows' distinct experts: hit / late / miss, recency, prefetch usefulness, counters. With WAIT,
+        a late expert gets its fill's slot and entry (the await launch decides) and its fill stays first in line."""
         ix = tl.arange(0, XK_PAD)
         inside = ix < nx * K
         on_x = inside & (tl.load(act_x + ix // K, mask=inside, other=0) != 0)
@@ -177,7 +178,13 @@ if HAS_TRITON:
         late = first & (slot < 0) & (infl >= 0)
         miss = first & (slot < 0) & (infl < 0)
         tl.store(u_key + u_first, key, mask=first)
-        tl.store(u_slot + u_first, slot, mask=first)
+        if WAIT:
+            fill_slot = tl.load(e_slot + infl, mask=late, other=-1)
+            tl.store(u_slot + u_first, tl.where(late, fill_slot, slot), mask=first)
+            tl.store(u_wait + u_first, tl.where(late, infl, -1), mask=first)
+            tl.store(e_deadline + infl, now + 1, mask=late)
+        else:
+            tl.store(u_slot + u_first, slot, mask=first)
         tl.store(u_dst + u_first, -1, mask=first)
         tl.store(last_use + slot, now, mask=hit)
         tl.store(prefetched_at + slot, -1, mask=was_prefetch)
@@ -188,7 +195,10 @@ if HAS_TRITON:
         _bump(counters, position, 2, _count(was_prefetch), NC)  # prefetched
         _bump(counters, position, 3, _count(late), NC)  # late
         _bump(counters, position, 4, _count(miss), NC)  # miss
-        _bump(counters, position, 5, _count(late | miss), NC)  # zero_copy
+        if WAIT:
+            _bump(counters, position, 5, _count(miss), NC)  # zero_copy (a late one is counted if its wait fails)
+        else:
+            _bump(counters, position, 5, _count(late | miss), NC)  # zero_copy
         _bump(counters, position, 9, tl.sum(tl.where(was_prefetch, now - made, 0), axis=0), NC)  # lead_sum
         return ex, first, u_first, key, miss
 
@@ -318,14 +328,14 @@ if HAS_TRITON:
         # inputs of the layer
         ids_x, act_x, ids_s, act_s, nx, ns, position,
         # outputs for the expert kernel
-        assign, u_key, u_slot, u_dst,
+        assign, u_key, u_slot, u_dst, u_wait,
         # the table
         slot_of, key_of, slot_state, last_use, protect, prefetched_at, use_count, pinned, inflight_of,
         e_state, e_key, e_slot, e_deadline, e_made, e_next, e_done, e_ready,
         order, adm_key, adm_slot, victims, cursor_ptr, step_ptr, step_base_ptr, progress_ptr, dstep_ptr,
         pred, fills_for, counters, trace, scratch, scratch_e,
         # shapes and policy
-        S, CHUNKS, BUDGET, MAX_INFLIGHT, MIN_CONF, SPARE, R, SHADOW, RESERVE, RECALL, TRACE,
+        S, CHUNKS, BUDGET, MAX_INFLIGHT, MIN_CONF, SPARE, R, SHADOW, RESERVE, RECALL, TRACE, WAIT: tl.constexpr,
         P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
         M: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, K: tl.constexpr, XK_PAD: tl.constexpr,
         SK_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, WIN: tl.constexpr, NC: tl.constexpr,
@@ -339,12 +349,14 @@ if HAS_TRITON:
         tl.store(u_key + ua, -1, mask=ua < A)
         tl.store(u_slot + ua, -1, mask=ua < A)
         tl.store(u_dst + ua, -1, mask=ua < A)
+        if WAIT:
+            tl.store(u_wait + ua, -1, mask=ua < A)
         _publish(slot_of, slot_state, prefetched_at, inflight_of, e_state, e_key, e_slot, e_made, e_ready, adm_key,
                  adm_slot, counters, E, M, A, A_PAD, NC, 13, 14, CHUNKS)
         tl.debug_barrier()
         ex, first, u_first, key, miss = _exact_rows(ids_x, act_x, nx, position, now, assign, u_key, u_slot, u_dst,
-                                                    slot_of, last_use, prefetched_at, use_count, inflight_of, e_made,
-                                                    counters, E, K, XK_PAD, NC)
+                                                    u_wait, slot_of, last_use, prefetched_at, use_count, inflight_of,
+                                                    e_made, e_slot, e_deadline, counters, E, K, XK_PAD, NC, WAIT)
         tl.debug_barrier()
         if RESERVE != 0:  # live predictions protect their resident experts before any victim is chosen
             _protect_window(position, step, dstep, pred, slot_of, protect, P, P_MAIN, E, E_PAD, R, ROWS_PAD,
@@ -461,20 +473,24 @@ class Planner:
 
     def __call__(self, position: int, ids_x: torch.Tensor, act_x: torch.Tensor, ids_s: torch.Tensor | None,
                  act_s: torch.Tensor | None, assign: torch.Tensor, u_key: torch.Tensor, u_slot: torch.Tensor,
-                 u_dst: torch.Tensor, reserve: bool, count_recall: bool, trace: torch.Tensor | None = None) -> None:
+                 u_dst: torch.Tensor, reserve: bool, count_recall: bool, trace: torch.Tensor | None = None,
+                 u_wait: torch.Tensor | None = None) -> None:
+        """`u_wait` (with `cfg.wait_late`): each late expert's fill entry, -1 elsewhere."""
         if not self.use_kernel:
             from ..residency.plan import plan_layer
 
             plan_layer(self.st, self.cfg, position, ids_x, act_x, ids_s, act_s, assign, u_key, u_slot, u_dst,
-                       reserve, count_recall, trace)
+                       reserve, count_recall, trace, u_wait)
             return
         self.launch(position, ids_x, act_x, ids_s, act_s, assign, u_key, u_slot, u_dst, reserve, count_recall,
-                    trace)()
+                    trace, u_wait)()
 
     def launch(self, position: int, ids_x: torch.Tensor, act_x: torch.Tensor, ids_s: torch.Tensor | None,
                act_s: torch.Tensor | None, assign: torch.Tensor, u_key: torch.Tensor, u_slot: torch.Tensor,
-               u_dst: torch.Tensor, reserve: bool, count_recall: bool, trace: torch.Tensor | None = None) -> Launch:
+               u_dst: torch.Tensor, reserve: bool, count_recall: bool, trace: torch.Tensor | None = None,
+               u_wait: torch.Tensor | None = None) -> Launch:
         st, cfg = self.st, self.cfg
+        assert u_wait is not None or not cfg.wait_late
         shadow = ids_s is not None and ids_s.shape[0] > 0
         assert ids_x.shape[0] * self.top_k <= self._xk
         return Launch(
@@ -482,6 +498,7 @@ class Planner:
             ids_x=ids_x, act_x=act_x, ids_s=ids_s if shadow else self._dummy_ids,
             act_s=act_s if shadow else self._dummy_act, nx=ids_x.shape[0], ns=ids_s.shape[0] if shadow else 0,
             position=position, assign=assign, u_key=u_key, u_slot=u_slot, u_dst=u_dst,
+            u_wait=u_wait if u_wait is not None else u_dst,
             slot_of=st.slot_of, key_of=st.key_of, slot_state=st.slot_state, last_use=st.last_use, protect=st.protect,
             prefetched_at=st.prefetched_at, use_count=st.use_count, pinned=st.pinned, inflight_of=st.inflight_of,
             e_state=st.e_state, e_key=st.e_key, e_slot=st.e_slot, e_deadline=st.e_deadline, e_made=st.e_made,
@@ -497,7 +514,8 @@ class Planner:
             R=cfg.ring, ROWS_PAD=_pow2(2 * max(cfg.main_positions, 1)),
             CHUNKS=cfg.chunks, BUDGET=cfg.budget_per_target, MAX_INFLIGHT=cfg.max_inflight,
             MIN_CONF=float(cfg.min_confidence), SPARE=cfg.spare_recent, WIN=VICTIM_WINDOW, NC=len(COUNTERS),
-            SHADOW=int(shadow), RESERVE=int(reserve), RECALL=int(count_recall), TRACE=int(trace is not None))
+            SHADOW=int(shadow), RESERVE=int(reserve), RECALL=int(count_recall), TRACE=int(trace is not None),
+            WAIT=bool(cfg.wait_late))
 
 
 # the kernel writes counter columns by number; keep them tied to the names

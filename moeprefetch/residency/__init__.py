@@ -105,7 +105,7 @@ class Residency:
 
     # ---- configuration ----------------------------------------------------------------------------------------
     def configure(self, ring: int = 2, budget_per_target: int | None = None, max_inflight: int | None = None,
-                  min_confidence: float = 0.0, spare_recent: int | None = None) -> None:
+                  min_confidence: float = 0.0, spare_recent: int | None = None, wait_late: bool = False) -> None:
         """Per-call prefetch settings: prediction ring depth, fills per target, fills in flight, confidence cut, and
         the steps of recent experts that prefetches spare (0 for the oracle: Belady's victims know better).
         Each setting gets its own launchers (captured graphs keep theirs); the table tensors never move."""
@@ -113,11 +113,12 @@ class Residency:
         inflight = min(max_inflight if max_inflight is not None else self.base_cfg.max_inflight, ENTRIES // 2)
         self.cfg = replace(self.base_cfg, ring=min(max(ring, 1), RING_CAPACITY), budget_per_target=budget,
                            max_inflight=inflight, min_confidence=float(min_confidence), entries=ENTRIES,
-                           spare_recent=self.base_cfg.spare_recent if spare_recent is None else spare_recent)
+                           spare_recent=self.base_cfg.spare_recent if spare_recent is None else spare_recent,
+                           wait_late=bool(wait_late))
         if self.cfg not in self._launchers:
             self._launchers[self.cfg] = (
                 Planner(self.st, self.cfg, self.top_k, self.max_rows, self.max_rows, self.use_kernels),
-                Planner(self.st, self.cfg, 1, self.n_experts, 0, self.use_kernels),
+                Planner(self.st, replace(self.cfg, wait_late=False), 1, self.n_experts, 0, self.use_kernels),
                 Filler(self.st, self.cfg, self.pool, self.host, self.use_kernels and self.device.type == "cuda"),
             )
         self.planner, self.prefill_planner, self.filler = self._launchers[self.cfg]
@@ -174,7 +175,7 @@ class Residency:
         """The step start's own plan: prefetch reservations for targets known before the first layer runs."""
         out = self._host_plan
         self.planner(-1, self._no_rows, self._no_act, None, None, self._no_assign, out.u_key, out.u_slot, out.u_dst,
-                     reserve=True, count_recall=False)
+                     reserve=True, count_recall=False, u_wait=out.u_wait)
         self.fill(-1)
 
     def fill(self, position: int) -> None:
@@ -209,8 +210,10 @@ class Residency:
         n = x.shape[0]
         assign = buffers.assign[:n]
         self.planner(position, ids_x, act_x, ids_s, act_s, assign, buffers.u_key, buffers.u_slot, buffers.u_dst,
-                     reserve, count_recall, self.trace)
+                     reserve, count_recall, self.trace, buffers.u_wait)
         self.fill(position)
+        if self.cfg.wait_late and not self.preloaded:
+            self.filler.await_fills(position, buffers.u_wait, buffers.u_slot)
         if ids_s is not None:
             nx = ids_x.shape[0]
             weights = torch.cat((weights[:nx], renormalise(weights[nx:], assign[nx:] >= 0)))
@@ -353,6 +356,7 @@ class PlanBuffers:
         self.u_key = torch.full((max_experts,), -1, dtype=i32, device=device)
         self.u_slot = torch.full((max_experts,), -1, dtype=i32, device=device)
         self.u_dst = torch.full((max_experts,), -1, dtype=i32, device=device)
+        self.u_wait = torch.full((max_experts,), -1, dtype=i32, device=device)  # late experts' fill entries
         self.out = torch.zeros(rows, hidden, dtype=torch.float32, device=device)
 
 

@@ -136,6 +136,7 @@ def plan_layer(
     reserve: bool,
     count_recall: bool,
     trace: torch.Tensor | None = None,
+    u_wait: torch.Tensor | None = None,
 ) -> None:
     """One MoE layer's plan. ids_x [NX, k] exact rows, ids_s [NS, k] shadow rows (or None), act_* [rows] bool.
     Writes assign [NX + NS, k] and u_key / u_slot / u_dst [U] (see kernels/experts.py) and updates the table."""
@@ -150,6 +151,7 @@ def plan_layer(
     nx, k = ids_x.shape
     out_assign = [[-1] * k for _ in range(assign.shape[0])]
     keys, slots, dsts = [-1] * u_key.shape[0], [-1] * u_key.shape[0], [-1] * u_key.shape[0]
+    waits = [-1] * u_key.shape[0]
     exact: dict[int, int] = {}  # expert -> u, first-use order
     rows, active = ids_x.tolist(), act_x.tolist()
     for r in range(nx):
@@ -174,9 +176,14 @@ def plan_layer(
             else:
                 t.bump(position, "hit")
         elif t.inflight_of[key] >= 0:
+            j = t.inflight_of[key]
             t.bump(position, "late")
-            t.bump(position, "zero_copy")
-            t.e_made[t.inflight_of[key]] = -1  # served: on landing it is no unused prefetch
+            if cfg.wait_late:  # read its slot once the fill lands (await_fills); keep the fill first in line
+                waits[u], slots[u] = j, t.e_slot[j]
+                t.e_deadline[j] = now + 1
+            else:
+                t.bump(position, "zero_copy")
+            t.e_made[j] = -1  # served: on landing it is no unused prefetch
         else:
             t.bump(position, "miss")
             t.bump(position, "zero_copy")
@@ -214,6 +221,8 @@ def plan_layer(
     if assign.numel():
         assign.copy_(torch.tensor(out_assign, dtype=torch.int32))
     u_key.copy_(torch.tensor(keys, dtype=torch.int32))
+    if u_wait is not None:
+        u_wait.copy_(torch.tensor(waits, dtype=torch.int32))
     u_slot.copy_(torch.tensor(slots, dtype=torch.int32))
     u_dst.copy_(torch.tensor(dsts, dtype=torch.int32))
 

@@ -50,6 +50,7 @@ class ResidencyConfig:
     spare_recent: int = 1  # prefetches never evict an expert used within this many previous steps (misses may)
     chunk_bytes: int = 1 << 16  # unit of a fill: claimed and copied by one program at a time
     policy: str = "lru"
+    wait_late: bool = False  # a late prefetch: wait (bounded) for its fill instead of reading it from host again
 
     @property
     def keys(self) -> int:
