@@ -6,11 +6,12 @@ and once at the end of a call. Vocabulary (per generate call):
 - a *use* is one distinct (step, layer, expert) needed by the rows that must be exact (real tokens and, under
   speculative decoding, drafts being verified);
 - its *outcome* is `hit` (published, not brought by an unused prefetch), `prefetched` (brought by a prefetch that
-  landed in time), `late` (its prefetch was still in flight: read from host memory) or `miss` (read from host memory,
+  landed in time), `late` (its prefetch was still in flight: read from host memory, or with `late_prefetch="wait"`
+  from its slot once the fill landed, if it did within the wait's bound) or `miss` (read from host memory,
   and admitted into a victim slot as it streamed when one was free); hits = hit + prefetched + late, so hits + misses
   = uses;
 - bytes over the link are *zero-copy* bytes (late and missed experts read in place by the expert kernel, or copied by
-  prefill) plus *fill* bytes (prefetches copied into slots);
+  prefill; a late expert whose wait succeeded is not one) plus *fill* bytes (prefetches copied into slots);
 - a prefetch is `useful` (first used in time), `late`, or `wasted` (evicted unused, abandoned because its need came
   first, or still unused at the end of the call);
 - prediction recall/precision compare, per (decode step, main MoE layer), the experts predicted with enough

@@ -182,7 +182,9 @@ if HAS_TRITON:
             fill_slot = tl.load(e_slot + infl, mask=late, other=-1)
             tl.store(u_slot + u_first, tl.where(late, fill_slot, slot), mask=first)
             tl.store(u_wait + u_first, tl.where(late, infl, -1), mask=first)
-            tl.store(e_deadline + infl, now + 1, mask=late)
+            need = tl.load(e_deadline + infl, mask=late, other=0)  # a fill for a later step keeps its own clock
+            tl.store(e_deadline + infl, tl.maximum(need, now + 1), mask=late)
+            tl.store(last_use + fill_slot, now, mask=late)
         else:
             tl.store(u_slot + u_first, slot, mask=first)
         tl.store(u_dst + u_first, -1, mask=first)
@@ -476,6 +478,7 @@ class Planner:
                  u_dst: torch.Tensor, reserve: bool, count_recall: bool, trace: torch.Tensor | None = None,
                  u_wait: torch.Tensor | None = None) -> None:
         """`u_wait` (with `cfg.wait_late`): each late expert's fill entry, -1 elsewhere."""
+        assert u_wait is not None or not self.cfg.wait_late, "wait_late plans need u_wait"
         if not self.use_kernel:
             from ..residency.plan import plan_layer
 

@@ -212,7 +212,7 @@ class Residency:
         self.planner(position, ids_x, act_x, ids_s, act_s, assign, buffers.u_key, buffers.u_slot, buffers.u_dst,
                      reserve, count_recall, self.trace, buffers.u_wait)
         self.fill(position)
-        if self.cfg.wait_late and not self.preloaded:
+        if self.cfg.wait_late and not self.preloaded and ids_x.shape[0] > 0:  # only exact rows can be late
             self.filler.await_fills(position, buffers.u_wait, buffers.u_slot)
         if ids_s is not None:
             nx = ids_x.shape[0]

@@ -178,9 +178,10 @@ def plan_layer(
         elif t.inflight_of[key] >= 0:
             j = t.inflight_of[key]
             t.bump(position, "late")
-            if cfg.wait_late:  # read its slot once the fill lands (await_fills); keep the fill first in line
+            if cfg.wait_late:  # read its slot once the fill lands (await_fills); keep the fill going
                 waits[u], slots[u] = j, t.e_slot[j]
-                t.e_deadline[j] = now + 1
+                t.e_deadline[j] = max(t.e_deadline[j], now + 1)  # a fill for a later step keeps its own clock
+                t.last_use[t.e_slot[j]] = now
             else:
                 t.bump(position, "zero_copy")
             t.e_made[j] = -1  # served: on landing it is no unused prefetch
