@@ -14,16 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelArgs
+from .kernels.norm import residual_norm_reference
+from .kernels.norm import rms_norm_reference as rms_norm
 from .kernels.router import RouterShape, select_experts_reference
 from .rope import RotaryEmbedding
 from .weights import AttentionWeights, LayerWeights, Linear, MLPWeights, MTPWeights, RouterWeights
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32, returned in x's dtype and scaled by the weight (as the reference does)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 def linear(x: torch.Tensor, layer: Linear) -> torch.Tensor:
@@ -212,11 +207,7 @@ class LayerOps:
     def residual_norm(self, x: torch.Tensor, deltas: list[torch.Tensor], weight: torch.Tensor | None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(x + the deltas' sum rounded to x's dtype, its RMSNorm by `weight`, or None without one)."""
-        total = deltas[0]
-        for d in deltas[1:]:
-            total = total.float() + d.float()
-        x = x + total.to(x.dtype)
-        return x, (self.norm(x, weight) if weight is not None else None)
+        return residual_norm_reference(x, deltas, weight, self.args.rms_norm_eps)
 
     def route(self, router: RouterWeights, h: torch.Tensor) -> Routing:
         return route(self.args, router, h)

@@ -66,11 +66,12 @@ class RotaryEmbedding:
         de-interleaved ([all first halves, all second halves]); q and k get the same layout, so their dot products
         are those of the interleaved rotation.
         """
-        xf = x.float()
-        if self.interleave:
-            x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        else:
-            half = self.dim // 2
-            x1, x2 = xf[..., :half], xf[..., half:]
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+        return rotate(x, cos, sin, self.interleave)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """The rotation of `RotaryEmbedding.apply` (also the definition the fused decode kernels are tested against)."""
+    xf = x.float()
+    half = x.shape[-1] // 2
+    x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if interleave else (xf[..., :half], xf[..., half:])
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

@@ -751,6 +751,8 @@ def prefill_rows(path: Path, args: argparse.Namespace, config: dict[str, Any], c
         for n in lengths:
             prompts = prompts_for(path, None, config["vocab_size"], 3, n, seed=4)
             engine.generate([prompts[0]], max_new_tokens=1, stop_at_eos=False)  # warm-up (kernel compiles)
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()  # this length's peak, not the longest one so far
             stats = [engine.generate([p], max_new_tokens=1, stop_at_eos=False).stats.to_dict() for p in prompts]
             emit({**base, "system": f"prefill_{n}", "prompt_tokens": n, "runs": len(prompts),
                   "prefill_tokens_per_s": statistics.median(s["prefill_tokens_per_s"] for s in stats),

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from ..rope import rotate
 from . import HAS_TRITON, INTERPRET, Launch
+from .norm import rms_norm_reference
 
 if HAS_TRITON:
     import triton
@@ -38,18 +40,6 @@ HEAD_BLOCK = 16  # heads per program (tl.dot needs at least 16 rows)
 # ---- references -----------------------------------------------------------------------------------------------------
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    """Rotary embedding of the last dim in fp32, laid out de-interleaved (as `rope.RotaryEmbedding.apply`)."""
-    xf = x.float()
-    x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if interleave else xf.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
 def prepare_reference(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       cache_rows: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor,
                       norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor, factor: float,
@@ -58,9 +48,9 @@ def prepare_reference(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor
     c = latent_cache.shape[-1]
     freqs = positions.float()[:, None] * inv_freq
     cos, sin = freqs.cos() * factor, freqs.sin() * factor
-    q[..., nope:] = rotate_reference(q[..., nope:], cos[:, None], sin[:, None], interleave)
+    q[..., nope:] = rotate(q[..., nope:], cos[:, None], sin[:, None], interleave)
     latent_cache[cache_rows, slots] = rms_norm_reference(kv[:, :c], norm_weight, eps)
-    rope_cache[cache_rows, slots] = rotate_reference(kv[:, c:], cos, sin, interleave)
+    rope_cache[cache_rows, slots] = rotate(kv[:, c:], cos, sin, interleave)
 
 
 def attend_reference(q_latent: torch.Tensor, q_rope: torch.Tensor, latent_cache: torch.Tensor,

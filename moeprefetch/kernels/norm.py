@@ -24,17 +24,21 @@ ACT_CODES = {"silu": 0, "relu": 1, "gelu_pytorch_tanh": 2}
 # ---- references -----------------------------------------------------------------------------------------------------
 
 
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32, returned in x's dtype and scaled by the weight (as the reference implementations)."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def residual_norm_reference(x: torch.Tensor, deltas: list[torch.Tensor], weight: torch.Tensor | None,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x + the deltas' sum rounded to x's dtype, its RMSNorm by `weight`, or None without one)."""
     if deltas:
         total = deltas[0].float() if len(deltas) > 1 else deltas[0]
         for d in deltas[1:]:
             total = total + d.float()
         x = x + total.to(x.dtype)
-    if weight is None:
-        return x, None
-    xf = x.float()
-    return x, weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return x, (rms_norm_reference(x, weight, eps) if weight is not None else None)
 
 
 def act_mul_reference(gate: torch.Tensor, up: torch.Tensor, act) -> torch.Tensor:

@@ -121,6 +121,58 @@ def _evict(t: _Lists, cfg: ResidencyConfig, slot: int) -> None:
 # ---- the layer plan ----------------------------------------------------------------------------------------------
 
 
+def _classify_exact(t: _Lists, cfg: ResidencyConfig, position: int, now: int, exact: dict[int, int],
+                    keys: list[int], slots: list[int], waits: list[int]) -> list[int]:
+    """The exact rows' distinct experts (expert -> u): hit, prefetched, late or miss, with recency and counters.
+    Fills keys/slots/waits per u; returns the u of every miss."""
+    misses = []
+    for e, u in exact.items():
+        key = position * cfg.n_experts + e
+        keys[u] = key
+        t.use_count[key] += 1
+        t.bump(position, "uses")
+        slot = t.slot_of[key]
+        if slot >= 0:
+            slots[u] = slot
+            t.last_use[slot] = now
+            if t.prefetched_at[slot] >= 0:
+                t.bump(position, "prefetched")
+                t.bump(position, "lead_sum", now - t.prefetched_at[slot])
+                t.prefetched_at[slot] = -1
+            else:
+                t.bump(position, "hit")
+        elif t.inflight_of[key] >= 0:
+            j = t.inflight_of[key]
+            t.bump(position, "late")
+            if cfg.wait_late:  # read its slot once the fill lands (await_fills); keep the fill going
+                waits[u], slots[u] = j, t.e_slot[j]
+                t.e_deadline[j] = max(t.e_deadline[j], now + 1)  # a fill for a later step keeps its own clock
+                t.last_use[t.e_slot[j]] = now
+            else:
+                t.bump(position, "zero_copy")
+            t.e_made[j] = -1  # served: on landing it is no unused prefetch
+        else:
+            t.bump(position, "miss")
+            t.bump(position, "zero_copy")
+            misses.append(u)
+    return misses
+
+
+def _admit_misses(t: _Lists, cfg: ResidencyConfig, position: int, now: int, step_base: int, misses: list[int],
+                  keys: list[int], dsts: list[int]) -> None:
+    """Each miss, as far as victims last, is written into a victim slot by the expert kernel as it streams."""
+    for u, slot in zip(misses, _pop_victims(t, len(misses), now, step_base)):
+        _evict(t, cfg, slot)
+        key = keys[u]
+        t.key_of[slot] = key
+        t.slot_state[slot] = FILLING
+        t.last_use[slot] = now
+        t.inflight_of[key] = ADMITTING
+        dsts[u] = slot
+        t.adm_key[u], t.adm_slot[u] = key, slot
+        t.bump(position, "admitted")
+
+
 def plan_layer(
     st: TableState,
     cfg: ResidencyConfig,
@@ -159,48 +211,10 @@ def plan_layer(
             for j, e in enumerate(rows[r]):
                 out_assign[r][j] = exact.setdefault(e, len(exact))
 
-    misses = []
-    for e, u in exact.items():
-        key = position * e_count + e
-        keys[u] = key
-        t.use_count[key] += 1
-        t.bump(position, "uses")
-        slot = t.slot_of[key]
-        if slot >= 0:
-            slots[u] = slot
-            t.last_use[slot] = now
-            if t.prefetched_at[slot] >= 0:
-                t.bump(position, "prefetched")
-                t.bump(position, "lead_sum", now - t.prefetched_at[slot])
-                t.prefetched_at[slot] = -1
-            else:
-                t.bump(position, "hit")
-        elif t.inflight_of[key] >= 0:
-            j = t.inflight_of[key]
-            t.bump(position, "late")
-            if cfg.wait_late:  # read its slot once the fill lands (await_fills); keep the fill going
-                waits[u], slots[u] = j, t.e_slot[j]
-                t.e_deadline[j] = max(t.e_deadline[j], now + 1)  # a fill for a later step keeps its own clock
-                t.last_use[t.e_slot[j]] = now
-            else:
-                t.bump(position, "zero_copy")
-            t.e_made[j] = -1  # served: on landing it is no unused prefetch
-        else:
-            t.bump(position, "miss")
-            t.bump(position, "zero_copy")
-            misses.append(u)
+    misses = _classify_exact(t, cfg, position, now, exact, keys, slots, waits)
     if reserve:  # live predictions protect their experts before any victim is chosen
         _window(t, cfg, position, step, dstep)
-    for u, slot in zip(misses, _pop_victims(t, len(misses), now, step_base)):
-        _evict(t, cfg, slot)
-        key = keys[u]
-        t.key_of[slot] = key
-        t.slot_state[slot] = FILLING
-        t.last_use[slot] = now
-        t.inflight_of[key] = ADMITTING
-        dsts[u] = slot
-        t.adm_key[u], t.adm_slot[u] = key, slot
-        t.bump(position, "admitted")
+    _admit_misses(t, cfg, position, now, step_base, misses, keys, dsts)
 
     if ids_s is not None and act_s is not None:
         _shadow_rows(t, position * e_count, ids_s.tolist(), act_s.tolist(), nx, exact, out_assign, keys, slots,
