@@ -7,11 +7,13 @@ c = kv_lora_rank, r = qk_rope_head_dim, n = qk_nope_head_dim, v = v_head_dim.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import ModelArgs
 from .kernels.norm import residual_norm_reference
@@ -19,6 +21,12 @@ from .kernels.norm import rms_norm_reference as rms_norm
 from .kernels.router import RouterShape, select_experts_reference
 from .rope import RotaryEmbedding
 from .weights import AttentionWeights, LayerWeights, Linear, MLPWeights, MTPWeights, RouterWeights
+
+
+# Prefill attention leaves cuDNN's backend out: it builds a plan for every new sequence length, and on the H200 a
+# prompt of a length not seen before spent ~40 ms in six such calls (seconds with cold caches) before its first token.
+# The memory-efficient kernel takes the causal mask and unequal key/value head sizes with no per-shape cost.
+_PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def linear(x: torch.Tensor, layer: Linear) -> torch.Tensor:
@@ -93,8 +101,9 @@ def attention_expanded(
     query_pos = torch.arange(start, start + t, device=x.device)
     causal = key_pos[None, :] <= query_pos[:, None]  # [T, S]
     # a fused attention kernel (memory-efficient on CUDA): no [B, h, T, S] score tensor, so long prompts fit
-    out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys.transpose(1, 2), value.transpose(1, 2),
-                                         attn_mask=causal, scale=args.softmax_scale)  # [B, h, T, v]
+    with sdpa_kernel(_PREFILL_BACKENDS) if x.is_cuda else nullcontext():
+        out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys.transpose(1, 2), value.transpose(1, 2),
+                                             attn_mask=causal, scale=args.softmax_scale)  # [B, h, T, v]
     return linear(out.transpose(1, 2).flatten(2), w.o_proj)
 
 

@@ -46,9 +46,9 @@ class EngineConfig:
     min_confidence: float = _opt(0.0, "predictions below this confidence are neither fetched nor counted")
     spare_recent: int = _opt(1, "prefetches never evict an expert used in the last N steps (0: any victim; lru "
                                 "and static policies; the oracle uses Belady's victims)")
-    late_prefetch: str = _opt("reread", "an expert whose prefetch is still in flight when its layer runs: read it "
-                                        "from host memory again (reread), or wait a bounded time for the fill "
-                                        "(wait; not yet measured on a GPU)")
+    late_prefetch: str = _opt("wait", "an expert whose prefetch is still in flight when its layer runs: wait a "
+                                      "bounded time for the fill (wait), or read it from host memory again (reread; "
+                                      "slower on the H200: BENCHMARKS.md)")
     draft_experts: str = _opt("cached", "the MTP head drafts with the routed experts in VRAM, fetching none (cached: "
                                         "offloaded, mostly its shared expert alone), or reads every one it routes "
                                         "to (all)")

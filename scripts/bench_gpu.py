@@ -815,7 +815,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-experts", choices=["cached", "all"], default="cached",
                         help="the MTP head's routed experts (engine option draft_experts)")
     parser.add_argument("--spare-recent", type=int, default=1, help="engine option spare_recent (steps)")
-    parser.add_argument("--late-prefetch", choices=["reread", "wait"], default="reread",
+    parser.add_argument("--late-prefetch", choices=["reread", "wait"], default="wait",
                         help="engine option late_prefetch (offloaded rows)")
     parser.add_argument("--variant", default="", help="a tag appended to every row's workload (settings runs)")
     parser.add_argument("--expert-dtypes", default="", help="also run offloaded rows with these expert formats, "

@@ -192,17 +192,17 @@ def test_static_hot_set_from_a_routing_profile(reference):
 
 
 @pytest.mark.parametrize("predictor", ["mtp+next_layer_gate", "oracle", "next_layer_gate"])
-def test_waiting_for_late_prefetches_changes_no_token(reference, predictor):
-    """late_prefetch="wait": the plans hand late experts their fills' slots and the await step decides; tokens and
-    the counters' invariants stay as with rereading (on the CPU every fill has landed by then)."""
+def test_rereading_late_prefetches_changes_no_token(reference, predictor):
+    """late_prefetch="reread" (the default waits): late experts are read from host memory again; tokens and the
+    counters' invariants stay as with waiting."""
     path, prompts, expected, logits, total = reference
     for slots in (3, 7, total // 2):
         engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=slots,
-                                                   late_prefetch="wait")
+                                                   late_prefetch="reread")
         result = engine.generate(prompts, max_new_tokens=10, stop_at_eos=False, predictor=predictor)
         assert result.sequences == expected, (slots, predictor)
         check_invariants(result.stats.to_dict(), engine.residency.expert_bytes)
-        assert engine.residency.cfg.wait_late and not engine.residency.problems()
+        assert not engine.residency.cfg.wait_late and not engine.residency.problems()
 
 
 def test_late_prefetch_option_is_checked(reference):

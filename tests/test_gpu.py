@@ -26,8 +26,9 @@ def test_engine_tokens_identical_across_cache_sizes_on_gpu(checkpoint_factory, b
     logits = reference.forward([[3, 4, 5, 6]])
     total = reference.plan.total_experts
     reference.close()
-    for slots in (2, 5, total // 2, total):
-        for policy in ("lru", "lfu"):
+    # batch 4 at fewer sizes: every new (slots, predictor) pair captures graphs and the suite must fit one device call
+    for slots in (2, 5, total // 2, total) if batch == 1 else (2, total // 2):
+        for policy in ("lru", "lfu") if batch == 1 else ("lru",):
             engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16,
                                                        expert_cache_slots=slots, policy=policy)
             for predictor in PREDICTORS:
@@ -179,9 +180,9 @@ def test_fused_decode_logits_track_the_definitions_in_bf16(checkpoint_factory):
     assert error < 3e-2, error
 
 
-def test_waiting_for_late_prefetches_keeps_the_tokens_on_gpu(checkpoint_factory):
-    """late_prefetch="wait" on the device: the plan hands late experts their fills' slots, the await kernel polls the
-    ready flags (bounded) while the fill kernel copies beside it; tokens and table invariants as with rereading."""
+def test_rereading_late_prefetches_keeps_the_tokens_on_gpu(checkpoint_factory):
+    """late_prefetch="reread" on the device (the default waits: the await kernel polls the ready flags while the
+    fill kernel copies beside it): late experts are read from host again; tokens and table invariants unchanged."""
     path = checkpoint_factory("v3")
     prompts = [[3, 4, 5, 6], [9, 10]]
     reference = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16)
@@ -189,7 +190,7 @@ def test_waiting_for_late_prefetches_keeps_the_tokens_on_gpu(checkpoint_factory)
     reference.close()
     for slots in (3, 6):
         engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, expert_cache_slots=slots,
-                                                   late_prefetch="wait")
+                                                   late_prefetch="reread")
         for predictor in ("oracle", "mtp+next_layer_gate"):
             result = engine.generate(prompts, max_new_tokens=24, stop_at_eos=False, predictor=predictor)
             assert result.sequences == expected, (slots, predictor)
