@@ -6,8 +6,9 @@ and once at the end of a call. Vocabulary (per generate call):
 - a *use* is one distinct (step, layer, expert) needed by the rows that must be exact (real tokens and, under
   speculative decoding, drafts being verified);
 - its *outcome* is `hit` (published, not brought by an unused prefetch), `prefetched` (brought by a prefetch that
-  landed in time), `late` (its prefetch was still in flight: read from host memory, or with `late_prefetch="wait"`
-  from its slot once the fill landed, if it did within the wait's bound) or `miss` (read from host memory,
+  landed in time), `late` (its prefetch was still in flight: with `late_prefetch="wait"`, the default, read
+  from its slot once the fill landed, if it did within the wait's bound, else from host memory; with "reread", from
+  host memory) or `miss` (read from host memory,
   and admitted into a victim slot as it streamed when one was free); hits = hit + prefetched + late, so hits + misses
   = uses;
 - bytes over the link are *zero-copy* bytes (late and missed experts read in place by the expert kernel, or copied by

@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from moeprefetch import MoEPrefetchEngine  # noqa: E402
 from moeprefetch.analysis import belady_bytes_per_token  # noqa: E402
 from moeprefetch.checkpoint import CheckpointReader  # noqa: E402
+from moeprefetch.options import LATE_PREFETCH, EngineConfig  # noqa: E402
 
 logger = logging.getLogger("bench_gpu")
 GiB = 1024**3
@@ -815,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-experts", choices=["cached", "all"], default="cached",
                         help="the MTP head's routed experts (engine option draft_experts)")
     parser.add_argument("--spare-recent", type=int, default=1, help="engine option spare_recent (steps)")
-    parser.add_argument("--late-prefetch", choices=["reread", "wait"], default="wait",
+    parser.add_argument("--late-prefetch", choices=LATE_PREFETCH, default=EngineConfig.late_prefetch,
                         help="engine option late_prefetch (offloaded rows)")
     parser.add_argument("--variant", default="", help="a tag appended to every row's workload (settings runs)")
     parser.add_argument("--expert-dtypes", default="", help="also run offloaded rows with these expert formats, "

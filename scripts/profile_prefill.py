@@ -43,13 +43,14 @@ def main() -> None:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     engine = MoEPrefetchEngine.from_pretrained(args.checkpoint, device=args.device, dtype=dtype, progress=False,
                                                expert_cache_slots=args.slots)
+    lengths = [int(n) for n in args.lengths.split(",")]
     rows = []
-    for length in [int(n) for n in args.lengths.split(",")]:
+    for length in lengths:
         first, second = ttft(engine, length, 1), ttft(engine, length, 2)
         rows.append({"prompt_tokens": length, "ttft_first_s": first, "ttft_second_s": second})
         print(json.dumps(rows[-1]), flush=True)
     profiler = cProfile.Profile()
-    fresh = max(int(n) for n in args.lengths.split(",")) + 7
+    fresh = max(lengths) + 7  # a length no pass above has seen
     started = time.perf_counter()
     profiler.enable()
     seconds = ttft(engine, fresh, 3)
