@@ -24,7 +24,11 @@ if HAS_TRITON:
 
 FILL_PROGRAMS = 16  # link-saturating yet small (h200.md 5: 16 programs copy at 51 GB/s beside compute)
 FILL_BLOCK = 2048  # int32 elements per load (8 KiB)
-AWAIT_SPINS = 2048  # polls of the ready flags before a late expert is read from host instead (not yet tuned)
+# Polls of the ready flags before a late expert is read from host instead. Only a safety net: a late expert's fill
+# is first in line, so it lands within one expert's link time, and rereading it from host crosses the link twice.
+# H200, V2-Lite shape at 12 GiB, oracle: 2048 polls gave up on ~18 experts a token (22.3 ms/token); 65536 on ~1
+# (17.9 ms/token) (scripts/tune_fills.py).
+AWAIT_SPINS = 1 << 16
 
 
 def launch_clock(st: TableState, cfg: ResidencyConfig, position: int) -> int:
