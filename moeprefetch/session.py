@@ -167,7 +167,7 @@ class Session:
             tokens = torch.tensor(prompt, device=device)[None]
             parts = []
             for start in range(0, len(prompt), chunk):
-                res.begin_step(decode=False)
+                res.begin_step(decode=False, belady=self.trace is not None)
                 piece = tokens[:, start : start + chunk]
                 positions = torch.arange(start, start + piece.shape[1], device=device)[None]
                 parts.append(runner.forward_block(piece, positions, caches, b, start)[0])
@@ -191,7 +191,7 @@ class Session:
             nxt = torch.tensor(prompt[1:] + [first[b]], device=engine.device)[None]
             logits = None
             for start in range(0, nxt.shape[1], chunk):
-                res.begin_step(decode=False)
+                res.begin_step(decode=False, belady=self.trace is not None)
                 piece = nxt[:, start : start + chunk]
                 positions = torch.arange(start + 1, start + 1 + piece.shape[1], device=engine.device)[None]
                 h = hiddens[b][start : start + piece.shape[1]][None]

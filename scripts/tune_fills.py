@@ -33,7 +33,8 @@ from moeprefetch.kernels import fill  # noqa: E402
 logger = logging.getLogger("tune_fills")
 
 VARIANTS = {  # name -> (fill block, await spins, high-priority side stream)
-    "base": (2048, 2048, False),
+    "default": (fill.FILL_BLOCK, fill.AWAIT_SPINS, False),
+    "spins2k": (2048, 2048, False),
     "priority": (2048, 2048, True),
     "block8k": (8192, 2048, False),
     "spins64k": (2048, 1 << 16, False),

@@ -210,3 +210,31 @@ def test_late_prefetch_option_is_checked(reference):
 
     with pytest.raises(RequestError, match="late_prefetch must be one of"):
         MoEPrefetchEngine.from_pretrained(reference[0], progress=False, late_prefetch="sometimes")
+
+
+def test_the_oracles_prompt_leaves_behind_what_decode_needs_first(monkeypatch):
+    """With the future known, the prompt's layers evict by it too (Belady over the prompt), so decode starts from
+    the experts it needs first rather than the prompt's first layers: fewer decode bytes, the same tokens."""
+    from pathlib import Path
+
+    import moeprefetch
+    from moeprefetch.residency import Residency
+
+    path = Path(moeprefetch.__file__).parent / "reference_model"
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=64)
+    prompts = [engine.tokenizer(text)["input_ids"] for text in
+               ("1:1 Now in the first year of Cyrus king of Persia", "The kernel's memory manager keeps")]
+
+    def decode_bytes() -> tuple[float, list]:
+        engine.reset_expert_cache()
+        result = engine.generate(prompts, max_new_tokens=24, stop_at_eos=False, predictor="oracle")
+        return result.stats.to_dict()["decode_bytes_h2d_per_token"], result.sequences
+
+    steered, tokens = decode_bytes()
+    begin_step = Residency.begin_step
+    monkeypatch.setattr(Residency, "begin_step",
+                        lambda self, decode, belady=False: begin_step(self, decode, belady and decode))
+    unsteered, same = decode_bytes()
+    assert same == tokens
+    assert steered < unsteered
+    engine.close()

@@ -459,7 +459,7 @@ class Planner:
         self.start_launch(decode)()
         from ..residency.plan import victim_order
 
-        st.victims.copy_(victim_order(st, cfg, next_use if decode else None))
+        st.victims.copy_(victim_order(st, cfg, next_use))
 
     def start_launch(self, decode: bool) -> Launch:
         st, cfg = self.st, self.cfg

@@ -85,6 +85,7 @@ class Residency:
         self.trace: torch.Tensor | None = None  # [steps, P, E] uint8 while recording an oracle trace
         self.prefill_log: list[tuple[int, list[int]]] | None = None  # (layer, experts) of prefill, when recording
         self.next_use: torch.Tensor | None = None  # [steps, keys] next need per key, from an oracle trace
+        self._belady_prefill = False  # the open prefill step follows the known future (see begin_step)
         self._staging = torch.empty((2, fmt.record_bytes), dtype=torch.uint8, device=device)
         self._staged = 0
         # fixed buffers of the host-side plans (the step start's own plan, prefill plans)
@@ -161,7 +162,11 @@ class Residency:
         self.st.decode_step.fill_(-1)
 
     def begin_step(self, decode: bool, belady: bool = False) -> None:
-        """Open a step; with `belady`, victims follow the known future (`know_future`) instead of the policy."""
+        """Open a step; with `belady`, victims follow the known future (`know_future`) instead of the policy. A
+        prefill step with `belady` counts as before decode step 0 and re-opens at each layer (`prefill_experts`), so a
+        layer may evict what earlier layers of the prompt used: the prompt leaves behind the experts that decode
+        needs first, as Belady's replacement over the prompt would, instead of its first layers' experts."""
+        self._belady_prefill = belady and not decode
         self.planner.step_start(decode, self.next_use if belady else None)
 
     def know_future(self, trace: torch.Tensor) -> None:
@@ -224,6 +229,8 @@ class Residency:
     def prefill_experts(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], ids/weights [T, k] -> routed output [T, H] fp32; each expert once, on all its tokens."""
         position = self.position[layer]
+        if self._belady_prefill:
+            self.planner.step_start(False, self.next_use)
         ids_host = ids.cpu()  # the layer's one host synchronisation
         distinct = sorted(set(ids_host.flatten().tolist()))
         if self.prefill_log is not None:

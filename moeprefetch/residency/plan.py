@@ -366,7 +366,7 @@ def step_start(st: TableState, cfg: ResidencyConfig, decode: bool, next_use: tor
         t.fills_for[stale] = [0] * cfg.positions
     t.cursor = 0
     t.write_back()
-    st.victims.copy_(victim_order(st, cfg, next_use if decode else None))
+    st.victims.copy_(victim_order(st, cfg, next_use))
 
 
 def _release_fill(t: _Lists, cfg: ResidencyConfig, j: int) -> None:
