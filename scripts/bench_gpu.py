@@ -802,7 +802,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--profile", action="store_true", help="also record per-op time splits (eager runs)")
     parser.add_argument("--profile-predictors", default="", help="the offloaded timelines to record (comma list)")
-    parser.add_argument("--oracle-lookahead", type=int, default=2, help="decode steps the oracle prefetches ahead")
+    parser.add_argument("--oracle-lookahead", type=int, default=1,
+                        help="decode steps the oracle prefetches ahead (rows before 2026-12-01 afternoon asked for 2 "
+                             "but planned 1: the window held one step)")
     parser.add_argument("--min-confidence", type=float, default=0.1, help="the confidence cut of the '@' rows")
     parser.add_argument("--hf-baseline", action="store_true", help="v2lite: run transformers + accelerate offload")
     parser.add_argument("--hf-tokens", type=int, default=4)

@@ -82,14 +82,14 @@ def main() -> int:
                                                     int(17.3e6))
             prompts = bench_gpu.prompts_for(path, ROOT / "experiments/prompts/heldout.jsonl", 8192, args.runs, 64, 1)
             engine = MoEPrefetchEngine.from_pretrained(path, **common, expert_cache_slots=40)
-            systems = [("none", "none", 0.0, None), ("oracle", "oracle", 0.0, 2), ("mtp", "mtp", 0.0, None),
+            systems = [("none", "none", 0.0, None), ("oracle", "oracle", 0.0, 1), ("mtp", "mtp", 0.0, None),
                        ("mtp_spare0", "mtp", 0.0, None), ("mtp+next_layer_gate_spare0", "mtp+next_layer_gate",
                                                           0.0, None)]
         else:
             path = bench_gpu.write_random_checkpoint(args.workdir / name, bench_gpu.V2LITE, device)
             prompts = bench_gpu.prompts_for(path, None, bench_gpu.V2LITE["vocab_size"], args.runs, 64, 1)
             engine = MoEPrefetchEngine.from_pretrained(path, **common, vram_budget=f"{args.budget_gib}GiB")
-            systems = [("oracle", "oracle", 0.0, 2), ("none", "none", 0.0, None)]
+            systems = [("oracle", "oracle", 0.0, 1), ("none", "none", 0.0, None)]
         options = engine.options
         for variant in args.variants.split(","):
             apply(engine, *VARIANTS[variant])

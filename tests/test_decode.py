@@ -238,3 +238,21 @@ def test_the_oracles_prompt_leaves_behind_what_decode_needs_first(monkeypatch):
     assert same == tokens
     assert steered < unsteered
     engine.close()
+
+
+def test_the_oracles_lookahead_is_how_many_steps_ahead_it_prefetches(reference):
+    """lookahead=d plans fills for the next d steps: prefetches are made earlier (a longer lead before their use)
+    and the tokens stay those of reactive decoding."""
+    path, prompts, expected, _, total = reference
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=total // 2)
+    leads = []
+    for lookahead in (1, 2):
+        engine.reset_expert_cache()
+        result = engine.generate(prompts, max_new_tokens=10, stop_at_eos=False, predictor="oracle",
+                                 lookahead=lookahead)
+        assert result.sequences == expected
+        stats = result.stats.to_dict()
+        assert stats["prefetch_useful"] > 0 and stats["prefetch_wasted"] == 0
+        leads.append(stats["mean_lead_layers"])
+    assert leads[1] > leads[0]
+    engine.close()

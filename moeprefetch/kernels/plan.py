@@ -124,11 +124,11 @@ if HAS_TRITON:
     def _window_cells(position, step, dstep, pred, slot_of, P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr,
                       E_PAD: tl.constexpr, R, ROWS_PAD: tl.constexpr, MIN_CONF):
         """The prediction window after `position` as a [rows, experts] block: rows (rest of this step, then the
-        next step) in deadline order."""
+        next R - 1 steps) in deadline order."""
         rows = tl.arange(0, ROWS_PAD)
         off = rows // P_MAIN
         q = rows % P_MAIN
-        row_ok = (rows < 2 * P_MAIN) & ((off == 1) | (q > position)) & ((off == 0) | ((off * 0 + R) > 1))
+        row_ok = (rows < R * P_MAIN) & ((off > 0) | (q > position))
         ring_row = (dstep + off) % R
         deadline = 2 * ((step + off) * P + q)
         e2 = tl.arange(0, E_PAD)
@@ -274,10 +274,13 @@ if HAS_TRITON:
         tl.atomic_max(protect + rslot, deadline[:, None] + e2[None, :] * 0, mask=cand & (rslot >= 0))
         rinfl = tl.load(inflight_of + rkey, mask=cand, other=0)
         need = cand & (rslot < 0) & (rinfl == -1)
-        # a key wanted this step is not also fetched for the next step
-        later = (off[:, None] == 1) & (q[:, None] > position)
-        conf0 = tl.load(pred + ((dstep % R) * P + q[:, None]) * E + e2[None, :], mask=cell_ok & later, other=0.0)
-        need = need & ~(later & (conf0 > 0) & (conf0 >= MIN_CONF))
+        # a key is fetched for its earliest need in the window only (not again for a later step)
+        for back in range(1, R):
+            earlier = tl.maximum(off - back, 0)
+            inside = row_ok & (off >= back) & ((earlier > 0) | (q > position))
+            conf_e = tl.load(pred + ((((dstep + earlier) % R) * P + q) * E)[:, None] + e2[None, :],
+                             mask=cell_ok & inside[:, None], other=0.0)
+            need = need & ~(inside[:, None] & (conf_e > 0) & (conf_e >= MIN_CONF))
         used = tl.load(fills_for + ring_row * P + q, mask=row_ok, other=0)
         in_row = tl.cumsum(need.to(tl.int32), axis=1) - need.to(tl.int32)
         within = need & ((used[:, None] + in_row) < BUDGET)
@@ -514,7 +517,7 @@ class Planner:
             S=cfg.n_slots, M=cfg.entries, A=self.max_experts, A_PAD=_pow2(self.max_experts), K=self.top_k,
             XK_PAD=_pow2(max(ids_x.shape[0] * self.top_k, 2)),
             SK_PAD=_pow2(max(ids_s.shape[0] * self.top_k, 2)) if shadow else 2,
-            R=cfg.ring, ROWS_PAD=_pow2(2 * max(cfg.main_positions, 1)),
+            R=cfg.ring, ROWS_PAD=_pow2(cfg.ring * max(cfg.main_positions, 1)),
             CHUNKS=cfg.chunks, BUDGET=cfg.budget_per_target, MAX_INFLIGHT=cfg.max_inflight,
             MIN_CONF=float(cfg.min_confidence), SPARE=cfg.spare_recent, WIN=VICTIM_WINDOW, NC=len(COUNTERS),
             SHADOW=int(shadow), RESERVE=int(reserve), RECALL=int(count_recall), TRACE=int(trace is not None),

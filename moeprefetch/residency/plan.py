@@ -268,13 +268,14 @@ def _shadow_rows(t: _Lists, key_base: int, rows: list[list[int]], active: list[b
 
 def _window(t: _Lists, cfg: ResidencyConfig, position: int, step: int,
             dstep: int) -> list[tuple[int, int, int, int]]:
-    """The prediction window after `position` (the rest of this step, then the next step), in deadline order:
-    protects every predicted expert that is resident until its need, and returns the ones to fetch as
-    (ring row, position, key, deadline), each key once (its earliest need)."""
+    """The prediction window after `position` (the rest of this step, then the next `ring - 1` steps: one for every
+    predictor but the oracle, which looks `lookahead` steps ahead), in deadline order: protects every predicted expert
+    that is resident until its need, and returns the ones to fetch as (ring row, position, key, deadline), each key
+    once (its earliest need)."""
     e_count, p_count = cfg.n_experts, cfg.positions
     candidates: list[tuple[int, int, int, int]] = []  # (ring row, position, key, deadline) in deadline order
     seen: set[int] = set()
-    for offset in (0, 1) if cfg.ring > 1 else (0,):
+    for offset in range(cfg.ring):
         ring_row = (dstep + offset) % cfg.ring
         for q in range(cfg.main_positions):
             if offset == 0 and q <= position:
