@@ -88,6 +88,9 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
     waiting = Planner(st, replace(cfg, wait_late=True), top_k, 16, 16, use_kernel=True)
     launches["plan_wait"] = waiting.launch(3, ids, act, ids, act, assign, u_vec, u_vec, u_vec, True, True,
                                            u_wait=u_vec)
+    ahead = Planner(st, replace(cfg, wait_late=True, ring=3), top_k, 16, 16, use_kernel=True)  # oracle, 2 steps
+    launches["plan_ring3"] = ahead.launch(3, ids, act, None, None, assign[:rows], u_vec, u_vec, u_vec, True, True,
+                                          u_wait=u_vec)
     launches["await"] = await_launch(st, 3, u_vec, u_vec)
     launches["step_start"] = planner.start_launch(True)
     launches["fill"] = Filler(st, cfg, pool, host, use_kernel=True).launch(3)
