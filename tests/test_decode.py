@@ -4,11 +4,14 @@ predictor, batch and speculation, and the accounting invariants of the table's c
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
+import moeprefetch
 from moeprefetch import MoEPrefetchEngine
+from moeprefetch.residency import Residency
 
 PREDICTORS = ["none", "previous", "next_layer_gate", "mtp", "mtp_router", "oracle", "mtp+next_layer_gate",
               "mtp_router+next_layer_gate", "previous+next_layer_gate"]
@@ -215,11 +218,6 @@ def test_late_prefetch_option_is_checked(reference):
 def test_the_oracles_prompt_leaves_behind_what_decode_needs_first(monkeypatch):
     """With the future known, the prompt's layers evict by it too (Belady over the prompt), so decode starts from
     the experts it needs first rather than the prompt's first layers: fewer decode bytes, the same tokens."""
-    from pathlib import Path
-
-    import moeprefetch
-    from moeprefetch.residency import Residency
-
     path = Path(moeprefetch.__file__).parent / "reference_model"
     engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=64)
     prompts = [engine.tokenizer(text)["input_ids"] for text in
