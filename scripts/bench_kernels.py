@@ -10,6 +10,7 @@ Rows (medians of CUDA-event timings after a warm-up, each repeated inside a CUDA
 
     python scripts/bench_kernels.py --out /tmp/kernels.json
     python scripts/bench_kernels.py --out /tmp/tiles.json --tiles-sweep   # the expert kernel's tile choices
+    python scripts/bench_kernels.py --out /tmp/host.json --host-sweep     # tile choices for misses read from host
 """
 
 from __future__ import annotations
@@ -109,13 +110,69 @@ def tiles_sweep(out: Path) -> int:
     return 0
 
 
+HOST_CANDIDATES = (  # reads over PCIe want many loads in flight: narrower tiles, more warps (the first is GEMV_TILES)
+    (16, 16, 128, 4, 3), (8, 8, 128, 4, 3), (16, 16, 128, 8, 3), (32, 32, 128, 8, 3), (16, 16, 256, 4, 2),
+    (8, 8, 256, 4, 3), (16, 16, 64, 4, 3), (4, 4, 256, 4, 3),
+)
+
+
+def host_sweep(out: Path, layers: int = 8) -> int:
+    """Batch-1 MoE layers whose missed experts the kernel reads from pinned host memory (zero-copy), with each GEMV
+    tile choice: `layers` layers back to back in one CUDA graph, each with its own experts (more bytes than L2 holds,
+    so no replay reads a cached expert), with 1, 3 or 6 of the 6 experts missed, with and without admission into a
+    victim slot; and all 6 from VRAM (the same tiles serve resident experts, whose bits must match)."""
+    dev = torch.device("cuda")
+    fmt = ExpertFormat.build(2048, 1408, torch.bfloat16)
+    rec, top_k, per_layer = fmt.record_bytes, 6, 6
+    n_host = layers * per_layer
+    host = torch.empty(n_host, rec, dtype=torch.uint8).pin_memory()
+    host.view(torch.bfloat16).normal_(0, 0.02)
+    pool = torch.empty(2 * n_host, rec, dtype=torch.uint8, device=dev)
+    pool[:n_host].copy_(host)
+    results = []
+    x = torch.randn(1, 2048, device=dev, dtype=torch.bfloat16)
+    w = torch.rand(1, top_k, device=dev)
+    o = torch.empty(1, 2048, device=dev)
+    assign = torch.arange(top_k, dtype=torch.int32, device=dev)[None]
+    for tiles_tuple in HOST_CANDIDATES:
+        kernel = RoutedExperts(fmt, pool, host, "silu", F.silu, 1, top_k, use_kernels=True, tiles=Tiles(*tiles_tuple))
+        for missed, admit in ((0, False), (1, False), (3, False), (6, False), (3, True), (6, True)):
+            plans = []
+            for layer in range(layers):
+                keys = torch.arange(layer * per_layer, (layer + 1) * per_layer, dtype=torch.int32, device=dev)
+                slots = keys.clone()
+                slots[:missed] = -1
+                dst = torch.full_like(keys, -1)
+                if admit:
+                    dst[:missed] = n_host + keys[:missed]
+                plans.append((keys, slots, dst))
+
+            def run() -> None:
+                for keys, slots, dst in plans:
+                    kernel(x, assign, w, keys, slots, dst, out=o, step_rows=1)
+
+            ms = timed(run, graph=True, repeats=20) / layers
+            row = {"tiles": tiles_tuple, "missed": missed, "admit": admit, "ms_per_layer": ms,
+                   "host_gbps_if_all_time_is_host": missed * fmt.payload_bytes / ms / 1e6 if missed else None,
+                   "gbps_all_bytes": per_layer * fmt.payload_bytes / ms / 1e6}
+            results.append(row)
+            print(row, flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": layers,
+                               "expert_payload_bytes": fmt.payload_bytes, "rows": results}, indent=1))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tiles-sweep", action="store_true", help="only time the expert kernel's tile choices")
+    parser.add_argument("--host-sweep", action="store_true", help="only time tile choices on misses read from host")
     ns = parser.parse_args()
     if ns.tiles_sweep:
         return tiles_sweep(ns.out)
+    if ns.host_sweep:
+        return host_sweep(ns.out)
     dev = torch.device("cuda")
     rows: dict[str, float] = {}
     fmt = ExpertFormat.build(2048, 1408, torch.bfloat16)

@@ -199,3 +199,27 @@ def test_rereading_late_prefetches_keeps_the_tokens_on_gpu(checkpoint_factory):
             assert stats["prefetch_issued"] == stats["prefetch_useful"] + stats["prefetch_late"] + stats["prefetch_wasted"]
             assert stats["syncs_per_token"] <= 1.0 and not engine.residency.problems()
         engine.close()
+
+
+def test_the_oracle_planning_steps_ahead_keeps_the_tokens_on_gpu(checkpoint_factory):
+    """lookahead 2 and 3 give the plan kernel a window of several steps (ring 3 and 4): the kernel's earliest-need
+    dedup across steps runs only there. Same tokens at every size, batch 1 and 2, prefetches land earlier."""
+    path = checkpoint_factory("v3")
+    prompts = [[3, 4, 5, 6], [9, 10]]
+    reference = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16)
+    expected = {b: reference.generate(prompts[:b], max_new_tokens=20, stop_at_eos=False).sequences for b in (1, 2)}
+    total = reference.plan.total_experts
+    reference.close()
+    for slots in (3, 6, total // 2):
+        engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, expert_cache_slots=slots)
+        for lookahead in (2, 3):
+            for batch in (1, 2):
+                result = engine.generate(prompts[:batch], max_new_tokens=20, stop_at_eos=False, predictor="oracle",
+                                         lookahead=lookahead)
+                assert result.sequences == expected[batch], (slots, lookahead, batch)
+                stats = result.stats.to_dict()
+                assert stats["hits"] + stats["misses"] == stats["expert_uses"]
+                assert stats["prefetch_issued"] == \
+                    stats["prefetch_useful"] + stats["prefetch_late"] + stats["prefetch_wasted"]
+                assert stats["syncs_per_token"] <= 1.0 and not engine.residency.problems()
+        engine.close()
