@@ -22,7 +22,7 @@ from .kernels.attention import MLADecode
 from .planner import MemoryPlan, parse_bytes, plan_memory
 from .options import EngineConfig, check_positive_int
 from .predictors import MTP_PREDICTORS, PredictorSpec
-from .residency import Residency
+from .residency import Residency, prefill_staging_rows
 from .runner import KVCaches
 from .store import HostExpertStore
 from .streaming import LayerStreamer
@@ -237,7 +237,7 @@ def plan_engine_memory(
         rows * args.num_experts_per_tok * max(rows, 16) * (args.moe_intermediate_size * element + args.hidden_size * 4)
         + options.prefill_chunk * options.max_seq_len * args.num_attention_heads * 4 * 2  # prefill scores
         + options.prefill_chunk * args.num_attention_heads * (args.qk_nope_head_dim + args.v_head_dim) * element * 4
-        + 2 * fmt.record_bytes  # prefill staging of experts that find no free slot
+        + prefill_staging_rows(fmt.record_bytes, args.n_routed_experts) * fmt.record_bytes  # prefill staging
         + 256 * 1024**2  # allocator slack, logits, small tensors
     )
     if options.fused_kernels and kernels_usable(options.device.type):  # the fused attention's split partials

@@ -16,6 +16,7 @@ Rows (medians of CUDA-event timings after a warm-up, each repeated inside a CUDA
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -116,11 +117,15 @@ HOST_CANDIDATES = (  # reads over PCIe want many loads in flight: narrower tiles
 )
 
 
-def host_sweep(out: Path, layers: int = 8) -> int:
+def host_sweep(out: Path, layers: int = 8, step_rows: tuple[int, ...] = (1,),
+               cases: tuple[tuple[int, bool], ...] = ((0, False), (1, False), (3, False), (6, False), (3, True),
+                                                      (6, True)),
+               candidates: tuple[tuple[int, ...], ...] = ()) -> int:
     """Batch-1 MoE layers whose missed experts the kernel reads from pinned host memory (zero-copy), with each GEMV
     tile choice: `layers` layers back to back in one CUDA graph, each with its own experts (more bytes than L2 holds,
     so no replay reads a cached expert), with 1, 3 or 6 of the 6 experts missed, with and without admission into a
-    victim slot; and all 6 from VRAM (the same tiles serve resident experts, whose bits must match)."""
+    victim slot; and all 6 from VRAM (the same tiles serve resident experts, whose bits must match). `step_rows`: the
+    step shapes to time (a decode step of batch b computes up to 2b rows, so batch 1 runs the 2-row kernel)."""
     dev = torch.device("cuda")
     fmt = ExpertFormat.build(2048, 1408, torch.bfloat16)
     rec, top_k, per_layer = fmt.record_bytes, 6, 6
@@ -134,29 +139,30 @@ def host_sweep(out: Path, layers: int = 8) -> int:
     w = torch.rand(1, top_k, device=dev)
     o = torch.empty(1, 2048, device=dev)
     assign = torch.arange(top_k, dtype=torch.int32, device=dev)[None]
-    for tiles_tuple in HOST_CANDIDATES:
-        kernel = RoutedExperts(fmt, pool, host, "silu", F.silu, 1, top_k, use_kernels=True, tiles=Tiles(*tiles_tuple))
-        for missed, admit in ((0, False), (1, False), (3, False), (6, False), (3, True), (6, True)):
-            plans = []
-            for layer in range(layers):
-                keys = torch.arange(layer * per_layer, (layer + 1) * per_layer, dtype=torch.int32, device=dev)
-                slots = keys.clone()
-                slots[:missed] = -1
-                dst = torch.full_like(keys, -1)
-                if admit:
-                    dst[:missed] = n_host + keys[:missed]
-                plans.append((keys, slots, dst))
+    for tiles_tuple, rows_of_step, (missed, admit) in itertools.product(candidates or HOST_CANDIDATES, step_rows,
+                                                                         cases):
+        kernel = RoutedExperts(fmt, pool, host, "silu", F.silu, rows_of_step, top_k, use_kernels=True,
+                               tiles=Tiles(*tiles_tuple))
+        plans = []
+        for layer in range(layers):
+            keys = torch.arange(layer * per_layer, (layer + 1) * per_layer, dtype=torch.int32, device=dev)
+            slots = keys.clone()
+            slots[:missed] = -1
+            dst = torch.full_like(keys, -1)
+            if admit:
+                dst[:missed] = n_host + keys[:missed]
+            plans.append((keys, slots, dst))
 
-            def run() -> None:
-                for keys, slots, dst in plans:
-                    kernel(x, assign, w, keys, slots, dst, out=o, step_rows=1)
+        def run() -> None:
+            for keys, slots, dst in plans:
+                kernel(x, assign, w, keys, slots, dst, out=o, step_rows=rows_of_step)
 
-            ms = timed(run, graph=True, repeats=20) / layers
-            row = {"tiles": tiles_tuple, "missed": missed, "admit": admit, "ms_per_layer": ms,
-                   "host_gbps_if_all_time_is_host": missed * fmt.payload_bytes / ms / 1e6 if missed else None,
-                   "gbps_all_bytes": per_layer * fmt.payload_bytes / ms / 1e6}
-            results.append(row)
-            print(row, flush=True)
+        ms = timed(run, graph=True, repeats=20) / layers
+        row = {"tiles": tiles_tuple, "step_rows": rows_of_step, "missed": missed, "admit": admit, "ms_per_layer": ms,
+               "host_gbps_if_all_time_is_host": missed * fmt.payload_bytes / ms / 1e6 if missed else None,
+               "gbps_all_bytes": per_layer * fmt.payload_bytes / ms / 1e6}
+        results.append(row)
+        print(row, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": layers,
                                "expert_payload_bytes": fmt.payload_bytes, "rows": results}, indent=1))
@@ -168,11 +174,17 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tiles-sweep", action="store_true", help="only time the expert kernel's tile choices")
     parser.add_argument("--host-sweep", action="store_true", help="only time tile choices on misses read from host")
+    parser.add_argument("--step-rows", default="1", help="--host-sweep: step shapes (comma list of most rows)")
+    parser.add_argument("--missed", default="", help="--host-sweep: only these missed counts (comma list)")
+    parser.add_argument("--tiles", default="", help="--host-sweep: only these tiles (i,h,k,warps,stages;...)")
     ns = parser.parse_args()
     if ns.tiles_sweep:
         return tiles_sweep(ns.out)
     if ns.host_sweep:
-        return host_sweep(ns.out)
+        cases = tuple((int(m), False) for m in ns.missed.split(",")) if ns.missed else host_sweep.__defaults__[2]
+        tiles = tuple(tuple(int(v) for v in t.split(",")) for t in ns.tiles.split(";") if t)
+        return host_sweep(ns.out, step_rows=tuple(int(r) for r in ns.step_rows.split(",")), cases=cases,
+                          candidates=tiles)
     dev = torch.device("cuda")
     rows: dict[str, float] = {}
     fmt = ExpertFormat.build(2048, 1408, torch.bfloat16)

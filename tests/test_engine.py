@@ -234,10 +234,11 @@ def test_time_to_first_token_covers_prefill_and_precedes_decode(v3):
     assert stats["prefill_tokens_per_s"] == pytest.approx(8 / stats["prefill_seconds"])
 
 
-@pytest.mark.parametrize("slots", [None, 5])
-def test_prefill_through_the_grouped_expert_kernels_matches_the_loop(checkpoint_factory, slots):
+@pytest.mark.parametrize("slots,stage_batch", [(None, None), (5, None), (5, 1), (3, 2)])
+def test_prefill_through_the_grouped_expert_kernels_matches_the_loop(checkpoint_factory, slots, stage_batch):
     """Prefill's grouped GEMM (Triton's interpreter on the CPU) against the per-expert loop it replaces on CUDA,
-    with every expert resident and with most read from host memory or admitted into slots."""
+    with every expert resident and with most staged (in one batch, or in many that reuse the staging halves) or
+    admitted into slots."""
     from moeprefetch.kernels import HAS_TRITON
     from moeprefetch.kernels.grouped import GroupedExperts
 
@@ -250,7 +251,10 @@ def test_prefill_through_the_grouped_expert_kernels_matches_the_loop(checkpoint_
     expected = engine.generate(prompts, max_new_tokens=5, stop_at_eos=False)
     expected_logits = engine.forward([prompts[0]])
     res = engine.residency
-    res.grouped = GroupedExperts(res.fmt, res.pool, res.host, engine.args.hidden_act, res.act, use_kernels=True)
+    res.grouped = GroupedExperts(res.fmt, res.slots_and_staging, res.host, engine.args.hidden_act, res.act,
+                                 use_kernels=True)
+    if stage_batch:
+        res.stage_batch = stage_batch
     engine.reset_expert_cache()
     got = engine.generate(prompts, max_new_tokens=5, stop_at_eos=False)
     logits = engine.forward([prompts[0]])

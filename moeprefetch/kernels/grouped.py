@@ -55,9 +55,10 @@ def plan_blocks(ids: torch.Tensor, u_of_expert: dict[int, int], block_m: int = B
 
 def grouped_reference(x: torch.Tensor, pair_token: torch.Tensor, blocks: torch.Tensor, u_key: torch.Tensor,
                       u_slot: torch.Tensor, pool: torch.Tensor, host: torch.Tensor | None, fmt: ExpertFormat,
-                      act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """The definition: each block's pairs through its expert (compute dtype GEMMs), y [P, H] fp32."""
-    y = torch.zeros(pair_token.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+                      act: Callable[[torch.Tensor], torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The definition: each block's pairs through its expert (compute dtype GEMMs), y [P, H] fp32 (into `out`, whose
+    rows outside the blocks are left as they are)."""
+    y = torch.zeros(pair_token.shape[0], x.shape[1], dtype=torch.float32, device=x.device) if out is None else out
     for u, first, count in blocks.tolist():
         if u < 0:
             continue
@@ -152,12 +153,16 @@ class GroupedExperts:
             self._s = pool.view(torch.float32) if fmt.quantized else self._w
 
     def __call__(self, x: torch.Tensor, pair_token: torch.Tensor, blocks: torch.Tensor, u_key: torch.Tensor,
-                 u_slot: torch.Tensor) -> torch.Tensor:
-        """y [P, H] fp32: each sorted pair's expert output."""
+                 u_slot: torch.Tensor, y: torch.Tensor | None = None, mid: torch.Tensor | None = None) -> torch.Tensor:
+        """y [P, H] fp32: each sorted pair's expert output. Given `y` (and `mid`, the [P, I] intermediate), only the
+        pairs of `blocks` are written, so a layer may run its experts in several calls into one buffer."""
         if not self.use_kernels:
-            return grouped_reference(x, pair_token, blocks, u_key, u_slot, self.pool, self.host, self.fmt, self.act)
-        mid = torch.empty(pair_token.shape[0], self.fmt.intermediate, dtype=x.dtype, device=x.device)
-        y = torch.empty(pair_token.shape[0], self.fmt.hidden, dtype=torch.float32, device=x.device)
+            return grouped_reference(x, pair_token, blocks, u_key, u_slot, self.pool, self.host, self.fmt, self.act,
+                                     out=y)
+        if mid is None:
+            mid = torch.empty(pair_token.shape[0], self.fmt.intermediate, dtype=x.dtype, device=x.device)
+        if y is None:
+            y = torch.empty(pair_token.shape[0], self.fmt.hidden, dtype=torch.float32, device=x.device)
         try:
             for launch in self.launches(x.contiguous(), pair_token, blocks, u_key, u_slot, mid, y):
                 launch()
@@ -165,7 +170,7 @@ class GroupedExperts:
             # a compiler that rejects the kernel must not take prefill down: the definition computes the same
             logger.warning("the grouped prefill kernel did not compile here (%s); prefill uses the reference", exc)
             self.use_kernels = False
-            return self(x, pair_token, blocks, u_key, u_slot)
+            return self(x, pair_token, blocks, u_key, u_slot, y=y)
         return y
 
     def launches(self, x, pair_token, blocks, u_key, u_slot, mid, y) -> list[Launch]:

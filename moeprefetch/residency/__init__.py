@@ -8,8 +8,9 @@
     experts(...)          -> every selected expert, from its slot or straight from host memory
 
 and `begin_step` / `end_step` around the step. Prefill (many tokens per expert) is host-driven: `prefill_experts`
-plans the layer with the same kernel, reads the plan back, copies misses into their admission slots (or a staging
-buffer) on the copy engine and runs one GEMM pair per expert.
+plans the layer with the same kernel, reads the plan back, copies misses into their admission slots and runs the
+layer's experts as grouped GEMMs. Misses that find no free slot cross once per chunk through staging rows placed
+after the pool (the kernels address them as slots), in batches that copy while the previous batch computes.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ..kernels.fill import Filler
 from ..kernels.plan import Planner
 from ..model import combine_expert_outputs
 from ..store import HostExpertStore
-from ..transfer import SideStream
+from ..transfer import SideStream, TransferEngine
 from .plan import finish_call, next_use_table, victim_order
 from .state import C, COUNTERS, E_FREE, FILLING, NO_ENTRY, RESIDENT, ResidencyConfig, TableState
 
@@ -36,6 +37,14 @@ logger = logging.getLogger(__name__)
 
 RING_CAPACITY = 9  # steps of predictions a table can hold (lookahead up to 8)
 ENTRIES = 64  # fill entries: reserved fills plus published ones awaiting the step's end
+PREFILL_STAGING_BYTES = 512 << 20  # VRAM for prefill's experts that find no slot (two halves: copy while computing)
+
+
+def prefill_staging_rows(record_bytes: int, n_experts: int) -> int:
+    """Staging rows for prefill (an even number, at least 2, at most two layers' worth): the memory plan reserves
+    exactly these."""
+    rows = min(PREFILL_STAGING_BYTES // record_bytes, 2 * n_experts)
+    return max(2, rows - rows % 2)
 
 
 class Residency:
@@ -78,15 +87,20 @@ class Residency:
         self.st = TableState.allocate(replace(self.base_cfg, ring=RING_CAPACITY, entries=ENTRIES), self.max_experts,
                                       device)
         self._launchers: dict[ResidencyConfig, tuple[Planner, Planner, Filler]] = {}
-        # zero-filled once: a slot is only read once published, but NaN bits must not meet a masked multiply
-        self.pool = torch.zeros((n_slots, fmt.record_bytes), dtype=torch.uint8, device=device)
+        # zero-filled once: a slot is only read once published, but NaN bits must not meet a masked multiply. Prefill's
+        # staging rows follow the slots in the same allocation, so the expert kernels address them as slots.
+        self.stage_rows = prefill_staging_rows(fmt.record_bytes, n_experts) if store is not None else 0
+        self.stage_batch = max(self.stage_rows // 2, 1)  # experts per staged batch (half the rows)
+        self.slots_and_staging = torch.zeros((n_slots + self.stage_rows, fmt.record_bytes), dtype=torch.uint8,
+                                             device=device)
+        self.pool = self.slots_and_staging[:n_slots]
+        self._stage = TransferEngine(device, self.stage_rows) if self.stage_rows else None
         self.host = store.arena if store is not None else None
         self.side = SideStream(device)
         self.trace: torch.Tensor | None = None  # [steps, P, E] uint8 while recording an oracle trace
         self.prefill_log: list[tuple[int, list[int]]] | None = None  # (layer, experts) of prefill, when recording
         self.next_use: torch.Tensor | None = None  # [steps, keys] next need per key, from an oracle trace
         self._belady_prefill = False  # the open prefill step follows the known future (see begin_step)
-        self._staging = torch.empty((2, fmt.record_bytes), dtype=torch.uint8, device=device)
         self._staged = 0
         # fixed buffers of the host-side plans (the step start's own plan, prefill plans)
         i32 = torch.int32
@@ -95,7 +109,7 @@ class Residency:
         self._no_assign = torch.zeros(0, top_k, dtype=i32, device=device)
         self._host_plan = PlanBuffers(n_experts, self.max_experts, 1, 1, device)
         self.act_name = hidden_act
-        self.grouped = GroupedExperts(fmt, self.pool, self.host, hidden_act, self.act,
+        self.grouped = GroupedExperts(fmt, self.slots_and_staging, self.host, hidden_act, self.act,
                                       self.use_kernels and device.type == "cuda")
         self.experts = RoutedExperts(fmt, self.pool, self.host, hidden_act, self.act, max_rows, top_k,
                                      self.use_kernels)
@@ -254,18 +268,51 @@ class Residency:
 
     def _prefill_grouped(self, position: int, x: torch.Tensor, ids_host: torch.Tensor, weights: torch.Tensor,
                          distinct: list[int], slots: list[int], dsts: list[int]) -> torch.Tensor:
-        """The layer's experts as one grouped GEMM per projection. Admitted experts are copied into their slots on
-        the copy path first (stream-ordered); an expert without a slot is read in place from host memory."""
+        """The layer's experts as grouped GEMMs: one launch pair over the experts in slots (admitted ones are copied
+        in first, stream-ordered), then one per staged batch. Experts without a slot cross once through the staging
+        rows: batch i+2 copies into batch i's half once batch i's kernels are done, so the copy engine streams
+        while the kernels compute, and no expert is read from host memory more than once per chunk."""
         keys = [position * self.n_experts + e for e in distinct]
         for u, (slot, dst) in enumerate(zip(slots, dsts)):
             if slot < 0 and dst >= 0:
                 self.pool[dst].copy_(self.host[keys[u]], non_blocking=True)  # type: ignore[index]
                 slots[u] = dst
+        half = self.stage_batch
+        unslotted = [u for u, slot in enumerate(slots) if slot < 0]
+        batches = [unslotted[i : i + half] for i in range(0, len(unslotted), half)]
+        group = [0] * len(distinct)  # 0: in a slot; i + 1: staged batch i
+        for i, batch in enumerate(batches):
+            for j, u in enumerate(batch):
+                slots[u], group[u] = self.n_slots + (i % 2) * half + j, i + 1
         pair_token, order, blocks = plan_blocks(ids_host, {e: u for u, e in enumerate(distinct)})
         dev = self.device
-        y = self.grouped(x.contiguous(), pair_token.to(dev, non_blocking=True), blocks.to(dev, non_blocking=True),
-                         torch.tensor(keys, dtype=torch.int32).to(dev, non_blocking=True),
-                         torch.tensor(slots, dtype=torch.int32).to(dev, non_blocking=True))
+        block_group = torch.tensor(group, dtype=torch.int64)[blocks[:, 0].long()]
+        args = (x.contiguous(), pair_token.to(dev, non_blocking=True),
+                torch.tensor(keys, dtype=torch.int32).to(dev, non_blocking=True),
+                torch.tensor(slots, dtype=torch.int32).to(dev, non_blocking=True))
+        y = torch.empty(pair_token.shape[0], x.shape[1], dtype=torch.float32, device=dev)
+        mid = torch.empty(pair_token.shape[0], self.fmt.intermediate, dtype=x.dtype, device=dev)
+
+        def compute(g: int) -> None:
+            chosen = blocks[block_group == g]
+            if chosen.shape[0]:
+                self.grouped(args[0], args[1], chosen.to(dev, non_blocking=True), args[2], args[3], y=y, mid=mid)
+
+        def stage(i: int) -> None:
+            for j, u in enumerate(batches[i]):
+                row = (i % 2) * half + j
+                self._stage.copy(self.host[keys[u]], self.slots_and_staging[self.n_slots + row], row, demand=True)
+
+        for i in range(min(2, len(batches))):
+            stage(i)
+        compute(0)
+        for i, batch in enumerate(batches):
+            rows = [(i % 2) * half + j for j in range(len(batch))]
+            self._stage.wait_for(rows)
+            compute(i + 1)
+            self._stage.release(rows)
+            if i + 2 < len(batches):
+                stage(i + 2)
         products = torch.empty_like(y)
         products[order.to(dev)] = y  # back to (token, k) order
         return combine_expert_outputs(products.view(x.shape[0], ids_host.shape[1], -1), weights, None)
@@ -274,7 +321,8 @@ class Residency:
         """The VRAM bytes of an expert for prefill: its slot, its admission slot (copied in now) or staging."""
         if slot >= 0:
             return self.pool[slot]
-        target = self.pool[admit] if admit >= 0 else self._staging[self._staged % 2]
+        staging = self.slots_and_staging[self.n_slots + self._staged % self.stage_rows] if admit < 0 else None
+        target = self.pool[admit] if admit >= 0 else staging
         self._staged += admit < 0
         assert self.host is not None
         target.copy_(self.host[key], non_blocking=True)  # stream-ordered before the compute that reads it
@@ -336,6 +384,7 @@ class Residency:
         table = sum(t.numel() * t.element_size() for t in self.st.tensors().values())
         return {
             "vram_expert_cache_bytes": self.pool.numel(),
+            "vram_prefill_staging_bytes": self.stage_rows * self.expert_bytes,
             "vram_residency_table_bytes": table,
             "expert_cache_slots": self.n_slots,
             "host_expert_bytes": self.store.nbytes if self.store else 0,
@@ -348,6 +397,8 @@ class Residency:
         if self.store is not None:
             self.store.close()
         self.pool = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self.slots_and_staging = self.pool
+        self.grouped = None  # type: ignore[assignment]
         self.experts = None  # type: ignore[assignment]
         self.filler = None  # type: ignore[assignment]
 
@@ -381,4 +432,4 @@ def counters_by_layer(counters: torch.Tensor, layers: list[int]) -> dict[int, di
     return {layer: {name: rows[p][C[name]] for name in COUNTERS} for p, layer in enumerate(layers)}
 
 
-__all__ = ["Residency", "PlanBuffers", "counters_by_layer", "victim_order"]
+__all__ = ["Residency", "PlanBuffers", "counters_by_layer", "prefill_staging_rows", "victim_order"]
