@@ -167,6 +167,7 @@ class Stats:
                 "ms_per_token": 1000.0 * self.decode_seconds / tokens if tokens else 0.0,
                 "syncs_per_token": self.decode_syncs / tokens if tokens else 0.0,
                 "decode_bytes_h2d_per_token": per_token(decode.bytes_h2d),
+                "prefill_bytes_h2d": t.bytes_h2d - decode.bytes_h2d,  # the prompts' expert bytes over the link
                 "zero_copy_bytes_per_token": per_token(decode.zero_copy_bytes),
                 "fill_bytes_per_token": per_token(decode.fill_bytes),
                 "decode_hit_rate": (decode.hit + decode.prefetched + decode.late) / decode.uses if decode.uses else 0.0,

@@ -217,6 +217,23 @@ def _load(reader: CheckpointReader, args: ModelArgs, options: EngineOptions, pla
     return weights, streamer, residency
 
 
+def prefill_workspace_bytes(args: ModelArgs, options: EngineOptions, element: int) -> int:
+    """Activations of one prefill chunk of T tokens against a cache of S = max_seq_len: the attention's expanded keys
+    and values over S (and on the CPU, whose attention is the math kernel, the [h, T, S] scores), the chunk's
+    queries, and the routed experts' pair buffers (T x top-k pairs: intermediate, output and its reordered copy in
+    fp32), whichever layer kind is larger; plus the hidden states."""
+    t, s, h = options.prefill_chunk, options.max_seq_len, args.num_attention_heads
+    n, r, v = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+    attention = (s * h * (2 * n + r + 2 * v) * element  # expanded [S, h, n+v] and the keys [S, h, n+r]
+                 + t * h * (2 * (n + r) + v) * element + t * s)  # queries, output, the causal mask
+    if options.device.type != "cuda":
+        attention += t * s * h * 4 * 2  # scores and their softmax
+    pairs = t * args.num_experts_per_tok
+    experts = pairs * (2 * args.moe_intermediate_size * element + 2 * args.hidden_size * 4) + t * args.hidden_size * 4
+    dense = t * max(args.intermediate_size, args.moe_intermediate_size * args.n_shared_experts) * element * 3
+    return attention + max(experts + dense, dense) + t * args.hidden_size * (element + 4) * 4
+
+
 def plan_engine_memory(
     args: ModelArgs,
     reader: CheckpointReader,
@@ -235,8 +252,7 @@ def plan_engine_memory(
     rows = options.max_batch_size * 2
     workspace = (
         rows * args.num_experts_per_tok * max(rows, 16) * (args.moe_intermediate_size * element + args.hidden_size * 4)
-        + options.prefill_chunk * options.max_seq_len * args.num_attention_heads * 4 * 2  # prefill scores
-        + options.prefill_chunk * args.num_attention_heads * (args.qk_nope_head_dim + args.v_head_dim) * element * 4
+        + prefill_workspace_bytes(args, options, element)
         + prefill_staging_rows(fmt.record_bytes, args.n_routed_experts) * fmt.record_bytes  # prefill staging
         + 256 * 1024**2  # allocator slack, logits, small tensors
     )

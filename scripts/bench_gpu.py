@@ -21,6 +21,7 @@ host->device bandwidth). Every measured run starts from an empty expert cache af
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -766,6 +767,107 @@ def prefill_rows(path: Path, args: argparse.Namespace, config: dict[str, Any], c
     _free()
 
 
+def bench_prefill(name: str, path: Path, args: argparse.Namespace, device: torch.device, link: dict[str, float],
+                  emit: Callable[[dict[str, Any]], None]) -> None:
+    """Issue 15's rows: `prefill_resident` and `prefill_offloaded` (`--budget-gib`) per prompt length and prefill
+    chunk, from a cold expert cache, with the bytes the prompt moved and the link bound (prompt tokens over the time
+    its distinct experts need at the measured link peak: each touched expert crossing once); then transformers'
+    resident prefill at the same lengths (`prefill_transformers`)."""
+    config = json.loads((path / "config.json").read_text())
+    lengths = [int(v) for v in args.prefill_lengths.split(",") if v]
+    chunks = sorted(int(v) for v in (args.prefill_chunks or str(EngineConfig.prefill_chunk)).split(","))
+    workload = name + (f"#{args.variant}" if args.variant else "")
+    peak = link.get("h2d_peak_gbps", float("nan")) * 1e9
+    common = dict(device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                  progress=False, max_batch_size=1, max_seq_len=max(lengths) + 8,
+                  prefill_chunk=max(chunks))  # memory planned for the largest chunk
+    for system, extra in (("prefill_resident", {}), ("prefill_offloaded", {"vram_budget": f"{args.budget_gib}GiB"})):
+        if args.systems and system not in args.systems.split(","):
+            continue
+        try:
+            engine = MoEPrefetchEngine.from_pretrained(path, **common, **extra)
+            if extra and engine.residency.store is None:  # the budget holds every expert: offload a fixed share
+                slots = max(int(round(args.cache_fraction * engine.plan.total_experts)), 8)
+                engine.close()
+                engine = MoEPrefetchEngine.from_pretrained(path, **common, expert_cache_slots=slots)
+            for n in lengths:
+                prompts = prompts_for(path, None, config["vocab_size"], args.runs, n, seed=4)
+                for chunk in sorted({min(c, n) for c in chunks}):
+                    engine.options = dataclasses.replace(engine.options, prefill_chunk=chunk)
+                    emit({"workload": workload, **prefill_row(engine, system, prompts, chunk, peak,
+                                                              args.budget_gib if extra else None)})
+            engine.close()
+        except Exception as exc:
+            emit({"workload": workload, "system": system, "failed": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc(limit=4)})
+        _free()
+    if not args.systems or "prefill_transformers" in args.systems.split(","):
+        try:
+            for row in transformers_prefill_rows(path, lengths, config["vocab_size"], args.runs):
+                emit({"workload": workload, **row})
+        except Exception as exc:
+            emit({"workload": workload, "system": "prefill_transformers", "failed": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc(limit=4)})
+        _free()
+
+
+def prefill_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], chunk: int, link_peak: float,
+                budget_gib: float | None) -> dict[str, Any]:
+    """Medians over prompts, each prefilled (one new token) from a cold expert cache after one warm-up."""
+    res = engine.residency
+    engine.reset_expert_cache()
+    engine.generate([prompts[0]], max_new_tokens=1, stop_at_eos=False)  # warm-up: compiles, this chunk's shapes
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    runs = []
+    for prompt in prompts:
+        engine.reset_expert_cache()
+        res.prefill_log = []
+        stats = engine.generate([prompt], max_new_tokens=1, stop_at_eos=False).stats.to_dict()
+        touched = {(layer, e) for layer, experts in res.prefill_log for e in experts}
+        res.prefill_log = None
+        runs.append((stats, len(touched) * res.expert_bytes))
+    n = len(prompts[0])
+    fetch = statistics.median(b for _, b in runs) if res.store is not None else 0
+    link_bound = n / (fetch / link_peak) if fetch else None
+    tps = statistics.median(s["prefill_tokens_per_s"] for s, _ in runs)
+    return {"system": system, "prompt_tokens": n, "prefill_chunk": chunk, "runs": len(runs),
+            "vram_budget_gib": budget_gib, "prefill_tokens_per_s": tps,
+            "ttft_seconds": statistics.median(s["ttft_seconds"] for s, _ in runs),
+            "cache_fraction": res.n_slots / engine.plan.total_experts, "cache_slots": res.n_slots,
+            "prefill_bytes_h2d": statistics.median(s["prefill_bytes_h2d"] for s, _ in runs),
+            "must_fetch_bytes": fetch, "link_bound_tokens_per_s": link_bound,
+            "fraction_of_link_bound": tps / link_bound if link_bound else None,
+            "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if torch.cuda.is_available() else None}
+
+
+def transformers_prefill_rows(path: Path, lengths: list[int], vocab: int, runs: int) -> list[dict[str, Any]]:
+    """The peer: transformers' own model, every weight in VRAM (bf16), one forward over the prompt with its cache."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, device_map="cuda").eval()
+    rows = []
+    for n in lengths:
+        prompts = prompts_for(path, None, vocab, runs, n, seed=4)
+        times = []
+        with torch.no_grad():
+            for i, prompt in enumerate([prompts[0]] + prompts):  # the first is the warm-up
+                ids = torch.tensor([prompt], device="cuda")
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                model(ids, use_cache=True)
+                torch.cuda.synchronize()
+                if i:
+                    times.append(time.perf_counter() - start)
+        seconds = statistics.median(times)
+        rows.append({"system": "prefill_transformers", "prompt_tokens": n, "runs": len(times),
+                     "prefill_tokens_per_s": n / seconds, "ttft_seconds": seconds,
+                     "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB,
+                     "note": "one forward with use_cache=True, timed between synchronisations"})
+    del model
+    return rows
+
+
 def _active_bytes(engine: MoEPrefetchEngine) -> int:
     """Bytes a decode step must read from device memory at batch 1: resident weights except the embedding table
     (one row is read), plus top-k routed experts per MoE layer."""
@@ -810,7 +912,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-tokens", type=int, default=4)
     parser.add_argument("--systems", default="", help="only these rows (comma list; default all)")
     parser.add_argument("--prefill-lengths", default="64,512,2048,8192",
-                        help="--decode-compute: prompt lengths of the prefill rows (empty: none)")
+                        help="--decode-compute / --prefill: prompt lengths of the prefill rows (empty: none)")
+    parser.add_argument("--prefill", action="store_true",
+                        help="only the prefill rows (resident, offloaded at --budget-gib, transformers)")
+    parser.add_argument("--prefill-chunks", default="", help="--prefill: chunk sizes (default: the engine's)")
     parser.add_argument("--decode-compute", action="store_true",
                         help="v2lite/v3layers: only the all-resident decode-compute rows (contexts, fused vs not, "
                              "batches)")
@@ -839,8 +944,8 @@ def main(argv: list[str] | None = None) -> int:
     def emit(row: dict[str, Any]) -> None:
         row = {k: v for k, v in row.items() if k != "sequences"} | ({"sequences": row["sequences"][:1]}
                                                                      if "sequences" in row else {})
-        report["rows"] = [r for r in report["rows"] if not (r.get("workload") == row.get("workload")
-                                                           and r.get("system") == row.get("system"))]
+        identity = ("workload", "system", "prompt_tokens", "prefill_chunk")  # prefill rows: one per length and chunk
+        report["rows"] = [r for r in report["rows"] if any(r.get(k) != row.get(k) for k in identity)]
         report["rows"].append(row)
         args.out.write_text(json.dumps(report, indent=1, default=str))
         brief = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
@@ -864,7 +969,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 raise ValueError(f"unknown workload {name}")
             logger.info("%s checkpoint ready in %.1f s", name, time.perf_counter() - start)
-            if args.decode_compute:
+            if args.prefill:
+                bench_prefill(name, path, args, device, link, emit)
+            elif args.decode_compute:
                 bench_decode_compute(name, path, args, device, emit)
             else:
                 bench_workload(name, path, args, device, link, emit)

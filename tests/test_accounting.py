@@ -65,6 +65,7 @@ def test_per_token_figures_count_decode_only_and_exclude_the_first_token():
     assert out["decode_hit_rate"] == pytest.approx((16 + 1) / 25)
     # the whole call includes prefill's uses
     assert out["expert_uses"] == 20 + 6 + 5 and out["misses"] == 4 + 4 + 4
+    assert out["prefill_bytes_h2d"] == 4 * 1000  # prefill's 4 zero-copy experts, apart from decode's
     assert out["prefetch_waste"] == pytest.approx(2 / 8) and out["mean_lead_layers"] == pytest.approx(12 / 2 / 4)
 
 

@@ -223,3 +223,26 @@ def test_the_oracle_planning_steps_ahead_keeps_the_tokens_on_gpu(checkpoint_fact
                     stats["prefetch_useful"] + stats["prefetch_late"] + stats["prefetch_wasted"]
                 assert stats["syncs_per_token"] <= 1.0 and not engine.residency.problems()
         engine.close()
+
+
+def test_prefill_staging_batches_on_the_copy_engine_keep_the_tokens(checkpoint_factory):
+    """Long prompts and a tiny cache: most of a prefill chunk's experts find no slot and cross through the staging
+    rows on the copy stream, one expert per batch, each batch reusing a half the batch before last computed from."""
+    path = checkpoint_factory("v3", max_position_embeddings=1024)
+    prompts = [list(range(3, 200)), list(range(7, 90))]
+    reference = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_seq_len=512)
+    expected = reference.generate(prompts, max_new_tokens=6, stop_at_eos=False).sequences
+    expected_logits = reference.forward([prompts[0]])
+    reference.close()
+    for batch in (1, None):
+        engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_seq_len=512,
+                                                   expert_cache_slots=3, prefill_chunk=64)
+        assert engine.residency.grouped.use_kernels
+        if batch:
+            engine.residency.stage_batch = batch
+        result = engine.generate(prompts, max_new_tokens=6, stop_at_eos=False)
+        assert result.sequences == expected, batch
+        assert torch.equal(engine.forward([prompts[0]]), expected_logits), batch
+        stats = result.stats.to_dict()
+        assert stats["prefill_bytes_h2d"] > 0 and not engine.residency.problems()
+        engine.close()
