@@ -230,7 +230,8 @@ def test_prefill_staging_batches_on_the_copy_engine_keep_the_tokens(checkpoint_f
     rows on the copy stream, one expert per batch, each batch reusing a half the batch before last computed from."""
     path = checkpoint_factory("v3", max_position_embeddings=1024)
     prompts = [list(range(3, 200)), list(range(7, 90))]
-    reference = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_seq_len=512)
+    reference = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_seq_len=512,
+                                                  prefill_chunk=64)
     expected = reference.generate(prompts, max_new_tokens=6, stop_at_eos=False).sequences
     expected_logits = reference.forward([prompts[0]])
     reference.close()
