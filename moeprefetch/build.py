@@ -140,7 +140,7 @@ def build_engine(cls: type["MoEPrefetchEngine"], path: str | Path, config: Engin
     reader = CheckpointReader(path)
     tokenizer = _load_tokenizer(path)
     has_mtp = _has_mtp(args, reader)
-    options = resolve_options(config, args, has_mtp, dev, torch_dtype)
+    options = resolve_options(config, args, has_mtp, dev, torch_dtype, budget_bytes)
     block = (args.quant.block_rows, args.quant.block_cols) if args.quant else (128, 128)
     fmt = ExpertFormat.build(args.hidden_size, args.moe_intermediate_size, torch_dtype, config.expert_dtype, block)
     expert_layers = list(args.moe_layers) + ([args.mtp_layer_index] if has_mtp else [])
@@ -170,7 +170,7 @@ def build_engine(cls: type["MoEPrefetchEngine"], path: str | Path, config: Engin
 
 
 def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device: torch.device,
-                    dtype: torch.dtype) -> EngineOptions:
+                    dtype: torch.dtype, budget_bytes: int | None = None) -> EngineOptions:
     """The options as the engine uses them, resolved against the checkpoint."""
     # measured best recall, precision and hit rate of the predictors (BENCHMARKS.md, experiments/results)
     predictor = config.predictor or ("mtp+next_layer_gate" if has_mtp else "next_layer_gate")
@@ -179,10 +179,12 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
     if seq_len > args.max_position_embeddings:
         raise RequestError(
             f"max_seq_len={seq_len} exceeds the model's max_position_embeddings ({args.max_position_embeddings})")
+    element = torch.tensor([], dtype=dtype).element_size()
+    chunk = config.prefill_chunk or auto_prefill_chunk(args, seq_len, device, element, budget_bytes)
     return EngineOptions(
         device=device, dtype=dtype, policy=config.policy, predictor=predictor, lookahead=config.lookahead,
         prefetch_budget=float(config.prefetch_budget), max_inflight_experts=config.max_inflight_experts,
-        max_seq_len=seq_len, max_batch_size=config.max_batch_size, prefill_chunk=config.prefill_chunk,
+        max_seq_len=seq_len, max_batch_size=config.max_batch_size, prefill_chunk=chunk,
         expert_dtype=config.expert_dtype, min_confidence=float(config.min_confidence),
         spare_recent=config.spare_recent,
         draft_experts=config.draft_experts, late_prefetch=config.late_prefetch, cuda_graphs=bool(config.cuda_graphs),
@@ -217,17 +219,37 @@ def _load(reader: CheckpointReader, args: ModelArgs, options: EngineOptions, pla
     return weights, streamer, residency
 
 
-def prefill_workspace_bytes(args: ModelArgs, options: EngineOptions, element: int) -> int:
+PREFILL_CHUNKS = (8192, 4096, 2048, 1024, 512, 256)  # the automatic chunk's candidates, longest first
+PREFILL_WORKSPACE_SHARE = 0.25  # of a VRAM budget, at most, for one chunk's activations
+
+
+def auto_prefill_chunk(args: ModelArgs, seq_len: int, device: torch.device, element: int,
+                       budget_bytes: int | None) -> int:
+    """Prompt tokens per prefill chunk when none is given: the longest candidate (up to the context) whose
+    activations fit a quarter of the VRAM budget, or 4,096 without one. Every expert a chunk touches crosses the link
+    once per chunk, so offloaded prefill moves fewer bytes with longer chunks (measured on the H200, BENCHMARKS.md:
+    an 8,192-token prompt in chunks of 512 moved 12.5x the bytes of one chunk), and resident prefill measured no
+    slower from 2,048 tokens up."""
+    if budget_bytes is None:
+        return min(seq_len, 4096)
+    for chunk in PREFILL_CHUNKS:
+        chunk = min(chunk, seq_len)
+        if prefill_workspace_bytes(args, chunk, seq_len, device, element) <= PREFILL_WORKSPACE_SHARE * budget_bytes:
+            return chunk
+    return min(PREFILL_CHUNKS[-1], seq_len)
+
+
+def prefill_workspace_bytes(args: ModelArgs, chunk: int, seq_len: int, device: torch.device, element: int) -> int:
     """Activations of one prefill chunk of T tokens against a cache of S = max_seq_len: the attention's expanded keys
     and values over S (and on the CPU, whose attention is the math kernel, the [h, T, S] scores), the chunk's
     queries, and the routed experts' pair buffers (T x top-k pairs: intermediate, output and its reordered copy in
     fp32), whichever layer kind is larger; plus the hidden states."""
-    t, s, h = options.prefill_chunk, options.max_seq_len, args.num_attention_heads
+    t, s, h = chunk, seq_len, args.num_attention_heads
     n, r, v = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
     attention = (s * h * (2 * n + r + 2 * v) * element  # expanded [S, h, n+v] and the keys [S, h, n+r]
-                 + t * h * (2 * (n + r) + v) * element + t * s)  # queries, output, the causal mask
-    if options.device.type != "cuda":
-        attention += t * s * h * 4 * 2  # scores and their softmax
+                 + t * h * (2 * (n + r) + v) * element)  # queries and output
+    if device.type != "cuda":
+        attention += t * s * (h * 4 * 2 + 1)  # the mask, scores and their softmax
     pairs = t * args.num_experts_per_tok
     experts = pairs * (2 * args.moe_intermediate_size * element + 2 * args.hidden_size * 4) + t * args.hidden_size * 4
     dense = t * max(args.intermediate_size, args.moe_intermediate_size * args.n_shared_experts) * element * 3
@@ -252,7 +274,7 @@ def plan_engine_memory(
     rows = options.max_batch_size * 2
     workspace = (
         rows * args.num_experts_per_tok * max(rows, 16) * (args.moe_intermediate_size * element + args.hidden_size * 4)
-        + prefill_workspace_bytes(args, options, element)
+        + prefill_workspace_bytes(args, options.prefill_chunk, options.max_seq_len, options.device, element)
         + prefill_staging_rows(fmt.record_bytes, args.n_routed_experts) * fmt.record_bytes  # prefill staging
         + 256 * 1024**2  # allocator slack, logits, small tensors
     )

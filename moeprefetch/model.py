@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from .config import ModelArgs
 from .kernels.norm import residual_norm_reference
@@ -97,9 +98,10 @@ def attention_expanded(
     k_nope, value = expanded.split([n, args.v_head_dim], dim=-1)
     keys = torch.cat((k_nope, k_rope[:, :, None].expand(b, s, heads, -1)), dim=-1)  # [B, S, h, n+r]
     queries = torch.cat((q_nope, q_rope), dim=-1)
-    key_pos = torch.arange(s, device=x.device)
-    query_pos = torch.arange(start, start + t, device=x.device)
-    causal = key_pos[None, :] <= query_pos[:, None]  # [T, S]
+    if x.is_cuda:  # the chunk's queries are the last T of S keys: causal aligned to the lower right, no mask tensor
+        causal = causal_lower_right(t, s)
+    else:
+        causal = torch.arange(s)[None, :] <= torch.arange(start, start + t)[:, None]  # [T, S]
     # a fused attention kernel (memory-efficient on CUDA): no [B, h, T, S] score tensor, so long prompts fit
     with sdpa_kernel(_PREFILL_BACKENDS) if x.is_cuda else nullcontext():
         out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys.transpose(1, 2), value.transpose(1, 2),

@@ -55,7 +55,8 @@ class EngineConfig:
     # shapes and formats
     max_seq_len: int | None = _opt(None, "longest sequence (default min(model limit, 4096))")
     max_batch_size: int = _opt(8, "largest batch of a call")
-    prefill_chunk: int = _opt(512, "prompt tokens per prefill step")
+    prefill_chunk: int | None = _opt(None, "prompt tokens per prefill step (default: the longest whose activations "
+                                           "fit a quarter of vram_budget, up to 8192; 4096 without a budget)")
     expert_dtype: str = _opt("model", "expert records on the wire: model, fp8 or int8")
     # mechanics
     pin_memory: bool = _opt(True, "page-lock the host expert store")
@@ -98,12 +99,12 @@ class EngineConfig:
             raise RequestError(f"unknown cache policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.expert_dtype not in EXPERT_DTYPES:
             raise RequestError(f"expert_dtype must be one of {', '.join(EXPERT_DTYPES)}, got {self.expert_dtype!r}")
-        for name in ("max_batch_size", "prefill_chunk", "stream_ahead", "lookahead"):
+        for name in ("max_batch_size", "stream_ahead", "lookahead"):
             check_positive_int(name, getattr(self, name))
         spare = self.spare_recent
         if not isinstance(spare, int) or isinstance(spare, bool) or not 0 <= spare <= 64:
             raise RequestError(f"spare_recent must be an integer from 0 to 64 (steps), got {spare!r}")
-        for name in ("max_inflight_experts", "stream_layers", "expert_cache_slots", "max_seq_len"):
+        for name in ("max_inflight_experts", "stream_layers", "expert_cache_slots", "max_seq_len", "prefill_chunk"):
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
         check_fraction("min_confidence", self.min_confidence, upper_open=False)

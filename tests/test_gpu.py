@@ -247,3 +247,20 @@ def test_prefill_staging_batches_on_the_copy_engine_keep_the_tokens(checkpoint_f
         stats = result.stats.to_dict()
         assert stats["prefill_bytes_h2d"] > 0 and not engine.residency.problems()
         engine.close()
+
+
+def test_chunked_prefill_on_gpu_matches_cpu_in_fp32(checkpoint_factory):
+    """Prompts longer than a chunk: later chunks attend to the cache through the lower-right causal bias on CUDA (a
+    mask tensor on the CPU); the same tokens in fp32, and the same first decode step within 1e-3."""
+    path = checkpoint_factory("v3_groups_qlora_yarn", max_position_embeddings=256)
+    prompts = [list(range(3, 43)), list(range(50, 67))]
+    runs = []
+    for device in ("cpu", "cuda"):
+        engine = MoEPrefetchEngine.from_pretrained(path, device=device, prefill_chunk=16, max_seq_len=128,
+                                                   expert_cache_slots=6)
+        result = engine.generate(prompts, max_new_tokens=6, stop_at_eos=False)
+        (step,) = engine._steps.values()
+        runs.append((result.sequences, step.logits.cpu()))
+        engine.close()
+    assert runs[0][0] == runs[1][0]
+    assert (runs[0][1] - runs[1][1]).abs().max().item() < 1e-3

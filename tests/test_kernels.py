@@ -332,6 +332,29 @@ def test_router_selection_matches_the_definition(shape):
 # ---- prefill's grouped GEMM ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("seed,tokens,block_m", [(0, 1, 4), (1, 37, 4), (2, 300, 64), (3, 129, 16)])
+def test_plan_blocks_cuts_each_experts_sorted_pairs_into_blocks(seed, tokens, block_m):
+    """The vectorised plan against its definition: pairs sorted by (expert's u, pair index), each expert's run cut
+    into blocks of at most block_m in order."""
+    from moeprefetch.kernels.grouped import plan_blocks
+
+    g = torch.Generator().manual_seed(seed)
+    k, n_experts = 3, 11
+    ids = torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(tokens)])
+    distinct = sorted(set(ids.flatten().tolist()))
+    u_of_expert = torch.zeros(n_experts, dtype=torch.int64)
+    u_of_expert[distinct] = torch.arange(len(distinct))
+    pair_token, order, blocks = plan_blocks(ids, u_of_expert, block_m)
+    pairs = sorted(range(tokens * k), key=lambda p: (distinct.index(int(ids.flatten()[p])), p))
+    assert order.tolist() == pairs and pair_token.tolist() == [p // k for p in pairs]
+    expected, start = [], 0
+    for u, e in enumerate(distinct):
+        count = int((ids == e).sum())
+        expected += [[u, start + f, min(block_m, count - f)] for f in range(0, count, block_m)]
+        start += count
+    assert blocks.tolist() == expected
+
+
 @pytest.mark.parametrize("dtype,expert_dtype,tolerance", [(torch.float32, "model", 1e-5), (torch.bfloat16, "fp8", 2e-2),
                                                           (torch.float32, "int8", 1e-5)])
 def test_grouped_prefill_experts_match_float64(dtype, expert_dtype, tolerance):
@@ -349,7 +372,9 @@ def test_grouped_prefill_experts_match_float64(dtype, expert_dtype, tolerance):
     tokens, k = BLOCK_M + 10, 2
     ids = torch.stack([torch.zeros(tokens, dtype=torch.int64), torch.randint(1, 5, (tokens,), generator=g)], 1)
     distinct = sorted(set(ids.flatten().tolist()))
-    pair_token, order, blocks = plan_blocks(ids, {e: u for u, e in enumerate(distinct)})
+    u_of_expert = torch.zeros(5, dtype=torch.int64)
+    u_of_expert[distinct] = torch.arange(len(distinct))
+    pair_token, order, blocks = plan_blocks(ids, u_of_expert)
     assert blocks.shape[0] >= len(distinct) + 1  # expert 0 needs two blocks
     keys = torch.tensor(distinct, dtype=torch.int32, device=DEVICE)
     slots = torch.tensor([1 if e == 3 else -1 for e in distinct], dtype=torch.int32, device=DEVICE)

@@ -59,3 +59,26 @@ def test_streaming_kicks_in_when_resident_weights_do_not_fit():
 def test_requested_streaming():
     p = plan(stream_layers=4, stream_ahead=1)
     assert len(p.streamed_layers) == 4 and p.stream_ahead == 1
+
+
+def test_the_automatic_prefill_chunk_is_the_longest_whose_activations_fit_a_quarter_of_the_budget(checkpoint_factory):
+    import torch
+
+    from moeprefetch import MoEPrefetchEngine
+    from moeprefetch.build import PREFILL_CHUNKS, auto_prefill_chunk, prefill_workspace_bytes
+    from moeprefetch.config import load_model_args
+
+    v3_path = checkpoint_factory("v3")
+    args = load_model_args(v3_path)
+    cuda = torch.device("cuda")
+    assert auto_prefill_chunk(args, 2048, cuda, 2, None) == 2048 and auto_prefill_chunk(args, 9000, cuda, 2, None) == 4096
+    for budget in (2 * MiB, 8 * MiB, 64 * MiB, GiB):
+        chunk = auto_prefill_chunk(args, 8192, cuda, 2, budget)
+        assert chunk in PREFILL_CHUNKS
+        fits = prefill_workspace_bytes(args, chunk, 8192, cuda, 2) <= budget / 4
+        longer = [c for c in PREFILL_CHUNKS if c > chunk]
+        assert fits or chunk == PREFILL_CHUNKS[-1]
+        assert all(prefill_workspace_bytes(args, c, 8192, cuda, 2) > budget / 4 for c in longer)
+    assert auto_prefill_chunk(args, 300, cuda, 2, GiB) == 300  # never longer than the context
+    assert MoEPrefetchEngine.from_pretrained(v3_path, progress=False, max_seq_len=64).options.prefill_chunk == 64
+    assert MoEPrefetchEngine.from_pretrained(v3_path, progress=False, prefill_chunk=5).options.prefill_chunk == 5

@@ -17,6 +17,7 @@ Output y [P, H] fp32 per sorted pair; `combine` returns [T, H] fp32.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -35,22 +36,36 @@ if HAS_TRITON:
     from .experts import _load_weight_tile, _record_bases
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64  # pairs per block, output features per program, reduction step
+
+
+@dataclass(frozen=True)
+class GroupedTiles:
+    """Launch shape of the grouped kernels; `block_m` also cuts the pairs into blocks (`plan_blocks`)."""
+
+    block_m: int = BLOCK_M
+    block_n: int = BLOCK_N
+    block_k: int = BLOCK_K
+    num_warps: int = 4
+    num_stages: int = 3
 logger = logging.getLogger(__name__)
 
 
-def plan_blocks(ids: torch.Tensor, u_of_expert: dict[int, int], block_m: int = BLOCK_M
+def plan_blocks(ids: torch.Tensor, u_of_expert: torch.Tensor, block_m: int = BLOCK_M
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids [T, k] (host) -> (pair_token [P], order [P]: the pair index t*k+j of each sorted pair, blocks [NB, 3])."""
+    """ids [T, k] (host), u_of_expert [E] (distinct index u of each routed expert) -> (pair_token [P], order [P]: the
+    pair index t*k+j of each sorted pair, blocks [NB, 3]). Tensor operations only: a long prompt has ~10^5 pairs
+    per layer, too many for a Python loop."""
     t, k = ids.shape
-    u = torch.tensor([u_of_expert[e] for e in ids.flatten().tolist()], dtype=torch.int64)
+    u = u_of_expert[ids.flatten()].long()
     order = torch.sort(u * (t * k) + torch.arange(t * k), stable=True).indices  # by expert, then pair index
-    counts = torch.bincount(u, minlength=len(u_of_expert)).tolist()
-    blocks, start = [], 0
-    for expert_u, count in enumerate(counts):
-        for first in range(0, count, block_m):
-            blocks.append((expert_u, start + first, min(block_m, count - first)))
-        start += count
-    return (order // k).to(torch.int32), order, torch.tensor(blocks, dtype=torch.int32).reshape(-1, 3)
+    counts = torch.bincount(u, minlength=int(u_of_expert.max()) + 1)
+    per_u = (counts + block_m - 1) // block_m  # blocks of each u
+    block_u = torch.repeat_interleave(torch.arange(counts.shape[0]), per_u)
+    nth = torch.arange(block_u.shape[0]) - torch.repeat_interleave(torch.cumsum(per_u, 0) - per_u, per_u)
+    first = (torch.cumsum(counts, 0) - counts)[block_u] + nth * block_m
+    count = torch.minimum(counts[block_u] - nth * block_m, torch.tensor(block_m))
+    blocks = torch.stack((block_u, first, count), 1).to(torch.int32).reshape(-1, 3)
+    return (order // k).to(torch.int32), order, blocks
 
 
 def grouped_reference(x: torch.Tensor, pair_token: torch.Tensor, blocks: torch.Tensor, u_key: torch.Tensor,
@@ -140,8 +155,9 @@ class GroupedExperts:
     """Prefill's routed experts: one grouped GEMM per projection over the slot pool and the host arena."""
 
     def __init__(self, fmt: ExpertFormat, pool: torch.Tensor, host: torch.Tensor | None, act_name: str,
-                 act: Callable[[torch.Tensor], torch.Tensor], use_kernels: bool):
+                 act: Callable[[torch.Tensor], torch.Tensor], use_kernels: bool, tiles: GroupedTiles | None = None):
         self.fmt, self.pool, self.host, self.act = fmt, pool, host, act
+        self.tiles = tiles or GroupedTiles()
         self.layout = RecordLayout.of(fmt)
         self.use_kernels = use_kernels and act_name in ACTIVATIONS
         self.act_code = ACTIVATIONS.get(act_name, 0)
@@ -174,18 +190,19 @@ class GroupedExperts:
         return y
 
     def launches(self, x, pair_token, blocks, u_key, u_slot, mid, y) -> list[Launch]:
-        lay = self.layout
+        lay, t = self.layout, self.tiles
         ieee = x.dtype == torch.float32
         common = dict(blocks_ptr=blocks, u_key_ptr=u_key, u_slot_ptr=u_slot, w_ptr=self._w, s_ptr=self._s,
                       delta_ptr=self._delta, H=lay.hidden, I=lay.intermediate, REC_W=lay.rec_w,
-                      REC_S=max(lay.rec_s, 1), BR=lay.block_rows, BC=lay.block_cols, QUANT=lay.quantized, BM=BLOCK_M,
-                      BN=BLOCK_N, BK=BLOCK_K, IEEE=ieee, DOT_F32=INTERPRET and not ieee)
+                      REC_S=max(lay.rec_s, 1), BR=lay.block_rows, BC=lay.block_cols, QUANT=lay.quantized,
+                      BM=t.block_m, BN=t.block_n, BK=t.block_k, IEEE=ieee, DOT_F32=INTERPRET and not ieee)
+        shape = dict(num_warps=t.num_warps, num_stages=t.num_stages)
         n_blocks = blocks.shape[0]
         return [
-            Launch(_grouped_gate_up_kernel, (n_blocks, triton.cdiv(lay.intermediate, BLOCK_N)), x_ptr=x,
+            Launch(_grouped_gate_up_kernel, (n_blocks, triton.cdiv(lay.intermediate, t.block_n)), **shape, x_ptr=x,
                    pair_token_ptr=pair_token, mid_ptr=mid, GATE_W=lay.gate_w, UP_W=lay.up_w, GATE_S=lay.gate_s,
                    UP_S=lay.up_s, SCOLS=triton.cdiv(lay.hidden, lay.block_cols), ACT=self.act_code, **common),
-            Launch(_grouped_down_kernel, (n_blocks, triton.cdiv(lay.hidden, BLOCK_N)), mid_ptr=mid, y_ptr=y,
-                   DOWN_W=lay.down_w, DOWN_S=lay.down_s, SCOLS=triton.cdiv(lay.intermediate, lay.block_cols),
-                   **common),
+            Launch(_grouped_down_kernel, (n_blocks, triton.cdiv(lay.hidden, t.block_n)), **shape, mid_ptr=mid,
+                   y_ptr=y, DOWN_W=lay.down_w, DOWN_S=lay.down_s,
+                   SCOLS=triton.cdiv(lay.intermediate, lay.block_cols), **common),
         ]

@@ -246,7 +246,7 @@ class Residency:
         if self._belady_prefill:
             self.planner.step_start(False, self.next_use)
         ids_host = ids.cpu()  # the layer's one host synchronisation
-        distinct = sorted(set(ids_host.flatten().tolist()))
+        distinct = torch.unique(ids_host).tolist()  # sorted
         if self.prefill_log is not None:
             self.prefill_log.append((layer, distinct))
         exact = torch.tensor(distinct, dtype=torch.int64, device=self.device)[:, None]
@@ -284,7 +284,9 @@ class Residency:
         for i, batch in enumerate(batches):
             for j, u in enumerate(batch):
                 slots[u], group[u] = self.n_slots + (i % 2) * half + j, i + 1
-        pair_token, order, blocks = plan_blocks(ids_host, {e: u for u, e in enumerate(distinct)})
+        u_of_expert = torch.zeros(self.n_experts, dtype=torch.int64)
+        u_of_expert[distinct] = torch.arange(len(distinct))
+        pair_token, order, blocks = plan_blocks(ids_host, u_of_expert, self.grouped.tiles.block_m)
         dev = self.device
         block_group = torch.tensor(group, dtype=torch.int64)[blocks[:, 0].long()]
         args = (x.contiguous(), pair_token.to(dev, non_blocking=True),
