@@ -796,6 +796,13 @@ def bench_prefill(name: str, path: Path, args: argparse.Namespace, device: torch
                     engine.options = dataclasses.replace(engine.options, prefill_chunk=chunk)
                     emit({"workload": workload, **prefill_row(engine, system, prompts, chunk, peak,
                                                               args.budget_gib if extra else None)})
+                if args.profile and n == max(lengths):
+                    engine.options = dataclasses.replace(engine.options, prefill_chunk=max(chunks))
+                    try:
+                        emit({"workload": workload, **prefill_profile(engine, system, prompts[0])})
+                    except Exception as exc:
+                        emit({"workload": workload, "system": f"{system}_profile",
+                              "failed": f"{type(exc).__name__}: {exc}"})
             engine.close()
         except Exception as exc:
             emit({"workload": workload, "system": system, "failed": f"{type(exc).__name__}: {exc}",
@@ -839,6 +846,35 @@ def prefill_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]]
             "must_fetch_bytes": fetch, "link_bound_tokens_per_s": link_bound,
             "fraction_of_link_bound": tps / link_bound if link_bound else None,
             "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if torch.cuda.is_available() else None}
+
+
+def prefill_profile(engine: MoEPrefetchEngine, system: str, prompt: list[int]) -> dict[str, Any]:
+    """Where one prompt's prefill time goes (cold cache, after a warm-up): CUDA kernel time by kind and the longest
+    kernels, and the GPU's busy time against the span of the prefill (the gaps are the host: per-layer plans and
+    synchronisations) and the wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.reset_expert_cache()
+    engine.generate([prompt], max_new_tokens=1, stop_at_eos=False)
+    engine.reset_expert_cache()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        stats = engine.generate([prompt], max_new_tokens=1, stop_at_eos=False).stats.to_dict()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() >= 0]
+    kinds = (("grouped_experts", ("_grouped",)), ("attention", ("fmha", "flash", "attention", "efficient")),
+             ("gemm", ("nvjet", "cutlass", "gemm", "sm90", "cublas")), ("copy", ("Memcpy",)))
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        kind = next((k for k, prefixes in kinds if any(p in e.name for p in prefixes)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + e.time_range.elapsed_us() / 1000
+        by_name[e.name[:70]] = by_name.get(e.name[:70], 0.0) + e.time_range.elapsed_us() / 1000
+    spans = [(e.time_range.start, e.time_range.end) for e in kernels if not e.name.startswith("Memcpy")]
+    return {"system": f"{system}_profile", "prompt_tokens": len(prompt), "prefill_chunk": engine.options.prefill_chunk,
+            "prefill_seconds_traced": stats["prefill_seconds"],
+            "kernel_busy_ms": _union(spans) / 1000,
+            "kernel_span_ms": (max(e for _, e in spans) - min(s for s, _ in spans)) / 1000 if spans else None,
+            "ms_by_kind": by_kind,
+            "top_kernels_ms": sorted(by_name.items(), key=lambda kv: -kv[1])[:15]}
 
 
 def transformers_prefill_rows(path: Path, lengths: list[int], vocab: int, runs: int) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ Rows (medians of CUDA-event timings after a warm-up, each repeated inside a CUDA
     python scripts/bench_kernels.py --out /tmp/kernels.json
     python scripts/bench_kernels.py --out /tmp/tiles.json --tiles-sweep   # the expert kernel's tile choices
     python scripts/bench_kernels.py --out /tmp/host.json --host-sweep     # tile choices for misses read from host
+    python scripts/bench_kernels.py --out /tmp/grouped.json --grouped-sweep  # prefill's grouped GEMM tiles
 """
 
 from __future__ import annotations
@@ -169,17 +170,68 @@ def host_sweep(out: Path, layers: int = 8, step_rows: tuple[int, ...] = (1,),
     return 0
 
 
+GROUPED_CANDIDATES = (  # (block_m, block_n, block_k, num_warps, num_stages); the first is the engine's default
+    (64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4),
+    (64, 128, 64, 8, 4), (128, 256, 64, 8, 3),
+)
+
+
+def grouped_sweep(out: Path, tokens: int = 4096) -> int:
+    """Prefill's grouped expert GEMMs at V2-Lite's shape: one MoE layer, every expert in VRAM, `tokens` tokens routed
+    at random (top-6 of 64), with each tile choice; TFLOP/s of the useful multiplies, against cuBLAS on a dense GEMM
+    pair of the same FLOPs."""
+    from moeprefetch.kernels.grouped import GroupedExperts, GroupedTiles, plan_blocks
+
+    dev = torch.device("cuda")
+    fmt = ExpertFormat.build(2048, 1408, torch.bfloat16)
+    n_experts, top_k = 64, 6
+    pool = (torch.randn(n_experts, fmt.record_bytes // 2, device=dev, dtype=torch.bfloat16) * 0.02).view(torch.uint8)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(n_experts, generator=g)[:top_k] for _ in range(tokens)])
+    x = torch.randn(tokens, fmt.hidden, device=dev, dtype=torch.bfloat16)
+    keys = torch.arange(n_experts, dtype=torch.int32, device=dev)
+    pairs = tokens * top_k
+    flops = pairs * 3 * fmt.hidden * fmt.intermediate * 2
+    a = torch.randn(pairs, fmt.hidden, device=dev, dtype=torch.bfloat16)
+    w1 = torch.randn(fmt.hidden, 2 * fmt.intermediate, device=dev, dtype=torch.bfloat16)
+    w2 = torch.randn(fmt.intermediate, fmt.hidden, device=dev, dtype=torch.bfloat16)
+    m = torch.empty(pairs, fmt.intermediate, device=dev, dtype=torch.bfloat16)
+    cublas_ms = timed(lambda: (torch.mm(a, w1), torch.mm(m, w2)), repeats=10)
+    rows = []
+    for tiles_tuple in GROUPED_CANDIDATES:
+        tiles = GroupedTiles(*tiles_tuple)
+        kernel = GroupedExperts(fmt, pool, None, "silu", F.silu, use_kernels=True, tiles=tiles)
+        pair_token, _, blocks = plan_blocks(ids, torch.arange(n_experts), tiles.block_m)
+        pt, bl = pair_token.to(dev), blocks.to(dev)
+        try:
+            ms = timed(lambda: kernel(x, pt, bl, keys, keys), repeats=10)
+        except Exception as exc:  # a tile the compiler rejects
+            rows.append({"tiles": tiles_tuple, "failed": f"{type(exc).__name__}: {exc}"[:200]})
+            continue
+        rows.append({"tiles": tiles_tuple, "ms": ms, "tflops": flops / ms / 1e9})
+        print(rows[-1], flush=True)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": tokens, "pairs": pairs,
+              "cublas_same_flops_ms": cublas_ms, "cublas_tflops": flops / cublas_ms / 1e9, "rows": rows}
+    print({k: v for k, v in result.items() if k != "rows"}, flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tiles-sweep", action="store_true", help="only time the expert kernel's tile choices")
     parser.add_argument("--host-sweep", action="store_true", help="only time tile choices on misses read from host")
+    parser.add_argument("--grouped-sweep", action="store_true", help="only time prefill's grouped GEMM tiles")
     parser.add_argument("--step-rows", default="1", help="--host-sweep: step shapes (comma list of most rows)")
     parser.add_argument("--missed", default="", help="--host-sweep: only these missed counts (comma list)")
     parser.add_argument("--tiles", default="", help="--host-sweep: only these tiles (i,h,k,warps,stages;...)")
     ns = parser.parse_args()
     if ns.tiles_sweep:
         return tiles_sweep(ns.out)
+    if ns.grouped_sweep:
+        return grouped_sweep(ns.out)
     if ns.host_sweep:
         cases = tuple((int(m), False) for m in ns.missed.split(",")) if ns.missed else host_sweep.__defaults__[2]
         tiles = tuple(tuple(int(v) for v in t.split(",")) for t in ns.tiles.split(";") if t)
