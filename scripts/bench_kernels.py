@@ -176,7 +176,7 @@ GROUPED_CANDIDATES = (  # (block_m, block_n, block_k, num_warps, num_stages); th
 )
 
 
-def grouped_sweep(out: Path, tokens: int = 4096) -> int:
+def grouped_sweep(out: Path, tokens: int = 4096, candidates: tuple[tuple[int, ...], ...] = ()) -> int:
     """Prefill's grouped expert GEMMs at V2-Lite's shape: one MoE layer, every expert in VRAM, `tokens` tokens routed
     at random (top-6 of 64), with each tile choice; TFLOP/s of the useful multiplies, against cuBLAS on a dense GEMM
     pair of the same FLOPs."""
@@ -198,7 +198,7 @@ def grouped_sweep(out: Path, tokens: int = 4096) -> int:
     m = torch.empty(pairs, fmt.intermediate, device=dev, dtype=torch.bfloat16)
     cublas_ms = timed(lambda: (torch.mm(a, w1), torch.mm(m, w2)), repeats=10)
     rows = []
-    for tiles_tuple in GROUPED_CANDIDATES:
+    for tiles_tuple in candidates or GROUPED_CANDIDATES:
         tiles = GroupedTiles(*tiles_tuple)
         kernel = GroupedExperts(fmt, pool, None, "silu", F.silu, use_kernels=True, tiles=tiles)
         pair_token, _, blocks = plan_blocks(ids, torch.arange(n_experts), tiles.block_m)
@@ -224,14 +224,18 @@ def main() -> int:
     parser.add_argument("--tiles-sweep", action="store_true", help="only time the expert kernel's tile choices")
     parser.add_argument("--host-sweep", action="store_true", help="only time tile choices on misses read from host")
     parser.add_argument("--grouped-sweep", action="store_true", help="only time prefill's grouped GEMM tiles")
+    parser.add_argument("--grouped-tokens", default="4096", help="--grouped-sweep: prompt tokens (comma list)")
     parser.add_argument("--step-rows", default="1", help="--host-sweep: step shapes (comma list of most rows)")
     parser.add_argument("--missed", default="", help="--host-sweep: only these missed counts (comma list)")
-    parser.add_argument("--tiles", default="", help="--host-sweep: only these tiles (i,h,k,warps,stages;...)")
+    parser.add_argument("--tiles", default="", help="--host-sweep / --grouped-sweep: only these tiles (;-separated)")
     ns = parser.parse_args()
     if ns.tiles_sweep:
         return tiles_sweep(ns.out)
     if ns.grouped_sweep:
-        return grouped_sweep(ns.out)
+        tiles = tuple(tuple(int(v) for v in t.split(",")) for t in ns.tiles.split(";") if t)
+        for tokens in (int(v) for v in ns.grouped_tokens.split(",")):
+            grouped_sweep(ns.out.with_name(f"{ns.out.stem}_{tokens}{ns.out.suffix}"), tokens, tiles)
+        return 0
     if ns.host_sweep:
         cases = tuple((int(m), False) for m in ns.missed.split(",")) if ns.missed else host_sweep.__defaults__[2]
         tiles = tuple(tuple(int(v) for v in t.split(",")) for t in ns.tiles.split(";") if t)
