@@ -355,11 +355,25 @@ def test_plan_blocks_cuts_each_experts_sorted_pairs_into_blocks(seed, tokens, bl
     assert blocks.tolist() == expected
 
 
-@pytest.mark.parametrize("dtype,expert_dtype,tolerance", [(torch.float32, "model", 1e-5), (torch.bfloat16, "fp8", 2e-2),
-                                                          (torch.float32, "int8", 1e-5)])
-def test_grouped_prefill_experts_match_float64(dtype, expert_dtype, tolerance):
-    """Blocks of one expert's pairs (one expert with more pairs than a block), experts in slots and in host memory."""
-    from moeprefetch.kernels.grouped import BLOCK_M, GroupedExperts, plan_blocks
+def test_grouped_tiles_follow_the_calls_shape_not_its_routing():
+    from moeprefetch.kernels.grouped import LONG_BLOCK_PAIRS, GroupedExperts, GroupedTiles
+
+    fmt = ExpertFormat.build(96, 72, torch.float32)
+    pool = torch.zeros(2, fmt.record_bytes, dtype=torch.uint8)
+    grouped = GroupedExperts(fmt, pool, None, "silu", F.silu, use_kernels=False)
+    assert grouped.tiles_for(LONG_BLOCK_PAIRS * 64, 64).block_m == 128
+    assert grouped.tiles_for(LONG_BLOCK_PAIRS * 64 - 1, 64).block_m == 64
+    fixed = GroupedTiles(block_m=32, block_n=32)
+    assert GroupedExperts(fmt, pool, None, "silu", F.silu, False, tiles=fixed).tiles_for(10**6, 64) == fixed
+
+
+@pytest.mark.parametrize("dtype,expert_dtype,tolerance,long_blocks", [
+    (torch.float32, "model", 1e-5, False), (torch.bfloat16, "fp8", 2e-2, False), (torch.float32, "int8", 1e-5, False),
+    (torch.bfloat16, "model", 2e-2, True)])
+def test_grouped_prefill_experts_match_float64(dtype, expert_dtype, tolerance, long_blocks):
+    """Blocks of one expert's pairs (one expert with more pairs than a block), experts in slots and in host memory;
+    with the 64-pair blocks of short prompts and the 128-pair blocks of long ones."""
+    from moeprefetch.kernels.grouped import LONG_BLOCK_TILES, GroupedExperts, GroupedTiles, plan_blocks
     from moeprefetch.model import combine_expert_outputs
 
     g = torch.Generator().manual_seed(11)
@@ -369,19 +383,20 @@ def test_grouped_prefill_experts_match_float64(dtype, expert_dtype, tolerance):
         host = host.pin_memory()
     pool = torch.zeros(3, fmt.record_bytes, dtype=torch.uint8, device=DEVICE)
     pool[1].copy_(host[3])
-    tokens, k = BLOCK_M + 10, 2
+    tiles = LONG_BLOCK_TILES if long_blocks else GroupedTiles()
+    tokens, k = tiles.block_m + 10, 2
     ids = torch.stack([torch.zeros(tokens, dtype=torch.int64), torch.randint(1, 5, (tokens,), generator=g)], 1)
     distinct = sorted(set(ids.flatten().tolist()))
     u_of_expert = torch.zeros(5, dtype=torch.int64)
     u_of_expert[distinct] = torch.arange(len(distinct))
-    pair_token, order, blocks = plan_blocks(ids, u_of_expert)
+    pair_token, order, blocks = plan_blocks(ids, u_of_expert, tiles.block_m)
     assert blocks.shape[0] >= len(distinct) + 1  # expert 0 needs two blocks
     keys = torch.tensor(distinct, dtype=torch.int32, device=DEVICE)
     slots = torch.tensor([1 if e == 3 else -1 for e in distinct], dtype=torch.int32, device=DEVICE)
     x = torch.randn(tokens, fmt.hidden, generator=g).to(dtype).to(DEVICE)
     weights = torch.rand(tokens, k, generator=g).to(DEVICE)
     grouped = GroupedExperts(fmt, pool, host, "silu", F.silu, use_kernels=True)
-    y = grouped(x, pair_token.to(DEVICE), blocks.to(DEVICE), keys, slots)
+    y = grouped(x, pair_token.to(DEVICE), blocks.to(DEVICE), keys, slots, tiles=tiles)
     products = torch.empty_like(y)
     products[order.to(DEVICE)] = y
     out = combine_expert_outputs(products.view(tokens, k, -1), weights, None).cpu().double()

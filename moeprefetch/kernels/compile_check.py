@@ -63,7 +63,7 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
     from ..experts import ExpertFormat
     from ..residency.state import ResidencyConfig, TableState
     from .experts import RoutedExperts
-    from .grouped import GroupedExperts
+    from .grouped import LONG_BLOCK_TILES, GroupedExperts, GroupedTiles
     from .fill import Filler
     from .plan import Planner
 
@@ -107,9 +107,10 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
     blocks = torch.zeros(4, 3, dtype=torch.int32)
     pairs = torch.zeros(64, dtype=torch.int32)
     mid = torch.zeros(64, intermediate, dtype=torch.bfloat16)
-    for name, launch in zip(("grouped_gate_up", "grouped_down"),
-                            grouped.launches(x, pairs, blocks, u_vec, u_vec, mid, torch.zeros(64, hidden))):
-        launches[name] = launch
+    for tiles, tag in ((GroupedTiles(), ""), (LONG_BLOCK_TILES, "_long")):  # short and long prompts' blocks
+        for name, launch in zip(("grouped_gate_up", "grouped_down"),
+                                grouped.launches(x, pairs, blocks, u_vec, u_vec, mid, torch.zeros(64, hidden), tiles)):
+            launches[name + tag] = launch
     launches.update(layer_launches(hidden, experts, top_k))
     return launches
 

@@ -47,6 +47,13 @@ class GroupedTiles:
     block_k: int = BLOCK_K
     num_warps: int = 4
     num_stages: int = 3
+
+
+# Measured on the H200 at V2-Lite's shape (experiments/results/grouped_h200.json, one MoE layer): 128-pair blocks
+# run the layer in 1.43 / 4.52 ms against 1.82 / 6.17 ms for 64-pair blocks at 2,048 / 8,192 tokens (about 190 and
+# 750 pairs per expert), and lose at 512 tokens (48 pairs per expert: 0.80 against 0.65 ms).
+LONG_BLOCK_TILES = GroupedTiles(block_m=128)
+LONG_BLOCK_PAIRS = 128  # pairs per expert, on average over the model's experts, from which LONG_BLOCK_TILES run
 logger = logging.getLogger(__name__)
 
 
@@ -157,7 +164,7 @@ class GroupedExperts:
     def __init__(self, fmt: ExpertFormat, pool: torch.Tensor, host: torch.Tensor | None, act_name: str,
                  act: Callable[[torch.Tensor], torch.Tensor], use_kernels: bool, tiles: GroupedTiles | None = None):
         self.fmt, self.pool, self.host, self.act = fmt, pool, host, act
-        self.tiles = tiles or GroupedTiles()
+        self.fixed_tiles = tiles  # a benchmark's choice; otherwise chosen per call by `tiles_for`
         self.layout = RecordLayout.of(fmt)
         self.use_kernels = use_kernels and act_name in ACTIVATIONS
         self.act_code = ACTIVATIONS.get(act_name, 0)
@@ -168,10 +175,19 @@ class GroupedExperts:
             self._w = pool.view(fmt.payload_dtype)
             self._s = pool.view(torch.float32) if fmt.quantized else self._w
 
+    def tiles_for(self, pairs: int, n_experts: int) -> GroupedTiles:
+        """The tiles of a call with `pairs` (token, expert) pairs over a model of `n_experts` routed experts: by the
+        call's shape, never by its routing."""
+        if self.fixed_tiles is not None:
+            return self.fixed_tiles
+        return LONG_BLOCK_TILES if pairs >= LONG_BLOCK_PAIRS * n_experts else GroupedTiles()
+
     def __call__(self, x: torch.Tensor, pair_token: torch.Tensor, blocks: torch.Tensor, u_key: torch.Tensor,
-                 u_slot: torch.Tensor, y: torch.Tensor | None = None, mid: torch.Tensor | None = None) -> torch.Tensor:
+                 u_slot: torch.Tensor, y: torch.Tensor | None = None, mid: torch.Tensor | None = None,
+                 tiles: GroupedTiles | None = None) -> torch.Tensor:
         """y [P, H] fp32: each sorted pair's expert output. Given `y` (and `mid`, the [P, I] intermediate), only the
-        pairs of `blocks` are written, so a layer may run its experts in several calls into one buffer."""
+        pairs of `blocks` are written, so a layer may run its experts in several calls into one buffer. `tiles` must
+        be those whose block_m cut the blocks (default: the fixed tiles, else the 64-pair ones)."""
         if not self.use_kernels:
             return grouped_reference(x, pair_token, blocks, u_key, u_slot, self.pool, self.host, self.fmt, self.act,
                                      out=y)
@@ -180,17 +196,18 @@ class GroupedExperts:
         if y is None:
             y = torch.empty(pair_token.shape[0], self.fmt.hidden, dtype=torch.float32, device=x.device)
         try:
-            for launch in self.launches(x.contiguous(), pair_token, blocks, u_key, u_slot, mid, y):
+            tiles = tiles or self.fixed_tiles or GroupedTiles()
+            for launch in self.launches(x.contiguous(), pair_token, blocks, u_key, u_slot, mid, y, tiles):
                 launch()
         except (CompilationError, OutOfResources) as exc:
             # a compiler that rejects the kernel must not take prefill down: the definition computes the same
             logger.warning("the grouped prefill kernel did not compile here (%s); prefill uses the reference", exc)
             self.use_kernels = False
-            return self(x, pair_token, blocks, u_key, u_slot, y=y)
+            return self(x, pair_token, blocks, u_key, u_slot, y=y, tiles=tiles)
         return y
 
-    def launches(self, x, pair_token, blocks, u_key, u_slot, mid, y) -> list[Launch]:
-        lay, t = self.layout, self.tiles
+    def launches(self, x, pair_token, blocks, u_key, u_slot, mid, y, tiles: GroupedTiles) -> list[Launch]:
+        lay, t = self.layout, tiles
         ieee = x.dtype == torch.float32
         common = dict(blocks_ptr=blocks, u_key_ptr=u_key, u_slot_ptr=u_slot, w_ptr=self._w, s_ptr=self._s,
                       delta_ptr=self._delta, H=lay.hidden, I=lay.intermediate, REC_W=lay.rec_w,

@@ -286,7 +286,8 @@ class Residency:
                 slots[u], group[u] = self.n_slots + (i % 2) * half + j, i + 1
         u_of_expert = torch.zeros(self.n_experts, dtype=torch.int64)
         u_of_expert[distinct] = torch.arange(len(distinct))
-        pair_token, order, blocks = plan_blocks(ids_host, u_of_expert, self.grouped.tiles.block_m)
+        tiles = self.grouped.tiles_for(ids_host.numel(), self.n_experts)
+        pair_token, order, blocks = plan_blocks(ids_host, u_of_expert, tiles.block_m)
         dev = self.device
         block_group = torch.tensor(group, dtype=torch.int64)[blocks[:, 0].long()]
         args = (x.contiguous(), pair_token.to(dev, non_blocking=True),
@@ -298,7 +299,8 @@ class Residency:
         def compute(g: int) -> None:
             chosen = blocks[block_group == g]
             if chosen.shape[0]:
-                self.grouped(args[0], args[1], chosen.to(dev, non_blocking=True), args[2], args[3], y=y, mid=mid)
+                self.grouped(args[0], args[1], chosen.to(dev, non_blocking=True), args[2], args[3], y=y, mid=mid,
+                             tiles=tiles)
 
         def stage(i: int) -> None:
             for j, u in enumerate(batches[i]):
