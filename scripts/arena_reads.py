@@ -7,7 +7,10 @@ host through the fused kernel) and the fill kernel, over arenas of different kin
   the layers' experts spread across it;
 - `registered_large_thp`: the same after madvise(MADV_HUGEPAGE), so the kernel may back it with 2 MiB pages.
 
-Medians of CUDA-event timings of `--layers` layers replayed as one CUDA graph, after a warm-up.
+Medians of CUDA-event timings of `--layers` layers replayed as one CUDA graph, after a warm-up. On the large arenas
+also `rotating`: before each replay the layers' keys are rewritten (on the device, outside the timed span) to experts
+drawn at random from the whole arena, as decode's misses are, so no replay finds its pages' address translations
+(GPU TLB, IOMMU) warm from the one before.
 
     python scripts/arena_reads.py --out /tmp/arena.json --arena-gib 26
 """
@@ -18,6 +21,7 @@ import argparse
 import ctypes
 import json
 import mmap
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -64,6 +68,42 @@ def time_layers(fmt: ExpertFormat, host: torch.Tensor, keys_of_layers: list[list
     return timed(run, graph=True, repeats=15) / len(plans)
 
 
+def time_rotating(fmt: ExpertFormat, host: torch.Tensor, layers: int, pool: torch.Tensor, repeats: int = 15) -> float:
+    """Median ms per layer when every replay reads `layers` x 6 experts drawn afresh from the whole arena."""
+    dev = pool.device
+    kernel = RoutedExperts(fmt, pool, host, "silu", F.silu, 1, 6, use_kernels=True)
+    x = torch.randn(1, fmt.hidden, device=dev, dtype=torch.bfloat16)
+    w = torch.rand(1, 6, device=dev)
+    o = torch.empty(1, fmt.hidden, device=dev)
+    assign = torch.arange(6, dtype=torch.int32, device=dev)[None]
+    none = torch.full((6,), -1, dtype=torch.int32, device=dev)
+    keys = torch.zeros(layers, 6, dtype=torch.int32, device=dev)
+    g = torch.Generator().manual_seed(0)
+    draws = [torch.randperm(host.shape[0], generator=g)[: layers * 6].view(layers, 6).to(torch.int32).to(dev)
+             for _ in range(repeats + 3)]
+
+    def run() -> None:
+        for layer in range(layers):
+            kernel(x, assign, w, keys[layer], none, none, out=o, step_rows=1)
+
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    times = []
+    for i, draw in enumerate(draws):
+        keys.copy_(draw)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if i >= 3:  # warm-up replays
+            times.append(start.elapsed_time(end))
+    return statistics.median(times) / layers
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
@@ -95,8 +135,10 @@ def main() -> int:
         assert pin.pinned, pin.message
         ms = time_layers(fmt, arena, spread, pool)
         ms_dense = time_layers(fmt, arena, keys, pool)
+        ms_rotating = time_rotating(fmt, arena, ns.layers, pool)
         rows[name] = {"ms_per_layer_spread": ms, "gbps_spread": layer_bytes / ms / 1e6, "ms_per_layer_dense": ms_dense,
-                      "gbps_dense": layer_bytes / ms_dense / 1e6, "setup_s": setup, "experts": n,
+                      "gbps_dense": layer_bytes / ms_dense / 1e6, "ms_per_layer_rotating": ms_rotating,
+                      "gbps_rotating": layer_bytes / ms_rotating / 1e6, "setup_s": setup, "experts": n,
                       "register_s": pin.seconds}
         copy_dst = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
         src = flat[n * rec // 2: n * rec // 2 + (64 << 20)]
