@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +52,8 @@ def mmap_arena(nbytes: int, huge: bool) -> tuple[torch.Tensor, mmap.mmap]:
     return torch.frombuffer(buf, dtype=torch.uint8), buf
 
 
-def time_layers(fmt: ExpertFormat, host: torch.Tensor, keys_of_layers: list[list[int]], pool: torch.Tensor) -> float:
+def layer_reader(fmt: ExpertFormat, host: torch.Tensor, pool: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    """One batch-1 MoE layer whose 6 experts (keys [6], on the device) are all read from host memory."""
     dev = pool.device
     kernel = RoutedExperts(fmt, pool, host, "silu", F.silu, 1, 6, use_kernels=True)
     x = torch.randn(1, fmt.hidden, device=dev, dtype=torch.bfloat16)
@@ -59,11 +61,16 @@ def time_layers(fmt: ExpertFormat, host: torch.Tensor, keys_of_layers: list[list
     o = torch.empty(1, fmt.hidden, device=dev)
     assign = torch.arange(6, dtype=torch.int32, device=dev)[None]
     none = torch.full((6,), -1, dtype=torch.int32, device=dev)
-    plans = [torch.tensor(k, dtype=torch.int32, device=dev) for k in keys_of_layers]
+    return lambda keys: kernel(x, assign, w, keys, none, none, out=o, step_rows=1)
+
+
+def time_layers(fmt: ExpertFormat, host: torch.Tensor, keys_of_layers: list[list[int]], pool: torch.Tensor) -> float:
+    read = layer_reader(fmt, host, pool)
+    plans = [torch.tensor(k, dtype=torch.int32, device=pool.device) for k in keys_of_layers]
 
     def run() -> None:
         for keys in plans:
-            kernel(x, assign, w, keys, none, none, out=o, step_rows=1)
+            read(keys)
 
     return timed(run, graph=True, repeats=15) / len(plans)
 
@@ -71,12 +78,7 @@ def time_layers(fmt: ExpertFormat, host: torch.Tensor, keys_of_layers: list[list
 def time_rotating(fmt: ExpertFormat, host: torch.Tensor, layers: int, pool: torch.Tensor, repeats: int = 15) -> float:
     """Median ms per layer when every replay reads `layers` x 6 experts drawn afresh from the whole arena."""
     dev = pool.device
-    kernel = RoutedExperts(fmt, pool, host, "silu", F.silu, 1, 6, use_kernels=True)
-    x = torch.randn(1, fmt.hidden, device=dev, dtype=torch.bfloat16)
-    w = torch.rand(1, 6, device=dev)
-    o = torch.empty(1, fmt.hidden, device=dev)
-    assign = torch.arange(6, dtype=torch.int32, device=dev)[None]
-    none = torch.full((6,), -1, dtype=torch.int32, device=dev)
+    read = layer_reader(fmt, host, pool)
     keys = torch.zeros(layers, 6, dtype=torch.int32, device=dev)
     g = torch.Generator().manual_seed(0)
     draws = [torch.randperm(host.shape[0], generator=g)[: layers * 6].view(layers, 6).to(torch.int32).to(dev)
@@ -84,7 +86,7 @@ def time_rotating(fmt: ExpertFormat, host: torch.Tensor, layers: int, pool: torc
 
     def run() -> None:
         for layer in range(layers):
-            kernel(x, assign, w, keys[layer], none, none, out=o, step_rows=1)
+            read(keys[layer])
 
     run()
     torch.cuda.synchronize()
