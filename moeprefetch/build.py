@@ -5,6 +5,7 @@ Everything a user can get wrong is checked here before anything large is allocat
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -140,7 +141,8 @@ def build_engine(cls: type["MoEPrefetchEngine"], path: str | Path, config: Engin
     reader = CheckpointReader(path)
     tokenizer = _load_tokenizer(path)
     has_mtp = _has_mtp(args, reader)
-    options = resolve_options(config, args, has_mtp, dev, torch_dtype, budget_bytes)
+    options = with_prefill_chunk(resolve_options(config, args, has_mtp, dev, torch_dtype), args, reader, has_mtp,
+                                 budget_bytes)
     block = (args.quant.block_rows, args.quant.block_cols) if args.quant else (128, 128)
     fmt = ExpertFormat.build(args.hidden_size, args.moe_intermediate_size, torch_dtype, config.expert_dtype, block)
     expert_layers = list(args.moe_layers) + ([args.mtp_layer_index] if has_mtp else [])
@@ -170,8 +172,9 @@ def build_engine(cls: type["MoEPrefetchEngine"], path: str | Path, config: Engin
 
 
 def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device: torch.device,
-                    dtype: torch.dtype, budget_bytes: int | None = None) -> EngineOptions:
-    """The options as the engine uses them, resolved against the checkpoint."""
+                    dtype: torch.dtype) -> EngineOptions:
+    """The options as the engine uses them, resolved against the checkpoint (an automatic prefill chunk is 0 here:
+    `with_prefill_chunk` settles it once the weights' size is known)."""
     # measured best recall, precision and hit rate of the predictors (BENCHMARKS.md, experiments/results)
     predictor = config.predictor or ("mtp+next_layer_gate" if has_mtp else "next_layer_gate")
     predictor_spec(predictor, config.lookahead, has_mtp)
@@ -179,16 +182,30 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
     if seq_len > args.max_position_embeddings:
         raise RequestError(
             f"max_seq_len={seq_len} exceeds the model's max_position_embeddings ({args.max_position_embeddings})")
-    element = torch.tensor([], dtype=dtype).element_size()
-    chunk = config.prefill_chunk or auto_prefill_chunk(args, seq_len, device, element, budget_bytes)
     return EngineOptions(
         device=device, dtype=dtype, policy=config.policy, predictor=predictor, lookahead=config.lookahead,
         prefetch_budget=float(config.prefetch_budget), max_inflight_experts=config.max_inflight_experts,
-        max_seq_len=seq_len, max_batch_size=config.max_batch_size, prefill_chunk=chunk,
+        max_seq_len=seq_len, max_batch_size=config.max_batch_size, prefill_chunk=config.prefill_chunk or 0,
         expert_dtype=config.expert_dtype, min_confidence=float(config.min_confidence),
         spare_recent=config.spare_recent,
         draft_experts=config.draft_experts, late_prefetch=config.late_prefetch, cuda_graphs=bool(config.cuda_graphs),
         fused_kernels=bool(config.fused_kernels), progress=bool(config.progress))
+
+
+def with_prefill_chunk(options: EngineOptions, args: ModelArgs, reader: CheckpointReader, has_mtp: bool,
+                       budget_bytes: int | None) -> EngineOptions:
+    """The options with the automatic prefill chunk settled, from the VRAM the budget leaves beside the weights and
+    the KV cache."""
+    if options.prefill_chunk:
+        return options
+    element = torch.tensor([], dtype=options.dtype).element_size()
+    room = None
+    if budget_bytes is not None:
+        resident, _ = resident_bytes(reader, args, element)
+        kv = KVCaches.bytes_per_token(args, options.dtype, has_mtp) * options.max_seq_len * options.max_batch_size
+        room = max(budget_bytes - resident - kv, 0)
+    chunk = auto_prefill_chunk(args, options.max_seq_len, options.device, element, room)
+    return dataclasses.replace(options, prefill_chunk=chunk)
 
 
 def _load(reader: CheckpointReader, args: ModelArgs, options: EngineOptions, plan: MemoryPlan, fmt: ExpertFormat,
@@ -220,40 +237,44 @@ def _load(reader: CheckpointReader, args: ModelArgs, options: EngineOptions, pla
 
 
 PREFILL_CHUNKS = (8192, 4096, 2048, 1024, 512, 256)  # the automatic chunk's candidates, longest first
-PREFILL_WORKSPACE_SHARE = 0.25  # of a VRAM budget, at most, for one chunk's activations
+PREFILL_WORKSPACE_SHARE = 1 / 8  # at most, of the VRAM the budget leaves beside weights and KV cache
 
 
 def auto_prefill_chunk(args: ModelArgs, seq_len: int, device: torch.device, element: int,
-                       budget_bytes: int | None) -> int:
+                       room_bytes: int | None) -> int:
     """Prompt tokens per prefill chunk when none is given: the longest candidate (up to the context) whose
-    activations fit a quarter of the VRAM budget, or 4,096 without one. Every expert a chunk touches crosses the link
-    once per chunk, so offloaded prefill moves fewer bytes with longer chunks (measured on the H200, BENCHMARKS.md:
-    an 8,192-token prompt in chunks of 512 moved 12.5x the bytes of one chunk), and resident prefill measured no
-    slower from 2,048 tokens up."""
-    if budget_bytes is None:
-        return min(seq_len, 4096)
+    activations take at most an eighth of `room_bytes`, the VRAM a budget leaves beside the weights and the KV cache
+    (the expert cache gets the rest), or without a budget 4,096 on CUDA and 512 on the CPU. Every expert a chunk touches crosses the link once
+    per chunk, so offloaded prefill moves fewer bytes with longer chunks (measured on the H200, BENCHMARKS.md: an
+    8,192-token prompt in chunks of 512 moved 12.5x the bytes of one chunk), and resident prefill measured no
+    slower from 2,048 tokens up; but the chunk's activations come out of the expert cache, which decode needs."""
+    if room_bytes is None:  # the CPU's math attention holds [h, T, S] scores: keep its chunks short
+        return min(seq_len, 4096 if device.type == "cuda" else 512)
     for chunk in PREFILL_CHUNKS:
         chunk = min(chunk, seq_len)
-        if prefill_workspace_bytes(args, chunk, seq_len, device, element) <= PREFILL_WORKSPACE_SHARE * budget_bytes:
+        if prefill_workspace_bytes(args, chunk, seq_len, device, element) <= PREFILL_WORKSPACE_SHARE * room_bytes:
             return chunk
     return min(PREFILL_CHUNKS[-1], seq_len)
 
 
 def prefill_workspace_bytes(args: ModelArgs, chunk: int, seq_len: int, device: torch.device, element: int) -> int:
-    """Activations of one prefill chunk of T tokens against a cache of S = max_seq_len: the attention's expanded keys
-    and values over S (and on the CPU, whose attention is the math kernel, the [h, T, S] scores), the chunk's
-    queries, and the routed experts' pair buffers (T x top-k pairs: intermediate, output and its reordered copy in
-    fp32), whichever layer kind is larger; plus the hidden states."""
+    """Activations of one prefill chunk of T tokens against a cache of S = max_seq_len: the attention's keys and values
+    expanded over S (and on the CPU, whose attention is the math kernel, the mask and the [h, T, S] scores), the
+    chunk's queries and output; then the larger of a MoE layer (the routed experts' T x top-k pair buffers:
+    intermediate, fp32 output and its reordered copy; plus the shared experts) and a dense layer's MLP; plus the hidden
+    states."""
     t, s, h = chunk, seq_len, args.num_attention_heads
     n, r, v = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
-    attention = (s * h * (2 * n + r + 2 * v) * element  # expanded [S, h, n+v] and the keys [S, h, n+r]
-                 + t * h * (2 * (n + r) + v) * element)  # queries and output
+    attention = (s * h * (n + v) * element  # kv_b_proj's expansion [S, h, n+v]
+                 + s * h * (n + r + v) * element  # the keys [S, h, n+r] and the values [S, h, v] as SDPA reads them
+                 + t * h * (2 * (n + r) + v) * element)  # queries (and their parts) and output
     if device.type != "cuda":
         attention += t * s * (h * 4 * 2 + 1)  # the mask, scores and their softmax
     pairs = t * args.num_experts_per_tok
-    experts = pairs * (2 * args.moe_intermediate_size * element + 2 * args.hidden_size * 4) + t * args.hidden_size * 4
-    dense = t * max(args.intermediate_size, args.moe_intermediate_size * args.n_shared_experts) * element * 3
-    return attention + max(experts + dense, dense) + t * args.hidden_size * (element + 4) * 4
+    routed = pairs * (2 * args.moe_intermediate_size * element + 2 * args.hidden_size * 4) + t * args.hidden_size * 4
+    shared = t * args.moe_intermediate_size * args.n_shared_experts * element * 3
+    dense = t * args.intermediate_size * element * 3
+    return attention + max(routed + shared, dense) + t * args.hidden_size * (element + 4) * 4
 
 
 def plan_engine_memory(

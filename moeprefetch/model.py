@@ -101,7 +101,7 @@ def attention_expanded(
     if x.is_cuda:  # the chunk's queries are the last T of S keys: causal aligned to the lower right, no mask tensor
         causal = causal_lower_right(t, s)
     else:
-        causal = torch.arange(s)[None, :] <= torch.arange(start, start + t)[:, None]  # [T, S]
+        causal = torch.arange(s, device=x.device)[None, :] <= torch.arange(start, start + t, device=x.device)[:, None]
     # a fused attention kernel (memory-efficient on CUDA): no [B, h, T, S] score tensor, so long prompts fit
     with sdpa_kernel(_PREFILL_BACKENDS) if x.is_cuda else nullcontext():
         out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys.transpose(1, 2), value.transpose(1, 2),

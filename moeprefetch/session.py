@@ -262,6 +262,7 @@ class Session:
     # ---- ends -----------------------------------------------------------------------------------------------------
     def _finish(self, prefill_counters: torch.Tensor) -> None:
         counters = self.res.end_call()
+        self.stats.extra["prefill_stall_seconds"] = self.res.staging_stall_seconds
         self.res.trace = None
         self._fill_counters(counters, prefill_counters)
 

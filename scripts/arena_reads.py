@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Does the host arena itself slow zero-copy reads? One V2-Lite expert layer at batch 1 (6 experts, all read from
-host through the fused kernel) and the fill kernel, over arenas of different kinds:
+host through the fused kernel), over arenas of different kinds, and the copy engine from each:
 
 - `pinned_small`: `pin_memory()` of 48 experts (what bench_kernels.py times);
 - `registered_large`: one ordinary arena of `--arena-gib` registered with cudaHostRegister, like the engine's store,

@@ -775,38 +775,43 @@ def bench_prefill(name: str, path: Path, args: argparse.Namespace, device: torch
     resident prefill at the same lengths (`prefill_transformers`)."""
     config = json.loads((path / "config.json").read_text())
     lengths = [int(v) for v in args.prefill_lengths.split(",") if v]
-    chunks = sorted(int(v) for v in (args.prefill_chunks or str(EngineConfig.prefill_chunk)).split(","))
+    chunks = sorted(int(v) for v in args.prefill_chunks.split(",") if v)  # none given: the engine's own choice
     workload = name + (f"#{args.variant}" if args.variant else "")
     peak = link.get("h2d_peak_gbps", float("nan")) * 1e9
     common = dict(device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                  progress=False, max_batch_size=1, max_seq_len=max(lengths) + 8,
-                  prefill_chunk=max(chunks))  # memory planned for the largest chunk
+                  progress=False, max_batch_size=1, max_seq_len=max(lengths) + 8)
+    if chunks:
+        common["prefill_chunk"] = max(chunks)  # memory planned for the largest chunk
     for system, extra in (("prefill_resident", {}), ("prefill_offloaded", {"vram_budget": f"{args.budget_gib}GiB"})):
         if args.systems and system not in args.systems.split(","):
             continue
+        engine = None
         try:
             engine = MoEPrefetchEngine.from_pretrained(path, **common, **extra)
             if extra and engine.residency.store is None:  # the budget holds every expert: offload a fixed share
                 slots = max(int(round(args.cache_fraction * engine.plan.total_experts)), 8)
                 engine.close()
                 engine = MoEPrefetchEngine.from_pretrained(path, **common, expert_cache_slots=slots)
+            own = engine.options.prefill_chunk
             for n in lengths:
                 prompts = prompts_for(path, None, config["vocab_size"], args.runs, n, seed=4)
-                for chunk in sorted({min(c, n) for c in chunks}):
+                for chunk in sorted({min(c, n) for c in chunks or [own]}):
                     engine.options = dataclasses.replace(engine.options, prefill_chunk=chunk)
                     emit({"workload": workload, **prefill_row(engine, system, prompts, chunk, peak,
                                                               args.budget_gib if extra else None)})
                 if args.profile and n == max(lengths):
-                    engine.options = dataclasses.replace(engine.options, prefill_chunk=max(chunks))
+                    engine.options = dataclasses.replace(engine.options, prefill_chunk=max(chunks or [own]))
                     try:
                         emit({"workload": workload, **prefill_profile(engine, system, prompts[0])})
                     except Exception as exc:
                         emit({"workload": workload, "system": f"{system}_profile",
                               "failed": f"{type(exc).__name__}: {exc}"})
-            engine.close()
         except Exception as exc:
             emit({"workload": workload, "system": system, "failed": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc(limit=4)})
+        finally:
+            if engine is not None:
+                engine.close()
         _free()
     if not args.systems or "prefill_transformers" in args.systems.split(","):
         try:
@@ -881,6 +886,7 @@ def transformers_prefill_rows(path: Path, lengths: list[int], vocab: int, runs: 
     """The peer: transformers' own model, every weight in VRAM (bf16), one forward over the prompt with its cache."""
     from transformers import AutoModelForCausalLM
 
+    torch.cuda.reset_peak_memory_stats()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, device_map="cuda").eval()
     rows = []
     for n in lengths:
@@ -980,7 +986,9 @@ def main(argv: list[str] | None = None) -> int:
     def emit(row: dict[str, Any]) -> None:
         row = {k: v for k, v in row.items() if k != "sequences"} | ({"sequences": row["sequences"][:1]}
                                                                      if "sequences" in row else {})
-        identity = ("workload", "system", "prompt_tokens", "prefill_chunk")  # prefill rows: one per length and chunk
+        # a row replaces the earlier one of its workload and system; prefill rows: one per prompt length and chunk
+        per_length = str(row.get("system", "")).startswith("prefill")
+        identity = ("workload", "system") + (("prompt_tokens", "prefill_chunk") if per_length else ())
         report["rows"] = [r for r in report["rows"] if any(r.get(k) != row.get(k) for k in identity)]
         report["rows"].append(row)
         args.out.write_text(json.dumps(report, indent=1, default=str))

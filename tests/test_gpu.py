@@ -246,6 +246,8 @@ def test_prefill_staging_batches_on_the_copy_engine_keep_the_tokens(checkpoint_f
         assert torch.equal(engine.forward([prompts[0]]), expected_logits), batch
         stats = result.stats.to_dict()
         assert stats["prefill_bytes_h2d"] > 0 and not engine.residency.problems()
+        assert engine.residency.slots_and_staging[engine.residency.n_slots:].any()  # staging rows were written
+        assert stats["prefill_stall_seconds"] >= 0
         engine.close()
 
 

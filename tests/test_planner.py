@@ -61,24 +61,41 @@ def test_requested_streaming():
     assert len(p.streamed_layers) == 4 and p.stream_ahead == 1
 
 
-def test_the_automatic_prefill_chunk_is_the_longest_whose_activations_fit_a_quarter_of_the_budget(checkpoint_factory):
+def test_the_automatic_prefill_chunk_is_the_longest_whose_activations_fit_an_eighth_of_the_room(checkpoint_factory,
+                                                                                               monkeypatch):
     import torch
 
     from moeprefetch import MoEPrefetchEngine
-    from moeprefetch.build import PREFILL_CHUNKS, auto_prefill_chunk, prefill_workspace_bytes
+    from moeprefetch.build import PREFILL_CHUNKS, PREFILL_WORKSPACE_SHARE, auto_prefill_chunk, prefill_workspace_bytes
     from moeprefetch.config import load_model_args
 
     v3_path = checkpoint_factory("v3")
     args = load_model_args(v3_path)
     cuda = torch.device("cuda")
     assert auto_prefill_chunk(args, 2048, cuda, 2, None) == 2048 and auto_prefill_chunk(args, 9000, cuda, 2, None) == 4096
-    for budget in (2 * MiB, 8 * MiB, 64 * MiB, GiB):
-        chunk = auto_prefill_chunk(args, 8192, cuda, 2, budget)
-        assert chunk in PREFILL_CHUNKS
-        fits = prefill_workspace_bytes(args, chunk, 8192, cuda, 2) <= budget / 4
-        longer = [c for c in PREFILL_CHUNKS if c > chunk]
-        assert fits or chunk == PREFILL_CHUNKS[-1]
-        assert all(prefill_workspace_bytes(args, c, 8192, cuda, 2) > budget / 4 for c in longer)
+    chosen = []
+    for room in (2 * MiB, 8 * MiB, 64 * MiB, GiB):
+        chunk = auto_prefill_chunk(args, 8192, cuda, 2, room)
+        chosen.append(chunk)
+        fits = prefill_workspace_bytes(args, chunk, 8192, cuda, 2) <= PREFILL_WORKSPACE_SHARE * room
+        assert chunk in PREFILL_CHUNKS and (fits or chunk == PREFILL_CHUNKS[-1])
+        assert all(prefill_workspace_bytes(args, c, 8192, cuda, 2) > PREFILL_WORKSPACE_SHARE * room
+                   for c in PREFILL_CHUNKS if c > chunk)
+    assert chosen == sorted(chosen) and len(set(chosen)) > 2  # more room, longer chunks
     assert auto_prefill_chunk(args, 300, cuda, 2, GiB) == 300  # never longer than the context
+    # through the engine: without a budget the context bounds it; with one, the room beside weights and KV decides
     assert MoEPrefetchEngine.from_pretrained(v3_path, progress=False, max_seq_len=64).options.prefill_chunk == 64
     assert MoEPrefetchEngine.from_pretrained(v3_path, progress=False, prefill_chunk=5).options.prefill_chunk == 5
+    from moeprefetch import build
+
+    rooms = []
+    real = build.auto_prefill_chunk
+
+    def spy(*a):
+        rooms.append(a[-1])
+        return real(*a)
+
+    monkeypatch.setattr(build, "auto_prefill_chunk", spy)
+    engine = MoEPrefetchEngine.from_pretrained(v3_path, progress=False, max_seq_len=512, vram_budget="1GiB")
+    assert len(rooms) == 1 and 0 < rooms[0] < GiB and engine.options.prefill_chunk == real(args, 512, engine.device, 4,
+                                                                                           rooms[0])

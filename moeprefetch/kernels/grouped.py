@@ -2,8 +2,9 @@
 
 The (token, k) pairs of a layer are sorted by distinct expert u on the host (prefill plans on the host anyway) and
 cut into blocks of at most BLOCK_M pairs of one expert. One program per (block, output tile) multiplies its pairs'
-rows by the expert's weight tile, read through the same record table as decode (`experts.py`): a VRAM slot, or
-the pinned host record over PCIe when the expert has no slot. Launches per layer: gate/up, down, and a gather that
+rows by the expert's weight tile, read through the same record table as decode (`experts.py`): a VRAM slot (the
+engine stages experts that find no slot into rows after the pool, which the kernel addresses as slots), or the
+pinned host record over PCIe. Launches per layer: gate/up, down, and a gather that
 sums each token's k products in fixed k order — instead of a Python loop over experts.
 
 Inputs

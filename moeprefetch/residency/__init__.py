@@ -95,6 +95,7 @@ class Residency:
                                              device=device)
         self.pool = self.slots_and_staging[:n_slots]
         self._stage = TransferEngine(device, self.stage_rows) if self.stage_rows else None
+        self.staging_stall_seconds = 0.0  # the last call's: compute waiting for staged prefill experts
         self.host = store.arena if store is not None else None
         self.side = SideStream(device)
         self.trace: torch.Tensor | None = None  # [steps, P, E] uint8 while recording an oracle trace
@@ -210,6 +211,7 @@ class Residency:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         finish_call(self.st, self.cfg)
+        self._collect_staging_stall()
         return self.st.counters.cpu()
 
     def abort(self) -> None:
@@ -217,7 +219,12 @@ class Residency:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         finish_call(self.st, self.cfg)
+        self._collect_staging_stall()
         self.reset()
+
+    def _collect_staging_stall(self) -> None:
+        """Read (and release) the staging copies' wait timings: the call's `prefill_stall_seconds`."""
+        self.staging_stall_seconds = self._stage.collect_stall_seconds() if self._stage is not None else 0.0
 
     # ---- decode: one MoE layer inside the step's graph ----------------------------------------------------------
     def decode_experts(self, layer: int, x: torch.Tensor, ids_x: torch.Tensor, act_x: torch.Tensor,
@@ -279,6 +286,7 @@ class Residency:
                 slots[u] = dst
         half = self.stage_batch
         unslotted = [u for u, slot in enumerate(slots) if slot < 0]
+        assert not unslotted or 1 <= half <= self.stage_rows // 2, "a staged batch must fit half the staging rows"
         batches = [unslotted[i : i + half] for i in range(0, len(unslotted), half)]
         group = [0] * len(distinct)  # 0: in a slot; i + 1: staged batch i
         for i, batch in enumerate(batches):
@@ -290,16 +298,17 @@ class Residency:
         pair_token, order, blocks = plan_blocks(ids_host, u_of_expert, tiles.block_m)
         dev = self.device
         block_group = torch.tensor(group, dtype=torch.int64)[blocks[:, 0].long()]
-        args = (x.contiguous(), pair_token.to(dev, non_blocking=True),
-                torch.tensor(keys, dtype=torch.int32).to(dev, non_blocking=True),
-                torch.tensor(slots, dtype=torch.int32).to(dev, non_blocking=True))
+        x = x.contiguous()
+        pair_token_d = pair_token.to(dev, non_blocking=True)
+        key_d = torch.tensor(keys, dtype=torch.int32).to(dev, non_blocking=True)
+        slot_d = torch.tensor(slots, dtype=torch.int32).to(dev, non_blocking=True)
         y = torch.empty(pair_token.shape[0], x.shape[1], dtype=torch.float32, device=dev)
         mid = torch.empty(pair_token.shape[0], self.fmt.intermediate, dtype=x.dtype, device=dev)
 
         def compute(g: int) -> None:
             chosen = blocks[block_group == g]
             if chosen.shape[0]:
-                self.grouped(args[0], args[1], chosen.to(dev, non_blocking=True), args[2], args[3], y=y, mid=mid,
+                self.grouped(x, pair_token_d, chosen.to(dev, non_blocking=True), key_d, slot_d, y=y, mid=mid,
                              tiles=tiles)
 
         def stage(i: int) -> None:
