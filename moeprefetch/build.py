@@ -141,17 +141,19 @@ def build_engine(cls: type["MoEPrefetchEngine"], path: str | Path, config: Engin
     reader = CheckpointReader(path)
     tokenizer = _load_tokenizer(path)
     has_mtp = _has_mtp(args, reader)
-    options = with_prefill_chunk(resolve_options(config, args, has_mtp, dev, torch_dtype), args, reader, has_mtp,
-                                 budget_bytes)
+    options = resolve_options(config, args, has_mtp, dev, torch_dtype)
     block = (args.quant.block_rows, args.quant.block_cols) if args.quant else (128, 128)
     fmt = ExpertFormat.build(args.hidden_size, args.moe_intermediate_size, torch_dtype, config.expert_dtype, block)
+    room = budget_room(args, reader, options, has_mtp, budget_bytes)
+    options = with_prefill_chunk(options, args, room)
+    staging = prefill_staging_rows(fmt.record_bytes, args.n_routed_experts, room)
     expert_layers = list(args.moe_layers) + ([args.mtp_layer_index] if has_mtp else [])
     total_experts = len(expert_layers) * args.n_routed_experts
     slots = config.expert_cache_slots
     if config.expert_cache_fraction is not None:
         slots = max(round(config.expert_cache_fraction * total_experts), args.num_experts_per_tok)
     plan = plan_engine_memory(args, reader, options, fmt, total_experts, has_mtp, budget_bytes, slots,
-                              config.stream_layers, config.stream_ahead)
+                              config.stream_layers, config.stream_ahead, staging)
     logger.info(plan.describe())
     for note in plan.notes:
         logger.info(note)
@@ -165,7 +167,7 @@ def build_engine(cls: type["MoEPrefetchEngine"], path: str | Path, config: Engin
             f"{plan.expert_slots} cache slots free")
     start = time.perf_counter()
     weights, streamer, residency = _load(reader, args, options, plan, fmt, expert_layers, block, hot,
-                                         config.pin_memory)
+                                         config.pin_memory, staging)
     reader.close()
     logger.info("loaded %s in %.1f s", path, time.perf_counter() - start)
     return cls(path, args, weights, residency, tokenizer, options, plan, streamer)
@@ -192,24 +194,29 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
         fused_kernels=bool(config.fused_kernels), progress=bool(config.progress))
 
 
-def with_prefill_chunk(options: EngineOptions, args: ModelArgs, reader: CheckpointReader, has_mtp: bool,
-                       budget_bytes: int | None) -> EngineOptions:
-    """The options with the automatic prefill chunk settled, from the VRAM the budget leaves beside the weights and
-    the KV cache."""
+def budget_room(args: ModelArgs, reader: CheckpointReader, options: EngineOptions, has_mtp: bool,
+                budget_bytes: int | None) -> int | None:
+    """The VRAM a budget leaves beside the resident weights and the KV cache (None without a budget): what prefill's
+    activations and staging rows are sized from, before the expert cache takes the rest."""
+    if budget_bytes is None:
+        return None
+    element = torch.tensor([], dtype=options.dtype).element_size()
+    resident, _ = resident_bytes(reader, args, element)
+    kv = KVCaches.bytes_per_token(args, options.dtype, has_mtp) * options.max_seq_len * options.max_batch_size
+    return max(budget_bytes - resident - kv, 0)
+
+
+def with_prefill_chunk(options: EngineOptions, args: ModelArgs, room: int | None) -> EngineOptions:
+    """The options with the automatic prefill chunk settled (`auto_prefill_chunk`)."""
     if options.prefill_chunk:
         return options
     element = torch.tensor([], dtype=options.dtype).element_size()
-    room = None
-    if budget_bytes is not None:
-        resident, _ = resident_bytes(reader, args, element)
-        kv = KVCaches.bytes_per_token(args, options.dtype, has_mtp) * options.max_seq_len * options.max_batch_size
-        room = max(budget_bytes - resident - kv, 0)
     chunk = auto_prefill_chunk(args, options.max_seq_len, options.device, element, room)
     return dataclasses.replace(options, prefill_chunk=chunk)
 
 
 def _load(reader: CheckpointReader, args: ModelArgs, options: EngineOptions, plan: MemoryPlan, fmt: ExpertFormat,
-          expert_layers: list[int], block: tuple[int, int], hot: list[ExpertKey], pin_memory: bool):
+          expert_layers: list[int], block: tuple[int, int], hot: list[ExpertKey], pin_memory: bool, staging_rows: int):
     """Weights to the device (or the streaming ring), experts to the host store or the pool, the residency table."""
     dev, torch_dtype, policy, progress = options.device, options.dtype, options.policy, options.progress
     weights = load_model_weights(reader, args, torch_dtype, dev, progress, frozenset(plan.streamed_layers))
@@ -230,7 +237,7 @@ def _load(reader: CheckpointReader, args: ModelArgs, options: EngineOptions, pla
         store.fill(pack, progress)
     residency = Residency(fmt, expert_layers, len(args.moe_layers), args.n_routed_experts, args.num_experts_per_tok,
                           plan.expert_slots, dev, args.hidden_act, store, max_rows=2 * options.max_batch_size,
-                          policy=policy, hot_set=hot)
+                          policy=policy, hot_set=hot, stage_rows=staging_rows)
     if store is None:
         residency.preload(pack, progress)
     return weights, streamer, residency
@@ -288,6 +295,7 @@ def plan_engine_memory(
     slots: int | None,
     stream_layers: int | None = None,
     stream_ahead: int = 2,
+    staging_rows: int = 2,
 ) -> MemoryPlan:
     element = torch.tensor([], dtype=options.dtype).element_size()
     resident, layer_bytes = resident_bytes(reader, args, element)
@@ -296,7 +304,7 @@ def plan_engine_memory(
     workspace = (
         rows * args.num_experts_per_tok * max(rows, 16) * (args.moe_intermediate_size * element + args.hidden_size * 4)
         + prefill_workspace_bytes(args, options.prefill_chunk, options.max_seq_len, options.device, element)
-        + prefill_staging_rows(fmt.record_bytes, args.n_routed_experts) * fmt.record_bytes  # prefill staging
+        + staging_rows * fmt.record_bytes  # prefill's staging rows
         + 256 * 1024**2  # allocator slack, logits, small tensors
     )
     if options.fused_kernels and kernels_usable(options.device.type):  # the fused attention's split partials

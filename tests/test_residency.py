@@ -248,3 +248,16 @@ def test_a_known_future_makes_the_victims_beladys():
     order = [held[s] for s in victim_order(t.st, t.cfg, future).tolist()]
     assert order[:2] == [4, 0] or order[:3] == [5, 4, 0]  # never-needed first, then the farthest need
     assert order.index(1) > order.index(0)
+
+
+def test_prefill_staging_rows_fit_their_share_of_the_room():
+    from moeprefetch.residency import PREFILL_STAGING_BYTES, PREFILL_STAGING_SHARE, prefill_staging_rows
+
+    record = 17 << 20
+    assert prefill_staging_rows(record, 64) == (PREFILL_STAGING_BYTES // record) // 2 * 2  # no budget: the cap
+    for room in (0, 100 << 20, 2 << 30, 8 << 30, 1 << 40):
+        rows = prefill_staging_rows(record, 64, room)
+        assert rows % 2 == 0 and 2 <= rows <= 128
+        assert rows == 2 or rows * record <= min(PREFILL_STAGING_BYTES, PREFILL_STAGING_SHARE * room)
+    assert prefill_staging_rows(record, 64, 100 << 20) == 2 < prefill_staging_rows(record, 64, 8 << 30)
+    assert prefill_staging_rows(1000, 3) == 6  # at most two layers' worth

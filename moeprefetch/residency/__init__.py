@@ -38,12 +38,15 @@ logger = logging.getLogger(__name__)
 RING_CAPACITY = 9  # steps of predictions a table can hold (lookahead up to 8)
 ENTRIES = 64  # fill entries: reserved fills plus published ones awaiting the step's end
 PREFILL_STAGING_BYTES = 512 << 20  # VRAM for prefill's experts that find no slot (two halves: copy while computing)
+PREFILL_STAGING_SHARE = 1 / 16  # at most, of the VRAM a budget leaves beside weights and KV cache
 
 
-def prefill_staging_rows(record_bytes: int, n_experts: int) -> int:
-    """Staging rows for prefill (an even number, at least 2, at most two layers' worth): the memory plan reserves
-    exactly these."""
-    rows = min(PREFILL_STAGING_BYTES // record_bytes, 2 * n_experts)
+def prefill_staging_rows(record_bytes: int, n_experts: int, room_bytes: int | None = None) -> int:
+    """Staging rows for prefill (an even number, at least 2, at most two layers' worth), within PREFILL_STAGING_BYTES
+    and a sixteenth of `room_bytes` (the VRAM a budget leaves beside weights and KV cache, when there is a budget):
+    the memory plan reserves exactly these."""
+    cap = PREFILL_STAGING_BYTES if room_bytes is None else min(PREFILL_STAGING_BYTES, PREFILL_STAGING_SHARE * room_bytes)
+    rows = min(int(cap) // record_bytes, 2 * n_experts)
     return max(2, rows - rows % 2)
 
 
@@ -63,6 +66,7 @@ class Residency:
         policy: str = "lru",
         hot_set: list[tuple[int, int]] | None = None,
         use_kernels: bool | None = None,
+        stage_rows: int | None = None,
     ):
         self.fmt = fmt
         self.layers = list(layers)
@@ -89,7 +93,10 @@ class Residency:
         self._launchers: dict[ResidencyConfig, tuple[Planner, Planner, Filler]] = {}
         # zero-filled once: a slot is only read once published, but NaN bits must not meet a masked multiply. Prefill's
         # staging rows follow the slots in the same allocation, so the expert kernels address them as slots.
-        self.stage_rows = prefill_staging_rows(fmt.record_bytes, n_experts) if store is not None else 0
+        if store is None:
+            self.stage_rows = 0
+        else:
+            self.stage_rows = stage_rows if stage_rows is not None else prefill_staging_rows(fmt.record_bytes, n_experts)
         self.stage_batch = max(self.stage_rows // 2, 1)  # experts per staged batch (half the rows)
         self.slots_and_staging = torch.zeros((n_slots + self.stage_rows, fmt.record_bytes), dtype=torch.uint8,
                                              device=device)
