@@ -65,7 +65,9 @@ def plan_blocks(ids: torch.Tensor, u_of_expert: torch.Tensor, block_m: int = BLO
     per layer, too many for a Python loop."""
     t, k = ids.shape
     u = u_of_expert[ids.flatten()].long()
-    order = torch.sort(u * (t * k) + torch.arange(t * k), stable=True).indices  # by expert, then pair index
+    # by expert, then pair index (a stable sort of the small keys: ~2x faster on the host than a composite key)
+    narrow = torch.int16 if int(u_of_expert.max()) < 1 << 15 else torch.int64
+    order = torch.sort(u.to(narrow), stable=True).indices
     counts = torch.bincount(u, minlength=int(u_of_expert.max()) + 1)
     per_u = (counts + block_m - 1) // block_m  # blocks of each u
     block_u = torch.repeat_interleave(torch.arange(counts.shape[0]), per_u)

@@ -260,7 +260,8 @@ class Residency:
         if self._belady_prefill:
             self.planner.step_start(False, self.next_use)
         ids_host = ids.cpu()  # the layer's one host synchronisation
-        distinct = torch.unique(ids_host).tolist()  # sorted
+        counts = torch.bincount(ids_host.flatten(), minlength=self.n_experts)  # (torch.unique sorts: ~10x slower)
+        distinct = torch.nonzero(counts).flatten().tolist()  # sorted
         if self.prefill_log is not None:
             self.prefill_log.append((layer, distinct))
         exact = torch.tensor(distinct, dtype=torch.int64, device=self.device)[:, None]
