@@ -5,7 +5,6 @@ Everything a user can get wrong is checked here before anything large is allocat
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -144,9 +143,8 @@ def build_engine(cls: type["MoEPrefetchEngine"], path: str | Path, config: Engin
     options = resolve_options(config, args, has_mtp, dev, torch_dtype)
     block = (args.quant.block_rows, args.quant.block_cols) if args.quant else (128, 128)
     fmt = ExpertFormat.build(args.hidden_size, args.moe_intermediate_size, torch_dtype, config.expert_dtype, block)
-    room = budget_room(args, reader, options, has_mtp, budget_bytes)
-    options = with_prefill_chunk(options, args, room)
-    staging = prefill_staging_rows(fmt.record_bytes, args.n_routed_experts, room)
+    staging = prefill_staging_rows(fmt.record_bytes, args.n_routed_experts,
+                                   budget_room(args, reader, options, has_mtp, budget_bytes))
     expert_layers = list(args.moe_layers) + ([args.mtp_layer_index] if has_mtp else [])
     total_experts = len(expert_layers) * args.n_routed_experts
     slots = config.expert_cache_slots
@@ -175,8 +173,7 @@ def build_engine(cls: type["MoEPrefetchEngine"], path: str | Path, config: Engin
 
 def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device: torch.device,
                     dtype: torch.dtype) -> EngineOptions:
-    """The options as the engine uses them, resolved against the checkpoint (an automatic prefill chunk is 0 here:
-    `with_prefill_chunk` settles it once the weights' size is known)."""
+    """The options as the engine uses them, resolved against the checkpoint."""
     # measured best recall, precision and hit rate of the predictors (BENCHMARKS.md, experiments/results)
     predictor = config.predictor or ("mtp+next_layer_gate" if has_mtp else "next_layer_gate")
     predictor_spec(predictor, config.lookahead, has_mtp)
@@ -187,7 +184,8 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
     return EngineOptions(
         device=device, dtype=dtype, policy=config.policy, predictor=predictor, lookahead=config.lookahead,
         prefetch_budget=float(config.prefetch_budget), max_inflight_experts=config.max_inflight_experts,
-        max_seq_len=seq_len, max_batch_size=config.max_batch_size, prefill_chunk=config.prefill_chunk or 0,
+        max_seq_len=seq_len, max_batch_size=config.max_batch_size,
+        prefill_chunk=config.prefill_chunk or auto_prefill_chunk(seq_len, device),
         expert_dtype=config.expert_dtype, min_confidence=float(config.min_confidence),
         spare_recent=config.spare_recent,
         draft_experts=config.draft_experts, late_prefetch=config.late_prefetch, cuda_graphs=bool(config.cuda_graphs),
@@ -197,22 +195,13 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
 def budget_room(args: ModelArgs, reader: CheckpointReader, options: EngineOptions, has_mtp: bool,
                 budget_bytes: int | None) -> int | None:
     """The VRAM a budget leaves beside the resident weights and the KV cache (None without a budget): what prefill's
-    activations and staging rows are sized from, before the expert cache takes the rest."""
+    staging rows are sized from, before the expert cache takes the rest."""
     if budget_bytes is None:
         return None
     element = torch.tensor([], dtype=options.dtype).element_size()
     resident, _ = resident_bytes(reader, args, element)
     kv = KVCaches.bytes_per_token(args, options.dtype, has_mtp) * options.max_seq_len * options.max_batch_size
     return max(budget_bytes - resident - kv, 0)
-
-
-def with_prefill_chunk(options: EngineOptions, args: ModelArgs, room: int | None) -> EngineOptions:
-    """The options with the automatic prefill chunk settled (`auto_prefill_chunk`)."""
-    if options.prefill_chunk:
-        return options
-    element = torch.tensor([], dtype=options.dtype).element_size()
-    chunk = auto_prefill_chunk(args, options.max_seq_len, options.device, element, room)
-    return dataclasses.replace(options, prefill_chunk=chunk)
 
 
 def _load(reader: CheckpointReader, args: ModelArgs, options: EngineOptions, plan: MemoryPlan, fmt: ExpertFormat,
@@ -243,25 +232,18 @@ def _load(reader: CheckpointReader, args: ModelArgs, options: EngineOptions, pla
     return weights, streamer, residency
 
 
-PREFILL_CHUNKS = (8192, 4096, 2048, 1024, 512, 256)  # the automatic chunk's candidates, longest first
-PREFILL_WORKSPACE_SHARE = 1 / 8  # at most, of the VRAM the budget leaves beside weights and KV cache
+PREFILL_CHUNK_CUDA = 2048  # prompt tokens per prefill chunk by default on CUDA (BENCHMARKS.md, "Prefill")
+PREFILL_CHUNK_CPU = 512  # the CPU's math attention holds [h, T, S] scores: shorter chunks
 
 
-def auto_prefill_chunk(args: ModelArgs, seq_len: int, device: torch.device, element: int,
-                       room_bytes: int | None) -> int:
-    """Prompt tokens per prefill chunk when none is given: the longest candidate (up to the context) whose
-    activations take at most an eighth of `room_bytes`, the VRAM a budget leaves beside the weights and the KV cache
-    (the expert cache gets the rest), or without a budget 4,096 on CUDA and 512 on the CPU. Every expert a chunk touches crosses the link once
-    per chunk, so offloaded prefill moves fewer bytes with longer chunks (measured on the H200, BENCHMARKS.md: an
-    8,192-token prompt in chunks of 512 moved 12.5x the bytes of one chunk), and resident prefill measured no
-    slower from 2,048 tokens up; but the chunk's activations come out of the expert cache, which decode needs."""
-    if room_bytes is None:  # the CPU's math attention holds [h, T, S] scores: keep its chunks short
-        return min(seq_len, 4096 if device.type == "cuda" else 512)
-    for chunk in PREFILL_CHUNKS:
-        chunk = min(chunk, seq_len)
-        if prefill_workspace_bytes(args, chunk, seq_len, device, element) <= PREFILL_WORKSPACE_SHARE * room_bytes:
-            return chunk
-    return min(PREFILL_CHUNKS[-1], seq_len)
+def auto_prefill_chunk(seq_len: int, device: torch.device) -> int:
+    """Prompt tokens per prefill chunk when none is given. Every expert a chunk touches crosses the link once per
+    chunk, so offloaded prefill of long prompts moves fewer bytes with longer chunks (measured on the H200: an
+    8,192-token prompt in chunks of 512, 2,048 and 8,192 moved 12.5x, 3.3x and 1x the bytes it touches), and resident
+    prefill ran 2.3x faster at 2,048 than at 512; but a chunk's activations come out of the VRAM budget (the plan
+    counts them), and the chunk must not depend on the budget: prefill's bits depend on how a prompt is cut, and a
+    cache size never changes tokens."""
+    return min(seq_len, PREFILL_CHUNK_CUDA if device.type == "cuda" else PREFILL_CHUNK_CPU)
 
 
 def prefill_workspace_bytes(args: ModelArgs, chunk: int, seq_len: int, device: torch.device, element: int) -> int:

@@ -55,9 +55,8 @@ class EngineConfig:
     # shapes and formats
     max_seq_len: int | None = _opt(None, "longest sequence (default min(model limit, 4096))")
     max_batch_size: int = _opt(8, "largest batch of a call")
-    prefill_chunk: int | None = _opt(None, "prompt tokens per prefill step (default: the longest whose activations "
-                                           "fit an eighth of what vram_budget leaves beside weights and KV cache, up "
-                                           "to 8192; without a budget 4096 on CUDA, 512 on the CPU)")
+    prefill_chunk: int | None = _opt(None, "prompt tokens per prefill step (default 2048 on CUDA, 512 on the CPU; "
+                                           "longer chunks move fewer expert bytes for long offloaded prompts)")
     expert_dtype: str = _opt("model", "expert records on the wire: model, fp8 or int8")
     # mechanics
     pin_memory: bool = _opt(True, "page-lock the host expert store")

@@ -61,41 +61,20 @@ def test_requested_streaming():
     assert len(p.streamed_layers) == 4 and p.stream_ahead == 1
 
 
-def test_the_automatic_prefill_chunk_is_the_longest_whose_activations_fit_an_eighth_of_the_room(checkpoint_factory,
-                                                                                               monkeypatch):
+def test_the_default_prefill_chunk_follows_the_device_and_context_never_the_budget(checkpoint_factory):
+    """Prefill's bits depend on how a prompt is cut, and a cache size must never change tokens: the default chunk
+    depends on the device and the context only."""
     import torch
 
     from moeprefetch import MoEPrefetchEngine
-    from moeprefetch.build import PREFILL_CHUNKS, PREFILL_WORKSPACE_SHARE, auto_prefill_chunk, prefill_workspace_bytes
-    from moeprefetch.config import load_model_args
+    from moeprefetch.build import PREFILL_CHUNK_CPU, PREFILL_CHUNK_CUDA, auto_prefill_chunk
 
-    v3_path = checkpoint_factory("v3")
-    args = load_model_args(v3_path)
-    cuda = torch.device("cuda")
-    assert auto_prefill_chunk(args, 2048, cuda, 2, None) == 2048 and auto_prefill_chunk(args, 9000, cuda, 2, None) == 4096
-    chosen = []
-    for room in (2 * MiB, 8 * MiB, 64 * MiB, GiB):
-        chunk = auto_prefill_chunk(args, 8192, cuda, 2, room)
-        chosen.append(chunk)
-        fits = prefill_workspace_bytes(args, chunk, 8192, cuda, 2) <= PREFILL_WORKSPACE_SHARE * room
-        assert chunk in PREFILL_CHUNKS and (fits or chunk == PREFILL_CHUNKS[-1])
-        assert all(prefill_workspace_bytes(args, c, 8192, cuda, 2) > PREFILL_WORKSPACE_SHARE * room
-                   for c in PREFILL_CHUNKS if c > chunk)
-    assert chosen == sorted(chosen) and len(set(chosen)) > 2  # more room, longer chunks
-    assert auto_prefill_chunk(args, 300, cuda, 2, GiB) == 300  # never longer than the context
-    # through the engine: without a budget the context bounds it; with one, the room beside weights and KV decides
-    assert MoEPrefetchEngine.from_pretrained(v3_path, progress=False, max_seq_len=64).options.prefill_chunk == 64
-    assert MoEPrefetchEngine.from_pretrained(v3_path, progress=False, prefill_chunk=5).options.prefill_chunk == 5
-    from moeprefetch import build
-
-    rooms = []
-    real = build.auto_prefill_chunk
-
-    def spy(*a):
-        rooms.append(a[-1])
-        return real(*a)
-
-    monkeypatch.setattr(build, "auto_prefill_chunk", spy)
-    engine = MoEPrefetchEngine.from_pretrained(v3_path, progress=False, max_seq_len=512, vram_budget="1GiB")
-    assert len(rooms) == 1 and 0 < rooms[0] < GiB and engine.options.prefill_chunk == real(args, 512, engine.device, 4,
-                                                                                           rooms[0])
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert auto_prefill_chunk(9000, cuda) == PREFILL_CHUNK_CUDA and auto_prefill_chunk(9000, cpu) == PREFILL_CHUNK_CPU
+    assert auto_prefill_chunk(300, cuda) == 300 and auto_prefill_chunk(300, cpu) == 300  # never past the context
+    path = checkpoint_factory("v3")
+    chunks = {MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=512, **budget).options.prefill_chunk
+              for budget in ({}, {"vram_budget": "300MiB"}, {"vram_budget": "8GiB"}, {"expert_cache_slots": 4})}
+    assert chunks == {min(512, PREFILL_CHUNK_CPU)}
+    assert MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=64).options.prefill_chunk == 64
+    assert MoEPrefetchEngine.from_pretrained(path, progress=False, prefill_chunk=5).options.prefill_chunk == 5
