@@ -195,7 +195,8 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
 def budget_room(args: ModelArgs, reader: CheckpointReader, options: EngineOptions, has_mtp: bool,
                 budget_bytes: int | None) -> int | None:
     """The VRAM a budget leaves beside the resident weights and the KV cache (None without a budget): what prefill's
-    staging rows are sized from, before the expert cache takes the rest."""
+    staging rows are sized from (a sixteenth at most, under a 512 MiB cap), before the workspace and the expert
+    cache take the rest."""
     if budget_bytes is None:
         return None
     element = torch.tensor([], dtype=options.dtype).element_size()
