@@ -150,8 +150,17 @@ def build_engine(cls: type["MoEPrefetchEngine"], path: str | Path, config: Engin
     slots = config.expert_cache_slots
     if config.expert_cache_fraction is not None:
         slots = max(round(config.expert_cache_fraction * total_experts), args.num_experts_per_tok)
-    plan = plan_engine_memory(args, reader, options, fmt, total_experts, has_mtp, budget_bytes, slots,
-                              config.stream_layers, config.stream_ahead, staging)
+    try:
+        plan = plan_engine_memory(args, reader, options, fmt, total_experts, has_mtp, budget_bytes, slots,
+                                  config.stream_layers, config.stream_ahead, staging)
+    except RequestError as exc:
+        if budget_bytes is None or slots is not None:
+            raise
+        # the budget is too small: name the working space's share that the user can shrink
+        element = torch.tensor([], dtype=options.dtype).element_size()
+        chunk_bytes = prefill_workspace_bytes(args, options.prefill_chunk, options.max_seq_len, dev, element)
+        raise RequestError(f"{exc}; of the working space, prefill_chunk={options.prefill_chunk} takes "
+                           f"{chunk_bytes / 1024**3:.2f} GiB: a shorter prefill_chunk needs less") from None
     logger.info(plan.describe())
     for note in plan.notes:
         logger.info(note)
