@@ -234,13 +234,15 @@ def test_time_to_first_token_covers_prefill_and_precedes_decode(v3):
     assert stats["prefill_tokens_per_s"] == pytest.approx(8 / stats["prefill_seconds"])
 
 
-@pytest.mark.parametrize("slots,stage_batch", [(None, None), (5, None), (5, 1), (3, 2)])
-def test_prefill_through_the_grouped_expert_kernels_matches_the_loop(checkpoint_factory, slots, stage_batch):
+@pytest.mark.parametrize("slots,stage_batch,long_blocks", [(None, None, False), (5, None, False), (5, 1, False),
+                                                            (3, 2, False), (5, 1, True)])
+def test_prefill_through_the_grouped_expert_kernels_matches_the_loop(checkpoint_factory, slots, stage_batch,
+                                                                     long_blocks):
     """Prefill's grouped GEMM (Triton's interpreter on the CPU) against the per-expert loop it replaces on CUDA,
     with every expert resident and with most staged (in one batch, or in many that reuse the staging halves) or
-    admitted into slots."""
+    admitted into slots; with the 64-pair blocks of short chunks and the 128-pair blocks of long ones."""
     from moeprefetch.kernels import HAS_TRITON
-    from moeprefetch.kernels.grouped import GroupedExperts
+    from moeprefetch.kernels.grouped import LONG_BLOCK_TILES, GroupedExperts
 
     if not HAS_TRITON:
         pytest.skip("needs triton")
@@ -252,7 +254,7 @@ def test_prefill_through_the_grouped_expert_kernels_matches_the_loop(checkpoint_
     expected_logits = engine.forward([prompts[0]])
     res = engine.residency
     res.grouped = GroupedExperts(res.fmt, res.slots_and_staging, res.host, engine.args.hidden_act, res.act,
-                                 use_kernels=True)
+                                 use_kernels=True, tiles=LONG_BLOCK_TILES if long_blocks else None)
     if stage_batch:
         res.stage_batch = stage_batch
     engine.reset_expert_cache()
