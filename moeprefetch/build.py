@@ -143,16 +143,14 @@ def build_engine(cls: type["MoEPrefetchEngine"], path: str | Path, config: Engin
     options = resolve_options(config, args, has_mtp, dev, torch_dtype)
     block = (args.quant.block_rows, args.quant.block_cols) if args.quant else (128, 128)
     fmt = ExpertFormat.build(args.hidden_size, args.moe_intermediate_size, torch_dtype, config.expert_dtype, block)
-    staging = prefill_staging_rows(fmt.record_bytes, args.n_routed_experts,
-                                   budget_room(args, reader, options, has_mtp, budget_bytes))
     expert_layers = list(args.moe_layers) + ([args.mtp_layer_index] if has_mtp else [])
     total_experts = len(expert_layers) * args.n_routed_experts
     slots = config.expert_cache_slots
     if config.expert_cache_fraction is not None:
         slots = max(round(config.expert_cache_fraction * total_experts), args.num_experts_per_tok)
     try:
-        plan = plan_engine_memory(args, reader, options, fmt, total_experts, has_mtp, budget_bytes, slots,
-                                  config.stream_layers, config.stream_ahead, staging)
+        plan, staging = plan_engine_memory(args, reader, options, fmt, total_experts, has_mtp, budget_bytes, slots,
+                                           config.stream_layers, config.stream_ahead)
     except RequestError as exc:
         if budget_bytes is None or slots is not None:
             raise
@@ -199,19 +197,6 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
         spare_recent=config.spare_recent,
         draft_experts=config.draft_experts, late_prefetch=config.late_prefetch, cuda_graphs=bool(config.cuda_graphs),
         fused_kernels=bool(config.fused_kernels), progress=bool(config.progress))
-
-
-def budget_room(args: ModelArgs, reader: CheckpointReader, options: EngineOptions, has_mtp: bool,
-                budget_bytes: int | None) -> int | None:
-    """The VRAM a budget leaves beside the resident weights and the KV cache (None without a budget): what prefill's
-    staging rows are sized from (a sixteenth at most, under a 512 MiB cap), before the workspace and the expert
-    cache take the rest."""
-    if budget_bytes is None:
-        return None
-    element = torch.tensor([], dtype=options.dtype).element_size()
-    resident, _ = resident_bytes(reader, args, element)
-    kv = KVCaches.bytes_per_token(args, options.dtype, has_mtp) * options.max_seq_len * options.max_batch_size
-    return max(budget_bytes - resident - kv, 0)
 
 
 def _load(reader: CheckpointReader, args: ModelArgs, options: EngineOptions, plan: MemoryPlan, fmt: ExpertFormat,
@@ -287,11 +272,14 @@ def plan_engine_memory(
     slots: int | None,
     stream_layers: int | None = None,
     stream_ahead: int = 2,
-    staging_rows: int = 2,
-) -> MemoryPlan:
+) -> tuple[MemoryPlan, int]:
+    """The VRAM plan, and prefill's staging rows: sized from the room a budget leaves beside the resident weights and
+    the KV cache (`prefill_staging_rows`), before the workspace and the expert cache take the rest."""
     element = torch.tensor([], dtype=options.dtype).element_size()
     resident, layer_bytes = resident_bytes(reader, args, element)
     kv = KVCaches.bytes_per_token(args, options.dtype, has_mtp) * options.max_seq_len * options.max_batch_size
+    room = max(budget_bytes - resident - kv, 0) if budget_bytes is not None else None
+    staging_rows = prefill_staging_rows(fmt.record_bytes, args.n_routed_experts, room)
     rows = options.max_batch_size * 2
     workspace = (
         rows * args.num_experts_per_tok * max(rows, 16) * (args.moe_intermediate_size * element + args.hidden_size * 4)
@@ -301,7 +289,7 @@ def plan_engine_memory(
     )
     if options.fused_kernels and kernels_usable(options.device.type):  # the fused attention's split partials
         workspace += MLADecode.scratch_bytes(args.num_attention_heads, args.kv_lora_rank, options.max_seq_len, rows)
-    return plan_memory(
+    plan = plan_memory(
         resident_bytes=resident,
         layer_bytes=layer_bytes,
         kv_bytes=kv,
@@ -314,3 +302,4 @@ def plan_engine_memory(
         stream_layers=stream_layers,
         stream_ahead=stream_ahead,
     )
+    return plan, staging_rows

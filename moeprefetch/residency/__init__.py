@@ -297,9 +297,13 @@ class Residency:
         assert not unslotted or 1 <= half <= self.stage_rows // 2, "a staged batch must fit half the staging rows"
         batches = [unslotted[i : i + half] for i in range(0, len(unslotted), half)]
         group = [0] * len(distinct)  # 0: in a slot; i + 1: staged batch i
+
+        def row(i: int, j: int) -> int:  # staging row of the j-th expert of batch i: batches alternate halves
+            return (i % 2) * half + j
+
         for i, batch in enumerate(batches):
             for j, u in enumerate(batch):
-                slots[u], group[u] = self.n_slots + (i % 2) * half + j, i + 1
+                slots[u], group[u] = self.n_slots + row(i, j), i + 1
         u_of_expert = torch.zeros(self.n_experts, dtype=torch.int64)
         u_of_expert[distinct] = torch.arange(len(distinct))
         tiles = self.grouped.tiles_for(ids_host.numel(), self.n_experts)
@@ -321,14 +325,14 @@ class Residency:
 
         def stage(i: int) -> None:
             for j, u in enumerate(batches[i]):
-                row = (i % 2) * half + j
-                self._stage.copy(self.host[keys[u]], self.slots_and_staging[self.n_slots + row], row, demand=True)
+                self._stage.copy(self.host[keys[u]], self.slots_and_staging[self.n_slots + row(i, j)], row(i, j),
+                                 demand=True)
 
         for i in range(min(2, len(batches))):
             stage(i)
         compute(0)
         for i, batch in enumerate(batches):
-            rows = [(i % 2) * half + j for j in range(len(batch))]
+            rows = [row(i, j) for j in range(len(batch))]
             self._stage.wait_for(rows)
             compute(i + 1)
             self._stage.release(rows)
@@ -342,8 +346,8 @@ class Residency:
         """The VRAM bytes of an expert for prefill: its slot, its admission slot (copied in now) or staging."""
         if slot >= 0:
             return self.pool[slot]
-        staging = self.slots_and_staging[self.n_slots + self._staged % self.stage_rows] if admit < 0 else None
-        target = self.pool[admit] if admit >= 0 else staging
+        target = self.pool[admit] if admit >= 0 else \
+            self.slots_and_staging[self.n_slots + self._staged % self.stage_rows]
         self._staged += admit < 0
         assert self.host is not None
         target.copy_(self.host[key], non_blocking=True)  # stream-ordered before the compute that reads it
