@@ -68,6 +68,12 @@ class TransferEngine:
             ready.record(stream)
         self._ready[slot] = ready
 
+    def follow_compute(self) -> None:
+        """Later copies start after the work enqueued so far on the compute stream (copies out of VRAM that it
+        may still be writing)."""
+        if self.cuda:
+            self.demand_stream.wait_stream(torch.cuda.current_stream(self.device))
+
     def is_ready(self, slot: int) -> bool:
         """Host-side, non-blocking: has the last copy into `slot` landed?"""
         if not self.cuda:

@@ -234,6 +234,33 @@ def test_time_to_first_token_covers_prefill_and_precedes_decode(v3):
     assert stats["prefill_tokens_per_s"] == pytest.approx(8 / stats["prefill_seconds"])
 
 
+@pytest.mark.parametrize("slots,stage_batch", [(None, None), (5, None), (5, 1), (3, 2), (12, 3)])
+def test_prefill_through_grouped_mm_matches_the_loop(checkpoint_factory, slots, stage_batch):
+    """Prefill's experts as torch._grouped_mm (what a Hopper GPU runs for bf16 experts; here on the CPU in fp32)
+    against the per-expert loop: every expert resident (a layer's consecutive slots), and staged through the staging
+    rows from slots and from host memory, in one batch or in many, with admissions written into their slots."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    path = checkpoint_factory("v3_groups_qlora_yarn")
+    options = dict(progress=False, expert_cache_slots=slots) if slots else dict(progress=False)
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [9, 10]]
+    engine = MoEPrefetchEngine.from_pretrained(path, **options)
+    expected = engine.generate(prompts, max_new_tokens=5, stop_at_eos=False)
+    expected_logits = engine.forward([prompts[0]])
+    res = engine.residency
+    assert not res.grouped_mm  # the CPU runs the loop unless told otherwise
+    res.grouped_mm = True
+    if stage_batch:
+        res.stage_batch = stage_batch
+    engine.reset_expert_cache()
+    got = engine.generate(prompts, max_new_tokens=5, stop_at_eos=False)
+    logits = engine.forward([prompts[0]])
+    assert got.sequences == expected.sequences
+    assert got.stats.to_dict()["prefill_bytes_h2d"] == expected.stats.to_dict()["prefill_bytes_h2d"]
+    assert torch.allclose(logits, expected_logits, rtol=1e-4, atol=1e-5)
+    assert not res.problems()
+
+
 @pytest.mark.parametrize("slots,stage_batch,long_blocks", [(None, None, False), (5, None, False), (5, 1, False),
                                                             (3, 2, False), (5, 1, True)])
 def test_prefill_through_the_grouped_expert_kernels_matches_the_loop(checkpoint_factory, slots, stage_batch,

@@ -266,3 +266,31 @@ def test_chunked_prefill_on_gpu_matches_cpu_in_fp32(checkpoint_factory):
         engine.close()
     assert runs[0][0] == runs[1][0]
     assert (runs[0][1] - runs[1][1]).abs().max().item() < 1e-3
+
+
+def test_grouped_mm_rows_do_not_depend_on_the_call():
+    """Prefill's experts as CUTLASS grouped GEMMs give every cache size the same bits only if a pair's result depends
+    on its row and its expert alone: the same pairs in one call over a layer's consecutive slots (large tiles), in
+    batches over copies of the records (other groupings), and a few rows per group (the small-tile kernel)."""
+    from moeprefetch.experts import ExpertFormat
+    from moeprefetch.kernels.grouped import grouped_mm_experts, grouped_mm_usable
+
+    fmt = ExpertFormat.build(2048, 1408, torch.bfloat16)
+    if not grouped_mm_usable(fmt, torch.device("cuda")):
+        pytest.skip("no torch._grouped_mm for bf16 on this GPU")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n = 8
+    records = (torch.randn(n, fmt.record_bytes // 2, device="cuda", generator=g) * 0.02).bfloat16().view(torch.uint8)
+    counts = torch.tensor([300, 0, 257, 129, 1, 512, 64, 200], dtype=torch.int32, device="cuda")
+    x = torch.randn(int(counts.sum()), fmt.hidden, device="cuda", generator=g).bfloat16()
+    act = torch.nn.functional.silu
+    whole = grouped_mm_experts(x, counts, records, fmt, act)
+    ends = torch.cumsum(counts, 0).tolist()
+    starts = [0] + ends[:-1]
+    copies = records.clone()  # other addresses, as staging rows
+    for lo, hi in ((0, 3), (3, 4), (4, 8)):  # batches of consecutive groups
+        got = grouped_mm_experts(x[starts[lo] : ends[hi - 1]], counts[lo:hi], copies[lo:hi], fmt, act)
+        assert torch.equal(got, whole[starts[lo] : ends[hi - 1]]), (lo, hi)
+    few = torch.clamp(counts, max=16)  # <= 128 rows per group: the small-tile kernel
+    rows = torch.cat([torch.arange(s, s + int(c), device="cuda") for s, c in zip(starts, few.tolist())])
+    assert torch.equal(grouped_mm_experts(x[rows], few, records, fmt, act), whole[rows])

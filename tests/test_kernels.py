@@ -344,15 +344,20 @@ def test_plan_blocks_cuts_each_experts_sorted_pairs_into_blocks(seed, tokens, bl
     distinct = sorted(set(ids.flatten().tolist()))
     u_of_expert = torch.zeros(n_experts, dtype=torch.int64)
     u_of_expert[distinct] = torch.arange(len(distinct))
-    pair_token, order, blocks = plan_blocks(ids, u_of_expert, block_m)
     pairs = sorted(range(tokens * k), key=lambda p: (distinct.index(int(ids.flatten()[p])), p))
-    assert order.tolist() == pairs and pair_token.tolist() == [p // k for p in pairs]
     expected, start = [], 0
     for u, e in enumerate(distinct):
         count = int((ids == e).sum())
         expected += [[u, start + f, min(block_m, count - f)] for f in range(0, count, block_m)]
         start += count
-    assert blocks.tolist() == expected
+    # as a host plans it (u up to the last distinct expert), and as a device does: a fixed number of u, some unused
+    for n_u in (None, n_experts + 2):
+        pair_token, order, blocks = plan_blocks(ids, u_of_expert, block_m, n_u)
+        assert order.tolist() == pairs and pair_token.tolist() == [p // k for p in pairs]
+        bound = -(-tokens * k // block_m) + (len(distinct) if n_u is None else n_u)
+        assert blocks.shape[0] == bound >= len(expected)  # fixed by the shapes, never by the routing
+        assert blocks[: len(expected)].tolist() == expected
+        assert blocks[len(expected) :].tolist() == [[-1, 0, 0]] * (bound - len(expected))
 
 
 def test_grouped_tiles_follow_the_calls_shape_not_its_routing():

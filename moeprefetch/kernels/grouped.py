@@ -58,24 +58,35 @@ LONG_BLOCK_PAIRS = 128  # pairs per expert, on average over the model's experts,
 logger = logging.getLogger(__name__)
 
 
-def plan_blocks(ids: torch.Tensor, u_of_expert: torch.Tensor, block_m: int = BLOCK_M
+def plan_blocks(ids: torch.Tensor, u_of_expert: torch.Tensor, block_m: int = BLOCK_M, n_u: int | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids [T, k] (host), u_of_expert [E] (distinct index u of each routed expert) -> (pair_token [P], order [P]: the
-    pair index t*k+j of each sorted pair, blocks [NB, 3]). Tensor operations only: a long prompt has ~10^5 pairs
-    per layer, too many for a Python loop."""
+    """ids [T, k], u_of_expert [E] (distinct index u of each routed expert, < n_u) -> (pair_token [P], order [P]: the
+    pair index t*k+j of each sorted pair, blocks [NB, 3]) on the ids' device.
+
+    Fixed shapes, so that a device never waits for the host: NB = ceil(P / block_m) + n_u, the most blocks any
+    routing can need; the blocks in use come first, in (u, first pair) order, and the rest are (-1, 0, 0), which the
+    kernels skip. Tensor operations only: a long prompt has ~10^5 pairs per layer, too many for a Python loop."""
     t, k = ids.shape
+    dev = ids.device
     u = u_of_expert[ids.flatten()].long()
-    n_u = int(u_of_expert.max()) + 1
-    # by expert, then pair index (a stable sort of the small keys: ~2x faster on the host than a composite key)
-    order = torch.sort(u.to(torch.int16) if n_u <= 1 << 15 else u, stable=True).indices
-    counts = torch.bincount(u, minlength=n_u)
+    n_u = int(u_of_expert.max()) + 1 if n_u is None else n_u
+    # by expert, then pair index: a stable sort of narrow keys (~2x faster on the host than int64 keys)
+    order = torch.sort(u.to(torch.int16 if n_u <= 1 << 15 and dev.type == "cpu" else torch.int32),
+                       stable=True).indices
+    # pairs of each u; not bincount, whose output size would make a device wait for the host
+    counts = torch.zeros(n_u, dtype=torch.int64, device=dev).index_add_(0, u, torch.ones_like(u))
     per_u = (counts + block_m - 1) // block_m  # blocks of each u
-    block_u = torch.repeat_interleave(torch.arange(counts.shape[0]), per_u)
-    nth = torch.arange(block_u.shape[0]) - torch.repeat_interleave(torch.cumsum(per_u, 0) - per_u, per_u)
-    first = (torch.cumsum(counts, 0) - counts)[block_u] + nth * block_m
-    count = torch.minimum(counts[block_u] - nth * block_m, torch.tensor(block_m))
-    blocks = torch.stack((block_u, first, count), 1).to(torch.int32).reshape(-1, 3)
-    return (order // k).to(torch.int32), order, blocks
+    block_end = torch.cumsum(per_u, 0)
+    b = torch.arange(-(-t * k // block_m) + n_u, device=dev)
+    block_u = torch.searchsorted(block_end, b, right=True)  # n_u past the last block in use
+    in_use = block_u < n_u
+    bu = block_u.clamp(max=n_u - 1)
+    nth = b - (block_end - per_u)[bu]
+    first = (torch.cumsum(counts, 0) - counts)[bu] + nth * block_m
+    count = torch.minimum(counts[bu] - nth * block_m, torch.full_like(nth, block_m))
+    blocks = torch.stack((block_u, first, count), 1).masked_fill(~in_use[:, None], 0)
+    blocks[:, 0].masked_fill_(~in_use, -1)
+    return (order // k).to(torch.int32), order, blocks.to(torch.int32)
 
 
 def grouped_reference(x: torch.Tensor, pair_token: torch.Tensor, blocks: torch.Tensor, u_key: torch.Tensor,
@@ -93,6 +104,35 @@ def grouped_reference(x: torch.Tensor, pair_token: torch.Tensor, blocks: torch.T
         tokens = pair_token[first : first + count].long()
         y[first : first + count] = expert_ffn(x[tokens], gate_up[0], down[0], act).float()
     return y
+
+
+def grouped_mm_usable(fmt: ExpertFormat, device: torch.device) -> bool:
+    """Whether prefill's experts run as torch._grouped_mm (CUTLASS grouped GEMMs, ~2.4x the Triton kernel's rate on
+    the H200, experiments/results/grouped_h200.json): bf16 experts on a Hopper-or-later GPU, with a torch that has it.
+    Decided by the engine's format and device, never by its cache, so every cache size computes the same bits."""
+    lay = RecordLayout.of(fmt)
+    aligned = all(v % 8 == 0 for v in (lay.hidden, lay.intermediate, lay.rec_w, lay.gate_w, lay.down_w))  # 16 B
+    return (device.type == "cuda" and hasattr(torch, "_grouped_mm") and not fmt.quantized and aligned
+            and fmt.payload_dtype == torch.bfloat16 and lay.up_w == lay.gate_w + lay.intermediate * lay.hidden
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def grouped_mm_experts(x_sorted: torch.Tensor, counts: torch.Tensor, records: torch.Tensor, fmt: ExpertFormat,
+                       act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """x_sorted [P, H]: pairs sorted by group, counts[g] of them through the expert in records[g] ([G, record bytes],
+    rows of one strided tensor: a layer's slots, or consecutive staging rows) -> [P, H] in x's dtype.
+
+    One grouped GEMM per projection, as transformers computes an expert: gate/up rounded to the compute dtype before
+    the activation. A pair's result depends only on its row and its expert, not on the other groups of the call
+    (no split over K), which the GPU tests check bit for bit across groupings."""
+    lay = RecordLayout.of(fmt)
+    h, i = lay.hidden, lay.intermediate
+    w = records.view(fmt.payload_dtype)
+    gate_up = w[:, lay.gate_w : lay.gate_w + 2 * i * h].unflatten(1, (2 * i, h)).transpose(1, 2)  # [G, H, 2I]
+    down = w[:, lay.down_w : lay.down_w + h * i].unflatten(1, (h, i)).transpose(1, 2)  # [G, I, H]
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    hidden = torch._grouped_mm(x_sorted, gate_up, offs=offs)
+    return torch._grouped_mm(act(hidden[:, :i]) * hidden[:, i:], down, offs=offs)
 
 
 if HAS_TRITON:
