@@ -19,6 +19,7 @@ from .errors import CheckpointError, RequestError, ResourceError
 from .experts import CheckpointExperts, ExpertFormat
 from .kernels import kernels_usable
 from .kernels.attention import MLADecode
+from .kernels.grouped import grouped_mm_usable
 from .planner import MemoryPlan, parse_bytes, plan_memory
 from .options import EngineConfig, check_positive_int
 from .predictors import MTP_PREDICTORS, PredictorSpec
@@ -52,6 +53,7 @@ class EngineOptions:
     max_seq_len: int
     max_batch_size: int
     prefill_chunk: int
+    prefill_window: int  # prompt tokens whose chunks run each layer together (an expert crosses once per window)
     expert_dtype: str
     min_confidence: float
     spare_recent: int
@@ -156,7 +158,8 @@ def build_engine(cls: type["MoEPrefetchEngine"], path: str | Path, config: Engin
             raise
         # the budget is too small: name the working space's share that the user can shrink
         element = torch.tensor([], dtype=options.dtype).element_size()
-        chunk_bytes = prefill_workspace_bytes(args, options.prefill_chunk, options.max_seq_len, dev, element)
+        chunk_bytes = prefill_workspace_bytes(args, options.prefill_chunk, options.max_seq_len, dev, element,
+                                              options.prefill_window, grouped_mm_usable(fmt, dev))
         raise RequestError(f"{exc}; of the working space, prefill_chunk={options.prefill_chunk} takes "
                            f"{chunk_bytes / 1024**3:.2f} GiB: a shorter prefill_chunk needs less") from None
     logger.info(plan.describe())
@@ -188,11 +191,12 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
     if seq_len > args.max_position_embeddings:
         raise RequestError(
             f"max_seq_len={seq_len} exceeds the model's max_position_embeddings ({args.max_position_embeddings})")
+    chunk = config.prefill_chunk or auto_prefill_chunk(seq_len, device)
     return EngineOptions(
         device=device, dtype=dtype, policy=config.policy, predictor=predictor, lookahead=config.lookahead,
         prefetch_budget=float(config.prefetch_budget), max_inflight_experts=config.max_inflight_experts,
         max_seq_len=seq_len, max_batch_size=config.max_batch_size,
-        prefill_chunk=config.prefill_chunk or auto_prefill_chunk(seq_len, device),
+        prefill_chunk=chunk, prefill_window=auto_prefill_window(seq_len, chunk, device),
         expert_dtype=config.expert_dtype, min_confidence=float(config.min_confidence),
         spare_recent=config.spare_recent,
         draft_experts=config.draft_experts, late_prefetch=config.late_prefetch, cuda_graphs=bool(config.cuda_graphs),
@@ -241,12 +245,26 @@ def auto_prefill_chunk(seq_len: int, device: torch.device) -> int:
     return min(seq_len, PREFILL_CHUNK_CUDA if device.type == "cuda" else PREFILL_CHUNK_CPU)
 
 
-def prefill_workspace_bytes(args: ModelArgs, chunk: int, seq_len: int, device: torch.device, element: int) -> int:
+PREFILL_WINDOW_CUDA = 8192  # prompt tokens whose chunks run each layer together, by default on CUDA
+PREFILL_WINDOW_CPU = 2048
+
+
+def auto_prefill_window(seq_len: int, chunk: int, device: torch.device) -> int:
+    """Prompt tokens per prefill window: whole chunks, at least one. A window's chunks run layer by layer together, so
+    an offloaded expert that several of them use crosses the link once per window, not once per chunk; its cost is
+    per-token state (a few hidden-size vectors per token, counted by `prefill_workspace_bytes`). Like the chunk, it
+    never depends on the budget (it does not change bits either: each chunk's kernels keep their shapes)."""
+    window = min(seq_len, PREFILL_WINDOW_CUDA if device.type == "cuda" else PREFILL_WINDOW_CPU)
+    return max(window // chunk, 1) * chunk
+
+
+def prefill_workspace_bytes(args: ModelArgs, chunk: int, seq_len: int, device: torch.device, element: int,
+                            window: int | None = None, grouped_mm: bool = False) -> int:
     """Activations of one prefill chunk of T tokens against a cache of S = max_seq_len: the attention's keys and values
     expanded over S (and on the CPU, whose attention is the math kernel, the mask and the [h, T, S] scores), the
     chunk's queries and output; then the larger of a MoE layer (the routed experts' T x top-k pair buffers:
     intermediate, fp32 output and its reordered copy; plus the shared experts) and a dense layer's MLP; plus the hidden
-    states."""
+    states; plus the per-token state of a window of `window` tokens (`auto_prefill_window`)."""
     t, s, h = chunk, seq_len, args.num_attention_heads
     n, r, v = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
     attention = (s * h * (n + v) * element  # kv_b_proj's expansion [S, h, n+v]
@@ -255,10 +273,18 @@ def prefill_workspace_bytes(args: ModelArgs, chunk: int, seq_len: int, device: t
     if device.type != "cuda":
         attention += t * s * (h * 4 * 2 + 1)  # the mask, scores and their softmax
     pairs = t * args.num_experts_per_tok
-    routed = pairs * (2 * args.moe_intermediate_size * element + 2 * args.hidden_size * 4) + t * args.hidden_size * 4
+    # gathered inputs, gate/up, intermediate and outputs per pair (the larger of the two grouped paths), and the
+    # combine's fp32 products
+    routed = (pairs * ((2 * args.hidden_size + 3 * args.moe_intermediate_size) * element + 2 * args.hidden_size * 4)
+              + t * args.hidden_size * 4)
     shared = t * args.moe_intermediate_size * args.n_shared_experts * element * 3
     dense = t * args.intermediate_size * element * 3
-    return attention + max(routed + shared, dense) + t * args.hidden_size * (element + 4) * 4
+    per_chunk = attention + max(routed + shared, dense) + t * args.hidden_size * (element + 4) * 4
+    # a window's per-token state: residual, normed input, routed output (fp32) and shared output per token, and each
+    # chunk's routed products held while the staged batches run (as bf16 products, or fp32 outputs and intermediates)
+    k, hid = args.num_experts_per_tok, args.hidden_size
+    per_pair = hid * element if grouped_mm else hid * 4 + args.moe_intermediate_size * element
+    return per_chunk + (window or chunk) * (hid * (3 * element + 4) + k * (per_pair + 12))
 
 
 def plan_engine_memory(
@@ -283,7 +309,8 @@ def plan_engine_memory(
     rows = options.max_batch_size * 2
     workspace = (
         rows * args.num_experts_per_tok * max(rows, 16) * (args.moe_intermediate_size * element + args.hidden_size * 4)
-        + prefill_workspace_bytes(args, options.prefill_chunk, options.max_seq_len, options.device, element)
+        + prefill_workspace_bytes(args, options.prefill_chunk, options.max_seq_len, options.device, element,
+                                  options.prefill_window, grouped_mm_usable(fmt, options.device))
         + staging_rows * fmt.record_bytes  # prefill's staging rows
         + 256 * 1024**2  # allocator slack, logits, small tensors
     )

@@ -1,8 +1,8 @@
 """Forward passes over blocks of new tokens: the uncached forward, prefill chunks and the MTP head over them.
 
 Every layer is `model.block()`; blocks of tokens attend with expanded keys and compute each routed expert on all of
-its tokens through `Residency.prefill_experts` (host-driven: one synchronisation per MoE layer and chunk). Decode
-steps live in `decode.py`.
+its tokens through `Residency.prefill_experts`. A prompt's chunks run in windows, layer by layer, so an offloaded
+expert crosses once per window (see residency/prefill.py). Decode steps live in `decode.py`.
 """
 
 from __future__ import annotations
@@ -111,41 +111,46 @@ class ModelRunner:
 
     # ---- blocks of new tokens (prefill chunks, uncached forward) ---------------------------------------------------
     def _routed(self, layer: int, flat: list[torch.Tensor], routings: list[Routing]) -> list[torch.Tensor]:
-        return [self.residency.prefill_experts(layer, h, r.ids, r.weights) for h, r in zip(flat, routings)]
+        return self.residency.prefill_experts(layer, flat, [r.ids for r in routings], [r.weights for r in routings])
 
-    def layer_block(self, lw: LayerWeights, x: torch.Tensor, positions: torch.Tensor, kv: LayerKV | None, row: int,
-                    start: int) -> torch.Tensor:
-        """One decoder layer over x [B, T, H] (expanded attention, each expert on all of its tokens)."""
-        def attend(_: int, normed: torch.Tensor) -> torch.Tensor:
-            return attention_expanded(self.args, lw.attn, self.rope, normed, positions, kv, row, start)
+    def layer_block(self, lw: LayerWeights, xs: list[torch.Tensor], positions: list[torch.Tensor],
+                    kv: LayerKV | None, row: int, starts: list[int]) -> list[torch.Tensor]:
+        """One decoder layer over a window of chunks xs[c] [B, T_c, H] at starts[c] (in order: a chunk attends to the
+        keys the earlier ones wrote), each routed expert on all of the window's tokens that use it."""
+        def attend(c: int, normed: torch.Tensor) -> torch.Tensor:
+            return attention_expanded(self.args, lw.attn, self.rope, normed, positions[c], kv, row, starts[c])
 
-        return block(self.ops, lw, [x], attend, self._routed)[0]
+        return block(self.ops, lw, xs, attend, self._routed)
+
+    def forward_window(self, pieces: list[torch.Tensor], positions: list[torch.Tensor], caches: KVCaches | None,
+                       row: int, starts: list[int]) -> list[torch.Tensor]:
+        """Main layers over a window of consecutive chunks pieces[c] [B, T_c], layer by layer (every chunk through a
+        layer before the next layer) -> final-normed hidden per chunk. Each chunk's kernels have the shapes they would
+        have alone, so a window computes the bits of its chunks run one by one."""
+        xs = [F.embedding(tokens, self.weights.embed) for tokens in pieces]
+        for lw in self.weights.layers:
+            kv = caches.layers[lw.index] if caches is not None else None
+            self.enter(lw.index)
+            xs = self.layer_block(lw, xs, positions, kv, row, starts)
+            self.leave(lw.index)
+        return [rms_norm(x, self.weights.final_norm, self.args.rms_norm_eps) for x in xs]
 
     def forward_block(
         self, tokens: torch.Tensor, positions: torch.Tensor, caches: KVCaches | None, row: int, start: int
     ) -> torch.Tensor:
-        """Main layers over tokens [B, T] -> final-normed hidden [B, T, H]."""
-        x = F.embedding(tokens, self.weights.embed)
-        for lw in self.weights.layers:
-            kv = caches.layers[lw.index] if caches is not None else None
-            self.enter(lw.index)
-            x = self.layer_block(lw, x, positions, kv, row, start)
-            self.leave(lw.index)
-        return rms_norm(x, self.weights.final_norm, self.args.rms_norm_eps)
+        """Main layers over tokens [B, T] -> final-normed hidden [B, T, H] (a window of one chunk)."""
+        return self.forward_window([tokens], [positions], caches, row, [start])[0]
 
-    def mtp_block(
-        self,
-        next_tokens: torch.Tensor,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        kv: LayerKV | None,
-        row: int,
-        start: int,
-    ) -> torch.Tensor:
-        """MTP over pairs: next_tokens [B, T] (token i+1), hidden [B, T, H] (main final hidden at i), positions of
-        token i+1 -> logits [B, T, V] predicting token i+2."""
+    def mtp_window(self, next_pieces: list[torch.Tensor], hiddens: list[torch.Tensor], positions: list[torch.Tensor],
+                   kv: LayerKV | None, row: int, starts: list[int]) -> list[torch.Tensor]:
+        """MTP over a window of chunks of pairs: next_pieces[c] [B, T_c] (token i+1), hiddens[c] [B, T_c, H] (main
+        final hidden at i), positions of token i+1 -> logits [B, T_c, V] per chunk, predicting token i+2."""
         mtp = self.weights.mtp
         assert mtp is not None
-        x = mtp_input(self.args, mtp, self.weights.mtp_embed(), next_tokens, hidden)
-        x = self.layer_block(mtp.layer, x, positions, kv, row, start)
-        return self.mtp_logits(x)
+        xs = [mtp_input(self.args, mtp, self.weights.mtp_embed(), t, h) for t, h in zip(next_pieces, hiddens)]
+        return [self.mtp_logits(x) for x in self.layer_block(mtp.layer, xs, positions, kv, row, starts)]
+
+    def mtp_block(self, next_tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                  kv: LayerKV | None, row: int, start: int) -> torch.Tensor:
+        """MTP over pairs of one block (see `mtp_window`)."""
+        return self.mtp_window([next_tokens], [hidden], [positions], kv, row, [start])[0]

@@ -158,19 +158,16 @@ class Session:
         return self.result()
 
     def _prefill(self, caches) -> tuple[list[int], list[int], list[float]]:
-        """Each prompt in chunks into its cache row; the first tokens; the MTP head's first drafts."""
-        engine, res = self.engine, self.res
+        """Each prompt in windows of chunks into its cache row; the first tokens; the MTP head's first drafts."""
+        engine = self.engine
         runner, device = engine.runner, engine.device
-        chunk = engine.options.prefill_chunk
         last_hidden, hiddens = [], []
         for b, prompt in enumerate(self.request.prompts):
             tokens = torch.tensor(prompt, device=device)[None]
             parts = []
-            for start in range(0, len(prompt), chunk):
-                res.begin_step(decode=False, belady=self.trace is not None)
-                piece = tokens[:, start : start + chunk]
-                positions = torch.arange(start, start + piece.shape[1], device=device)[None]
-                parts.append(runner.forward_block(piece, positions, caches, b, start)[0])
+            for starts, pieces, positions in self._windows(tokens, 0):
+                self.res.begin_step(decode=False, belady=self.trace is not None)
+                parts += [h[0] for h in runner.forward_window(pieces, positions, caches, b, starts)]
             hiddens.append(torch.cat(parts))
             last_hidden.append(hiddens[-1][-1])
         logits = runner.logits(torch.stack(last_hidden))
@@ -182,20 +179,28 @@ class Session:
             drafts, probs = self._mtp_prefill(caches, hiddens, first)
         return first, drafts, probs
 
+    def _windows(self, tokens: torch.Tensor, offset: int):
+        """(starts, chunks, positions) of each prefill window of tokens [1, T]; positions start at `offset`."""
+        chunk, window = self.engine.options.prefill_chunk, self.engine.options.prefill_window
+        per_window = max(window // chunk, 1) * chunk
+        for w0 in range(0, tokens.shape[1], per_window):
+            starts = list(range(w0, min(w0 + per_window, tokens.shape[1]), chunk))
+            pieces = [tokens[:, s : s + chunk] for s in starts]
+            positions = [torch.arange(s + offset, s + offset + p.shape[1], device=tokens.device)[None]
+                         for s, p in zip(starts, pieces)]
+            yield starts, pieces, positions
+
     def _mtp_prefill(self, caches, hiddens: list[torch.Tensor], first: list[int]) -> tuple[list[int], list[float]]:
         """The MTP layer over every (hidden at i, token i+1) pair of each prompt; returns the first drafts."""
-        engine, res = self.engine, self.res
+        engine = self.engine
         drafts, probs = [], []
-        chunk = engine.options.prefill_chunk
         for b, prompt in enumerate(self.request.prompts):
             nxt = torch.tensor(prompt[1:] + [first[b]], device=engine.device)[None]
             logits = None
-            for start in range(0, nxt.shape[1], chunk):
-                res.begin_step(decode=False, belady=self.trace is not None)
-                piece = nxt[:, start : start + chunk]
-                positions = torch.arange(start + 1, start + 1 + piece.shape[1], device=engine.device)[None]
-                h = hiddens[b][start : start + piece.shape[1]][None]
-                logits = engine.runner.mtp_block(piece, h, positions, caches.mtp, b, start)
+            for starts, pieces, positions in self._windows(nxt, 1):
+                self.res.begin_step(decode=False, belady=self.trace is not None)
+                h = [hiddens[b][s : s + p.shape[1]][None] for s, p in zip(starts, pieces)]
+                logits = engine.runner.mtp_window(pieces, h, positions, caches.mtp, b, starts)[-1]
             prob, draft = logits[0, -1].softmax(-1).max(-1)
             drafts.append(int(draft))
             probs.append(float(prob))

@@ -776,6 +776,7 @@ def bench_prefill(name: str, path: Path, args: argparse.Namespace, device: torch
     config = json.loads((path / "config.json").read_text())
     lengths = [int(v) for v in args.prefill_lengths.split(",") if v]
     chunks = sorted(int(v) for v in args.prefill_chunks.split(",") if v)  # none given: the engine's own choice
+    windows = sorted(int(v) for v in args.prefill_windows.split(",") if v)
     workload = name + (f"#{args.variant}" if args.variant else "")
     peak = link.get("h2d_peak_gbps", float("nan")) * 1e9
     common = dict(device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
@@ -792,13 +793,16 @@ def bench_prefill(name: str, path: Path, args: argparse.Namespace, device: torch
                 slots = max(int(round(args.cache_fraction * engine.plan.total_experts)), 8)
                 engine.close()
                 engine = MoEPrefetchEngine.from_pretrained(path, **common, expert_cache_slots=slots)
-            own = engine.options.prefill_chunk
+            own, own_window = engine.options.prefill_chunk, engine.options.prefill_window
             for n in lengths:
                 prompts = prompts_for(path, None, config["vocab_size"], args.runs, n, seed=4)
                 for chunk in sorted({min(c, n) for c in chunks or [own]}):
-                    engine.options = dataclasses.replace(engine.options, prefill_chunk=chunk)
-                    emit({"workload": workload, **prefill_row(engine, system, prompts, chunk, peak,
-                                                              args.budget_gib if extra else None)})
+                    for window in sorted({max(min(w, n) // chunk, 1) * chunk for w in windows or [own_window]}):
+                        engine.options = dataclasses.replace(engine.options, prefill_chunk=chunk,
+                                                             prefill_window=window)
+                        emit({"workload": workload, **prefill_row(engine, system, prompts, chunk, peak,
+                                                                  args.budget_gib if extra else None)})
+                engine.options = dataclasses.replace(engine.options, prefill_window=own_window)
                 if args.profile and n == max(lengths):
                     engine.options = dataclasses.replace(engine.options, prefill_chunk=max(chunks or [own]))
                     try:
@@ -843,7 +847,8 @@ def prefill_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]]
     fetch = statistics.median(b for _, b in runs) if res.store is not None else 0
     link_bound = n / (fetch / link_peak) if fetch else None
     tps = statistics.median(s["prefill_tokens_per_s"] for s, _ in runs)
-    return {"system": system, "prompt_tokens": n, "prefill_chunk": chunk, "runs": len(runs),
+    return {"system": system, "prompt_tokens": n, "prefill_chunk": chunk,
+            "prefill_window": engine.options.prefill_window, "runs": len(runs),
             "vram_budget_gib": budget_gib, "prefill_tokens_per_s": tps,
             "ttft_seconds": statistics.median(s["ttft_seconds"] for s, _ in runs),
             "cache_fraction": res.n_slots / engine.plan.total_experts, "cache_slots": res.n_slots,
@@ -875,6 +880,7 @@ def prefill_profile(engine: MoEPrefetchEngine, system: str, prompt: list[int]) -
         by_name[e.name[:70]] = by_name.get(e.name[:70], 0.0) + e.time_range.elapsed_us() / 1000
     spans = [(e.time_range.start, e.time_range.end) for e in kernels if not e.name.startswith("Memcpy")]
     return {"system": f"{system}_profile", "prompt_tokens": len(prompt), "prefill_chunk": engine.options.prefill_chunk,
+            "prefill_window": engine.options.prefill_window,
             "prefill_seconds_traced": stats["prefill_seconds"],
             "kernel_busy_ms": _union(spans) / 1000,
             "kernel_span_ms": (max(e for _, e in spans) - min(s for s, _ in spans)) / 1000 if spans else None,
@@ -958,6 +964,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", action="store_true",
                         help="only the prefill rows (resident, offloaded at --budget-gib, transformers)")
     parser.add_argument("--prefill-chunks", default="", help="--prefill: chunk sizes (default: the engine's)")
+    parser.add_argument("--prefill-windows", default="", help="--prefill: window sizes in tokens (default: the "
+                        "engine's; a window of one chunk runs the chunks one at a time)")
     parser.add_argument("--decode-compute", action="store_true",
                         help="v2lite/v3layers: only the all-resident decode-compute rows (contexts, fused vs not, "
                              "batches)")
@@ -988,7 +996,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                      if "sequences" in row else {})
         # a row replaces the earlier one of its workload and system; prefill rows: one per prompt length and chunk
         per_length = str(row.get("system", "")).startswith("prefill")
-        identity = ("workload", "system") + (("prompt_tokens", "prefill_chunk") if per_length else ())
+        per_prompt = ("prompt_tokens", "prefill_chunk", "prefill_window")
+        identity = ("workload", "system") + (per_prompt if per_length else ())
         report["rows"] = [r for r in report["rows"] if any(r.get(k) != row.get(k) for k in identity)]
         report["rows"].append(row)
         args.out.write_text(json.dumps(report, indent=1, default=str))

@@ -234,6 +234,46 @@ def test_time_to_first_token_covers_prefill_and_precedes_decode(v3):
     assert stats["prefill_tokens_per_s"] == pytest.approx(8 / stats["prefill_seconds"])
 
 
+@pytest.mark.parametrize("slots", [None, 5])
+def test_a_prefill_window_computes_the_bits_of_its_chunks_one_by_one(checkpoint_factory, slots):
+    """A window runs its chunks layer by layer together (each chunk's kernels keep their shapes): the same hidden
+    states, bit for bit, as the chunks one at a time; offloaded, each used expert crosses once per window instead of
+    once per chunk; the MTP head's window as well (the default predictor drafts with it)."""
+    import dataclasses
+
+    path = checkpoint_factory("v3_groups_qlora_yarn")
+    options = dict(progress=False, prefill_chunk=4) | (dict(expert_cache_slots=slots) if slots else {})
+    engine = MoEPrefetchEngine.from_pretrained(path, **options)
+    assert engine.options.prefill_window > 4 and engine.options.prefill_window % 4 == 0
+    prompt = torch.randint(0, engine.args.vocab_size, (14,), generator=torch.Generator().manual_seed(3)).tolist()
+    tokens = torch.tensor([prompt])
+    starts = [0, 4, 8, 12]
+    pieces = [tokens[:, s : s + 4] for s in starts]
+    positions = [torch.arange(s, s + p.shape[1])[None] for s, p in zip(starts, pieces)]
+    hidden = []
+    for window in (True, False):
+        res = engine.residency
+        res.configure()
+        res.begin_call()
+        caches = KVCaches.allocate(engine.args, 1, engine.options.max_seq_len, torch.float32, engine.device, False)
+        res.begin_step(decode=False)
+        if window:
+            hidden.append(engine.runner.forward_window(pieces, positions, caches, 0, starts))
+        else:
+            hidden.append([engine.runner.forward_block(p, q, caches, 0, s) for p, q, s in zip(pieces, positions,
+                                                                                              starts)])
+        res.end_call()
+    assert all(torch.equal(a, b) for a, b in zip(*hidden))
+
+    windowed = engine.generate([prompt], max_new_tokens=6, stop_at_eos=False)
+    engine.options = dataclasses.replace(engine.options, prefill_window=4)  # one chunk per window: as before
+    engine.reset_expert_cache()
+    chunked = engine.generate([prompt], max_new_tokens=6, stop_at_eos=False)
+    assert windowed.sequences == chunked.sequences
+    moved = [r.stats.to_dict()["prefill_bytes_h2d"] for r in (windowed, chunked)]
+    assert (moved[0] < moved[1]) if slots else (moved == [0, 0])
+
+
 @pytest.mark.parametrize("slots,stage_batch", [(None, None), (5, None), (5, 1), (3, 2), (12, 3)])
 def test_prefill_through_grouped_mm_matches_the_loop(checkpoint_factory, slots, stage_batch):
     """Prefill's experts as torch._grouped_mm (what a Hopper GPU runs for bf16 experts; here on the CPU in fp32)

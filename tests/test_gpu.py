@@ -225,28 +225,40 @@ def test_the_oracle_planning_steps_ahead_keeps_the_tokens_on_gpu(checkpoint_fact
         engine.close()
 
 
-def test_prefill_staging_batches_on_the_copy_engine_keep_the_tokens(checkpoint_factory):
-    """Long prompts and a tiny cache: most of a prefill chunk's experts find no slot and cross through the staging
-    rows on the copy stream, one expert per batch, each batch reusing a half the batch before last computed from."""
+@pytest.mark.parametrize("kernel", ["grouped_mm", "triton"])
+def test_prefill_staging_batches_on_the_copy_engine_keep_the_tokens(checkpoint_factory, kernel):
+    """Long prompts and a tiny cache: most of a prefill window's experts find no slot and cross through the staging
+    rows on the copy stream, one expert per batch, each batch reusing a half the batch before last computed from;
+    the bits of the all-resident engine, with CUTLASS grouped GEMMs (bf16 on Hopper) and with the Triton kernel; and
+    a window of several chunks gives the bits of its chunks one at a time."""
+    import dataclasses
+
     path = checkpoint_factory("v3", max_position_embeddings=1024)
     prompts = [list(range(3, 200)), list(range(7, 90))]
     reference = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_seq_len=512,
                                                   prefill_chunk=64)
+    if kernel == "grouped_mm" and not reference.residency.grouped_mm:
+        pytest.skip("no torch._grouped_mm for bf16 on this GPU")
+    reference.residency.grouped_mm = kernel == "grouped_mm"
     expected = reference.generate(prompts, max_new_tokens=6, stop_at_eos=False).sequences
     expected_logits = reference.forward([prompts[0]])
     reference.close()
-    for batch in (1, None):
+    for batch, window in ((1, None), (None, None), (None, 64)):
         engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_seq_len=512,
                                                    expert_cache_slots=3, prefill_chunk=64)
-        assert engine.residency.grouped.use_kernels
+        res = engine.residency
+        assert res.grouped.use_kernels and engine.options.prefill_window == 512
+        res.grouped_mm = kernel == "grouped_mm"
         if batch:
-            engine.residency.stage_batch = batch
+            res.stage_batch = batch
+        if window:
+            engine.options = dataclasses.replace(engine.options, prefill_window=window)
         result = engine.generate(prompts, max_new_tokens=6, stop_at_eos=False)
-        assert result.sequences == expected, batch
-        assert torch.equal(engine.forward([prompts[0]]), expected_logits), batch
+        assert result.sequences == expected, (batch, window)
+        assert torch.equal(engine.forward([prompts[0]]), expected_logits), (batch, window)
         stats = result.stats.to_dict()
-        assert stats["prefill_bytes_h2d"] > 0 and not engine.residency.problems()
-        assert engine.residency.slots_and_staging[engine.residency.n_slots:].any()  # staging rows were written
+        assert stats["prefill_bytes_h2d"] > 0 and not res.problems()
+        assert res.slots_and_staging[res.n_slots:].any()  # staging rows were written
         assert stats["prefill_stall_seconds"] >= 0
         engine.close()
 

@@ -7,10 +7,10 @@
     fill(position)        -> on the side stream: the fills in deadline order, behind this layer's compute
     experts(...)          -> every selected expert, from its slot or straight from host memory
 
-and `begin_step` / `end_step` around the step. Prefill (many tokens per expert) is host-driven: `prefill_experts`
-plans the layer with the same kernel, reads the plan back, copies misses into their admission slots and runs the
-layer's experts as grouped GEMMs. Misses that find no free slot cross once per chunk through staging rows placed
-after the pool (the kernels address them as slots), in batches that copy while the previous batch computes.
+and `begin_step` / `end_step` around the step. Prefill (many tokens per expert, `prefill.py`) plans each layer of a
+window of chunks with the same kernel and runs the layer's experts as grouped GEMMs: on the device's own plan when
+every expert is resident; otherwise the host reads the plan once and the used experts cross once per window through
+staging rows placed after the pool, in batches that copy while the previous batch computes.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from typing import Callable
 
 import torch
 
-from ..experts import ExpertFormat, activation, expert_ffn
+from ..experts import ExpertFormat, activation
 from ..kernels import kernels_usable
 from ..kernels.experts import RoutedExperts, row_pad
-from ..kernels.grouped import GroupedExperts, grouped_mm_experts, grouped_mm_usable, plan_blocks
+from ..kernels.grouped import GroupedExperts, grouped_mm_usable
 from ..kernels.fill import Filler
 from ..kernels.plan import Planner
-from ..model import combine_expert_outputs
 from ..store import HostExpertStore
 from ..transfer import SideStream, TransferEngine
 from .plan import finish_call, next_use_table, victim_order
+from .prefill import PrefillExperts
 from .state import C, COUNTERS, E_FREE, FILLING, NO_ENTRY, RESIDENT, ResidencyConfig, TableState
 
 logger = logging.getLogger(__name__)
@@ -121,6 +121,7 @@ class Residency:
         self.grouped = GroupedExperts(fmt, self.slots_and_staging, self.host, hidden_act, self.act,
                                       self.use_kernels and device.type == "cuda")
         self.grouped_mm = grouped_mm_usable(fmt, device)  # prefill's experts as CUTLASS grouped GEMMs
+        self._prefill = PrefillExperts(self)
         self.experts = RoutedExperts(fmt, self.pool, self.host, hidden_act, self.act, max_rows, top_k,
                                      self.use_kernels)
         self.set_hot_set(hot_set or [])
@@ -255,189 +256,12 @@ class Residency:
         return self.experts(x, assign, weights.contiguous(), buffers.u_key, buffers.u_slot, buffers.u_dst,
                             out=buffers.out[:n], step_rows=buffers.step_rows)
 
-    # ---- prefill: host-driven, many tokens per expert ------------------------------------------------------------
-    def prefill_experts(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], ids/weights [T, k] -> routed output [T, H] fp32; each expert once, on all its tokens.
-
-        The layer's plan runs on the device over every expert (those the chunk uses are active). With every expert
-        resident nothing is left for the host to decide, so the layer never waits for it; otherwise the host reads
-        the plan once (admissions and staging are its copies to issue)."""
-        position = self.position[layer]
-        if self._belady_prefill:
-            self.planner.step_start(False, self.next_use)
-        out, e = self._host_plan, self.n_experts
-        flat = ids.flatten()
-        used = torch.zeros(e, dtype=torch.int32, device=self.device).index_add_(0, flat, torch.ones_like(flat).int())
-        self.prefill_planner(position, self._every_expert, used > 0, None, None, out.assign, out.u_key, out.u_slot,
-                             out.u_dst, reserve=False, count_recall=False)
-        u_of_expert = out.assign[:, 0]  # u of each used expert (in expert order), -1 for the others
-        if self.prefill_log is not None:
-            self.prefill_log.append((layer, torch.nonzero(used).flatten().tolist()))
-        if self.grouped_mm and self.preloaded:
-            return self._prefill_grouped_mm_in_place(position, x, ids, weights, used)
-        if self.grouped.use_kernels and self.preloaded:
-            return self._prefill_in_place(x, ids, weights, u_of_expert)
-        plan = torch.cat((flat, u_of_expert.long(), out.u_slot[:e].long(), out.u_dst[:e].long())).cpu()  # the sync
-        ids_host = plan[: flat.shape[0]].view(ids.shape)
-        u_host, slot_host, dst_host = plan[flat.shape[0] :].view(3, e)
-        distinct = torch.nonzero(u_host >= 0).flatten().tolist()  # sorted, so u = rank
-        slots, dsts = slot_host[: len(distinct)].tolist(), dst_host[: len(distinct)].tolist()
-        if self.grouped_mm:
-            return self._prefill_grouped_mm_staged(position, x, ids_host, weights, distinct, slots, dsts)
-        if self.grouped.use_kernels:
-            return self._prefill_grouped(position, x, ids_host, u_host, weights, distinct, slots, dsts)
-        products = torch.zeros((x.shape[0], ids.shape[1], x.shape[1]), dtype=x.dtype, device=x.device)
-        for u, expert in enumerate(distinct):
-            record = self._prefill_record(position * self.n_experts + expert, slots[u], dsts[u])
-            gate_up, down = self.fmt.dequantize(record.view(1, -1))
-            rows, kpos = torch.nonzero(ids_host == expert, as_tuple=True)
-            rows_d, kpos_d = rows.to(self.device), kpos.to(self.device)
-            products[rows_d, kpos_d] = expert_ffn(x[rows_d], gate_up[0], down[0], self.act).to(products.dtype)
-        return combine_expert_outputs(products, weights, None)
-
-    def _prefill_in_place(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                          u_of_expert: torch.Tensor) -> torch.Tensor:
-        """Every expert in its slot: the grouped GEMMs over the device's own plan, blocks of fixed count."""
-        out = self._host_plan
-        tiles = self.grouped.tiles_for(ids.numel(), self.n_experts)
-        pair_token, order, blocks = plan_blocks(ids, u_of_expert, tiles.block_m, n_u=self.n_experts)
-        y = self.grouped(x.contiguous(), pair_token, blocks, out.u_key, out.u_slot, tiles=tiles)
-        products = torch.empty_like(y)
-        products[order] = y  # back to (token, k) order
-        return combine_expert_outputs(products.view(x.shape[0], ids.shape[1], -1), weights, None)
-
-    def _prefill_grouped_mm_in_place(self, position: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                                     used: torch.Tensor) -> torch.Tensor:
-        """Every expert in its slot (slot = key): the layer's experts are consecutive slots, one grouped GEMM pair."""
-        e, k = self.n_experts, ids.shape[1]
-        order = torch.sort(ids.flatten(), stable=True).indices  # by expert, then pair
-        y = grouped_mm_experts(x[order // k], used, self.pool[position * e : (position + 1) * e], self.fmt, self.act)
-        products = torch.empty_like(y)
-        products[order] = y  # back to (token, k) order
-        return combine_expert_outputs(products.view(x.shape[0], k, -1), weights, None)
-
-    def _prefill_grouped_mm_staged(self, position: int, x: torch.Tensor, ids_host: torch.Tensor,
-                                   weights: torch.Tensor, distinct: list[int], slots: list[int], dsts: list[int]
-                                   ) -> torch.Tensor:
-        """The layer's experts in batches of consecutive staging rows, one grouped GEMM pair per batch. Experts in
-        slots are copied in on the device (first, so compute starts at once), the others cross from host memory;
-        batch i+2 copies into batch i's half once batch i's GEMMs are done, so the copy engine streams while the GEMMs
-        compute, and each expert crosses once per chunk. An admitted expert is written into its slot from staging."""
-        k, half, dev = ids_host.shape[1], self.stage_batch, self.device
-        keys = [position * self.n_experts + e for e in distinct]
-        sequence = sorted(range(len(distinct)), key=lambda u: slots[u] < 0)  # slotted first (stable)
-        batches = [sequence[i : i + half] for i in range(0, len(sequence), half)]
-        rank = torch.zeros(self.n_experts, dtype=torch.int64)
-        rank[[distinct[u] for u in sequence]] = torch.arange(len(sequence))
-        ranks = rank[ids_host.flatten()]
-        order = torch.sort(ranks.to(torch.int16 if len(sequence) <= 1 << 15 else torch.int64), stable=True).indices
-        counts = torch.bincount(ranks, minlength=len(sequence))
-        ends = torch.cumsum(counts, 0).tolist()
-        order_d = order.to(dev, non_blocking=True)
-        counts_d = counts.to(torch.int32).to(dev, non_blocking=True)
-        x_sorted = x[order_d // k]
-        y = torch.empty_like(x_sorted)
-        base = [self.n_slots + (i % 2) * half for i in range(len(batches))]  # batches alternate halves
-        self._stage.follow_compute()  # copies out of slots see every earlier write into them
-
-        def stage(i: int) -> None:
-            for j, u in enumerate(batches[i]):
-                source = self.pool[slots[u]] if slots[u] >= 0 else self.host[keys[u]]  # type: ignore[index]
-                self._stage.copy(source, self.slots_and_staging[base[i] + j], base[i] - self.n_slots + j, demand=True)
-
-        for i in range(min(2, len(batches))):
-            stage(i)
-        first = 0
-        for i, batch in enumerate(batches):
-            rows = [base[i] - self.n_slots + j for j in range(len(batch))]
-            self._stage.wait_for(rows)
-            g0 = i * half  # the batch's first group: batches are consecutive runs of the sequence
-            last = ends[g0 + len(batch) - 1]
-            y[first:last] = grouped_mm_experts(x_sorted[first:last], counts_d[g0 : g0 + len(batch)],
-                                               self.slots_and_staging[base[i] : base[i] + len(batch)], self.fmt,
-                                               self.act)
-            for j, u in enumerate(batch):
-                if slots[u] < 0 and dsts[u] >= 0:  # admitted: into its victim slot, stream-ordered before any read
-                    self.pool[dsts[u]].copy_(self.slots_and_staging[base[i] + j])
-            self._stage.release(rows)
-            first = last
-            if i + 2 < len(batches):
-                stage(i + 2)
-        products = torch.empty_like(y)
-        products[order_d] = y  # back to (token, k) order
-        return combine_expert_outputs(products.view(x.shape[0], k, -1), weights, None)
-
-    def _prefill_grouped(self, position: int, x: torch.Tensor, ids_host: torch.Tensor, u_of_expert: torch.Tensor,
-                         weights: torch.Tensor, distinct: list[int], slots: list[int], dsts: list[int]
-                         ) -> torch.Tensor:
-        """The layer's experts as grouped GEMMs: one launch pair over the experts in slots (admitted ones are copied
-        in first, stream-ordered), then one per staged batch. Experts without a slot cross once through the staging
-        rows: batch i+2 copies into batch i's half once batch i's kernels are done, so the copy engine streams
-        while the kernels compute, and no expert is read from host memory more than once per chunk."""
-        keys = [position * self.n_experts + e for e in distinct]
-        for u, (slot, dst) in enumerate(zip(slots, dsts)):
-            if slot < 0 and dst >= 0:
-                self.pool[dst].copy_(self.host[keys[u]], non_blocking=True)  # type: ignore[index]
-                slots[u] = dst
-        half = self.stage_batch
-        unslotted = [u for u, slot in enumerate(slots) if slot < 0]
-        assert not unslotted or 1 <= half <= self.stage_rows // 2, "a staged batch must fit half the staging rows"
-        batches = [unslotted[i : i + half] for i in range(0, len(unslotted), half)]
-        group = [0] * len(distinct)  # 0: in a slot; i + 1: staged batch i
-
-        def row(i: int, j: int) -> int:  # staging row of the j-th expert of batch i: batches alternate halves
-            return (i % 2) * half + j
-
-        for i, batch in enumerate(batches):
-            for j, u in enumerate(batch):
-                slots[u], group[u] = self.n_slots + row(i, j), i + 1
-        tiles = self.grouped.tiles_for(ids_host.numel(), self.n_experts)
-        pair_token, order, blocks = plan_blocks(ids_host, u_of_expert, tiles.block_m, n_u=len(distinct))
-        blocks = blocks[blocks[:, 0] >= 0]
-        dev = self.device
-        block_group = torch.tensor(group, dtype=torch.int64)[blocks[:, 0].long()]
-        x = x.contiguous()
-        pair_token_d = pair_token.to(dev, non_blocking=True)
-        key_d = torch.tensor(keys, dtype=torch.int32).to(dev, non_blocking=True)
-        slot_d = torch.tensor(slots, dtype=torch.int32).to(dev, non_blocking=True)
-        y = torch.empty(pair_token.shape[0], x.shape[1], dtype=torch.float32, device=dev)
-        mid = torch.empty(pair_token.shape[0], self.fmt.intermediate, dtype=x.dtype, device=dev)
-
-        def compute(g: int) -> None:
-            chosen = blocks[block_group == g]
-            if chosen.shape[0]:
-                self.grouped(x, pair_token_d, chosen.to(dev, non_blocking=True), key_d, slot_d, y=y, mid=mid,
-                             tiles=tiles)
-
-        def stage(i: int) -> None:
-            for j, u in enumerate(batches[i]):
-                self._stage.copy(self.host[keys[u]], self.slots_and_staging[self.n_slots + row(i, j)], row(i, j),
-                                 demand=True)
-
-        for i in range(min(2, len(batches))):
-            stage(i)
-        compute(0)
-        for i, batch in enumerate(batches):
-            rows = [row(i, j) for j in range(len(batch))]
-            self._stage.wait_for(rows)
-            compute(i + 1)
-            self._stage.release(rows)
-            if i + 2 < len(batches):
-                stage(i + 2)
-        products = torch.empty_like(y)
-        products[order.to(dev, non_blocking=True)] = y  # back to (token, k) order (no wait for the kernels)
-        return combine_expert_outputs(products.view(x.shape[0], ids_host.shape[1], -1), weights, None)
-
-    def _prefill_record(self, key: int, slot: int, admit: int) -> torch.Tensor:
-        """The VRAM bytes of an expert for prefill: its slot, its admission slot (copied in now) or staging."""
-        if slot >= 0:
-            return self.pool[slot]
-        target = self.pool[admit] if admit >= 0 else \
-            self.slots_and_staging[self.n_slots + self._staged % self.stage_rows]
-        self._staged += admit < 0
-        assert self.host is not None
-        target.copy_(self.host[key], non_blocking=True)  # stream-ordered before the compute that reads it
-        return target
+    # ---- prefill: many tokens per expert (prefill.py) -----------------------------------------------------------
+    def prefill_experts(self, layer: int, xs: list[torch.Tensor], ids: list[torch.Tensor],
+                        weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A prefill window's routed experts at one layer: per chunk, xs [T, H] and ids/weights [T, k] -> [T, H] fp32;
+        each used expert once per window, on all of its tokens."""
+        return self._prefill(layer, xs, ids, weights)
 
     # ---- cold starts and snapshots -----------------------------------------------------------------------------
     def reset(self) -> None:

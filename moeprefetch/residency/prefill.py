@@ -1,0 +1,243 @@
+"""Prefill's routed experts: many tokens per expert, over a window of chunks that run each layer together.
+
+A prefill window is a few chunks of one prompt that run layer by layer together (`runner.forward_window`), so each
+MoE layer sees every chunk's routing at once and an expert that several chunks use crosses the link once per window,
+not once per chunk. The layer's plan runs on the device over every expert (the used ones active), with the same plan
+kernel as decode:
+
+- **every expert resident**: nothing is left for the host to decide; the grouped GEMMs run on the device's own plan
+  and the layer never waits for the host;
+- **offloaded**: the host reads the plan once per layer (admissions and staging are copies it issues). Experts cross
+  through staging rows after the slot pool, in batches: batch i+2 copies into batch i's half once batch i's GEMMs
+  are done, so the copy engine streams while the GEMMs compute.
+
+Three ways to compute a batch, chosen by the engine's format and device (never by its cache, so every cache size
+gives the same bits): torch._grouped_mm over consecutive records (bf16 experts on Hopper), the Triton grouped kernel
+over the record table (quantized or fp32 experts on CUDA), and a loop over experts (the CPU).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..experts import expert_ffn
+from ..kernels.grouped import grouped_mm_experts, plan_blocks
+from ..model import combine_expert_outputs
+
+if TYPE_CHECKING:
+    from . import Residency
+
+
+class LayerPlan:
+    """A window's plan of one layer, read back by the host: the used experts (sorted) and where each one is."""
+
+    def __init__(self, ids_host: list[torch.Tensor], u_of_expert: torch.Tensor, distinct: list[int],
+                 slots: list[int], dsts: list[int]):
+        self.ids_host, self.u_of_expert, self.distinct = ids_host, u_of_expert, distinct
+        self.slots, self.dsts = slots, dsts  # per u: its slot (or -1), its admission slot (or -1)
+        self.sequence: list[int] = []  # the order in which the used experts pass through staging
+        self.rows: list[int] = []  # per u: its staging row, as a slot index (the pool's rows come first)
+
+
+class PrefillExperts:
+    """Runs prefill's MoE layers for a `Residency` (whose pool, staging rows and launchers it uses)."""
+
+    def __init__(self, res: "Residency"):
+        self.res = res
+
+    def __call__(self, layer: int, xs: list[torch.Tensor], ids: list[torch.Tensor], weights: list[torch.Tensor]
+                 ) -> list[torch.Tensor]:
+        """Per chunk c: xs[c] [T, H], ids/weights [T, k] -> routed output [T, H] fp32."""
+        res = self.res
+        position = res.position[layer]
+        if res._belady_prefill:
+            res.planner.step_start(False, res.next_use)
+        out, e = res._host_plan, res.n_experts
+        flat = torch.cat([i.flatten() for i in ids])
+        used = torch.zeros(e, dtype=torch.int32, device=res.device).index_add_(0, flat, torch.ones_like(flat).int())
+        res.prefill_planner(position, res._every_expert, used > 0, None, None, out.assign, out.u_key, out.u_slot,
+                            out.u_dst, reserve=False, count_recall=False)
+        u_of_expert = out.assign[:, 0]  # u of each used expert (in expert order), -1 for the others
+        if res.prefill_log is not None:
+            res.prefill_log.append((layer, torch.nonzero(used).flatten().tolist()))
+        if res.preloaded and (res.grouped_mm or res.grouped.use_kernels):
+            return [self._in_place(position, x, i, w, u_of_expert) for x, i, w in zip(xs, ids, weights)]
+        plan = self._read_back(flat, ids, u_of_expert)
+        if res.grouped_mm:
+            return self._staged(position, xs, weights, plan, GroupedMMBatches(res))
+        if res.grouped.use_kernels:
+            return self._staged(position, xs, weights, plan, TritonBatches(res, position))
+        return self._loop(position, xs, weights, plan)
+
+    def _read_back(self, flat: torch.Tensor, ids: list[torch.Tensor], u_of_expert: torch.Tensor) -> LayerPlan:
+        """The layer's one host synchronisation: every chunk's routing and the plan, in one copy."""
+        out, e = self.res._host_plan, self.res.n_experts
+        host = torch.cat((flat, u_of_expert.long(), out.u_slot[:e].long(), out.u_dst[:e].long())).cpu()
+        u_host, slot_host, dst_host = host[flat.shape[0] :].view(3, e)
+        ids_host = list(host[: flat.shape[0]].split([i.numel() for i in ids]))
+        distinct = torch.nonzero(u_host >= 0).flatten().tolist()  # sorted, so u = rank
+        return LayerPlan([h.view(i.shape) for h, i in zip(ids_host, ids)], u_host, distinct,
+                         slot_host[: len(distinct)].tolist(), dst_host[: len(distinct)].tolist())
+
+    # ---- every expert resident ----------------------------------------------------------------------------------
+    def _in_place(self, position: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  u_of_expert: torch.Tensor) -> torch.Tensor:
+        """One chunk over the layer's slots (slot = key: a layer's experts are consecutive slots), on the device's
+        own plan: nothing here waits for the host."""
+        res, k = self.res, ids.shape[1]
+        if res.grouped_mm:
+            e = res.n_experts
+            flat = ids.flatten()
+            counts = torch.zeros(e, dtype=torch.int32, device=x.device).index_add_(0, flat, torch.ones_like(flat).int())
+            order = torch.sort(flat, stable=True).indices  # by expert, then pair
+            y = grouped_mm_experts(x[order // k], counts, res.pool[position * e : (position + 1) * e], res.fmt,
+                                   res.act)
+        else:
+            out = res._host_plan
+            tiles = res.grouped.tiles_for(ids.numel(), res.n_experts)
+            pair_token, order, blocks = plan_blocks(ids, u_of_expert, tiles.block_m, n_u=res.n_experts)
+            y = res.grouped(x.contiguous(), pair_token, blocks, out.u_key, out.u_slot, tiles=tiles)
+        products = torch.empty_like(y)
+        products[order] = y  # back to (token, k) order
+        return combine_expert_outputs(products.view(x.shape[0], k, -1), weights, None)
+
+    # ---- offloaded: staged batches ------------------------------------------------------------------------------
+    def _staged(self, position: int, xs: list[torch.Tensor], weights: list[torch.Tensor], plan: LayerPlan,
+                compute_batch) -> list[torch.Tensor]:
+        """Every used expert through consecutive staging rows, in batches of half the rows (experts in slots first:
+        a copy on the device, so the GEMMs start at once; then those in host memory). Each batch runs on every
+        chunk of the window before its rows are reused. An admitted expert is written into its slot from staging."""
+        res = self.res
+        half, slots, dsts = res.stage_batch, plan.slots, plan.dsts
+        keys = [position * res.n_experts + e for e in plan.distinct]
+        plan.sequence = sorted(range(len(keys)), key=lambda u: slots[u] < 0)  # slotted first (a stable sort)
+        batches = [plan.sequence[i : i + half] for i in range(0, len(plan.sequence), half)]
+        base = [(i % 2) * half for i in range(len(batches))]  # staging row of each batch's first expert
+        plan.rows = [0] * len(keys)
+        for i, batch in enumerate(batches):
+            for j, u in enumerate(batch):
+                plan.rows[u] = res.n_slots + base[i] + j
+        chunks = [compute_batch.prepare(x, ids, plan) for x, ids in zip(xs, plan.ids_host)]
+        res._stage.follow_compute()  # copies out of slots see every earlier write into them
+
+        def stage(i: int) -> None:
+            for j, u in enumerate(batches[i]):
+                source = res.pool[slots[u]] if slots[u] >= 0 else res.host[keys[u]]  # type: ignore[index]
+                res._stage.copy(source, res.slots_and_staging[res.n_slots + base[i] + j], base[i] + j, demand=True)
+
+        for i in range(min(2, len(batches))):
+            stage(i)
+        for i, batch in enumerate(batches):
+            rows = [base[i] + j for j in range(len(batch))]
+            res._stage.wait_for(rows)
+            for chunk in chunks:
+                compute_batch(chunk, i * half, len(batch), res.n_slots + base[i])
+            for j, u in enumerate(batch):
+                if slots[u] < 0 and dsts[u] >= 0:  # admitted: into its victim slot, stream-ordered before any read
+                    res.pool[dsts[u]].copy_(res.slots_and_staging[res.n_slots + base[i] + j])
+            res._stage.release(rows)
+            if i + 2 < len(batches):
+                stage(i + 2)
+        return [compute_batch.finish(chunk, w) for chunk, w in zip(chunks, weights)]
+
+    # ---- the CPU ------------------------------------------------------------------------------------------------
+    def _loop(self, position: int, xs: list[torch.Tensor], weights: list[torch.Tensor], plan: LayerPlan
+              ) -> list[torch.Tensor]:
+        """Each used expert once per window (from its slot, its admission slot or staging), on every chunk."""
+        res = self.res
+        products = [torch.zeros((x.shape[0], w.shape[1], x.shape[1]), dtype=x.dtype, device=x.device)
+                    for x, w in zip(xs, weights)]
+        for u, expert in enumerate(plan.distinct):
+            record = self._record(position * res.n_experts + expert, plan.slots[u], plan.dsts[u])
+            gate_up, down = res.fmt.dequantize(record.view(1, -1))
+            for x, ids_host, p in zip(xs, plan.ids_host, products):
+                rows, kpos = torch.nonzero(ids_host == expert, as_tuple=True)
+                if rows.numel():
+                    rows_d, kpos_d = rows.to(res.device), kpos.to(res.device)
+                    p[rows_d, kpos_d] = expert_ffn(x[rows_d], gate_up[0], down[0], res.act).to(p.dtype)
+        return [combine_expert_outputs(p, w, None) for p, w in zip(products, weights)]
+
+    def _record(self, key: int, slot: int, admit: int) -> torch.Tensor:
+        """The VRAM bytes of an expert: its slot, its admission slot (copied in now) or a staging row."""
+        res = self.res
+        if slot >= 0:
+            return res.pool[slot]
+        target = res.pool[admit] if admit >= 0 else \
+            res.slots_and_staging[res.n_slots + res._staged % res.stage_rows]
+        res._staged += admit < 0
+        assert res.host is not None
+        target.copy_(res.host[key], non_blocking=True)  # stream-ordered before the compute that reads it
+        return target
+
+
+class GroupedMMBatches:
+    """Staged batches as torch._grouped_mm: a chunk's pairs sorted by the expert's place in the staging sequence, so
+    each batch's pairs are one run and its experts consecutive staging rows."""
+
+    def __init__(self, res: "Residency"):
+        self.res = res
+
+    def prepare(self, x: torch.Tensor, ids_host: torch.Tensor, plan: LayerPlan) -> dict:
+        res, k, sequence = self.res, ids_host.shape[1], plan.sequence
+        rank = torch.zeros(res.n_experts, dtype=torch.int64)
+        rank[[plan.distinct[u] for u in sequence]] = torch.arange(len(sequence))
+        ranks = rank[ids_host.flatten()]
+        order = torch.sort(ranks.to(torch.int16 if len(sequence) <= 1 << 15 else torch.int64), stable=True).indices
+        counts = torch.bincount(ranks, minlength=len(sequence))
+        ends = torch.cumsum(counts, 0).tolist()
+        return dict(x=x, k=k, ends=[0] + ends, order=order.to(res.device, non_blocking=True),
+                    counts=counts.to(torch.int32).to(res.device, non_blocking=True),
+                    products=torch.empty(ids_host.numel(), x.shape[1], dtype=x.dtype, device=x.device))
+
+    def __call__(self, chunk: dict, g0: int, n: int, first_row: int) -> None:
+        lo, hi = chunk["ends"][g0], chunk["ends"][g0 + n]
+        if hi == lo:
+            return
+        order = chunk["order"][lo:hi]
+        chunk["products"][order] = grouped_mm_experts(
+            chunk["x"][order // chunk["k"]], chunk["counts"][g0 : g0 + n],
+            self.res.slots_and_staging[first_row : first_row + n], self.res.fmt, self.res.act)
+
+    def finish(self, chunk: dict, weights: torch.Tensor) -> torch.Tensor:
+        x = chunk["x"]
+        return combine_expert_outputs(chunk["products"].view(x.shape[0], chunk["k"], -1), weights, None)
+
+
+class TritonBatches:
+    """Staged batches through the Triton grouped kernel, which reads each expert through the record table (here:
+    every used expert at its staging row): per chunk, one block plan of its pairs, launched a batch at a time."""
+
+    def __init__(self, res: "Residency", position: int):
+        self.res = res
+        self.position = position
+        self.keys: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None
+
+    def prepare(self, x: torch.Tensor, ids_host: torch.Tensor, plan: LayerPlan) -> dict:
+        res, dev = self.res, self.res.device
+        if self.keys is None:  # the layer's table, shared by its chunks
+            keys = [self.position * res.n_experts + e for e in plan.distinct]
+            self.keys = torch.tensor(keys, dtype=torch.int32).to(dev, non_blocking=True)
+            self.rows = torch.tensor(plan.rows, dtype=torch.int32).to(dev, non_blocking=True)
+        tiles = res.grouped.tiles_for(ids_host.numel(), res.n_experts)
+        pair_token, order, blocks = plan_blocks(ids_host, plan.u_of_expert, tiles.block_m, n_u=len(plan.distinct))
+        blocks = blocks[blocks[:, 0] >= 0]
+        place = torch.empty(len(plan.sequence), dtype=torch.int64)  # each u's place in the staging sequence
+        place[plan.sequence] = torch.arange(len(plan.sequence))
+        return dict(x=x.contiguous(), k=ids_host.shape[1], tiles=tiles, order=order, blocks=blocks,
+                    block_place=place[blocks[:, 0].long()], pair_token=pair_token.to(dev, non_blocking=True),
+                    y=torch.empty(pair_token.shape[0], x.shape[1], dtype=torch.float32, device=dev),
+                    mid=torch.empty(pair_token.shape[0], res.fmt.intermediate, dtype=x.dtype, device=dev))
+
+    def __call__(self, chunk: dict, g0: int, n: int, first_row: int) -> None:
+        chosen = chunk["blocks"][(chunk["block_place"] >= g0) & (chunk["block_place"] < g0 + n)]
+        if chosen.shape[0]:
+            self.res.grouped(chunk["x"], chunk["pair_token"], chosen.to(self.res.device, non_blocking=True),
+                             self.keys, self.rows, y=chunk["y"], mid=chunk["mid"], tiles=chunk["tiles"])
+
+    def finish(self, chunk: dict, weights: torch.Tensor) -> torch.Tensor:
+        products = torch.empty_like(chunk["y"])
+        products[chunk["order"].to(self.res.device, non_blocking=True)] = chunk["y"]  # back to (token, k) order
+        return combine_expert_outputs(products.view(chunk["x"].shape[0], chunk["k"], -1), weights, None)
