@@ -267,7 +267,7 @@ class Session:
     # ---- ends -----------------------------------------------------------------------------------------------------
     def _finish(self, prefill_counters: torch.Tensor) -> None:
         counters = self.res.end_call()
-        self.stats.extra["prefill_stall_seconds"] = self.res.staging_stall_seconds
+        self.stats.extra.update(self.res.prefill_extra)
         self.res.trace = None
         self._fill_counters(counters, prefill_counters)
 
@@ -286,7 +286,7 @@ class Session:
     def abort(self) -> None:
         """After Ctrl-C or an error mid-call: settle the table (cold cache) and keep whatever counts are readable."""
         self.res.abort()
-        self.stats.extra["prefill_stall_seconds"] = self.res.staging_stall_seconds
+        self.stats.extra.update(self.res.prefill_extra)
         self.res.trace = None
         self.finish = ["interrupted" if f == "length" and len(g) < self.request.max_new_tokens else f
                        for f, g in zip(self.finish, self.generated)]

@@ -838,9 +838,10 @@ def prefill_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]]
     runs = []
     for prompt in prompts:
         engine.reset_expert_cache()
-        res.prefill_log = []
+        # the experts a prompt touches, for the link bound: only offloaded (the log reads every layer's plan back)
+        res.prefill_log = [] if res.store is not None else None
         stats = engine.generate([prompt], max_new_tokens=1, stop_at_eos=False).stats.to_dict()
-        touched = {(layer, e) for layer, experts in res.prefill_log for e in experts}
+        touched = {(layer, e) for layer, experts in res.prefill_log or [] for e in experts}
         res.prefill_log = None
         runs.append((stats, len(touched) * res.expert_bytes))
     n = len(prompts[0])
@@ -855,6 +856,8 @@ def prefill_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]]
             "prefill_bytes_h2d": statistics.median(s["prefill_bytes_h2d"] for s, _ in runs),
             "must_fetch_bytes": fetch, "link_bound_tokens_per_s": link_bound,
             "fraction_of_link_bound": tps / link_bound if link_bound else None,
+            "prefill_experts_ahead": statistics.median(s.get("prefill_experts_ahead", 0) for s, _ in runs),
+            "prefill_experts_ahead_unused": statistics.median(s.get("prefill_experts_ahead_unused", 0) for s, _ in runs),
             "peak_vram_gib": torch.cuda.max_memory_allocated() / GiB if torch.cuda.is_available() else None}
 
 

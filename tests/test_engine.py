@@ -278,12 +278,13 @@ def test_a_prefill_window_computes_the_bits_of_its_chunks_one_by_one(checkpoint_
 def test_prefill_through_grouped_mm_matches_the_loop(checkpoint_factory, slots, stage_batch):
     """Prefill's experts as torch._grouped_mm (what a Hopper GPU runs for bf16 experts; here on the CPU in fp32)
     against the per-expert loop: every expert resident (a layer's consecutive slots), and staged through the staging
-    rows from slots and from host memory, in one batch or in many, with admissions written into their slots."""
+    rows from slots and from host memory, in one batch or in many, with admissions written into their slots; a long
+    prompt uses every expert of a layer, so the next layer's experts are copied ahead of its router."""
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no _grouped_mm")
     path = checkpoint_factory("v3_groups_qlora_yarn")
     options = dict(progress=False, expert_cache_slots=slots) if slots else dict(progress=False)
-    prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [9, 10]]
+    prompts = [list(range(3, 70)), [9, 10]]
     engine = MoEPrefetchEngine.from_pretrained(path, **options)
     expected = engine.generate(prompts, max_new_tokens=5, stop_at_eos=False)
     expected_logits = engine.forward([prompts[0]])
@@ -296,7 +297,10 @@ def test_prefill_through_grouped_mm_matches_the_loop(checkpoint_factory, slots, 
     got = engine.generate(prompts, max_new_tokens=5, stop_at_eos=False)
     logits = engine.forward([prompts[0]])
     assert got.sequences == expected.sequences
-    assert got.stats.to_dict()["prefill_bytes_h2d"] == expected.stats.to_dict()["prefill_bytes_h2d"]
+    stats = got.stats.to_dict()
+    assert stats["prefill_bytes_h2d"] == expected.stats.to_dict()["prefill_bytes_h2d"]
+    assert (stats["prefill_experts_ahead"] > 0) == bool(slots)  # all resident: nothing crosses, nothing ahead
+    assert 0 <= stats["prefill_experts_ahead_unused"] <= stats["prefill_experts_ahead"]
     assert torch.allclose(logits, expected_logits, rtol=1e-4, atol=1e-5)
     assert not res.problems()
 
@@ -315,7 +319,7 @@ def test_prefill_through_the_grouped_expert_kernels_matches_the_loop(checkpoint_
         pytest.skip("needs triton")
     path = checkpoint_factory("v3_groups_qlora_yarn")
     options = dict(progress=False, expert_cache_slots=slots) if slots else dict(progress=False)
-    prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [9, 10]]
+    prompts = [list(range(3, 70)), [9, 10]]  # the long one uses every expert: copies ahead
     engine = MoEPrefetchEngine.from_pretrained(path, **options)
     expected = engine.generate(prompts, max_new_tokens=5, stop_at_eos=False)
     expected_logits = engine.forward([prompts[0]])
@@ -330,5 +334,6 @@ def test_prefill_through_the_grouped_expert_kernels_matches_the_loop(checkpoint_
     assert got.sequences == expected.sequences
     if slots:  # experts that found no slot crossed through the staging rows (on the CPU a copy counts as a wait)
         assert got.stats.to_dict()["prefill_stall_seconds"] > 0
+        assert got.stats.to_dict()["prefill_experts_ahead"] > 0
     assert torch.allclose(logits, expected_logits, rtol=1e-4, atol=1e-5)
     assert not res.problems()

@@ -102,7 +102,7 @@ class Residency:
                                              device=device)
         self.pool = self.slots_and_staging[:n_slots]
         self._stage = TransferEngine(device, self.stage_rows) if self.stage_rows else None
-        self.staging_stall_seconds = 0.0  # the last call's: compute waiting for staged prefill experts
+        self.prefill_extra: dict[str, float] = {}  # the last call's prefill statistics (`_collect_staging_stall`)
         self.host = store.arena if store is not None else None
         self.side = SideStream(device)
         self.trace: torch.Tensor | None = None  # [steps, P, E] uint8 while recording an oracle trace
@@ -183,6 +183,7 @@ class Residency:
 
     # ---- calls and steps ----------------------------------------------------------------------------------------
     def begin_call(self) -> None:
+        self._prefill.begin_call()
         self.st.counters.zero_()
         self.st.decode_step.fill_(-1)
 
@@ -233,8 +234,13 @@ class Residency:
         self.reset()
 
     def _collect_staging_stall(self) -> None:
-        """Read (and release) the staging copies' wait timings: the call's `prefill_stall_seconds`."""
-        self.staging_stall_seconds = self._stage.collect_stall_seconds() if self._stage is not None else 0.0
+        """Read (and release) the staging copies' wait timings and the copies ahead: the call's prefill extras."""
+        self._prefill.forget_ahead()
+        self.prefill_extra = {
+            "prefill_stall_seconds": self._stage.collect_stall_seconds() if self._stage is not None else 0.0,
+            "prefill_experts_ahead": self._prefill.copied_ahead,  # copied before their layer's router ran
+            "prefill_experts_ahead_unused": self._prefill.unused_ahead,  # of which the layer did not use
+        }
 
     # ---- decode: one MoE layer inside the step's graph ----------------------------------------------------------
     def decode_experts(self, layer: int, x: torch.Tensor, ids_x: torch.Tensor, act_x: torch.Tensor,

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from . import Residency
 
 
+AHEAD_WHEN_USED = 0.9  # copy the next layer's experts ahead when a window used this share of the layer's experts
+
+
 class LayerPlan:
     """A window's plan of one layer, read back by the host: the used experts (sorted) and where each one is."""
 
@@ -37,8 +40,9 @@ class LayerPlan:
                  slots: list[int], dsts: list[int]):
         self.ids_host, self.u_of_expert, self.distinct = ids_host, u_of_expert, distinct
         self.slots, self.dsts = slots, dsts  # per u: its slot (or -1), its admission slot (or -1)
-        self.sequence: list[int] = []  # the order in which the used experts pass through staging
-        self.rows: list[int] = []  # per u: its staging row, as a slot index (the pool's rows come first)
+        self.next_slots: list[int] = []  # the next layer's slot per expert (-1: not in VRAM), as read back
+        self.sequence: list[int] = []  # the experts in the order they pass through staging (some maybe unused)
+        self.rows: dict[int, int] = {}  # per expert: its staging row, as a slot index (the pool's rows come first)
 
 
 class PrefillExperts:
@@ -46,6 +50,10 @@ class PrefillExperts:
 
     def __init__(self, res: "Residency"):
         self.res = res
+        self._ahead: tuple[int, list[tuple[list[int], int]]] | None = None  # (position, [(experts, half)]) copied
+        self._half = 0
+        self.copied_ahead = 0  # experts copied ahead of their layer's plan, this call
+        self.unused_ahead = 0  # of which the layer then did not use (the bytes moved for nothing)
 
     def __call__(self, layer: int, xs: list[torch.Tensor], ids: list[torch.Tensor], weights: list[torch.Tensor]
                  ) -> list[torch.Tensor]:
@@ -64,22 +72,27 @@ class PrefillExperts:
             res.prefill_log.append((layer, torch.nonzero(used).flatten().tolist()))
         if res.preloaded and (res.grouped_mm or res.grouped.use_kernels):
             return [self._in_place(position, x, i, w, u_of_expert) for x, i, w in zip(xs, ids, weights)]
-        plan = self._read_back(flat, ids, u_of_expert)
+        plan = self._read_back(position, flat, ids, u_of_expert)
         if res.grouped_mm:
             return self._staged(position, xs, weights, plan, GroupedMMBatches(res))
         if res.grouped.use_kernels:
             return self._staged(position, xs, weights, plan, TritonBatches(res, position))
         return self._loop(position, xs, weights, plan)
 
-    def _read_back(self, flat: torch.Tensor, ids: list[torch.Tensor], u_of_expert: torch.Tensor) -> LayerPlan:
+    def _read_back(self, position: int, flat: torch.Tensor, ids: list[torch.Tensor], u_of_expert: torch.Tensor
+                   ) -> LayerPlan:
         """The layer's one host synchronisation: every chunk's routing and the plan, in one copy."""
-        out, e = self.res._host_plan, self.res.n_experts
-        host = torch.cat((flat, u_of_expert.long(), out.u_slot[:e].long(), out.u_dst[:e].long())).cpu()
-        u_host, slot_host, dst_host = host[flat.shape[0] :].view(3, e)
+        res, out, e = self.res, self.res._host_plan, self.res.n_experts
+        nxt = min(position + 1, res.cfg.positions - 1) * e  # the next layer's table entries, for copies ahead
+        host = torch.cat((flat, u_of_expert.long(), out.u_slot[:e].long(), out.u_dst[:e].long(),
+                          res.st.slot_of[nxt : nxt + e].long())).cpu()
+        u_host, slot_host, dst_host, next_host = host[flat.shape[0] :].view(4, e)
         ids_host = list(host[: flat.shape[0]].split([i.numel() for i in ids]))
         distinct = torch.nonzero(u_host >= 0).flatten().tolist()  # sorted, so u = rank
-        return LayerPlan([h.view(i.shape) for h, i in zip(ids_host, ids)], u_host, distinct,
+        plan = LayerPlan([h.view(i.shape) for h, i in zip(ids_host, ids)], u_host, distinct,
                          slot_host[: len(distinct)].tolist(), dst_host[: len(distinct)].tolist())
+        plan.next_slots = next_host.tolist()
+        return plan
 
     # ---- every expert resident ----------------------------------------------------------------------------------
     def _in_place(self, position: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -106,41 +119,87 @@ class PrefillExperts:
     # ---- offloaded: staged batches ------------------------------------------------------------------------------
     def _staged(self, position: int, xs: list[torch.Tensor], weights: list[torch.Tensor], plan: LayerPlan,
                 compute_batch) -> list[torch.Tensor]:
-        """Every used expert through consecutive staging rows, in batches of half the rows (experts in slots first:
-        a copy on the device, so the GEMMs start at once; then those in host memory). Each batch runs on every
-        chunk of the window before its rows are reused. An admitted expert is written into its slot from staging."""
+        """Every used expert through consecutive staging rows, in batches of half the rows: those the previous layer
+        already copied ahead, then those in slots (a copy on the device, so the GEMMs start at once), then those in
+        host memory. Each batch runs on every chunk of the window before its rows are reused; once this layer's
+        batches are all issued, the copy engine goes on with the next layer's (`_ahead`). An admitted expert is
+        written into its slot from staging."""
         res = self.res
-        half, slots, dsts = res.stage_batch, plan.slots, plan.dsts
-        keys = [position * res.n_experts + e for e in plan.distinct]
-        plan.sequence = sorted(range(len(keys)), key=lambda u: slots[u] < 0)  # slotted first (a stable sort)
-        batches = [plan.sequence[i : i + half] for i in range(0, len(plan.sequence), half)]
-        base = [(i % 2) * half for i in range(len(batches))]  # staging row of each batch's first expert
-        plan.rows = [0] * len(keys)
-        for i, batch in enumerate(batches):
-            for j, u in enumerate(batch):
-                plan.rows[u] = res.n_slots + base[i] + j
+        half, e_count = res.stage_batch, res.n_experts
+        where = {e: (slot, dst) for e, slot, dst in zip(plan.distinct, plan.slots, plan.dsts)}
+        ahead = self._ahead[1] if self._ahead and self._ahead[0] == position else []
+        if ahead:
+            self._ahead = None  # taken: what this layer does not use is counted below
+        self.forget_ahead()
+        early = {e for batch, _ in ahead for e in batch}
+        rest = sorted((e for e in plan.distinct if e not in early), key=lambda e: where[e][0] < 0)  # slotted first
+        batches = [(batch, half_) for batch, half_ in ahead] + [
+            (rest[i : i + half], None) for i in range(0, len(rest), half)]
+        batches = [(batch, self._take_half() if half_ is None else half_) for batch, half_ in batches]
+        self.unused_ahead += len(early - set(plan.distinct))
+        plan.sequence = [e for batch, _ in batches for e in batch]
+        plan.rows = {e: res.n_slots + h * half + j for batch, h in batches for j, e in enumerate(batch)}
         chunks = [compute_batch.prepare(x, ids, plan) for x, ids in zip(xs, plan.ids_host)]
         res._stage.follow_compute()  # copies out of slots see every earlier write into them
 
-        def stage(i: int) -> None:
-            for j, u in enumerate(batches[i]):
-                source = res.pool[slots[u]] if slots[u] >= 0 else res.host[keys[u]]  # type: ignore[index]
-                res._stage.copy(source, res.slots_and_staging[res.n_slots + base[i] + j], base[i] + j, demand=True)
+        def stage(batch: list[int], h: int, layer_position: int, source_slot) -> None:
+            for j, e in enumerate(batch):
+                slot = source_slot(e)
+                source = res.pool[slot] if slot >= 0 else res.host[layer_position * e_count + e]  # type: ignore
+                res._stage.copy(source, res.slots_and_staging[res.n_slots + h * half + j], h * half + j, demand=True)
 
-        for i in range(min(2, len(batches))):
-            stage(i)
-        for i, batch in enumerate(batches):
-            rows = [base[i] + j for j in range(len(batch))]
+        issued = len(ahead)
+        for i in range(len(ahead), min(2, len(batches))):
+            stage(*batches[i], position, lambda e: where[e][0])
+            issued += 1
+        upcoming = self._next_layer(position, plan)
+        first = 0
+        for i, (batch, h) in enumerate(batches):
+            rows = [h * half + j for j in range(len(batch))]
             res._stage.wait_for(rows)
             for chunk in chunks:
-                compute_batch(chunk, i * half, len(batch), res.n_slots + base[i])
-            for j, u in enumerate(batch):
-                if slots[u] < 0 and dsts[u] >= 0:  # admitted: into its victim slot, stream-ordered before any read
-                    res.pool[dsts[u]].copy_(res.slots_and_staging[res.n_slots + base[i] + j])
+                compute_batch(chunk, first, len(batch), res.n_slots + h * half)
+            for j, e in enumerate(batch):
+                slot, dst = where.get(e, (0, -1))
+                if slot < 0 and dst >= 0:  # admitted: into its victim slot, stream-ordered before any read
+                    res.pool[dst].copy_(res.slots_and_staging[res.n_slots + h * half + j])
             res._stage.release(rows)
-            if i + 2 < len(batches):
-                stage(i + 2)
+            first += len(batch)
+            if issued < len(batches):
+                stage(*batches[issued], position, lambda e: where[e][0])
+                issued += 1
+            elif upcoming:  # this layer's copies are all issued: the next layer's, while this one computes
+                h = self._take_half()
+                stage(upcoming[0], h, position + 1, lambda e: -1)
+                self._ahead = (position + 1, (self._ahead[1] if self._ahead else []) + [(upcoming[0], h)])
+                self.copied_ahead += len(upcoming.pop(0))
         return [compute_batch.finish(chunk, w) for chunk, w in zip(chunks, weights)]
+
+    def _next_layer(self, position: int, plan: LayerPlan) -> list[list[int]]:
+        """Batches of the next layer's experts to copy ahead of its router: those not in a slot, when this layer's
+        window used nearly every expert (long prompts do, and then so will the next layer's); at most two batches
+        (the staging rows this layer frees). Nothing past the main layers (the MTP head runs its own windows)."""
+        res = self.res
+        if position + 1 >= res.cfg.main_positions or len(plan.distinct) < AHEAD_WHEN_USED * res.n_experts:
+            return []
+        missing = [e for e, slot in enumerate(plan.next_slots) if slot < 0]
+        half = res.stage_batch
+        return [missing[i : i + half] for i in range(0, min(len(missing), 2 * half), half)]
+
+    def _take_half(self) -> int:
+        """The staging half for the next batch: halves alternate across batches and layers."""
+        self._half += 1
+        return (self._half - 1) % 2
+
+    def forget_ahead(self) -> None:
+        """Drop the copies ahead (their rows stay guarded by their events); any not yet taken moved for nothing."""
+        if self._ahead is not None:
+            self.unused_ahead += sum(len(batch) for batch, _ in self._ahead[1])
+        self._ahead = None
+
+    def begin_call(self) -> None:
+        self.forget_ahead()
+        self.copied_ahead = self.unused_ahead = 0
 
     # ---- the CPU ------------------------------------------------------------------------------------------------
     def _loop(self, position: int, xs: list[torch.Tensor], weights: list[torch.Tensor], plan: LayerPlan
@@ -182,7 +241,7 @@ class GroupedMMBatches:
     def prepare(self, x: torch.Tensor, ids_host: torch.Tensor, plan: LayerPlan) -> dict:
         res, k, sequence = self.res, ids_host.shape[1], plan.sequence
         rank = torch.zeros(res.n_experts, dtype=torch.int64)
-        rank[[plan.distinct[u] for u in sequence]] = torch.arange(len(sequence))
+        rank[sequence] = torch.arange(len(sequence))
         ranks = rank[ids_host.flatten()]
         order = torch.sort(ranks.to(torch.int16 if len(sequence) <= 1 << 15 else torch.int64), stable=True).indices
         counts = torch.bincount(ranks, minlength=len(sequence))
@@ -220,12 +279,13 @@ class TritonBatches:
         if self.keys is None:  # the layer's table, shared by its chunks
             keys = [self.position * res.n_experts + e for e in plan.distinct]
             self.keys = torch.tensor(keys, dtype=torch.int32).to(dev, non_blocking=True)
-            self.rows = torch.tensor(plan.rows, dtype=torch.int32).to(dev, non_blocking=True)
+            rows = [plan.rows[e] for e in plan.distinct]
+            self.rows = torch.tensor(rows, dtype=torch.int32).to(dev, non_blocking=True)
         tiles = res.grouped.tiles_for(ids_host.numel(), res.n_experts)
         pair_token, order, blocks = plan_blocks(ids_host, plan.u_of_expert, tiles.block_m, n_u=len(plan.distinct))
         blocks = blocks[blocks[:, 0] >= 0]
-        place = torch.empty(len(plan.sequence), dtype=torch.int64)  # each u's place in the staging sequence
-        place[plan.sequence] = torch.arange(len(plan.sequence))
+        index = {e: i for i, e in enumerate(plan.sequence)}
+        place = torch.tensor([index[e] for e in plan.distinct], dtype=torch.int64)  # each u's place in the sequence
         return dict(x=x.contiguous(), k=ids_host.shape[1], tiles=tiles, order=order, blocks=blocks,
                     block_place=place[blocks[:, 0].long()], pair_token=pair_token.to(dev, non_blocking=True),
                     y=torch.empty(pair_token.shape[0], x.shape[1], dtype=torch.float32, device=dev),
