@@ -167,7 +167,10 @@ class Stats:
                 "ms_per_token": 1000.0 * self.decode_seconds / tokens if tokens else 0.0,
                 "syncs_per_token": self.decode_syncs / tokens if tokens else 0.0,
                 "decode_bytes_h2d_per_token": per_token(decode.bytes_h2d),
-                "prefill_bytes_h2d": t.bytes_h2d - decode.bytes_h2d,  # the prompts' expert bytes over the link
+                # the prompts' expert bytes over the link: the plans' misses, and experts copied ahead of a layer's
+                # router that the layer then did not use
+                "prefill_bytes_h2d": t.bytes_h2d - decode.bytes_h2d
+                + int(self.extra.get("prefill_experts_ahead_unused", 0)) * self.expert_bytes,
                 "zero_copy_bytes_per_token": per_token(decode.zero_copy_bytes),
                 "fill_bytes_per_token": per_token(decode.fill_bytes),
                 "decode_hit_rate": (decode.hit + decode.prefetched + decode.late) / decode.uses if decode.uses else 0.0,

@@ -160,8 +160,9 @@ def build_engine(cls: type["MoEPrefetchEngine"], path: str | Path, config: Engin
         element = torch.tensor([], dtype=options.dtype).element_size()
         chunk_bytes = prefill_workspace_bytes(args, options.prefill_chunk, options.max_seq_len, dev, element,
                                               options.prefill_window, grouped_mm_usable(fmt, dev))
-        raise RequestError(f"{exc}; of the working space, prefill_chunk={options.prefill_chunk} takes "
-                           f"{chunk_bytes / 1024**3:.2f} GiB: a shorter prefill_chunk needs less") from None
+        raise RequestError(f"{exc}; of the working space, prefill_chunk={options.prefill_chunk} and "
+                           f"prefill_window={options.prefill_window} take {chunk_bytes / 1024**3:.2f} GiB: a shorter "
+                           "prefill_chunk or prefill_window needs less") from None
     logger.info(plan.describe())
     for note in plan.notes:
         logger.info(note)
@@ -196,7 +197,7 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
         device=device, dtype=dtype, policy=config.policy, predictor=predictor, lookahead=config.lookahead,
         prefetch_budget=float(config.prefetch_budget), max_inflight_experts=config.max_inflight_experts,
         max_seq_len=seq_len, max_batch_size=config.max_batch_size,
-        prefill_chunk=chunk, prefill_window=auto_prefill_window(seq_len, chunk, device),
+        prefill_chunk=chunk, prefill_window=auto_prefill_window(seq_len, chunk, device, config.prefill_window),
         expert_dtype=config.expert_dtype, min_confidence=float(config.min_confidence),
         spare_recent=config.spare_recent,
         draft_experts=config.draft_experts, late_prefetch=config.late_prefetch, cuda_graphs=bool(config.cuda_graphs),
@@ -249,12 +250,13 @@ PREFILL_WINDOW_CUDA = 8192  # prompt tokens whose chunks run each layer together
 PREFILL_WINDOW_CPU = 2048
 
 
-def auto_prefill_window(seq_len: int, chunk: int, device: torch.device) -> int:
-    """Prompt tokens per prefill window: whole chunks, at least one. A window's chunks run layer by layer together, so
-    an offloaded expert that several of them use crosses the link once per window, not once per chunk; its cost is
-    per-token state (a few hidden-size vectors per token, counted by `prefill_workspace_bytes`). Like the chunk, it
-    never depends on the budget (it does not change bits either: each chunk's kernels keep their shapes)."""
-    window = min(seq_len, PREFILL_WINDOW_CUDA if device.type == "cuda" else PREFILL_WINDOW_CPU)
+def auto_prefill_window(seq_len: int, chunk: int, device: torch.device, given: int | None = None) -> int:
+    """Prompt tokens per prefill window (`given`, or the device's default, within the context): whole chunks, at least
+    one. A window's chunks run layer by layer together, so an offloaded expert that several of them use crosses the
+    link once per window, not once per chunk; its cost is per-token state (a few hidden-size vectors per token,
+    counted by `prefill_workspace_bytes`). It never depends on the budget, and it does not change bits: each chunk's
+    kernels keep their shapes."""
+    window = min(seq_len, given or (PREFILL_WINDOW_CUDA if device.type == "cuda" else PREFILL_WINDOW_CPU))
     return max(window // chunk, 1) * chunk
 
 
@@ -280,11 +282,12 @@ def prefill_workspace_bytes(args: ModelArgs, chunk: int, seq_len: int, device: t
     shared = t * args.moe_intermediate_size * args.n_shared_experts * element * 3
     dense = t * args.intermediate_size * element * 3
     per_chunk = attention + max(routed + shared, dense) + t * args.hidden_size * (element + 4) * 4
-    # a window's per-token state: residual, normed input, routed output (fp32) and shared output per token, and each
-    # chunk's routed products held while the staged batches run (as bf16 products, or fp32 outputs and intermediates)
+    # a window's per-token state: residual (the layer's input and output), normed input, routed output (fp32) and
+    # shared output per token, and each chunk's routed products held while the staged batches run (as bf16
+    # products, or fp32 outputs and intermediates)
     k, hid = args.num_experts_per_tok, args.hidden_size
     per_pair = hid * element if grouped_mm else hid * 4 + args.moe_intermediate_size * element
-    return per_chunk + (window or chunk) * (hid * (3 * element + 4) + k * (per_pair + 12))
+    return per_chunk + (window or chunk) * (hid * (4 * element + 4) + k * (per_pair + 12))
 
 
 def plan_engine_memory(

@@ -65,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--speculative", choices=["mtp"], default=None)
     gen.add_argument("--max-seq-len", type=int, default=None, help=EngineConfig.help("max_seq_len"))
     gen.add_argument("--prefill-chunk", type=int, default=None, help=EngineConfig.help("prefill_chunk"))
+    gen.add_argument("--prefill-window", type=int, default=None, help=EngineConfig.help("prefill_window"))
     gen.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming it")
     gen.add_argument("--stats-json", default=None, help="write result.stats.to_dict() here")
     gen.add_argument("--events-jsonl", default=None, help="write every expert event here")
@@ -100,7 +101,7 @@ def _generate(ns: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = dict(device=ns.device, dtype=dtype, policy=ns.policy, prefetch_budget=ns.prefetch_budget,
                                   draft_experts=ns.draft_experts, spare_recent=ns.spare_recent,
                                   late_prefetch=ns.late_prefetch, progress=ns.verbose)
-    for name in ("max_seq_len", "prefill_chunk", "predictor", "lookahead", "min_confidence"):
+    for name in ("max_seq_len", "prefill_chunk", "prefill_window", "predictor", "lookahead", "min_confidence"):
         if getattr(ns, name) is not None:
             kwargs[name] = getattr(ns, name)
     if ns.vram_budget:

@@ -55,8 +55,10 @@ class EngineConfig:
     # shapes and formats
     max_seq_len: int | None = _opt(None, "longest sequence (default min(model limit, 4096))")
     max_batch_size: int = _opt(8, "largest batch of a call")
-    prefill_chunk: int | None = _opt(None, "prompt tokens per prefill step (default 2048 on CUDA, 512 on the CPU; "
-                                           "longer chunks move fewer expert bytes for long offloaded prompts)")
+    prefill_chunk: int | None = _opt(None, "prompt tokens per prefill step (default 2048 on CUDA, 512 on the CPU)")
+    prefill_window: int | None = _opt(None, "prompt tokens whose chunks run each layer together, so an offloaded "
+                                            "expert crosses once per window (default 8192 on CUDA, 2048 on the "
+                                            "CPU; whole chunks; shorter windows need less memory)")
     expert_dtype: str = _opt("model", "expert records on the wire: model, fp8 or int8")
     # mechanics
     pin_memory: bool = _opt(True, "page-lock the host expert store")
@@ -104,7 +106,8 @@ class EngineConfig:
         spare = self.spare_recent
         if not isinstance(spare, int) or isinstance(spare, bool) or not 0 <= spare <= 64:
             raise RequestError(f"spare_recent must be an integer from 0 to 64 (steps), got {spare!r}")
-        for name in ("max_inflight_experts", "stream_layers", "expert_cache_slots", "max_seq_len", "prefill_chunk"):
+        for name in ("max_inflight_experts", "stream_layers", "expert_cache_slots", "max_seq_len", "prefill_chunk",
+                     "prefill_window"):
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
         check_fraction("min_confidence", self.min_confidence, upper_open=False)

@@ -144,13 +144,14 @@ class ModelRunner:
     def mtp_window(self, next_pieces: list[torch.Tensor], hiddens: list[torch.Tensor], positions: list[torch.Tensor],
                    kv: LayerKV | None, row: int, starts: list[int]) -> list[torch.Tensor]:
         """MTP over a window of chunks of pairs: next_pieces[c] [B, T_c] (token i+1), hiddens[c] [B, T_c, H] (main
-        final hidden at i), positions of token i+1 -> logits [B, T_c, V] per chunk, predicting token i+2."""
+        final hidden at i), positions of token i+1 -> the MTP block's output [B, T_c, H] per chunk, before its head
+        (`mtp_logits`; prefill needs the logits of one position only, and [T, vocab] per chunk is large)."""
         mtp = self.weights.mtp
         assert mtp is not None
         xs = [mtp_input(self.args, mtp, self.weights.mtp_embed(), t, h) for t, h in zip(next_pieces, hiddens)]
-        return [self.mtp_logits(x) for x in self.layer_block(mtp.layer, xs, positions, kv, row, starts)]
+        return self.layer_block(mtp.layer, xs, positions, kv, row, starts)
 
     def mtp_block(self, next_tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                   kv: LayerKV | None, row: int, start: int) -> torch.Tensor:
-        """MTP over pairs of one block (see `mtp_window`)."""
-        return self.mtp_window([next_tokens], [hidden], [positions], kv, row, [start])[0]
+        """MTP over pairs of one block -> logits [B, T, V] predicting token i+2 (see `mtp_window`)."""
+        return self.mtp_logits(self.mtp_window([next_tokens], [hidden], [positions], kv, row, [start])[0])

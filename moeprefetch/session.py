@@ -196,12 +196,12 @@ class Session:
         drafts, probs = [], []
         for b, prompt in enumerate(self.request.prompts):
             nxt = torch.tensor(prompt[1:] + [first[b]], device=engine.device)[None]
-            logits = None
+            last = None
             for starts, pieces, positions in self._windows(nxt, 1):
                 self.res.begin_step(decode=False, belady=self.trace is not None)
                 h = [hiddens[b][s : s + p.shape[1]][None] for s, p in zip(starts, pieces)]
-                logits = engine.runner.mtp_window(pieces, h, positions, caches.mtp, b, starts)[-1]
-            prob, draft = logits[0, -1].softmax(-1).max(-1)
+                last = engine.runner.mtp_window(pieces, h, positions, caches.mtp, b, starts)[-1][:, -1:]
+            prob, draft = engine.runner.mtp_logits(last)[0, -1].softmax(-1).max(-1)
             drafts.append(int(draft))
             probs.append(float(prob))
         return drafts, probs

@@ -783,6 +783,8 @@ def bench_prefill(name: str, path: Path, args: argparse.Namespace, device: torch
                   progress=False, max_batch_size=1, max_seq_len=max(lengths) + 8)
     if chunks:
         common["prefill_chunk"] = max(chunks)  # memory planned for the largest chunk
+    if windows:
+        common["prefill_window"] = max(windows)  # and window
     for system, extra in (("prefill_resident", {}), ("prefill_offloaded", {"vram_budget": f"{args.budget_gib}GiB"})):
         if args.systems and system not in args.systems.split(","):
             continue

@@ -67,6 +67,9 @@ def test_per_token_figures_count_decode_only_and_exclude_the_first_token():
     assert out["expert_uses"] == 20 + 6 + 5 and out["misses"] == 4 + 4 + 4
     assert out["prefill_bytes_h2d"] == 4 * 1000  # prefill's 4 zero-copy experts, apart from decode's
     assert out["prefetch_waste"] == pytest.approx(2 / 8) and out["mean_lead_layers"] == pytest.approx(12 / 2 / 4)
+    stats = make_stats()
+    stats.extra.update(prefill_experts_ahead=5, prefill_experts_ahead_unused=2)  # copied ahead, 2 never used
+    assert stats.to_dict()["prefill_bytes_h2d"] == (4 + 2) * 1000
 
 
 def test_recall_counts_the_main_layers_only():

@@ -280,14 +280,15 @@ def test_chunked_prefill_on_gpu_matches_cpu_in_fp32(checkpoint_factory):
     assert (runs[0][1] - runs[1][1]).abs().max().item() < 1e-3
 
 
-def test_grouped_mm_rows_do_not_depend_on_the_call():
+@pytest.mark.parametrize("hidden,intermediate", [(2048, 1408), (7168, 2048)])  # V2-Lite's and V3's experts
+def test_grouped_mm_rows_do_not_depend_on_the_call(hidden, intermediate):
     """Prefill's experts as CUTLASS grouped GEMMs give every cache size the same bits only if a pair's result depends
     on its row and its expert alone: the same pairs in one call over a layer's consecutive slots (large tiles), in
     batches over copies of the records (other groupings), and a few rows per group (the small-tile kernel)."""
     from moeprefetch.experts import ExpertFormat
     from moeprefetch.kernels.grouped import grouped_mm_experts, grouped_mm_usable
 
-    fmt = ExpertFormat.build(2048, 1408, torch.bfloat16)
+    fmt = ExpertFormat.build(hidden, intermediate, torch.bfloat16)
     if not grouped_mm_usable(fmt, torch.device("cuda")):
         pytest.skip("no torch._grouped_mm for bf16 on this GPU")
     g = torch.Generator(device="cuda").manual_seed(0)

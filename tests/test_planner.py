@@ -78,3 +78,25 @@ def test_the_default_prefill_chunk_follows_the_device_and_context_never_the_budg
     assert chunks == {min(512, PREFILL_CHUNK_CPU)}
     assert MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=64).options.prefill_chunk == 64
     assert MoEPrefetchEngine.from_pretrained(path, progress=False, prefill_chunk=5).options.prefill_chunk == 5
+
+
+def test_the_prefill_window_is_whole_chunks_within_the_context_never_the_budget(checkpoint_factory):
+    import torch
+
+    from moeprefetch import MoEPrefetchEngine
+    from moeprefetch.build import PREFILL_WINDOW_CPU, PREFILL_WINDOW_CUDA, auto_prefill_window
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert auto_prefill_window(10**5, 2048, cuda) == PREFILL_WINDOW_CUDA
+    assert auto_prefill_window(10**5, 512, cpu) == PREFILL_WINDOW_CPU
+    assert auto_prefill_window(10**5, 3000, cuda) == 6000  # whole chunks
+    assert auto_prefill_window(1000, 300, cuda) == 900  # within the context
+    assert auto_prefill_window(1000, 2048, cuda) == 2048  # at least one chunk
+    assert auto_prefill_window(10**5, 4, cpu, given=10) == 8
+    path = checkpoint_factory("v3")
+    windows = {MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=512, prefill_chunk=64,
+                                                 **budget).options.prefill_window
+               for budget in ({}, {"vram_budget": "300MiB"}, {"expert_cache_slots": 4})}
+    assert windows == {512}
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, prefill_chunk=4, prefill_window=9)
+    assert engine.options.prefill_window == 8

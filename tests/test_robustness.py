@@ -69,7 +69,7 @@ def test_bad_request_then_the_same_engine_serves(engine, expected, kwargs, messa
         (dict(expert_cache_slots=1), RequestError, "cannot hold one layer's working set"),
         (dict(expert_cache_slots=4, vram_budget="1GiB"), RequestError, "expert_cache_slots or vram_budget, not both"),
         (dict(vram_budget="12 parsecs"), RequestError, "cannot read memory size"),
-        (dict(vram_budget="1KiB"), RequestError, "cannot hold one layer's working set.*a shorter prefill_chunk"),
+        (dict(vram_budget="1KiB"), RequestError, "cannot hold one layer's working set.*a shorter prefill_chunk or prefill_window"),
         (dict(predictor="oracle+oracle"), RequestError, "names a component twice"),
         (dict(dtype="int4"), RequestError, "dtype 'int4' is not supported"),
         (dict(device="tpu"), RequestError, "not a valid torch device|not supported"),
@@ -120,6 +120,7 @@ def test_cli_bad_arguments_exit_without_traceback(checkpoint_factory, capsys):
         (["generate", path, "--prompt-ids", "1,2", "--lookahead", "0"], "lookahead must be a positive integer"),
         (["generate", path, "--prompt-ids", "1,2", "--max-seq-len", "0"], "max_seq_len must be a positive integer"),
         (["generate", path, "--prompt-ids", "1,2", "--prefill-chunk", "0"], "prefill_chunk must be a positive integer"),
+        (["generate", path, "--prompt-ids", "1,2", "--prefill-window", "-8"], "prefill_window must be a positive"),
         (["generate", path, "--prompt-ids", "1,2", "--stats-json", "/no/such/dir/s.json"], "cannot be written"),
         (["generate", path, "--prompt-ids", "1,2", "--min-confidence", "2"], "min_confidence must be a number"),
     ]:

@@ -206,6 +206,9 @@ class PrefillExperts:
               ) -> list[torch.Tensor]:
         """Each used expert once per window (from its slot, its admission slot or staging), on every chunk."""
         res = self.res
+        if res._stage is not None:  # the grouped kernels may have stopped mid-call (a compile failure): copies on
+            self.forget_ahead()  # the copy stream may still be landing in the staging rows this path writes
+            res._stage.wait_for(list(range(res.stage_rows)))
         products = [torch.zeros((x.shape[0], w.shape[1], x.shape[1]), dtype=x.dtype, device=x.device)
                     for x, w in zip(xs, weights)]
         for u, expert in enumerate(plan.distinct):
