@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import hashlib
 import json
 import logging
 import statistics
@@ -116,6 +117,11 @@ def environment(device: torch.device) -> dict[str, Any]:
                                            cwd=ROOT).stdout.strip() or None
     except Exception:
         env["git_commit"] = None
+    # the code that ran, whatever the copy's git metadata says (a device's copy of the tree may carry a stale .git)
+    digest = hashlib.sha1()
+    for source in sorted((ROOT / "moeprefetch").rglob("*.py")):
+        digest.update(source.read_bytes())
+    env["source_sha1"] = digest.hexdigest()[:12]
     return env
 
 
