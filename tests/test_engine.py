@@ -274,18 +274,20 @@ def test_a_prefill_window_computes_the_bits_of_its_chunks_one_by_one(checkpoint_
     assert (moved[0] < moved[1]) if slots else (moved == [0, 0])
 
 
-@pytest.mark.parametrize("kernel,slots,stage_batch,long_blocks", [
-    ("grouped_mm", None, None, False), ("grouped_mm", 5, None, False), ("grouped_mm", 5, 1, False),
-    ("grouped_mm", 3, 2, False), ("grouped_mm", 12, 3, False),
-    ("triton", None, None, False), ("triton", 5, None, False), ("triton", 5, 1, False), ("triton", 3, 2, False),
-    ("triton", 5, 1, True)])
-def test_prefill_grouped_gemms_match_the_loop(checkpoint_factory, kernel, slots, stage_batch, long_blocks):
+@pytest.mark.parametrize("kernel,slots,stage_batch,long_blocks,expert_dtype", [
+    ("grouped_mm", None, None, False, "model"), ("grouped_mm", 5, None, False, "model"),
+    ("grouped_mm", 5, 1, False, "model"), ("grouped_mm", 3, 2, False, "model"), ("grouped_mm", 12, 3, False, "model"),
+    ("triton", None, None, False, "model"), ("triton", 5, None, False, "model"), ("triton", 5, 1, False, "model"),
+    ("triton", 3, 2, False, "model"), ("triton", 5, 1, True, "model"), ("triton", 5, 2, False, "int8")])
+def test_prefill_grouped_gemms_match_the_loop(checkpoint_factory, kernel, slots, stage_batch, long_blocks,
+                                              expert_dtype):
     """Prefill's experts as grouped GEMMs against the per-expert loop that the CPU runs: `torch._grouped_mm` (what a
     Hopper GPU runs for bf16 experts; here on the CPU in fp32) and the Triton kernel (in Triton's interpreter), with
     its 64-pair blocks of short chunks and the 128-pair blocks of long ones. Every expert resident (a layer's
     consecutive slots), and staged from slots and from host memory, in one batch or in many that reuse the staging
     halves, with admissions written into their slots; the long prompt uses every expert of a layer, so the next
-    layer's experts are copied ahead of its router."""
+    layer's experts are copied ahead of its router. Quantized experts (int8 blocks) take the Triton kernel on CUDA,
+    staged the same way."""
     from moeprefetch.kernels import HAS_TRITON
     from moeprefetch.kernels.grouped import LONG_BLOCK_TILES, GroupedExperts
 
@@ -294,7 +296,7 @@ def test_prefill_grouped_gemms_match_the_loop(checkpoint_factory, kernel, slots,
     if kernel == "triton" and not HAS_TRITON:
         pytest.skip("needs triton")
     path = checkpoint_factory("v3_groups_qlora_yarn")
-    options = dict(progress=False, expert_cache_slots=slots) if slots else dict(progress=False)
+    options = dict(progress=False, expert_dtype=expert_dtype) | (dict(expert_cache_slots=slots) if slots else {})
     prompts = [list(range(3, 70)), [9, 10]]
     engine = MoEPrefetchEngine.from_pretrained(path, **options)
     expected = engine.generate(prompts, max_new_tokens=5, stop_at_eos=False)
