@@ -1,0 +1,101 @@
+"""Prefill's routed experts (residency/prefill.py) and its windows (runner.forward_window): the same tokens and bits
+as the per-expert loop and as chunks one at a time, whichever kernel computes them, wherever the experts sit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeprefetch import MoEPrefetchEngine
+from moeprefetch.runner import KVCaches
+
+
+@pytest.mark.parametrize("slots", [None, 5])
+def test_a_prefill_window_computes_the_bits_of_its_chunks_one_by_one(checkpoint_factory, slots):
+    """A window runs its chunks layer by layer together (each chunk's kernels keep their shapes): the same hidden
+    states, bit for bit, as the chunks one at a time; offloaded, each used expert crosses once per window instead of
+    once per chunk; the MTP head's window as well (the default predictor drafts with it)."""
+    import dataclasses
+
+    path = checkpoint_factory("v3_groups_qlora_yarn")
+    options = dict(progress=False, prefill_chunk=4) | (dict(expert_cache_slots=slots) if slots else {})
+    engine = MoEPrefetchEngine.from_pretrained(path, **options)
+    assert engine.options.prefill_window > 4 and engine.options.prefill_window % 4 == 0
+    prompt = torch.randint(0, engine.args.vocab_size, (14,), generator=torch.Generator().manual_seed(3)).tolist()
+    tokens = torch.tensor([prompt])
+    starts = [0, 4, 8, 12]
+    pieces = [tokens[:, s : s + 4] for s in starts]
+    positions = [torch.arange(s, s + p.shape[1])[None] for s, p in zip(starts, pieces)]
+    hidden = []
+    for window in (True, False):
+        res = engine.residency
+        res.configure()
+        res.begin_call()
+        caches = KVCaches.allocate(engine.args, 1, engine.options.max_seq_len, torch.float32, engine.device, False)
+        res.begin_step(decode=False)
+        if window:
+            hidden.append(engine.runner.forward_window(pieces, positions, caches, 0, starts))
+        else:
+            hidden.append([engine.runner.forward_block(p, q, caches, 0, s) for p, q, s in zip(pieces, positions,
+                                                                                              starts)])
+        res.end_call()
+    assert all(torch.equal(a, b) for a, b in zip(*hidden))
+
+    windowed = engine.generate([prompt], max_new_tokens=6, stop_at_eos=False)
+    engine.options = dataclasses.replace(engine.options, prefill_window=4)  # one chunk per window: as before
+    engine.reset_expert_cache()
+    chunked = engine.generate([prompt], max_new_tokens=6, stop_at_eos=False)
+    assert windowed.sequences == chunked.sequences
+    moved = [r.stats.to_dict()["prefill_bytes_h2d"] for r in (windowed, chunked)]
+    assert (moved[0] < moved[1]) if slots else (moved == [0, 0])
+
+
+@pytest.mark.parametrize("kernel,slots,stage_batch,long_blocks,expert_dtype", [
+    ("grouped_mm", None, None, False, "model"), ("grouped_mm", 5, None, False, "model"),
+    ("grouped_mm", 5, 1, False, "model"), ("grouped_mm", 3, 2, False, "model"), ("grouped_mm", 12, 3, False, "model"),
+    ("triton", None, None, False, "model"), ("triton", 5, None, False, "model"), ("triton", 5, 1, False, "model"),
+    ("triton", 3, 2, False, "model"), ("triton", 5, 1, True, "model"), ("triton", 5, 2, False, "int8")])
+def test_prefill_grouped_gemms_match_the_loop(checkpoint_factory, kernel, slots, stage_batch, long_blocks,
+                                              expert_dtype):
+    """Prefill's experts as grouped GEMMs against the per-expert loop that the CPU runs: `torch._grouped_mm` (what a
+    Hopper GPU runs for bf16 experts; here on the CPU in fp32) and the Triton kernel (in Triton's interpreter), with
+    its 64-pair blocks of short chunks and the 128-pair blocks of long ones. Every expert resident (a layer's
+    consecutive slots), and staged from slots and from host memory, in one batch or in many that reuse the staging
+    halves, with admissions written into their slots; the long prompt uses every expert of a layer, so the next
+    layer's experts are copied ahead of its router. Quantized experts (int8 blocks) take the Triton kernel on CUDA,
+    staged the same way."""
+    from moeprefetch.kernels import HAS_TRITON
+    from moeprefetch.kernels.grouped import LONG_BLOCK_TILES, GroupedExperts
+
+    if kernel == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    if kernel == "triton" and not HAS_TRITON:
+        pytest.skip("needs triton")
+    path = checkpoint_factory("v3_groups_qlora_yarn")
+    options = dict(progress=False, expert_dtype=expert_dtype) | (dict(expert_cache_slots=slots) if slots else {})
+    prompts = [list(range(3, 70)), [9, 10]]
+    engine = MoEPrefetchEngine.from_pretrained(path, **options)
+    expected = engine.generate(prompts, max_new_tokens=5, stop_at_eos=False)
+    expected_logits = engine.forward([prompts[0]])
+    res = engine.residency
+    assert not res.grouped_mm and not res.grouped.use_kernels  # the CPU runs the loop unless told otherwise
+    if kernel == "grouped_mm":
+        res.grouped_mm = True
+    else:
+        res.grouped = GroupedExperts(res.fmt, res.slots_and_staging, res.host, engine.args.hidden_act, res.act,
+                                     use_kernels=True, tiles=LONG_BLOCK_TILES if long_blocks else None)
+    if stage_batch:
+        res.stage_batch = stage_batch
+    engine.reset_expert_cache()
+    got = engine.generate(prompts, max_new_tokens=5, stop_at_eos=False)
+    logits = engine.forward([prompts[0]])
+    assert got.sequences == expected.sequences
+    stats = got.stats.to_dict()
+    unused_ahead = stats["prefill_experts_ahead_unused"] * stats["expert_bytes"]  # the loop copies nothing ahead
+    assert stats["prefill_bytes_h2d"] == expected.stats.to_dict()["prefill_bytes_h2d"] + unused_ahead
+    assert (stats["prefill_experts_ahead"] > 0) == bool(slots)  # all resident: nothing crosses, nothing ahead
+    assert 0 <= stats["prefill_experts_ahead_unused"] <= stats["prefill_experts_ahead"]
+    if slots:  # experts crossed through the staging rows (on the CPU a copy counts as a wait)
+        assert stats["prefill_stall_seconds"] > 0
+    assert torch.allclose(logits, expected_logits, rtol=1e-4, atol=1e-5)
+    assert not res.problems()
