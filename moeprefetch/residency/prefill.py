@@ -120,10 +120,12 @@ class PrefillExperts:
     def _staged(self, position: int, xs: list[torch.Tensor], weights: list[torch.Tensor], plan: LayerPlan,
                 compute_batch) -> list[torch.Tensor]:
         """Every used expert through consecutive staging rows, in batches of half the rows: those the previous layer
-        already copied ahead, then those in slots (a copy on the device, so the GEMMs start at once), then those in
-        host memory. Each batch runs on every chunk of the window before its rows are reused; once this layer's
-        batches are all issued, the copy engine goes on with the next layer's (`_ahead`). An admitted expert is
-        written into its slot from staging."""
+        already copied ahead, then those in host memory, then those in slots (a copy on the device). Host batches
+        come before slotted ones so that the link, the bottleneck, restarts as soon as the first batch frees its
+        half (slotted first kept it idle through their GEMMs: `17d537e`'s 8,192-token trace, BENCHMARKS.md); slotted
+        batches cost the copy engine almost nothing at the end. Each batch runs on every chunk of the window before
+        its rows are reused; once this layer's batches are all issued, the copy engine goes on with the next
+        layer's (`_ahead`). An admitted expert is written into its slot from staging."""
         res = self.res
         half, e_count = res.stage_batch, res.n_experts
         where = {e: (slot, dst) for e, slot, dst in zip(plan.distinct, plan.slots, plan.dsts)}
@@ -132,7 +134,7 @@ class PrefillExperts:
             self._ahead = None  # taken: what this layer does not use is counted below
         self.forget_ahead()
         early = {e for batch, _ in ahead for e in batch}
-        rest = sorted((e for e in plan.distinct if e not in early), key=lambda e: where[e][0] < 0)  # slotted first
+        rest = sorted((e for e in plan.distinct if e not in early), key=lambda e: where[e][0] >= 0)  # host first
         batches = [(batch, half_) for batch, half_ in ahead] + [
             (rest[i : i + half], None) for i in range(0, len(rest), half)]
         batches = [(batch, self._take_half() if half_ is None else half_) for batch, half_ in batches]
