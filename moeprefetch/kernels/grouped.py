@@ -1,18 +1,21 @@
 """Routed experts of a block of many tokens (prefill chunks) as one grouped GEMM per projection.
 
-The (token, k) pairs of a layer are sorted by distinct expert u on the host (prefill plans on the host anyway) and
-cut into blocks of at most BLOCK_M pairs of one expert. One program per (block, output tile) multiplies its pairs'
-rows by the expert's weight tile, read through the same record table as decode (`experts.py`): a VRAM slot (the
-engine stages experts that find no slot into rows after the pool, which the kernel addresses as slots), or the
-pinned host record over PCIe. Launches per layer: gate/up, down, and a gather that
-sums each token's k products in fixed k order — instead of a Python loop over experts.
+Two ways, chosen by the expert format and the device (`grouped_mm_usable`), never by the cache:
 
-Inputs
+- `grouped_mm_experts`: torch._grouped_mm (CUTLASS) over experts whose records are rows of one strided tensor (a
+  layer's consecutive slots, or consecutive staging rows), for bf16 experts on Hopper;
+- `GroupedExperts`: Triton kernels for the other formats. The (token, k) pairs of a chunk are sorted by distinct
+  expert u (`plan_blocks`, on the host or the device) and cut into blocks of at most BLOCK_M pairs of one expert. One
+  program per (block, output tile) multiplies its pairs' rows by the expert's weight tile, read through the same
+  record table as decode (`experts.py`): a VRAM slot (staging rows after the pool are addressed as slots), or the
+  pinned host record over PCIe.
+
+Triton inputs
     x [T, H]           the chunk's router inputs
     pair_token [P]     token of each sorted pair (P = T x k)
-    blocks [NB, 3]     int32 (u, first sorted pair, pairs) per block; u = -1 past the last block
-    u_key, u_slot      as in experts.py (u_dst unused: admissions are copied in before the launch)
-Output y [P, H] fp32 per sorted pair; `combine` returns [T, H] fp32.
+    blocks [NB, 3]     int32 (u, first sorted pair, pairs) per block; u = -1 for the unused blocks at the end
+    u_key, u_slot      as in experts.py (u_dst unused: admissions are copied in before or after the launch)
+Output y [P, H] fp32 per sorted pair; the caller puts the pairs back in (token, k) order and combines them.
 """
 
 from __future__ import annotations

@@ -109,7 +109,6 @@ class Residency:
         self.prefill_log: list[tuple[int, list[int]]] | None = None  # (layer, experts) of prefill, when recording
         self.next_use: torch.Tensor | None = None  # [steps, keys] next need per key, from an oracle trace
         self._belady_prefill = False  # the open prefill step follows the known future (see begin_step)
-        self._staged = 0
         # fixed buffers of the host-side plans (the step start's own plan, prefill plans)
         i32 = torch.int32
         self._no_rows = torch.zeros(0, top_k, dtype=torch.int64, device=device)

@@ -52,6 +52,7 @@ class PrefillExperts:
         self.res = res
         self._ahead: tuple[int, list[tuple[list[int], int]]] | None = None  # (position, [(experts, half)]) copied
         self._half = 0
+        self._loop_row = 0  # the loop path's staging rows, used in turn
         self.copied_ahead = 0  # experts copied ahead of their layer's plan, this call
         self.unused_ahead = 0  # of which the layer then did not use (the bytes moved for nothing)
 
@@ -62,26 +63,26 @@ class PrefillExperts:
         position = res.position[layer]
         if res._belady_prefill:
             res.planner.step_start(False, res.next_use)
-        out, e = res._host_plan, res.n_experts
-        flat = torch.cat([i.flatten() for i in ids])
-        used = torch.zeros(e, dtype=torch.int32, device=res.device).index_add_(0, flat, torch.ones_like(flat).int())
+        out = res._host_plan
+        counts = [self._pairs_per_expert(i) for i in ids]  # per chunk
+        used = counts[0] if len(counts) == 1 else torch.stack(counts).sum(0)
         res.prefill_planner(position, res._every_expert, used > 0, None, None, out.assign, out.u_key, out.u_slot,
                             out.u_dst, reserve=False, count_recall=False)
         u_of_expert = out.assign[:, 0]  # u of each used expert (in expert order), -1 for the others
         if res.prefill_log is not None:
             res.prefill_log.append((layer, torch.nonzero(used).flatten().tolist()))
         if res.preloaded and (res.grouped_mm or res.grouped.use_kernels):
-            return [self._in_place(position, x, i, w, u_of_expert) for x, i, w in zip(xs, ids, weights)]
-        plan = self._read_back(position, flat, ids, u_of_expert)
+            return [self._in_place(position, x, i, w, c, u_of_expert) for x, i, w, c in zip(xs, ids, weights, counts)]
+        plan = self._read_back(position, ids, u_of_expert)
         if res.grouped_mm:
             return self._staged(position, xs, weights, plan, GroupedMMBatches(res))
         if res.grouped.use_kernels:
             return self._staged(position, xs, weights, plan, TritonBatches(res, position))
         return self._loop(position, xs, weights, plan)
 
-    def _read_back(self, position: int, flat: torch.Tensor, ids: list[torch.Tensor], u_of_expert: torch.Tensor
-                   ) -> LayerPlan:
+    def _read_back(self, position: int, ids: list[torch.Tensor], u_of_expert: torch.Tensor) -> LayerPlan:
         """The layer's one host synchronisation: every chunk's routing and the plan, in one copy."""
+        flat = torch.cat([i.flatten() for i in ids])
         res, out, e = self.res, self.res._host_plan, self.res.n_experts
         nxt = min(position + 1, res.cfg.positions - 1) * e  # the next layer's table entries, for copies ahead
         host = torch.cat((flat, u_of_expert.long(), out.u_slot[:e].long(), out.u_dst[:e].long(),
@@ -95,16 +96,20 @@ class PrefillExperts:
         return plan
 
     # ---- every expert resident ----------------------------------------------------------------------------------
+    def _pairs_per_expert(self, ids: torch.Tensor) -> torch.Tensor:
+        """[E] int32 on the device; not bincount, whose output size would make the device wait for the host."""
+        flat = ids.flatten()
+        return torch.zeros(self.res.n_experts, dtype=torch.int32, device=flat.device).index_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32))
+
     def _in_place(self, position: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                  u_of_expert: torch.Tensor) -> torch.Tensor:
+                  counts: torch.Tensor, u_of_expert: torch.Tensor) -> torch.Tensor:
         """One chunk over the layer's slots (slot = key: a layer's experts are consecutive slots), on the device's
         own plan: nothing here waits for the host."""
         res, k = self.res, ids.shape[1]
         if res.grouped_mm:
             e = res.n_experts
-            flat = ids.flatten()
-            counts = torch.zeros(e, dtype=torch.int32, device=x.device).index_add_(0, flat, torch.ones_like(flat).int())
-            order = torch.sort(flat, stable=True).indices  # by expert, then pair
+            order = torch.sort(ids.flatten(), stable=True).indices  # by expert, then pair
             y = grouped_mm_experts(x[order // k], counts, res.pool[position * e : (position + 1) * e], res.fmt,
                                    res.act)
         else:
@@ -144,15 +149,16 @@ class PrefillExperts:
         chunks = [compute_batch.prepare(x, ids, plan) for x, ids in zip(xs, plan.ids_host)]
         res._stage.follow_compute()  # copies out of slots see every earlier write into them
 
-        def stage(batch: list[int], h: int, layer_position: int, source_slot) -> None:
+        def stage(batch: list[int], h: int, layer_position: int, slot_of: dict[int, tuple[int, int]]) -> None:
+            """Copy a batch into half h: from its slot, else from host memory (the next layer's: `slot_of` empty)."""
             for j, e in enumerate(batch):
-                slot = source_slot(e)
+                slot = slot_of.get(e, (-1, -1))[0]
                 source = res.pool[slot] if slot >= 0 else res.host[layer_position * e_count + e]  # type: ignore
                 res._stage.copy(source, res.slots_and_staging[res.n_slots + h * half + j], h * half + j, demand=True)
 
         issued = len(ahead)
         for i in range(len(ahead), min(2, len(batches))):
-            stage(*batches[i], position, lambda e: where[e][0])
+            stage(*batches[i], position, where)
             issued += 1
         upcoming = self._next_layer(position, plan)
         first = 0
@@ -168,11 +174,11 @@ class PrefillExperts:
             res._stage.release(rows)
             first += len(batch)
             if issued < len(batches):
-                stage(*batches[issued], position, lambda e: where[e][0])
+                stage(*batches[issued], position, where)
                 issued += 1
             elif upcoming:  # this layer's copies are all issued: the next layer's, while this one computes
                 h = self._take_half()
-                stage(upcoming[0], h, position + 1, lambda e: -1)
+                stage(upcoming[0], h, position + 1, {})
                 self._ahead = (position + 1, (self._ahead[1] if self._ahead else []) + [(upcoming[0], h)])
                 self.copied_ahead += len(upcoming.pop(0))
         return [compute_batch.finish(chunk, w) for chunk, w in zip(chunks, weights)]
@@ -229,8 +235,8 @@ class PrefillExperts:
         if slot >= 0:
             return res.pool[slot]
         target = res.pool[admit] if admit >= 0 else \
-            res.slots_and_staging[res.n_slots + res._staged % res.stage_rows]
-        res._staged += admit < 0
+            res.slots_and_staging[res.n_slots + self._loop_row % res.stage_rows]
+        self._loop_row += admit < 0
         assert res.host is not None
         target.copy_(res.host[key], non_blocking=True)  # stream-ordered before the compute that reads it
         return target
