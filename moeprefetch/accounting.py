@@ -134,6 +134,11 @@ class Stats:
     expert_bytes: int = 0
     mtp_drafts_checked: int = 0
     mtp_drafts_correct: int = 0
+    # streamed layers' weights copied into the VRAM ring, and the compute stream's waits for them
+    prefill_stream_bytes: int = 0
+    prefill_stream_stall_seconds: float = 0.0
+    decode_stream_bytes: int = 0
+    decode_stream_stall_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -171,6 +176,10 @@ class Stats:
                 # router that the layer then did not use
                 "prefill_bytes_h2d": t.bytes_h2d - decode.bytes_h2d
                 + int(self.extra.get("prefill_experts_ahead_unused", 0)) * self.expert_bytes,
+                "streamed_bytes_per_token": per_token(self.decode_stream_bytes),
+                "stream_stall_ms_per_token": per_token(1000.0 * self.decode_stream_stall_seconds),
+                "prefill_streamed_bytes": self.prefill_stream_bytes,
+                "prefill_stream_stall_seconds": self.prefill_stream_stall_seconds,
                 "zero_copy_bytes_per_token": per_token(decode.zero_copy_bytes),
                 "fill_bytes_per_token": per_token(decode.fill_bytes),
                 "decode_hit_rate": (decode.hit + decode.prefetched + decode.late) / decode.uses if decode.uses else 0.0,
@@ -230,7 +239,8 @@ def merge_stats(runs: list[Stats]) -> Stats:
                 target[layer] = target[layer] + counters if layer in target else counters
         for name in ("prompt_tokens", "generated_tokens", "sequences", "decode_steps", "decode_syncs",
                      "prefill_seconds", "ttft_seconds", "decode_seconds", "draft_proposed", "draft_accepted",
-                     "mtp_drafts_checked", "mtp_drafts_correct"):
+                     "mtp_drafts_checked", "mtp_drafts_correct", "prefill_stream_bytes",
+                     "prefill_stream_stall_seconds", "decode_stream_bytes", "decode_stream_stall_seconds"):
             setattr(merged, name, getattr(merged, name) + getattr(run, name))
     merged.extra = {"main_moe_layers": list(merged.main_layers), "runs": len(runs)}
     return merged

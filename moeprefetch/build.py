@@ -5,6 +5,7 @@ Everything a user can get wrong is checked here before anything large is allocat
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -151,8 +152,9 @@ def build_engine(cls: type["MoEPrefetchEngine"], path: str | Path, config: Engin
     if config.expert_cache_fraction is not None:
         slots = max(round(config.expert_cache_fraction * total_experts), args.num_experts_per_tok)
     try:
-        plan, staging = plan_engine_memory(args, reader, options, fmt, total_experts, has_mtp, budget_bytes, slots,
-                                           config.stream_layers, config.stream_ahead)
+        options, plan, staging = fit_prefill_window(args, reader, options, fmt, total_experts, has_mtp, budget_bytes,
+                                                    slots, config.stream_layers, config.stream_ahead,
+                                                    window_given=config.prefill_window is not None)
     except RequestError as exc:
         if budget_bytes is None or slots is not None:
             raise
@@ -208,7 +210,8 @@ def _load(reader: CheckpointReader, args: ModelArgs, options: EngineOptions, pla
           expert_layers: list[int], block: tuple[int, int], hot: list[ExpertKey], pin_memory: bool, staging_rows: int):
     """Weights to the device (or the streaming ring), experts to the host store or the pool, the residency table."""
     dev, torch_dtype, policy, progress = options.device, options.dtype, options.policy, options.progress
-    weights = load_model_weights(reader, args, torch_dtype, dev, progress, frozenset(plan.streamed_layers))
+    weights = load_model_weights(reader, args, torch_dtype, dev, progress, frozenset(plan.streamed_layers),
+                                 host_embedding=plan.host_embedding and dev.type == "cuda")
     streamer = None
     if plan.streamed_layers:
         streamer = LayerStreamer([weights.layers[i] for i in plan.streamed_layers], dev, plan.stream_ahead,
@@ -290,6 +293,35 @@ def prefill_workspace_bytes(args: ModelArgs, chunk: int, seq_len: int, device: t
     return per_chunk + (window or chunk) * (hid * (4 * element + 4) + k * (per_pair + 12))
 
 
+def fit_prefill_window(args: ModelArgs, reader: CheckpointReader, options: EngineOptions, fmt: ExpertFormat,
+                       total_experts: int, has_mtp: bool, budget_bytes: int | None, slots: int | None,
+                       stream_layers: int | None, stream_ahead: int, window_given: bool
+                       ) -> tuple[EngineOptions, MemoryPlan, int]:
+    """The memory plan, with the largest prefill window (the default, halved down to one chunk) that a budget holds
+    without streaming layers; if every window needs streaming, one chunk's (the fewest streamed bytes, since a layer
+    streamed costs link time on every decode token, while a window only saves prefill's expert copies). A window
+    never changes bits (`auto_prefill_window`), so unlike the chunk it may follow the budget. A window the user gave
+    is kept."""
+    windows = [options.prefill_window]
+    while not window_given and budget_bytes is not None and windows[-1] > options.prefill_chunk:
+        windows.append(max((windows[-1] // 2) // options.prefill_chunk, 1) * options.prefill_chunk)
+    for i, window in enumerate(windows):
+        candidate = dataclasses.replace(options, prefill_window=window)
+        last = i == len(windows) - 1
+        try:
+            plan, staging = plan_engine_memory(args, reader, candidate, fmt, total_experts, has_mtp, budget_bytes,
+                                               slots, stream_layers, stream_ahead)
+        except RequestError:
+            if last:
+                raise
+            continue
+        if last or not plan.streamed_layers or stream_layers:
+            if window != options.prefill_window:
+                plan.notes.append(f"prefill_window {options.prefill_window} -> {window} tokens to fit the budget")
+            return candidate, plan, staging
+    raise AssertionError("unreachable: the last window returns or raises")
+
+
 def plan_engine_memory(
     args: ModelArgs,
     reader: CheckpointReader,
@@ -331,5 +363,11 @@ def plan_engine_memory(
         expert_cache_slots=slots,
         stream_layers=stream_layers,
         stream_ahead=stream_ahead,
+        embed_bytes=0 if tied_embedding(args, reader) else args.vocab_size * args.hidden_size * element,
     )
     return plan, staging_rows
+
+
+def tied_embedding(args: ModelArgs, reader: CheckpointReader) -> bool:
+    """The LM head is the embedding table (so the table must stay in VRAM)."""
+    return bool(args.tie_word_embeddings) and "lm_head.weight" not in reader.tensors

@@ -18,13 +18,13 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .model import Routing, block, mtp_input
 from .predictors import PredictionRing, PredictorSpec, routing_confidence
 from .residency import PlanBuffers
 from .runner import KVCaches, ModelRunner
 from .sampling import DeviceSampler, SamplingParams
+from .streaming import RingStep
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +83,10 @@ class DecodeStep:
         self.oracle_trace = oracle_trace
         dev, b, h = runner.device, shape.batch, self.args.hidden_size
         # the residency's reference path plans on the host (it synchronises), which a graph cannot capture
-        self.graphs = graphs and dev.type == "cuda" and runner.streamer is None and self.res.use_kernels
+        self.graphs = graphs and dev.type == "cuda" and self.res.use_kernels
         self._graph: torch.cuda.CUDAGraph | None = None
+        self.streamer = runner.streamer
+        self._ring_step: RingStep | None = None  # what the captured graph does to the streamed layers' ring
         self._runs = 0
         m = shape.mtp_rows
         self.inputs = torch.zeros(b, 3 + shape.extra, dtype=torch.int64, device=dev)
@@ -136,22 +138,40 @@ class DecodeStep:
 
     def _run(self) -> None:
         self._runs += 1
+        streamer = self.streamer
+        if streamer is not None:
+            streamer.enter_step(self._ring_step)
         if not self.graphs or self._runs == 1:  # the first run is eager: it compiles kernels and warms up cuBLAS
             self._body()
             return
         if self._graph is None:
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph):
-                    self._body()
-            except Exception as exc:  # capture is an optimisation; the eager step computes the same
-                logger.warning("CUDA graph capture of the decode step failed (%s); running it eagerly", exc)
-                self.graphs = False
-                torch.cuda.synchronize()
-                self._body()
+            self._capture()
+            if self._graph is None:
                 return
-            self._graph = graph
         self._graph.replay()
+        if streamer is not None:
+            streamer.replayed(self._ring_step)
+
+    def _capture(self) -> None:
+        """Capture the step (without running it); on failure run it eagerly from now on."""
+        streamer = self.streamer
+        ring = streamer.begin_capture() if streamer is not None else None
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self._body()
+        except Exception as exc:  # capture is an optimisation; the eager step computes the same
+            logger.warning("CUDA graph capture of the decode step failed (%s); running it eagerly", exc)
+            self.graphs = False
+            torch.cuda.synchronize()
+            if streamer is not None:
+                streamer.abort()  # the capture moved the host's view of the ring without copying anything
+                streamer.enter_step()
+            self._body()
+            return
+        if streamer is not None:
+            self._ring_step = streamer.end_capture(ring)
+        self._graph = graph
 
     @property
     def captured(self) -> bool:
@@ -165,16 +185,17 @@ class DecodeStep:
         res, shape = self.res, self.shape
         oracle = shape.spec.oracle and self.oracle_trace is not None
         res.begin_step(decode=True, belady=oracle)
+        if self.streamer is not None:
+            self.streamer.fork()
         if oracle:
             self.ring.write_trace(self.oracle_trace, shape.spec.ring)
         if shape.reserve:
             res.plan_step()
         tokens, pos = self.inputs[:, 0], self.inputs[:, 1]
         self.active = self.inputs[:, 2] != 0
-        embed = self.weights.embed
-        groups = [F.embedding(tokens[:, None], embed)]
+        groups = [self.runner.embed(tokens[:, None])]
         if shape.extra:
-            groups.append(F.embedding(self.inputs[:, 3:4], embed))
+            groups.append(self.runner.embed(self.inputs[:, 3:4]))
         for lw in self.weights.layers:
             self.runner.enter(lw.index)
             groups = block(self.ops, lw, groups, self._attend(lw, pos), self._routed)
@@ -192,6 +213,8 @@ class DecodeStep:
             mtp_hidden.append(draft_hidden)
         if shape.run_mtp:
             self._mtp(torch.stack(mtp_tokens, 1), torch.stack(mtp_hidden, 1), pos)
+        if self.streamer is not None:
+            self.streamer.join()
         res.end_step()
 
     def _attend(self, lw, pos: torch.Tensor):
@@ -245,7 +268,7 @@ class DecodeStep:
         mtp, args = self.weights.mtp, self.args
         rows = tokens.shape[1]
         positions = pos[:, None] + torch.arange(1, rows + 1, device=pos.device)
-        x = mtp_input(args, mtp, self.weights.mtp_embed(), tokens, hidden)
+        x = mtp_input(args, mtp, self.runner.embed_mtp(tokens), hidden)
         kv = self.caches.mtp
 
         def attend(_: int, normed: torch.Tensor) -> torch.Tensor:

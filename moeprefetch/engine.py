@@ -97,7 +97,7 @@ class MoEPrefetchEngine:
         self._check_open()
         stats = dict(self.residency.memory())
         stats.update({
-            "vram_resident_bytes": weights_nbytes(self.weights),
+            "vram_resident_bytes": self._resident_weight_bytes(),
             "kv_cache_reserved_bytes": self.plan.kv_bytes,
             "workspace_reserved_bytes": self.plan.workspace_bytes,
             "vram_budget_bytes": self.plan.budget_bytes,
@@ -105,12 +105,26 @@ class MoEPrefetchEngine:
             "all_resident": self.plan.all_resident,
             "streamed_layers": list(self.plan.streamed_layers),
             "host_streamed_layer_bytes": self.streamer.host.numel() if self.streamer else 0,
+            "host_embedding_bytes": self.runner.host_embed.nbytes if self.runner.host_embed else 0,
+            # the VRAM ring the streamed layers pass through (part of vram_resident_bytes)
+            "stream_ring_slots": self.streamer.ring_size if self.streamer else 0,
+            "stream_ring_bytes": self.streamer.ring_bytes if self.streamer else 0,
             "total_experts": self.plan.total_experts,
         })
         if self.device.type == "cuda":
             stats["vram_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
             stats["vram_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return stats
+
+    def _resident_weight_bytes(self) -> int:
+        """Non-expert weights in VRAM: streamed layers count once, as the ring they share."""
+        total = weights_nbytes(self.weights)
+        if self.runner.host_embed is not None:
+            total -= self.runner.host_embed.nbytes
+        if self.streamer is not None:
+            total += self.streamer.ring_bytes - sum(weights_nbytes(self.weights.layers[i])
+                                                   for i in self.plan.streamed_layers)
+        return total
 
     @property
     def routing_profile(self) -> dict[ExpertKey, int]:
@@ -153,6 +167,8 @@ class MoEPrefetchEngine:
         self.residency.close()
         if self.streamer is not None:
             self.streamer.close()
+        if self.runner.host_embed is not None:
+            self.runner.host_embed.close()
         self.weights = None  # type: ignore[assignment]
         self.runner = None  # type: ignore[assignment]
         self.sampler = None  # type: ignore[assignment]

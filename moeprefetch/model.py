@@ -258,10 +258,8 @@ def block(
     return [ops.residual_norm(x, [d.view(x.shape) for d in ds], None)[0] for x, ds in zip(groups, deltas)]
 
 
-def mtp_input(args: ModelArgs, mtp: MTPWeights, embed: torch.Tensor, next_tokens: torch.Tensor,
-              hidden: torch.Tensor) -> torch.Tensor:
+def mtp_input(args: ModelArgs, mtp: MTPWeights, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """The MTP block's input: eh_proj(enorm(embedding of token i+1) ++ hnorm(main hidden at i)), embedding first
     (what vLLM, SGLang and transformers do with DeepSeek checkpoints)."""
     eps = args.rms_norm_eps
-    embedded = F.embedding(next_tokens, embed)
     return linear(torch.cat((rms_norm(embedded, mtp.enorm, eps), rms_norm(hidden, mtp.hnorm, eps)), -1), mtp.eh_proj)

@@ -59,6 +59,7 @@ class MemoryPlan:
     total_experts: int
     expert_slots: int
     all_resident: bool  # every expert preloaded, no host store
+    host_embedding: bool = False  # the embedding table stays in host RAM, its rows read over PCIe
     streamed_layers: list[int] = field(default_factory=list)  # layers whose weights stream from host RAM
     streamed_bytes: int = 0
     stream_ahead: int = 0
@@ -79,6 +80,8 @@ class MemoryPlan:
             f"workspace {self.workspace_bytes / GiB:.2f} GiB",
             f"expert cache {self.expert_slots}/{self.total_experts} slots = {self.expert_cache_bytes / GiB:.2f} GiB",
         ]
+        if self.host_embedding:
+            parts.append("embedding table in host RAM")
         if self.streamed_layers:
             parts.append(
                 f"{len(self.streamed_layers)} layers ({self.streamed_bytes / GiB:.2f} GiB) streamed from host RAM, "
@@ -101,6 +104,7 @@ class PlanInputs:
     expert_cache_slots: int | None
     stream_ahead: int = 2
     stream_layers: int | None = None  # stream the N largest layers whatever the budget
+    embed_bytes: int = 0  # the embedding table, if it may stay in host RAM (0: it may not, e.g. tied to the LM head)
 
 
 def plan_memory(**inputs: Any) -> MemoryPlan:
@@ -148,20 +152,20 @@ def _plan_slots(request: PlanInputs) -> MemoryPlan:
     minimum_cache = top_k * expert_record_bytes
     plan = MemoryPlan(budget_bytes, resident_bytes, kv_bytes, workspace_bytes, expert_record_bytes, total_experts, 0, False)
     free = budget_bytes - fixed - resident_bytes
+    if free < minimum_cache and request.embed_bytes:
+        # first the embedding: a token reads one row of it, a few KiB over the link, where a streamed layer costs
+        # its whole size every token
+        resident_bytes -= request.embed_bytes
+        free += request.embed_bytes
+        plan.host_embedding = True
+        plan.resident_bytes = resident_bytes
+        plan.notes.append(f"the embedding table ({request.embed_bytes / GiB:.2f} GiB) stays in host RAM: each token "
+                          "reads its row over PCIe")
     if free < minimum_cache:
-        # Stream the largest layers from host RAM until the rest fits, keeping `stream_ahead + 1` layer buffers.
-        streamable = sorted(layer_bytes.items(), key=lambda kv: -kv[1])
-        chosen: list[int] = []
-        streamed = 0
-        largest = streamable[0][1] if streamable else 0
-        for layer, nbytes in streamable:
-            buffers = (stream_ahead + 1) * largest
-            if budget_bytes - fixed - (resident_bytes - streamed) - buffers >= minimum_cache:
-                break
-            chosen.append(layer)
-            streamed += nbytes
-        buffers = (stream_ahead + 1) * largest if chosen else 0
-        free = budget_bytes - fixed - (resident_bytes - streamed) - buffers
+        chosen, ring = _choose_streamed_layers(layer_bytes, budget_bytes - fixed - resident_bytes - minimum_cache,
+                                               stream_ahead)
+        streamed = sum(layer_bytes[layer] for layer in chosen)
+        free = budget_bytes - fixed - (resident_bytes - streamed) - ring
         if free < minimum_cache:
             raise RequestError(
                 f"vram_budget of {budget_bytes / GiB:.2f} GiB cannot hold one layer's working set: the KV cache "
@@ -171,10 +175,11 @@ def _plan_slots(request: PlanInputs) -> MemoryPlan:
         plan.streamed_layers = sorted(chosen)
         plan.streamed_bytes = streamed
         plan.stream_ahead = stream_ahead
-        plan.resident_bytes = resident_bytes - streamed + buffers
+        plan.resident_bytes = resident_bytes - streamed + ring
         plan.notes.append(
             f"the non-expert weights ({resident_bytes / GiB:.2f} GiB) do not fit next to the KV cache and a minimal "
-            f"expert cache, so {len(chosen)} layer(s) stream from host RAM"
+            f"expert cache, so {len(chosen)} layer(s) ({streamed / GiB:.2f} GiB) stream from host RAM through a ring "
+            f"of {min(stream_ahead + 1, len(chosen))} x {ring // max(min(stream_ahead + 1, len(chosen)), 1) / 2**20:.0f} MiB"
         )
     slots = int(free // expert_record_bytes)
     if slots >= total_experts:
@@ -183,3 +188,29 @@ def _plan_slots(request: PlanInputs) -> MemoryPlan:
     else:
         plan.expert_slots = slots
     return plan
+
+
+def _choose_streamed_layers(layer_bytes: dict[int, int], short: int, ahead: int) -> tuple[list[int], int]:
+    """Layers to stream so that `short` bytes (negative: missing) are found, and the ring's bytes: the fewest streamed
+    bytes (each costs link time every token) over every cap on the largest streamed layer, since the ring holds
+    `ahead + 1` buffers of the largest one (one outsized layer, a dense MLP say, would make every buffer as large).
+    Within a cap the largest layers go first. If nothing fits, the plan that comes closest."""
+    best: tuple[int, int, list[int], int] | None = None  # (still missing, streamed bytes, layers, ring bytes)
+    for cap in sorted(set(layer_bytes.values()), reverse=True):
+        candidates = sorted((layer for layer in layer_bytes if layer_bytes[layer] <= cap),
+                            key=lambda layer: -layer_bytes[layer])
+        chosen: list[int] = []
+        streamed = ring = 0
+        for layer in candidates:
+            if streamed - ring + short >= 0:
+                break
+            chosen.append(layer)
+            streamed += layer_bytes[layer]
+            ring = min(ahead + 1, len(chosen)) * max(layer_bytes[c] for c in chosen)
+        missing = max(-(streamed - ring + short), 0)
+        key = (missing, streamed, chosen, ring)
+        if best is None or key[:2] < best[:2]:
+            best = key
+    if best is None:
+        return [], 0
+    return best[2], best[3]

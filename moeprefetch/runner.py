@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from .config import ModelArgs
 from .experts import activation
-from .kernels import kernels_usable
+from .kernels import INTERPRET, kernels_usable
+from .kernels.gather import HostRows
 from .layer_ops import FusedOps
 from .model import LayerKV, LayerOps, Routing, attention_expanded, block, mtp_input, rms_norm
 from .residency import Residency
@@ -81,6 +82,9 @@ class ModelRunner:
         self.residency = residency
         self.streamer = streamer
         self.device = device
+        # an embedding table the plan left in host memory is read row by row over PCIe (kernels/gather.py)
+        self.host_embed = (HostRows(weights.embed, device, kernels_usable(device.type) or INTERPRET,
+                                    pin=device.type == "cuda") if weights.embed.device != device else None)
         self.rope = RotaryEmbedding(args.rope, args.qk_rope_head_dim, device)
         self.act = activation(args.hidden_act)
         self.ops = LayerOps(args, self.act, self.rope)
@@ -91,6 +95,18 @@ class ModelRunner:
             self.decode_ops = FusedOps(args, self.act, args.hidden_act, self.rope, fused_decode.capacity,
                                        fused_decode.max_rows, device,
                                        fuse=resident + ([weights.mtp.layer] if weights.mtp is not None else []))
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids [...] -> the main embedding's rows [..., H]."""
+        if self.host_embed is not None:
+            return self.host_embed(tokens)
+        return F.embedding(tokens, self.weights.embed)
+
+    def embed_mtp(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's embedding (its own table, or the main one)."""
+        mtp = self.weights.mtp
+        assert mtp is not None
+        return self.embed(tokens) if mtp.embed is None else F.embedding(tokens, mtp.embed)
 
     def logits(self, hidden_normed: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden_normed, self.weights.lm_head).float()
@@ -127,7 +143,7 @@ class ModelRunner:
         """Main layers over a window of consecutive chunks pieces[c] [B, T_c], layer by layer (every chunk through a
         layer before the next layer) -> final-normed hidden per chunk. Each chunk's kernels have the shapes they would
         have alone, so a window computes the bits of its chunks run one by one."""
-        xs = [F.embedding(tokens, self.weights.embed) for tokens in pieces]
+        xs = [self.embed(tokens) for tokens in pieces]
         for lw in self.weights.layers:
             kv = caches.layers[lw.index] if caches is not None else None
             self.enter(lw.index)
@@ -148,7 +164,7 @@ class ModelRunner:
         (`mtp_logits`; prefill needs the logits of one position only, and [T, vocab] per chunk is large)."""
         mtp = self.weights.mtp
         assert mtp is not None
-        xs = [mtp_input(self.args, mtp, self.weights.mtp_embed(), t, h) for t, h in zip(next_pieces, hiddens)]
+        xs = [mtp_input(self.args, mtp, self.embed_mtp(t), h) for t, h in zip(next_pieces, hiddens)]
         return self.layer_block(mtp.layer, xs, positions, kv, row, starts)
 
     def mtp_block(self, next_tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,

@@ -126,7 +126,8 @@ class Session:
         if self.trace is not None:
             res.know_future(self.trace)
         engine.sampler.set_params(request.sampling)
-        streamed_before = engine.streamer.bytes_copied if engine.streamer is not None else 0
+        streamer = engine.streamer
+        streamed_before = streamer.bytes_copied if streamer is not None else 0
         caches = engine._caches(self.batch, self.uses_mtp)
         t0 = time.perf_counter()
         first, drafts, probs = self._prefill(caches)
@@ -134,6 +135,9 @@ class Session:
         self.stats.prefill_seconds = time.perf_counter() - t0
         self.stats.ttft_seconds = time.perf_counter() - started
         prefill_counters = res.st.counters.clone().cpu()
+        if streamer is not None:
+            self.stats.prefill_stream_bytes = streamer.bytes_copied - streamed_before
+            self.stats.prefill_stream_stall_seconds = streamer.transfer.collect_stall_seconds()
 
         active = [True] * self.batch
         for b in range(self.batch):
@@ -151,9 +155,10 @@ class Session:
                 yield from self._emit(b, tokens, active)
         engine._sync()
         self.stats.decode_seconds = time.perf_counter() - t1
-        if engine.streamer is not None:
-            self.stats.extra["layer_stream_bytes"] = engine.streamer.bytes_copied - streamed_before
-            self.stats.extra["layer_stream_stall_seconds"] = engine.streamer.transfer.collect_stall_seconds()
+        if streamer is not None:
+            self.stats.decode_stream_bytes = (streamer.bytes_copied - streamed_before
+                                              - self.stats.prefill_stream_bytes)
+            self.stats.decode_stream_stall_seconds = streamer.transfer.collect_stall_seconds()
         self._finish(prefill_counters)
         return self.result()
 

@@ -6,13 +6,19 @@ ring of `ahead + 1` VRAM buffers holds the layer being computed and the next `ah
 streamed list always lives in ring slot i mod (ahead + 1), so its weight views never move. Copies and their ordering
 go through a `TransferEngine` (ready / free events per ring slot), like expert copies.
 
-Streamed layers run eagerly: their copies are issued by the host between layers, which a CUDA graph cannot contain.
+A decode step with streamed layers is captured into its CUDA graph like any other: the copies become graph nodes on
+the copy streams, ordered by the ready / free events, so layer i + k streams while layer i computes, and the last
+streamed layers of a step copy the next step's first ones into the slots they free (which hides those copies behind
+the step's tail: the remaining layers, the LM head and sampling). The host's view of the ring (`occupant`) must
+match what a replay assumes: a capture records the ring's state at entry and exit (`RingStep`); before a replay the
+ring is brought to the entry state if anything else used it meanwhile (prefill, an interrupted call), and after it
+the host's view becomes the exit state.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import fields, is_dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -35,6 +41,16 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if obj is not None and is_dataclass(obj):
         return replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn) for f in fields(obj)})
     return obj
+
+
+@dataclass(frozen=True)
+class RingStep:
+    """What one captured step does to the ring: the occupants it starts from and ends with, and the bytes it
+    copies per replay."""
+
+    entry: tuple[int | None, ...]
+    exit: tuple[int | None, ...]
+    bytes_copied: int
 
 
 class LayerStreamer:
@@ -112,8 +128,46 @@ class LayerStreamer:
         """After an interrupted step: nothing is being computed any more, and a copy may have been cut short, so
         every ring slot is reloaded on its next use."""
         self.transfer.synchronize()
+        self.transfer.forget()  # a failed capture may have left events that belong to no graph
         self.in_use = [False] * self.ring_size
         self.occupant = [None] * self.ring_size
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.ring.numel()
+
+    # ---- steps as CUDA graphs --------------------------------------------------------------------------------------
+    def enter_step(self, captured: RingStep | None = None) -> None:
+        """Host side, before a decode step runs (eagerly, captured or replayed): for a replay, the ring is brought to
+        the state its capture started from; every copy issued earlier is ordered before the step."""
+        if captured is not None:
+            for slot, layer in enumerate(captured.entry):
+                if layer is not None and self.occupant[slot] != layer:
+                    self._load(self.position[layer], demand=True)
+        self.transfer.join()
+
+    def fork(self) -> None:
+        """The step's first device work: the copy streams join it (inside a capture, the graph)."""
+        self.transfer.fork()
+
+    def join(self) -> None:
+        """The step's last device work: it ends after its copies (a capture must join every stream it forked)."""
+        self.transfer.join()
+
+    def begin_capture(self) -> tuple[tuple[int | None, ...], int]:
+        return tuple(self.occupant), self.bytes_copied
+
+    def end_capture(self, start: tuple[tuple[int | None, ...], int]) -> RingStep:
+        """The capture ran the step's host logic once without copying anything: the bytes it counted are each
+        replay's."""
+        entry, bytes_before = start
+        step = RingStep(entry, tuple(self.occupant), self.bytes_copied - bytes_before)
+        self.bytes_copied = bytes_before
+        return step
+
+    def replayed(self, step: RingStep) -> None:
+        self.occupant = list(step.exit)
+        self.bytes_copied += step.bytes_copied
 
     def close(self) -> None:
         self.transfer.synchronize()

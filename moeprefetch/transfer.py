@@ -1,9 +1,10 @@
 """CUDA streams and events: the only module that creates or waits on them.
 
 - `TransferEngine`: host->device copies into a ring of slots on two copy streams (`demand`, high priority, and
-  `prefetch`), used by layer streaming. Per slot, `ready` is recorded after the copy into it and `free` after the
-  last compute that read it; a copy into a slot first waits for both, so a slot is never overwritten while a kernel
-  may still read it.
+  `prefetch`), used by layer streaming and prefill's staging. Per slot, `ready` is recorded after the copy into it
+  and `free` after the last compute that read it; a copy into a slot first waits for both, so a slot is never
+  overwritten while a kernel may still read it. The same calls work inside a CUDA graph capture (between `fork()`
+  and `join()`): the events become the graph's edges, and waits are timed by a device clock instead of events.
 - `SideStream`: the branch of a decode step on which prefetch fills run beside the layers (residency/).
 
 On the CPU the same interfaces run synchronously, so everything above them runs unchanged in CI.
@@ -16,6 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .kernels import kernels_usable
+from .kernels.clock import StallClock
+
 
 @dataclass
 class StallTimer:
@@ -24,9 +28,11 @@ class StallTimer:
     pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
     cpu_seconds: float = 0.0
 
+    clock: StallClock | None = None  # waits inside CUDA graphs (replays record no events)
+
     def collect(self) -> float:
         """Seconds stalled since the last collect (synchronises on the recorded events)."""
-        total = self.cpu_seconds
+        total = self.cpu_seconds + (self.clock.take_seconds() if self.clock is not None else 0.0)
         for start, end in self.pairs:
             end.synchronize()
             total += start.elapsed_time(end) / 1000.0
@@ -48,6 +54,11 @@ class TransferEngine:
             self.prefetch_stream = torch.cuda.Stream(device=device, priority=low)
             self._ready: list[torch.cuda.Event | None] = [None] * n_slots
             self._free: list[torch.cuda.Event | None] = [None] * n_slots
+            if kernels_usable(device.type):
+                self.stall.clock = StallClock(device)
+
+    def _capturing(self) -> bool:
+        return self.cuda and torch.cuda.is_current_stream_capturing()
 
     # ---- copies ---------------------------------------------------------------------------------------------------
     def copy(self, src: torch.Tensor, dst: torch.Tensor, slot: int, demand: bool) -> None:
@@ -85,6 +96,19 @@ class TransferEngine:
         """Make the compute stream wait until every listed slot's copy has landed; time the wait."""
         if not self.cuda:
             return
+        if self._capturing():  # a replay cannot ask whether a copy has landed: always wait, timed on the device
+            events = [self._ready[s] for s in slots if self._ready[s] is not None]
+            if not events:
+                return
+            compute = torch.cuda.current_stream(self.device)
+            clock = self.stall.clock
+            if clock is not None:
+                clock.start()
+            for event in events:
+                compute.wait_event(event)
+            if clock is not None:
+                clock.stop()
+            return
         pending = [self._ready[s] for s in slots if self._ready[s] is not None and not self._ready[s].query()]
         if not pending:
             return
@@ -104,6 +128,33 @@ class TransferEngine:
         done.record(torch.cuda.current_stream(self.device))
         for slot in slots:
             self._free[slot] = done
+
+    def fork(self) -> None:
+        """The start of a captured step: both copy streams continue after the compute stream's work so far (which
+        joins them to the capture), and events of earlier steps are forgotten (a capture may only wait on its own
+        events; `join()` before the step ordered everything earlier ahead of it)."""
+        if not self.cuda:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        for stream in (self.demand_stream, self.prefetch_stream):
+            stream.wait_stream(compute)
+        if self._capturing():
+            self.forget()
+
+    def forget(self) -> None:
+        """Drop the slots' events (after `synchronize()`, or at the start of a capture): no later copy or wait
+        refers to them."""
+        if self.cuda:
+            self._ready = [None] * len(self._ready)
+            self._free = [None] * len(self._free)
+
+    def join(self) -> None:
+        """The compute stream waits for every copy issued so far (the end of a captured step, or before one)."""
+        if not self.cuda:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        for stream in (self.demand_stream, self.prefetch_stream):
+            compute.wait_stream(stream)
 
     def synchronize(self) -> None:
         if self.cuda:

@@ -83,10 +83,6 @@ class ModelWeights:
     layers: list[LayerWeights]
     mtp: MTPWeights | None
 
-    def mtp_embed(self) -> torch.Tensor:
-        assert self.mtp is not None
-        return self.mtp.embed if self.mtp.embed is not None else self.embed
-
     def mtp_head(self) -> torch.Tensor:
         assert self.mtp is not None
         return self.mtp.head if self.mtp.head is not None else self.lm_head
@@ -270,15 +266,16 @@ def load_model_weights(
     device: torch.device,
     progress: bool = True,
     host_layers: frozenset[int] = frozenset(),
+    host_embedding: bool = False,
 ) -> ModelWeights:
     """All non-routed-expert weights, validated, on `device` in `dtype` — except `host_layers`, kept on the CPU for
-    layer streaming."""
+    layer streaming, and with `host_embedding` the embedding table (read row by row from host memory)."""
     from tqdm.auto import tqdm
 
     loader = TensorLoader(reader, args, dtype, device)
     host_loader = TensorLoader(reader, args, dtype, torch.device("cpu"))
     h, v = args.hidden_size, args.vocab_size
-    embed = loader.get("model.embed_tokens.weight", (v, h))
+    embed = (host_loader if host_embedding else loader).get("model.embed_tokens.weight", (v, h))
     if args.tie_word_embeddings and "lm_head.weight" not in reader:
         lm_head = embed
     else:

@@ -394,6 +394,8 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
         "decode_bytes_h2d_per_token": med("decode_bytes_h2d_per_token"),
         "zero_copy_bytes_per_token": med("zero_copy_bytes_per_token"),
         "fill_bytes_per_token": med("fill_bytes_per_token"),
+        "streamed_bytes_per_token": med("streamed_bytes_per_token"),
+        "stream_stall_ms_per_token": med("stream_stall_ms_per_token"),
         "decode_h2d_gbps": statistics.median(
             r["decode_bytes_h2d_per_token"] / max(r["ms_per_token"], 1e-9) / 1e6 for r in results),
         "bytes_h2d_per_token": med("bytes_h2d") / max(decode_tokens, 1),
@@ -927,6 +929,80 @@ def transformers_prefill_rows(path: Path, lengths: list[int], vocab: int, runs: 
     return rows
 
 
+STREAM_LAYERS = 8  # the issue's stream8 row
+SMALL_BUDGETS_GIB = (1.5, 2.0, 2.5, 3.0)  # tried in order for the min_budget row
+
+
+def bench_streaming(name: str, path: Path, args: argparse.Namespace, device: torch.device, link: dict[str, float],
+                    emit: Callable[[dict[str, Any]], None]) -> None:
+    """Layer streaming: reactive decode at --budget-gib without and with `stream_layers=8` (what streaming adds,
+    against its own link time), then the smallest budget that loads and decodes, and 3 GiB with the engine's
+    default context and batch."""
+    config = json.loads((path / "config.json").read_text())
+    prompts = prompts_for(path, None, config["vocab_size"], args.runs, args.prompt_tokens, seed=1)
+    common = dict(device=str(device), dtype=torch.bfloat16, max_seq_len=args.max_seq_len, max_batch_size=1,
+                  progress=False)
+    base = {"workload": name + (f"#{args.variant}" if args.variant else ""), "batch": 1,
+            "prompt_tokens": [len(p) for p in prompts]}
+    peak = link.get("h2d_peak_gbps", float("nan"))  # no link on the CPU (a check of the script)
+    wanted = set(args.systems.split(",")) if args.systems else None
+
+    def measured(system: str, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        if wanted is not None and system not in wanted:
+            return None
+        try:
+            engine = MoEPrefetchEngine.from_pretrained(path, **common, **kwargs)
+        except Exception as exc:
+            emit({**base, "system": system, "failed": f"{type(exc).__name__}: {exc}", **kwargs})
+            return None
+        try:
+            row = run_row(engine, system, prompts, args.new_tokens, runs=args.runs)
+            memory = engine.memory_stats()
+            row.update(kwargs, plan=engine.plan.describe(), stream_layers=len(engine.plan.streamed_layers),
+                       host_embedding=engine.plan.host_embedding, stream_ring_bytes=memory["stream_ring_bytes"],
+                       planned_vram_gib=engine.plan.planned_vram_bytes / GiB,
+                       stream_link_ms_per_token=row["streamed_bytes_per_token"] / peak / 1e6)
+            emit({**base, **row})
+            return row
+        except Exception as exc:
+            emit({**base, "system": system, "failed": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc()})
+            return None
+        finally:
+            engine.close()
+            _free()
+
+    budget = f"{args.budget_gib}GiB"
+    plain = measured("no_stream", {"vram_budget": budget})
+    streamed = measured("stream8", {"vram_budget": budget, "stream_layers": STREAM_LAYERS})
+    if plain and streamed:
+        added = streamed["ms_per_token"] - plain["ms_per_token"]
+        emit({**base, "system": "stream8_overhead", "added_ms_per_token": added,
+              "stream_link_ms_per_token": streamed["stream_link_ms_per_token"],
+              "added_over_link_time": added / max(streamed["stream_link_ms_per_token"], 1e-9),
+              "same_tokens_as_no_stream": streamed["sequences"] == plain["sequences"], "link_peak_gbps": peak})
+    for gib in SMALL_BUDGETS_GIB:
+        row = measured("min_budget", {"vram_budget": f"{gib}GiB"})
+        if row is not None:
+            if plain:
+                row["same_tokens_as_no_stream"] = row["sequences"] == plain["sequences"]
+                emit({**base, **row})
+            break
+    if wanted is None or "budget_3gib_defaults" in wanted:  # the engine's own context (4,096) and batch (8)
+        try:
+            engine = MoEPrefetchEngine.from_pretrained(path, device=str(device), dtype=torch.bfloat16,
+                                                       vram_budget="3GiB", progress=False)
+            result = engine.generate(prompts[:1], max_new_tokens=16, stop_at_eos=False)
+            emit({**base, "system": "budget_3gib_defaults", "plan": engine.plan.describe(),
+                  "ms_per_token": result.stats.to_dict()["ms_per_token"],
+                  "peak_vram_gib": torch.cuda.max_memory_allocated(device) / GiB,
+                  "max_seq_len": engine.options.max_seq_len, "max_batch_size": engine.options.max_batch_size})
+            engine.close()
+        except Exception as exc:
+            emit({**base, "system": "budget_3gib_defaults", "failed": f"{type(exc).__name__}: {exc}"})
+        _free()
+
+
 def _active_bytes(engine: MoEPrefetchEngine) -> int:
     """Bytes a decode step must read from device memory at batch 1: resident weights except the embedding table
     (one row is read), plus top-k routed experts per MoE layer."""
@@ -980,6 +1056,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-compute", action="store_true",
                         help="v2lite/v3layers: only the all-resident decode-compute rows (contexts, fused vs not, "
                              "batches)")
+    parser.add_argument("--streaming", action="store_true",
+                        help="v2lite: only the layer-streaming rows (no_stream, stream8, min_budget)")
     parser.add_argument("--max-inflight", type=int, default=None, help="fills in flight at most (engine default)")
     parser.add_argument("--draft-experts", choices=["cached", "all"], default="cached",
                         help="the MTP head's routed experts (engine option draft_experts)")
@@ -1017,7 +1095,8 @@ def main(argv: list[str] | None = None) -> int:
                           "prediction_recall", "floor_ms_per_token", "failed", "same_tokens_as_all_resident",
                           "hbm_gbps", "draft_acceptance", "cache_fraction", "peak_vram_gib",
                           "decode_tokens_per_s", "kernels_per_token", "wall_ms_per_token", "prefill_tokens_per_s",
-                          "ttft_seconds")}
+                          "ttft_seconds", "streamed_bytes_per_token", "stream_stall_ms_per_token",
+                          "added_over_link_time", "vram_budget")}
         print(json.dumps(brief), flush=True)
 
     for name in args.workloads.split(","):
@@ -1037,6 +1116,8 @@ def main(argv: list[str] | None = None) -> int:
                 bench_prefill(name, path, args, device, link, emit)
             elif args.decode_compute:
                 bench_decode_compute(name, path, args, device, emit)
+            elif args.streaming:
+                bench_streaming(name, path, args, device, link, emit)
             else:
                 bench_workload(name, path, args, device, link, emit)
         except Exception as exc:

@@ -412,3 +412,25 @@ def test_grouped_prefill_experts_match_float64(dtype, expert_dtype, tolerance, l
             expected[t] += float(weights[t, j]) * _float64_expert(x[t : t + 1].cpu(), fmt, host[e])[0]
     error = ((out - expected).norm() / expected.norm()).item()
     assert error < tolerance, error
+
+
+# ---- embedding rows read from host memory ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,hidden", [(torch.bfloat16, 2048), (torch.float32, 3000)])
+def test_host_embedding_rows_are_exactly_the_tables_rows(dtype, hidden):
+    """The zero-copy gather (a table in host memory, ids and rows on the device) against F.embedding, including
+    repeated ids and a hidden size that is not a multiple of the block."""
+    from moeprefetch.kernels.gather import HostRows, embedding_reference
+
+    generator = torch.Generator().manual_seed(hidden)
+    table = torch.randn(500, hidden, generator=generator).to(dtype)
+    rows = HostRows(table, torch.device(DEVICE), use_kernel=True, pin=DEVICE == "cuda")
+    ids = torch.randint(0, 500, (3, 5), generator=generator)
+    ids[0, :2] = 499
+    ids = ids.to(DEVICE)
+    out = rows(ids)
+    assert out.device.type == DEVICE and out.shape == (3, 5, hidden)
+    assert torch.equal(out.cpu(), F.embedding(ids.cpu(), table))
+    assert torch.equal(embedding_reference(table, ids).cpu(), F.embedding(ids.cpu(), table))
+    rows.close()

@@ -100,3 +100,34 @@ def test_the_prefill_window_is_whole_chunks_within_the_context_never_the_budget(
     assert windows == {512}
     engine = MoEPrefetchEngine.from_pretrained(path, progress=False, prefill_chunk=4, prefill_window=9)
     assert engine.options.prefill_window == 8
+
+
+def test_a_tight_budget_moves_the_embedding_to_host_memory_before_streaming_any_layer():
+    # 0.3 GiB short of a minimal expert cache; the embedding table (0.5 GiB) covers it alone
+    p = plan(resident_bytes=int(3.4 * GiB), budget_bytes=int(3.5 * GiB), workspace_bytes=GiB // 8, kv_bytes=GiB // 8,
+             embed_bytes=GiB // 2)
+    assert p.host_embedding and not p.streamed_layers and p.expert_slots >= 6
+    assert p.resident_bytes == int(3.4 * GiB) - GiB // 2 and p.planned_vram_bytes <= int(3.5 * GiB)
+    assert "embedding table" in p.notes[0] and "embedding table in host RAM" in p.describe()
+    # without that option (a table tied to the LM head) the same budget streams layers instead
+    q = plan(resident_bytes=int(3.4 * GiB), budget_bytes=int(3.5 * GiB), workspace_bytes=GiB // 8, kv_bytes=GiB // 8)
+    assert not q.host_embedding and q.streamed_layers
+    # a roomy budget keeps the table in VRAM
+    assert not plan(budget_bytes=12 * GiB, embed_bytes=GiB // 2).host_embedding
+
+
+def test_the_ring_is_not_sized_by_one_outsized_layer():
+    """A dense first layer 2.5x the others: streaming it would make each of the ring's buffers that large, so the
+    plan streams only the small layers when they are enough, and the ring holds three of those."""
+    layer_bytes = {0: 160 * MiB, **{i: 64 * MiB for i in range(1, 27)}}
+    resident = sum(layer_bytes.values()) + 800 * MiB
+    budget = resident + GiB // 4 + GiB // 2 + 6 * 17 * MiB - 400 * MiB  # 400 MiB short
+    p = plan(resident_bytes=resident, layer_bytes=layer_bytes, budget_bytes=budget)
+    assert p.streamed_layers and 0 not in p.streamed_layers
+    ring = 3 * 64 * MiB
+    assert p.resident_bytes == resident - 64 * MiB * len(p.streamed_layers) + ring
+    assert p.planned_vram_bytes <= budget and p.expert_slots >= 6
+    assert len(p.streamed_layers) == -(-(400 * MiB + ring) // (64 * MiB))  # the fewest that cover the shortfall
+    # a shortfall that no choice covers is the clear error
+    with pytest.raises(RequestError, match="cannot hold one layer's working set"):
+        plan(resident_bytes=resident, layer_bytes=layer_bytes, budget_bytes=budget - 1200 * MiB)

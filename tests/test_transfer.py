@@ -58,3 +58,40 @@ def test_gpu_side_stream_work_follows_the_compute_stream_and_join_orders_after_i
     side.launch(lambda: out.copy_(x * 3))  # sees the add
     side.join()
     assert out.sum().item() == 3.0 * (1 << 20)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_copies_and_waits_captured_in_a_graph_replay_in_order_and_time_the_wait():
+    """Inside a capture: fork, a copy that the side of the graph delays, a timed wait, a read, join. Each replay
+    reads the copy's bytes (never the slot's old ones), and the device clock counts the delay as stall."""
+    dev = torch.device("cuda")
+    engine = TransferEngine(dev, n_slots=1)
+    host = torch.zeros(1 << 20).pin_memory()
+    slot = torch.zeros(1 << 20, device=dev)
+    total = torch.zeros((), device=dev)
+    delay_cycles = 20_000_000  # ~10 ms at the H200's clock
+
+    def step() -> None:
+        engine.fork()
+        with torch.cuda.stream(engine.demand_stream):  # the copy starts late: the wait below must cover it
+            torch.cuda._sleep(delay_cycles)
+        engine.copy(host, slot, 0, demand=True)
+        engine.wait_for([0])
+        total.copy_(slot.sum())
+        engine.release([0])
+        engine.join()
+
+    step()  # warm-up: compiles the clock kernel
+    torch.cuda.synchronize()
+    engine.collect_stall_seconds()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for value in (1.0, 2.0, 3.0):
+        host.fill_(value)
+        slot.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert total.item() == value * (1 << 20)
+    stalled = engine.collect_stall_seconds()
+    assert 3 * 0.002 < stalled < 3.0, stalled  # three replays, each waiting for a ~10 ms delay

@@ -141,6 +141,12 @@ def layer_launches(hidden: int, experts: int, top_k: int, heads: int = 16, laten
     q_latent = torch.zeros(heads, rows, latent, dtype=bf16)
     split, merge = mla.attend_launches(q_latent, q, cache_latent, cache_rope, slots, 1, 0.1, q_latent)
     launches.update(mla_split=split, mla_merge=merge)
+    from .clock import stamp_launch
+    from .gather import gather_launch
+
+    stamps = torch.zeros(2, dtype=torch.int64)
+    launches.update(clock_start=stamp_launch(stamps, add=False), clock_stop=stamp_launch(stamps, add=True))
+    launches["embed_gather"] = gather_launch(slots, x[0], slots[:1], x)
     return launches
 
 
