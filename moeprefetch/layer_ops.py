@@ -18,14 +18,32 @@ from .kernels.norm import act_mul, residual_norm
 from .kernels.router import select_experts
 from .model import LayerKV, LayerOps, Routing, absorbed_weights, linear, router_shape
 from .rope import RotaryEmbedding
-from .weights import AttentionWeights, LayerWeights, Linear, MLPWeights, RouterWeights
+from .weights import AttentionWeights, LayerWeights, Linear, MLPWeights, RouterWeights, projection_groups
+
+
+def adjacent(parts: list[Linear]) -> bool:
+    """The parts' weights already lie one after another in one buffer (a streamed layer's ring record)."""
+    first = parts[0].weight
+    end = first.data_ptr()
+    for p in parts:
+        w = p.weight
+        if (not w.is_contiguous() or w.dtype != first.dtype or w.shape[1:] != first.shape[1:]
+                or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or w.data_ptr() != end):
+            return False
+        end += w.numel() * w.element_size()
+    return True
 
 
 def fuse_rows(parts: list[Linear]) -> torch.Tensor | None:
     """One weight [sum of outs, in] for projections that read the same input; each part's weight becomes a view into
-    it, so the memory is not doubled and every other reader (prefill) keeps working. None where a part has a bias."""
+    it, so the memory is not doubled and every other reader (prefill) keeps working. Parts that are adjacent already
+    (a streamed layer's ring record places them so) are spanned by a view, with no copy. None where a part has a
+    bias."""
     if any(p.bias is not None for p in parts):
         return None
+    if adjacent(parts):
+        first = parts[0].weight
+        return torch.as_strided(first, (sum(p.weight.shape[0] for p in parts), *first.shape[1:]), first.stride())
     fused = torch.cat([p.weight for p in parts])
     start = 0
     for p in parts:
@@ -39,8 +57,9 @@ class FusedOps(LayerOps):
     """Fused kernels for rows of decode steps; `use_kernels=False` gives the same structure on the references (what
     the CPU tests compare against without Triton's interpreter).
 
-    Given the layers' weights (`fuse`), projections that read the same input become one GEMV: the query (or its
-    LoRA down-projection) with kv_a_proj, and each MLP's gate with its up projection."""
+    Given the layers' weights (`fuse`), projections that read the same input (`weights.projection_groups`) become one
+    GEMV, streamed layers' too (their ring records hold each group's rows adjacent), so a layer computes the same bits
+    whether it streams or not."""
 
     def __init__(self, args: ModelArgs, act, act_name: str, rope: RotaryEmbedding, capacity: int, max_rows: int,
                  device: torch.device, use_kernels: bool = True,
@@ -58,9 +77,8 @@ class FusedOps(LayerOps):
                              args.qk_rope_head_dim, capacity, max_rows, device, use_kernels)
 
     def _fuse_layer(self, lw: LayerWeights) -> None:
-        query = lw.attn.q_proj if lw.attn.q_proj is not None else lw.attn.q_a_proj
-        for owner, parts in ((lw.attn, [query, lw.attn.kv_a_proj]),
-                             *((m, [m.gate_proj, m.up_proj]) for m in (lw.mlp, lw.shared) if m is not None)):
+        owners = [lw.attn] + [m for m in (lw.mlp, lw.shared) if m is not None]
+        for owner, parts in zip(owners, projection_groups(lw)):
             fused = fuse_rows(parts)
             if fused is not None:
                 self._fused[id(owner)] = fused

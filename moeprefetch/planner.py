@@ -114,7 +114,7 @@ def plan_memory(**inputs: Any) -> MemoryPlan:
     plan = _plan_slots(request)
     if request.stream_layers and not plan.streamed_layers:
         layer_bytes = request.layer_bytes
-        chosen = sorted(layer_bytes, key=lambda layer: -layer_bytes[layer])[: request.stream_layers]
+        chosen = _requested_layers(layer_bytes, request.stream_layers, request.stream_ahead)
         largest = max((layer_bytes[layer] for layer in chosen), default=0)
         streamed = sum(layer_bytes[layer] for layer in chosen)
         plan.streamed_layers = sorted(chosen)
@@ -214,3 +214,19 @@ def _choose_streamed_layers(layer_bytes: dict[int, int], short: int, ahead: int)
     if best is None:
         return [], 0
     return best[2], best[3]
+
+
+def _requested_layers(layer_bytes: dict[int, int], count: int, ahead: int) -> list[int]:
+    """`count` layers to stream that free the most VRAM: the largest under a cap on their size, over every cap (the
+    ring holds `ahead + 1` buffers of the largest streamed layer, so an outsized one can cost more than it frees)."""
+    best: tuple[int, list[int]] | None = None
+    for cap in sorted(set(layer_bytes.values()), reverse=True):
+        candidates = sorted((layer for layer in layer_bytes if layer_bytes[layer] <= cap),
+                            key=lambda layer: -layer_bytes[layer])[:count]
+        if len(candidates) < min(count, len(layer_bytes)):
+            break  # fewer layers fit under smaller caps
+        freed = (sum(layer_bytes[layer] for layer in candidates)
+                 - min(ahead + 1, len(candidates)) * max(layer_bytes[layer] for layer in candidates))
+        if best is None or freed > best[0]:
+            best = (freed, candidates)
+    return best[1] if best is not None else []

@@ -91,10 +91,9 @@ class ModelRunner:
         # decode steps on CUDA run fused kernels; the CPU (and fused_kernels=False) runs the definitions
         self.decode_ops = self.ops
         if fused_decode is not None and kernels_usable(device.type):
-            resident = [lw for lw in weights.layers if streamer is None or not streamer.streams(lw.index)]
             self.decode_ops = FusedOps(args, self.act, args.hidden_act, self.rope, fused_decode.capacity,
                                        fused_decode.max_rows, device,
-                                       fuse=resident + ([weights.mtp.layer] if weights.mtp is not None else []))
+                                       fuse=weights.layers + ([weights.mtp.layer] if weights.mtp is not None else []))
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids [...] -> the main embedding's rows [..., H]."""

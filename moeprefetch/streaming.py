@@ -25,11 +25,11 @@ import torch
 
 from .store import check_host_ram, register_pinned, unpin_when_freed
 from .transfer import TransferEngine
-from .weights import LayerWeights, iter_tensors
+from .weights import LayerWeights, iter_tensors, projection_groups
 
 logger = logging.getLogger(__name__)
 
-ALIGN = 64
+ALIGN = 512  # as the caching allocator aligns: a tensor's alignment, which can steer cuBLAS, matches a resident one's
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -61,12 +61,13 @@ class LayerStreamer:
         self.ring_size = min(ahead + 1, len(layers))
         self.device = device
         layouts = [self._layout(lw) for lw in layers]
-        self.record_bytes = max(size for _, size in layouts)
+        self.layer_bytes = [size for _, size in layouts]  # each layer's own record (a copy moves only these)
+        self.record_bytes = max(self.layer_bytes)  # a host row and a ring buffer hold the largest
         check_host_ram(self.record_bytes * len(layers), f"{len(layers)} streamed layers")
         self.host = torch.empty((len(layers), self.record_bytes), dtype=torch.uint8)
         for row, (lw, (offsets, _)) in enumerate(zip(layers, layouts)):
-            for tensor, offset in zip(iter_tensors(lw), offsets):
-                n = tensor.numel() * tensor.element_size()
+            for tensor in iter_tensors(lw):
+                offset, n = offsets[id(tensor)], tensor.numel() * tensor.element_size()
                 self.host[row, offset : offset + n].copy_(tensor.contiguous().view(-1).view(torch.uint8))
         self.pinned = pin and register_pinned(self.host).pinned
         self._unpin = unpin_when_freed(self.host) if self.pinned else None
@@ -81,19 +82,33 @@ class LayerStreamer:
                     self.host.numel() / 1024**3, self.ring_size, self.record_bytes / 1024**2)
 
     @staticmethod
-    def _layout(lw: LayerWeights) -> tuple[list[int], int]:
-        offsets, offset = [], 0
+    def _layout(lw: LayerWeights) -> tuple[dict[int, int], int]:
+        """Byte offset of each tensor (by id) in the layer's record, and the record's size. Each group of
+        projections that decode fuses (`projection_groups`) comes first, its weights back to back, so the fused
+        GEMV reads them through one view as it reads a resident layer's concatenated weight; every group and other
+        tensor starts on an ALIGN boundary."""
+        offsets: dict[int, int] = {}
+        offset = 0
+
+        def align(n: int) -> int:
+            return -(-n // ALIGN) * ALIGN
+
+        for group in projection_groups(lw):
+            if any(p.bias is not None for p in group):
+                continue
+            for part in group:
+                offsets[id(part.weight)] = offset
+                offset += part.weight.numel() * part.weight.element_size()
+            offset = align(offset)
         for tensor in iter_tensors(lw):
-            offsets.append(offset)
-            offset += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+            if id(tensor) not in offsets:
+                offsets[id(tensor)] = offset
+                offset = align(offset + tensor.numel() * tensor.element_size())
         return offsets, offset
 
-    def _views(self, lw: LayerWeights, offsets: list[int], slot: int) -> LayerWeights:
-        it = iter(offsets)
-
+    def _views(self, lw: LayerWeights, offsets: dict[int, int], slot: int) -> LayerWeights:
         def view(tensor: torch.Tensor) -> torch.Tensor:
-            offset = next(it)
-            n = tensor.numel() * tensor.element_size()
+            offset, n = offsets[id(tensor)], tensor.numel() * tensor.element_size()
             return self.ring[slot, offset : offset + n].view(tensor.dtype).view(tensor.shape)
 
         return _map_tensors(lw, view)
@@ -105,9 +120,10 @@ class LayerStreamer:
         slot = i % self.ring_size
         if self.occupant[slot] == self.order[i] or self.in_use[slot]:
             return  # already there, or its slot still serves a layer being computed
-        self.transfer.copy(self.host[i], self.ring[slot], slot, demand=demand)
+        size = self.layer_bytes[i]
+        self.transfer.copy(self.host[i, :size], self.ring[slot, :size], slot, demand=demand)
         self.occupant[slot] = self.order[i]
-        self.bytes_copied += self.record_bytes
+        self.bytes_copied += size
 
     def begin(self, layer: int) -> None:
         """Before computing `layer`: its weights are (or are made) resident; the next layers start streaming."""
@@ -163,11 +179,15 @@ class LayerStreamer:
         entry, bytes_before = start
         step = RingStep(entry, tuple(self.occupant), self.bytes_copied - bytes_before)
         self.bytes_copied = bytes_before
+        self.transfer.forget()  # the events it recorded belong to the graph: outside it they cannot be waited on
         return step
 
     def replayed(self, step: RingStep) -> None:
+        """After a replay was launched: the host's view follows it, and later copies (a prefill's, say) come after
+        it, since no event of the graph is visible outside it."""
         self.occupant = list(step.exit)
         self.bytes_copied += step.bytes_copied
+        self.transfer.fork()
 
     def close(self) -> None:
         self.transfer.synchronize()

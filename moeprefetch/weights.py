@@ -88,6 +88,16 @@ class ModelWeights:
         return self.mtp.head if self.mtp.head is not None else self.lm_head
 
 
+def projection_groups(lw: LayerWeights) -> list[list[Linear]]:
+    """Projections of a layer that read the same input, which a decode step computes as one GEMV over their rows
+    stacked (`layer_ops.FusedOps`): the query (or its LoRA down-projection) with kv_a_proj, and each MLP's gate with
+    its up projection."""
+    query = lw.attn.q_proj if lw.attn.q_proj is not None else lw.attn.q_a_proj
+    groups = [[query, lw.attn.kv_a_proj]]
+    groups += [[m.gate_proj, m.up_proj] for m in (lw.mlp, lw.shared) if m is not None]
+    return groups
+
+
 def iter_tensors(obj: object) -> Iterator[torch.Tensor]:
     """Every tensor held by a weights object (recursively), for byte counts and device moves."""
     if isinstance(obj, torch.Tensor):

@@ -992,7 +992,8 @@ def bench_streaming(name: str, path: Path, args: argparse.Namespace, device: tor
         try:
             engine = MoEPrefetchEngine.from_pretrained(path, device=str(device), dtype=torch.bfloat16,
                                                        vram_budget="3GiB", progress=False)
-            result = engine.generate(prompts[:1], max_new_tokens=16, stop_at_eos=False)
+            engine.generate(prompts[:1], max_new_tokens=8, stop_at_eos=False)  # warm-up: compiles and captures
+            result = engine.generate(prompts[1:2], max_new_tokens=32, stop_at_eos=False)
             emit({**base, "system": "budget_3gib_defaults", "plan": engine.plan.describe(),
                   "ms_per_token": result.stats.to_dict()["ms_per_token"],
                   "peak_vram_gib": torch.cuda.max_memory_allocated(device) / GiB,

@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1
 mkdir -p "$out"
 if [ -z "${SKIP_TESTS:-}" ]; then
   timeout ${TEST_TIMEOUT:-200} python3 -m pytest tests/test_streaming.py tests/test_transfer.py tests/test_kernels.py \
-    -q -x -p no:cacheprovider --durations=5 ${TESTS:--k "gpu or host_embedding"} 2>&1 | tail -6
+    -q -x -p no:cacheprovider --tb=short --durations=5 ${TESTS:--k "gpu or host_embedding"} 2>&1 | tail -${TEST_LINES:-30}
 fi
 timeout ${BENCH_TIMEOUT:-330} python3 scripts/bench_gpu.py --out "$out/bench_streaming.json" --workloads v2lite \
   --streaming "$@" 2>&1 | grep -v -i warning | grep -E '^\{|bench_gpu|Error|error' | cut -c1-300

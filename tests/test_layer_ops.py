@@ -16,9 +16,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _fused(engine: MoEPrefetchEngine) -> FusedOps:
     runner, weights = engine.runner, engine.weights
-    streamer = engine.streamer
-    layers = [lw for lw in weights.layers if streamer is None or not streamer.streams(lw.index)]
-    layers += [weights.mtp.layer] if weights.mtp is not None else []
+    layers = weights.layers + ([weights.mtp.layer] if weights.mtp is not None else [])
     return FusedOps(engine.args, runner.act, engine.args.hidden_act, runner.rope, engine.options.max_seq_len,
                     2 * engine.options.max_batch_size, engine.device, fuse=layers)
 
@@ -63,8 +61,8 @@ def test_fused_decode_matches_the_definitions(checkpoint_factory, variant, predi
 
 
 def test_fused_decode_with_streamed_layers(checkpoint_factory):
-    """Streamed layers keep their own projections (their weights live in the streaming ring) and still decode
-    through the fused kernels; the tokens are the definitions'."""
+    """Streamed layers' fused projections are views that span their parts in the ring record (no copy, nothing
+    moved out of the ring), and decode through the fused kernels gives the definitions' tokens."""
     path = checkpoint_factory("v3")
     prompts = [[3, 4, 5, 6, 7], [9, 10]]
     options = dict(progress=False, max_seq_len=64, max_batch_size=2, cuda_graphs=False, fused_kernels=False,
@@ -73,7 +71,15 @@ def test_fused_decode_with_streamed_layers(checkpoint_factory):
     expected = engine.generate(prompts, max_new_tokens=5, stop_at_eos=False).sequences
     ops = _fused(engine)
     streamed = [lw for lw in engine.weights.layers if engine.streamer.streams(lw.index)]
-    assert streamed and all(id(lw.attn) not in ops._fused for lw in streamed)
+    ring = engine.streamer.ring
+    ring_span = (ring.data_ptr(), ring.data_ptr() + ring.numel())
+    assert streamed
+    for lw in streamed:
+        query = lw.attn.q_proj if lw.attn.q_proj is not None else lw.attn.q_a_proj
+        fused = ops._fused[id(lw.attn)]
+        assert ring_span[0] <= fused.data_ptr() < ring_span[1] and fused.data_ptr() == query.weight.data_ptr()
+        assert torch.equal(fused, torch.cat([query.weight, lw.attn.kv_a_proj.weight]))
+        assert ring_span[0] <= query.weight.data_ptr() < ring_span[1]  # the parts still read the ring
     engine.runner.decode_ops = ops
     assert engine.generate(prompts, max_new_tokens=5, stop_at_eos=False).sequences == expected
     engine.close()

@@ -131,3 +131,14 @@ def test_the_ring_is_not_sized_by_one_outsized_layer():
     # a shortfall that no choice covers is the clear error
     with pytest.raises(RequestError, match="cannot hold one layer's working set"):
         plan(resident_bytes=resident, layer_bytes=layer_bytes, budget_bytes=budget - 1200 * MiB)
+
+
+def test_requested_streaming_frees_the_most_vram():
+    """stream_layers=N with one outsized layer: the N same-size layers free more than any set with the big one
+    (whose size every ring buffer would take)."""
+    layer_bytes = {0: 160 * MiB, **{i: 64 * MiB for i in range(1, 27)}}
+    p = plan(resident_bytes=3 * GiB, layer_bytes=layer_bytes, stream_layers=8)
+    assert len(p.streamed_layers) == 8 and 0 not in p.streamed_layers
+    assert p.resident_bytes == 3 * GiB - 8 * 64 * MiB + 3 * 64 * MiB
+    # when every layer is asked for, the big one is among them
+    assert len(plan(resident_bytes=3 * GiB, layer_bytes=layer_bytes, stream_layers=27).streamed_layers) == 27
