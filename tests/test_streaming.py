@@ -9,11 +9,13 @@ from conftest import gpu
 from moeprefetch import MoEPrefetchEngine
 
 
-@pytest.mark.parametrize("layers,ahead", [(1, 1), (2, 1), (3, 2), (3, 1)])
-def test_streamed_layers_change_nothing(checkpoint_factory, layers, ahead):
+@pytest.mark.parametrize("layers,ahead,slots", [(1, 1, 8), (2, 1, 8), (3, 2, 8), (3, 1, 8), (1, 2, None),
+                                                (3, 1, None)])
+def test_streamed_layers_change_nothing(checkpoint_factory, layers, ahead, slots):
+    """Every number of streamed layers (the tiny model has 3), with expert offload (8 slots) and without."""
     path = checkpoint_factory("v3")
-    resident = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=8)
-    streamed = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=8, stream_layers=layers,
+    resident = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=slots)
+    streamed = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=slots, stream_layers=layers,
                                                  stream_ahead=ahead)
     assert len(streamed.plan.streamed_layers) == layers
     prompts = [[3, 4, 5], [7, 8]]
