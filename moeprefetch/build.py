@@ -349,7 +349,8 @@ def plan_engine_memory(
         + staging_rows * fmt.record_bytes  # prefill's staging rows
         + 256 * 1024**2  # allocator slack, logits, small tensors
     )
-    if options.fused_kernels and kernels_usable(options.device.type):  # the fused attention's split partials
+    if options.fused_kernels and kernels_usable(options.device.type) and args.attention == "mla":
+        # the fused attention's split partials
         workspace += MLADecode.scratch_bytes(args.num_attention_heads, args.kv_lora_rank, options.max_seq_len, rows)
     plan = plan_memory(
         resident_bytes=resident,

@@ -185,8 +185,10 @@ def _info(ns: argparse.Namespace) -> int:
     has_mtp = any(name.startswith(f"model.layers.{args.mtp_layer_index}.") for name in reader.tensors)
     expert_bytes = 3 * args.hidden_size * args.moe_intermediate_size * 2
     moe_layers = len(args.moe_layers) + (1 if has_mtp else 0)
+    heads = (f"{args.num_attention_heads} query / {args.num_key_value_heads} key-value heads of {args.qk_head_dim}"
+             if args.attention == "gqa" else f"{args.num_attention_heads} heads, latent {args.kv_lora_rank}")
     print(f"{ns.path}: {args.model_type}, {args.num_hidden_layers} layers ({len(args.moe_layers)} MoE), hidden "
-          f"{args.hidden_size}, vocab {args.vocab_size}")
+          f"{args.hidden_size}, vocab {args.vocab_size}; {args.attention.upper()} attention, {heads}")
     print(f"routed experts: {args.n_routed_experts} per layer, top-{args.num_experts_per_tok}, "
           f"{args.n_shared_experts} shared; router {args.scoring_func}/{args.topk_method}, groups "
           f"{args.n_group}/{args.topk_group}")

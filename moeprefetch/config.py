@@ -15,26 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError
+from .families import FAMILIES, SUPPORTED_MODEL_TYPES, family_of
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
-
-# Fields that must be present in config.json itself: AutoConfig would silently fill class defaults (the full 671B
-# shape) for a missing one, and a model built from the wrong shape fails much later with a confusing error.
-REQUIRED_CONFIG_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "kv_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
-    "n_routed_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-)
+# Each family's config.json must state its shape fields itself (`families.py`): AutoConfig would silently fill class
+# defaults (the full 671B shape) for a missing one, and a model built from the wrong shape fails much later with a
+# confusing error.
 
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "relu")
 
@@ -102,12 +89,22 @@ class ModelArgs:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     quant: QuantArgs | None = None
+    # grouped-query attention (families.py: "gqa"); for those, the MLA fields above hold head_dim as the rotary and
+    # value size and 0 for the latent ranks
+    num_key_value_heads: int = 0
+    qk_norm: bool = False  # RMSNorm over each query and key head before the rotary embedding (Qwen3)
+    sliding_window: int | None = None  # keys at most this many positions back (Mixtral), or all
+    sparse_layers: tuple[int, ...] | None = None  # the MoE layers, where a family lists them (else the dense prefix)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived shapes -------------------------------------------------------------------------------------------
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def attention(self) -> str:
+        return family_of(self).attention
 
     @property
     def mtp_layer_index(self) -> int:
@@ -118,6 +115,8 @@ class ModelArgs:
         """A main layer is MoE iff it is past the dense prefix and on the MoE stride; MTP layers are always MoE."""
         if layer >= self.num_hidden_layers:
             return True
+        if self.sparse_layers is not None:
+            return layer in self.sparse_layers
         return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
 
     @property
@@ -168,7 +167,7 @@ def _rope_args(hf_config: Any, raw: dict[str, Any]) -> RopeArgs:
     original = params.get("original_max_position_embeddings") or raw.get("max_position_embeddings", 4096)
     if rope_type == "yarn" and factor is None:
         factor = raw.get("max_position_embeddings", original) / original
-    interleave = True
+    interleave = FAMILIES[raw["model_type"]].attention == "mla"  # GQA families rotate halves
     if raw.get("model_type") == "deepseek_v3":
         interleave = bool(raw.get("rope_interleave", True))
     return RopeArgs(
@@ -211,7 +210,10 @@ def load_model_args(path: str | Path) -> ModelArgs:
         raise CheckpointError(
             f"{path / 'config.json'} has model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    missing = [name for name in REQUIRED_CONFIG_FIELDS if raw.get(name) is None]
+    required = FAMILIES[model_type].required_fields
+    missing = [name for name in required if raw.get(name) is None]
+    if model_type in ("qwen3_moe", "mixtral") and raw.get("num_experts", raw.get("num_local_experts")) is None:
+        missing.append("num_experts" if model_type == "qwen3_moe" else "num_local_experts")
     if missing:
         raise CheckpointError(f"{path / 'config.json'} is missing required field(s): {', '.join(missing)}")
 
@@ -226,6 +228,10 @@ def load_model_args(path: str | Path) -> ModelArgs:
         value = raw.get(name, getattr(hf, name, default))
         return default if value is None else value
 
+    if FAMILIES[model_type].attention == "gqa":
+        args = _gqa_args(raw, get, hf, model_type, path)
+        _validate_shapes(args, path)
+        return args
     is_v3 = model_type == "deepseek_v3"
     scoring = get("scoring_func", "sigmoid" if is_v3 else "softmax")
     topk_method = get("topk_method", "noaux_tc" if is_v3 else "greedy")
@@ -301,6 +307,62 @@ def load_model_args(path: str | Path) -> ModelArgs:
     return args
 
 
+def _gqa_args(raw: dict[str, Any], get, hf: Any, model_type: str, path: Path) -> ModelArgs:
+    """Qwen3-MoE and Mixtral: grouped-query attention, a softmax top-k router over one group, no shared experts.
+    Qwen3 lists its MoE layers (`decoder_sparse_step`, `mlp_only_layers`); Mixtral's are all MoE, and its experts'
+    intermediate size is `intermediate_size`."""
+    qwen = model_type == "qwen3_moe"
+    heads = int(get("num_attention_heads"))
+    hidden = int(get("hidden_size"))
+    head_dim = int(get("head_dim", 0) or hidden // heads)
+    kv_heads = int(get("num_key_value_heads", heads) or heads)
+    if heads % kv_heads:
+        raise CheckpointError(f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})")
+    if head_dim % 2:
+        raise CheckpointError(f"head_dim ({head_dim}) must be even for rotary embeddings")
+    n_experts = int(raw.get("num_experts", raw.get("num_local_experts")) or 0)
+    top_k = int(get("num_experts_per_tok"))
+    if not 0 < top_k <= n_experts:
+        raise CheckpointError(f"num_experts_per_tok ({top_k}) must lie in 1..{n_experts} (the routed experts)")
+    layers = int(get("num_hidden_layers"))
+    if qwen:
+        step = int(get("decoder_sparse_step", 1) or 1)
+        dense = {int(i) for i in (get("mlp_only_layers", []) or [])}
+        sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        expert_size = int(get("moe_intermediate_size"))
+        intermediate = int(get("intermediate_size", 0) or 0)
+        if len(sparse) < layers and intermediate <= 0:
+            raise CheckpointError(f"{path / 'config.json'} has dense layers but no intermediate_size")
+    else:
+        sparse = tuple(range(layers))
+        expert_size = intermediate = int(get("intermediate_size"))
+    act = get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise CheckpointError(f"hidden_act {act!r} is not supported (supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
+    window = get("sliding_window", None)
+    if qwen and not get("use_sliding_window", False):
+        window = None
+    eos = get("eos_token_id", None)
+    eos_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    return ModelArgs(
+        model_type=model_type, vocab_size=int(get("vocab_size")), hidden_size=hidden,
+        intermediate_size=intermediate, moe_intermediate_size=expert_size, num_hidden_layers=layers,
+        num_attention_heads=heads, q_lora_rank=None, kv_lora_rank=0, qk_nope_head_dim=0,
+        qk_rope_head_dim=head_dim, v_head_dim=head_dim, n_routed_experts=n_experts, n_shared_experts=0,
+        num_experts_per_tok=top_k, n_group=1, topk_group=1, first_k_dense_replace=0, moe_layer_freq=1,
+        scoring_func="softmax", topk_method="greedy",
+        # Mixtral always renormalises its top-k weights; Qwen3 as its config says
+        norm_topk_prob=bool(get("norm_topk_prob", False)) if qwen else True,
+        routed_scaling_factor=1.0, rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(get("max_position_embeddings", 4096)), rope=_rope_args(hf, raw),
+        num_nextn_predict_layers=0, tie_word_embeddings=bool(get("tie_word_embeddings", False)), hidden_act=act,
+        attention_bias=bool(get("attention_bias", False)), mlp_bias=False, bos_token_id=get("bos_token_id", None),
+        eos_token_ids=tuple(int(e) for e in eos_ids), pad_token_id=get("pad_token_id", None), quant=_quant_args(raw),
+        num_key_value_heads=kv_heads, qk_norm=qwen, sliding_window=int(window) if window else None,
+        sparse_layers=sparse, extra={k: v for k, v in raw.items() if k not in ("architectures",)},
+    )
+
+
 def _norm_topk_prob(raw: dict[str, Any], hf: Any, is_v3: bool) -> bool:
     value = bool(raw.get("norm_topk_prob", getattr(hf, "norm_topk_prob", is_v3)) or False)
     if not is_v3 and value:
@@ -311,12 +373,13 @@ def _norm_topk_prob(raw: dict[str, Any], hf: Any, is_v3: bool) -> bool:
 
 
 def _validate_shapes(args: ModelArgs, path: Path) -> None:
+    latent = {"kv_lora_rank": args.kv_lora_rank} if args.attention == "mla" else {}
     positive = {
         "vocab_size": args.vocab_size,
         "hidden_size": args.hidden_size,
         "num_hidden_layers": args.num_hidden_layers,
         "num_attention_heads": args.num_attention_heads,
-        "kv_lora_rank": args.kv_lora_rank,
+        **latent,
         "qk_rope_head_dim": args.qk_rope_head_dim,
         "v_head_dim": args.v_head_dim,
         "moe_intermediate_size": args.moe_intermediate_size,

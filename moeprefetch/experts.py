@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .checkpoint import FLOAT_DTYPES, CheckpointReader
 from .config import ModelArgs
 from .errors import CheckpointError
+from .families import family_of
 from .quant import FP8_DTYPE, dequantize_blocks, quantize_fp8_blocks, quantize_int8_blocks, scale_grid_shape
 
 logger = logging.getLogger(__name__)
@@ -152,23 +153,30 @@ class CheckpointExperts:
         self.reader = reader
         self.args = args
         self.block = block
+        family = family_of(args)
+        self.prefix = f"{family.moe_prefix}.experts"
+        self.projections = dict(zip(("gate_proj", "up_proj", "down_proj"), family.expert_projections))
         self._fused: dict[int, bool] = {}
+
+    def _name(self, layer: int, expert: int, proj: str) -> str:
+        """The checkpoint name of one expert's projection (`proj`: gate_proj, up_proj or down_proj)."""
+        return f"model.layers.{layer}.{self.prefix}.{expert}.{self.projections[proj]}.weight"
 
     def _is_fused(self, layer: int) -> bool:
         if layer not in self._fused:
-            p = f"model.layers.{layer}.mlp.experts"
+            p = f"model.layers.{layer}.{self.prefix}"
             fused = any(f"{p}.{n}" in self.reader for n in ("gate_up_proj", "gate_up_proj.weight"))
-            per_expert = f"{p}.0.gate_proj.weight" in self.reader
+            per_expert = self._name(layer, 0, "gate_proj") in self.reader
             if not fused and not per_expert:
                 raise CheckpointError(
-                    f"routed experts of layer {layer} are missing: expected {p}.0.gate_proj.weight "
+                    f"routed experts of layer {layer} are missing: expected {self._name(layer, 0, 'gate_proj')} "
                     f"(per expert) or {p}.gate_up_proj (fused)"
                 )
             self._fused[layer] = fused
         return self._fused[layer]
 
     def _fused_name(self, layer: int, base: str) -> str:
-        p = f"model.layers.{layer}.mlp.experts.{base}"
+        p = f"model.layers.{layer}.{self.prefix}.{base}"
         return p if p in self.reader else f"{p}.weight"
 
     def _check(self, name: str, shape: tuple[int, ...]) -> str:
@@ -186,7 +194,7 @@ class CheckpointExperts:
     def is_fp8(self, layer: int) -> bool:
         if self._is_fused(layer):
             return False
-        return self.reader.info(f"model.layers.{layer}.mlp.experts.0.gate_proj.weight").dtype == "F8_E4M3"
+        return self.reader.info(self._name(layer, 0, "gate_proj")).dtype == "F8_E4M3"
 
     def read_float(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [I,H], up [I,H], down [H,I]) in fp32 (FP8 dequantised)."""
@@ -210,7 +218,7 @@ class CheckpointExperts:
     def _read_one(self, layer: int, expert: int, proj: str) -> torch.Tensor:
         a = self.args
         shape = (a.hidden_size, a.moe_intermediate_size) if proj == "down_proj" else (a.moe_intermediate_size, a.hidden_size)
-        name = f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+        name = self._name(layer, expert, proj)
         dtype = self._check(name, shape)
         tensor = self.reader.read(name)
         if dtype == "F8_E4M3":
@@ -234,7 +242,7 @@ class CheckpointExperts:
         for proj, short in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
             a = self.args
             shape = (a.hidden_size, a.moe_intermediate_size) if proj == "down_proj" else (a.moe_intermediate_size, a.hidden_size)
-            name = f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+            name = self._name(layer, expert, proj)
             self._check(name, shape)
             parts[short] = self._fp8_parts(name, self.reader.read(name))
         return parts

@@ -74,7 +74,8 @@ class FusedOps(LayerOps):
             torch.cuda.empty_cache()  # the parts' old blocks: fused copies replaced them
         self.router = router_shape(args)
         self.mla = MLADecode(args.num_attention_heads, args.qk_nope_head_dim, args.kv_lora_rank,
-                             args.qk_rope_head_dim, capacity, max_rows, device, use_kernels)
+                             args.qk_rope_head_dim, capacity, max_rows, device, use_kernels) \
+            if args.attention == "mla" else None
 
     def _fuse_layer(self, lw: LayerWeights) -> None:
         owners = [lw.attn] + [m for m in (lw.mlp, lw.shared) if m is not None]
@@ -109,7 +110,7 @@ class FusedOps(LayerOps):
         """`model.attention_absorbed` over each row's keys 0..slot only: x [B, L, H] at rotary `positions` [B, L],
         stored at cache index `slots` (default: the positions)."""
         args = self.args
-        if not self.use_kernels:
+        if not self.use_kernels or self.mla is None:  # grouped-query attention runs its definition
             return super().attend_decode(w, x, positions, kv, slots)
         slots = positions if slots is None else slots
         b, length, hidden = x.shape

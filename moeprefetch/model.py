@@ -1,4 +1,5 @@
-"""Pure compute of the DeepSeek-V2/V3 blocks: RMSNorm, MLA attention (expanded and absorbed forms), routers, MLPs.
+"""Pure compute of the decoder blocks: RMSNorm, DeepSeek's MLA attention (expanded and absorbed forms), grouped-query
+attention (Qwen3-MoE, Mixtral), routers, MLPs.
 
 Functions take weights and activations and return activations; nothing here knows where weights live or how routed
 experts arrive (that is `residency/`). Shapes: B batch, T/L tokens per row, S key positions, h heads, H hidden,
@@ -21,7 +22,7 @@ from .kernels.norm import residual_norm_reference
 from .kernels.norm import rms_norm_reference as rms_norm
 from .kernels.router import RouterShape, select_experts_reference
 from .rope import RotaryEmbedding
-from .weights import AttentionWeights, LayerWeights, Linear, MLPWeights, MTPWeights, RouterWeights
+from .weights import AttentionWeights, GQAWeights, LayerWeights, Linear, MLPWeights, MTPWeights, RouterWeights
 
 
 # Prefill attention leaves cuDNN's backend out: it builds a plan for every new sequence length, and on the H200 a
@@ -107,6 +108,93 @@ def attention_expanded(
         out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys.transpose(1, 2), value.transpose(1, 2),
                                              attn_mask=causal, scale=args.softmax_scale)  # [B, h, T, v]
     return linear(out.transpose(1, 2).flatten(2), w.o_proj)
+
+
+# ---- grouped-query attention (Qwen3-MoE, Mixtral) ------------------------------------------------------------------
+
+
+@dataclass
+class GQAKV:
+    """K/V cache of one grouped-query attention layer (keys rotated)."""
+
+    key: torch.Tensor  # [B, S_cap, h_kv, d]
+    value: torch.Tensor  # [B, S_cap, h_kv, d]
+
+
+def _gqa_qkv(args: ModelArgs, w: GQAWeights, rope: RotaryEmbedding, x: torch.Tensor, positions: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [B, T, H] at `positions` [B, T] -> rotated q [B, T, h, d], rotated k and v [B, T, h_kv, d]."""
+    d, eps = args.qk_head_dim, args.rms_norm_eps
+    q = linear(x, w.q_proj).unflatten(-1, (args.num_attention_heads, d))
+    k = linear(x, w.k_proj).unflatten(-1, (args.num_key_value_heads, d))
+    v = linear(x, w.v_proj).unflatten(-1, (args.num_key_value_heads, d))
+    if w.q_norm is not None:
+        q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
+    cos, sin = rope.cos_sin(positions)  # [B, T, d/2]
+    return rope.apply(q, cos[:, :, None], sin[:, :, None]), rope.apply(k, cos[:, :, None], sin[:, :, None]), v
+
+
+def _visible(args: ModelArgs, key_index: torch.Tensor, query_index: torch.Tensor) -> torch.Tensor:
+    """Which keys each query sees: those at or before it, and within the sliding window if the model has one."""
+    seen = key_index <= query_index
+    if args.sliding_window is not None:
+        seen = seen & (key_index > query_index - args.sliding_window)
+    return seen
+
+
+def attention_gqa_block(args: ModelArgs, w: GQAWeights, rope: RotaryEmbedding, x: torch.Tensor,
+                        positions: torch.Tensor, kv: GQAKV | None = None, row: int = 0, start: int = 0) -> torch.Tensor:
+    """Grouped-query attention over a block of T new tokens (as `attention_expanded`): without `kv` the keys are the
+    block itself; with it (B == 1) the block's keys and values are written at [row, start:start+T] and the keys are
+    the cache's [0, start+T)."""
+    b, t, _ = x.shape
+    q, k, v = _gqa_qkv(args, w, rope, x, positions)
+    if kv is not None:
+        kv.key[row, start : start + t] = k[0]
+        kv.value[row, start : start + t] = v[0]
+        k, v = kv.key[row : row + 1, : start + t], kv.value[row : row + 1, : start + t]
+    s = k.shape[1]
+    repeat = args.num_attention_heads // args.num_key_value_heads
+    keys, values = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)  # [B, S, h, d]
+    if x.is_cuda and args.sliding_window is None:
+        mask = causal_lower_right(t, s)
+    else:
+        mask = _visible(args, torch.arange(s, device=x.device)[None, :],
+                        torch.arange(start, start + t, device=x.device)[:, None])
+    with sdpa_kernel(_PREFILL_BACKENDS) if x.is_cuda else nullcontext():
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=mask, scale=args.softmax_scale)  # [B, h, T, d]
+    return linear(out.transpose(1, 2).flatten(2), w.o_proj)
+
+
+def attention_gqa_decode(args: ModelArgs, w: GQAWeights, rope: RotaryEmbedding, x: torch.Tensor,
+                         positions: torch.Tensor, kv: GQAKV, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention (as `attention_absorbed`): x [B, L, H] at `positions` [B, L], written at cache index `slots`,
+    each token attending to the cache's entries up to its own index, over the whole fixed-size cache (static
+    shapes for CUDA graphs; a row's result never depends on the other rows)."""
+    slots = positions if slots is None else slots
+    b, l, _ = x.shape
+    q, k, v = _gqa_qkv(args, w, rope, x, positions)
+    rows = torch.arange(b, device=x.device)[:, None].expand(b, l)
+    kv.key[rows, slots] = k
+    kv.value[rows, slots] = v
+    keys, values = kv.key[:b], kv.value[:b]  # [B, S, h_kv, d]
+    groups = args.num_key_value_heads
+    grouped = q.unflatten(2, (groups, args.num_attention_heads // groups))  # [B, L, h_kv, r, d]
+    scores = torch.einsum("blgrd,bsgd->blgrs", grouped, keys) * args.softmax_scale
+    visible = _visible(args, torch.arange(keys.shape[1], device=x.device)[None, None, :], slots[:, :, None])
+    scores = scores.masked_fill(~visible[:, :, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
+    out = torch.einsum("blgrs,bsgd->blgrd", probs, values).flatten(2)  # [B, L, h*d]
+    return linear(out, w.o_proj)
+
+
+def attention_block(args: ModelArgs, w: AttentionWeights | GQAWeights, rope: RotaryEmbedding, x: torch.Tensor,
+                    positions: torch.Tensor, kv=None, row: int = 0, start: int = 0) -> torch.Tensor:
+    """A block of new tokens' attention, for the model's attention kind."""
+    if isinstance(w, GQAWeights):
+        return attention_gqa_block(args, w, rope, x, positions, kv, row, start)
+    return attention_expanded(args, w, rope, x, positions, kv, row, start)
 
 
 def absorbed_weights(args: ModelArgs, w: AttentionWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,9 +314,11 @@ class LayerOps:
     def mlp(self, w: MLPWeights, h: torch.Tensor) -> torch.Tensor:
         return mlp(w, h, self.act)
 
-    def attend_decode(self, w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, kv: LayerKV,
+    def attend_decode(self, w: AttentionWeights | GQAWeights, x: torch.Tensor, positions: torch.Tensor, kv,
                       slots: torch.Tensor | None = None) -> torch.Tensor:
         """Decode attention of x [B, L, H] at rotary `positions` [B, L], stored at cache index `slots`."""
+        if isinstance(w, GQAWeights):
+            return attention_gqa_decode(self.args, w, self.rope, x, positions, kv, slots)
         return attention_absorbed(self.args, w, self.rope, x, positions, kv, slots)
 
 

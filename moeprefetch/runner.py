@@ -18,7 +18,7 @@ from .experts import activation
 from .kernels import INTERPRET, kernels_usable
 from .kernels.gather import HostRows
 from .layer_ops import FusedOps
-from .model import LayerKV, LayerOps, Routing, attention_expanded, block, mtp_input, rms_norm
+from .model import GQAKV, LayerKV, LayerOps, Routing, attention_block, block, mtp_input, rms_norm
 from .residency import Residency
 from .rope import RotaryEmbedding
 from .weights import LayerWeights, ModelWeights
@@ -29,34 +29,42 @@ if TYPE_CHECKING:
 
 @dataclass
 class KVCaches:
-    """Compressed MLA caches of the main layers (and the MTP layer), [B, S_cap, ...] each."""
+    """Caches of the main layers (and the MTP layer), [B, S_cap, ...] each: compressed MLA latents, or GQA keys and
+    values."""
 
-    layers: list[LayerKV]
-    mtp: LayerKV | None
+    layers: list[LayerKV | GQAKV]
+    mtp: LayerKV | GQAKV | None
     capacity: int
 
     @staticmethod
     def allocate(
         args: ModelArgs, batch: int, capacity: int, dtype: torch.dtype, device: torch.device, with_mtp: bool
     ) -> "KVCaches":
-        def one() -> LayerKV:
+        def zeros(*shape: int) -> torch.Tensor:
             # zeros, not empty: masked-out entries are multiplied by exact zeros, and garbage bits could be NaN
-            return LayerKV(
-                latent=torch.zeros(batch, capacity, args.kv_lora_rank, dtype=dtype, device=device),
-                rope=torch.zeros(batch, capacity, args.qk_rope_head_dim, dtype=dtype, device=device),
-            )
+            return torch.zeros(batch, capacity, *shape, dtype=dtype, device=device)
+
+        def one() -> LayerKV | GQAKV:
+            if args.attention == "gqa":
+                kv_heads, d = args.num_key_value_heads, args.qk_head_dim
+                return GQAKV(key=zeros(kv_heads, d), value=zeros(kv_heads, d))
+            return LayerKV(latent=zeros(args.kv_lora_rank), rope=zeros(args.qk_rope_head_dim))
 
         return KVCaches([one() for _ in range(args.num_hidden_layers)], one() if with_mtp else None, capacity)
 
     @staticmethod
     def bytes_per_token(args: ModelArgs, dtype: torch.dtype, with_mtp: bool) -> int:
-        per_layer = (args.kv_lora_rank + args.qk_rope_head_dim) * torch.tensor([], dtype=dtype).element_size()
+        if args.attention == "gqa":
+            per_layer = 2 * args.num_key_value_heads * args.qk_head_dim
+        else:
+            per_layer = args.kv_lora_rank + args.qk_rope_head_dim
+        per_layer *= torch.tensor([], dtype=dtype).element_size()
         return per_layer * (args.num_hidden_layers + (1 if with_mtp else 0))
 
     def zero_(self) -> None:
         for kv in self.layers + ([self.mtp] if self.mtp is not None else []):
-            kv.latent.zero_()
-            kv.rope.zero_()
+            for tensor in vars(kv).values():
+                tensor.zero_()
 
 
 @dataclass(frozen=True)
@@ -129,11 +137,11 @@ class ModelRunner:
         return self.residency.prefill_experts(layer, flat, [r.ids for r in routings], [r.weights for r in routings])
 
     def layer_block(self, lw: LayerWeights, xs: list[torch.Tensor], positions: list[torch.Tensor],
-                    kv: LayerKV | None, row: int, starts: list[int]) -> list[torch.Tensor]:
+                    kv: LayerKV | GQAKV | None, row: int, starts: list[int]) -> list[torch.Tensor]:
         """One decoder layer over a window of chunks xs[c] [B, T_c, H] at starts[c] (in order: a chunk attends to the
         keys the earlier ones wrote), each routed expert on all of the window's tokens that use it."""
         def attend(c: int, normed: torch.Tensor) -> torch.Tensor:
-            return attention_expanded(self.args, lw.attn, self.rope, normed, positions[c], kv, row, starts[c])
+            return attention_block(self.args, lw.attn, self.rope, normed, positions[c], kv, row, starts[c])
 
         return block(self.ops, lw, xs, attend, self._routed)
 
@@ -157,7 +165,7 @@ class ModelRunner:
         return self.forward_window([tokens], [positions], caches, row, [start])[0]
 
     def mtp_window(self, next_pieces: list[torch.Tensor], hiddens: list[torch.Tensor], positions: list[torch.Tensor],
-                   kv: LayerKV | None, row: int, starts: list[int]) -> list[torch.Tensor]:
+                   kv: LayerKV | GQAKV | None, row: int, starts: list[int]) -> list[torch.Tensor]:
         """MTP over a window of chunks of pairs: next_pieces[c] [B, T_c] (token i+1), hiddens[c] [B, T_c, H] (main
         final hidden at i), positions of token i+1 -> the MTP block's output [B, T_c, H] per chunk, before its head
         (`mtp_logits`; prefill needs the logits of one position only, and [T, vocab] per chunk is large)."""

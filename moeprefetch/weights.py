@@ -17,6 +17,7 @@ import torch
 from .checkpoint import FLOAT_DTYPES, CheckpointReader
 from .config import ModelArgs
 from .errors import CheckpointError
+from .families import family_of
 from .quant import dequantize_blocks
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,18 @@ class AttentionWeights:
 
 
 @dataclass
+class GQAWeights:
+    """Grouped-query attention (Qwen3-MoE, Mixtral): h query heads share h_kv key/value heads of size d."""
+
+    q_proj: Linear  # hidden -> h * d
+    k_proj: Linear  # hidden -> h_kv * d
+    v_proj: Linear  # hidden -> h_kv * d
+    o_proj: Linear  # h * d -> hidden
+    q_norm: torch.Tensor | None  # [d], RMSNorm of each query head (Qwen3)
+    k_norm: torch.Tensor | None  # [d]
+
+
+@dataclass
 class MLPWeights:
     gate_proj: Linear
     up_proj: Linear
@@ -58,7 +71,7 @@ class LayerWeights:
     index: int
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
-    attn: AttentionWeights
+    attn: AttentionWeights | GQAWeights
     mlp: MLPWeights | None  # dense layers
     router: RouterWeights | None  # MoE layers
     shared: MLPWeights | None  # MoE layers with shared experts
@@ -92,8 +105,11 @@ def projection_groups(lw: LayerWeights) -> list[list[Linear]]:
     """Projections of a layer that read the same input, which a decode step computes as one GEMV over their rows
     stacked (`layer_ops.FusedOps`): the query (or its LoRA down-projection) with kv_a_proj, and each MLP's gate with
     its up projection."""
-    query = lw.attn.q_proj if lw.attn.q_proj is not None else lw.attn.q_a_proj
-    groups = [[query, lw.attn.kv_a_proj]]
+    attn = lw.attn
+    if isinstance(attn, GQAWeights):
+        groups = [[attn.q_proj, attn.k_proj, attn.v_proj]]
+    else:
+        groups = [[attn.q_proj if attn.q_proj is not None else attn.q_a_proj, attn.kv_a_proj]]
     groups += [[m.gate_proj, m.up_proj] for m in (lw.mlp, lw.shared) if m is not None]
     return groups
 
@@ -170,8 +186,23 @@ class TensorLoader:
         return Linear(weight, b)
 
 
-def _attention(loader: TensorLoader, p: str) -> AttentionWeights:
+def _gqa_attention(loader: TensorLoader, p: str) -> GQAWeights:
     a = loader.args
+    d, heads, kv_heads, bias = a.qk_head_dim, a.num_attention_heads, a.num_key_value_heads, a.attention_bias
+    return GQAWeights(
+        q_proj=loader.linear(f"{p}.self_attn.q_proj", heads * d, a.hidden_size, bias),
+        k_proj=loader.linear(f"{p}.self_attn.k_proj", kv_heads * d, a.hidden_size, bias),
+        v_proj=loader.linear(f"{p}.self_attn.v_proj", kv_heads * d, a.hidden_size, bias),
+        o_proj=loader.linear(f"{p}.self_attn.o_proj", a.hidden_size, heads * d),
+        q_norm=loader.get(f"{p}.self_attn.q_norm.weight", (d,)) if a.qk_norm else None,
+        k_norm=loader.get(f"{p}.self_attn.k_norm.weight", (d,)) if a.qk_norm else None,
+    )
+
+
+def _attention(loader: TensorLoader, p: str) -> AttentionWeights | GQAWeights:
+    a = loader.args
+    if a.attention == "gqa":
+        return _gqa_attention(loader, p)
     heads = a.num_attention_heads
     bias = a.attention_bias
     if a.q_lora_rank is None:
@@ -214,10 +245,11 @@ def load_layer(loader: TensorLoader, index: int) -> LayerWeights:
     moe = a.is_moe_layer(index)
     router = shared = mlp = None
     if moe:
-        bias_name = f"{p}.mlp.gate.e_score_correction_bias"
+        gate = f"{p}.{family_of(a).moe_prefix}.gate"
+        bias_name = f"{gate}.e_score_correction_bias"
         bias = loader.get(bias_name, (a.n_routed_experts,), torch.float32) if loader.exists(bias_name) else None
         router = RouterWeights(
-            weight=loader.get(f"{p}.mlp.gate.weight", (a.n_routed_experts, a.hidden_size), torch.float32), bias=bias
+            weight=loader.get(f"{gate}.weight", (a.n_routed_experts, a.hidden_size), torch.float32), bias=bias
         )
         if a.n_shared_experts > 0:
             shared = _mlp(loader, f"{p}.mlp.shared_experts", a.moe_intermediate_size * a.n_shared_experts)
@@ -257,10 +289,11 @@ def resident_bytes(reader: CheckpointReader, args: ModelArgs, element_size: int)
     scales dropped by dequantisation): the total, and per main decoder layer (the candidates for streaming; the MTP
     layer always stays resident)."""
     total, per_layer = 0, {}
+    moe = family_of(args).moe_prefix
     for name, info in reader.tensors.items():
-        if ".mlp.experts." in name or name.endswith("_scale_inv"):
+        if f".{moe}.experts." in name or name.endswith("_scale_inv"):
             continue
-        nbytes = math.prod(info.shape) * (4 if ".mlp.gate." in name else element_size)
+        nbytes = math.prod(info.shape) * (4 if f".{moe}.gate." in name else element_size)
         total += nbytes
         if name.startswith("model.layers."):
             layer = int(name.split(".")[2])

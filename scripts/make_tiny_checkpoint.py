@@ -63,6 +63,35 @@ V2_DEFAULTS: dict[str, Any] = dict(
 )
 
 
+QWEN3_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+    decoder_sparse_step=1, mlp_only_layers=[0], norm_topk_prob=True, max_position_embeddings=512, rms_norm_eps=1e-6,
+    bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+)
+MIXTRAL_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+    sliding_window=None, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+)
+
+
+def make_tiny_gqa_checkpoint(out_dir: str | Path, model_type: str = "qwen3_moe", *, seed: int = 0, std: float = 0.08,
+                             max_shard_size: str = "200KB", **overrides: Any) -> Path:
+    """A tiny random Qwen3-MoE or Mixtral checkpoint, saved by transformers as published (per-expert names)."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config_cls, model_cls, defaults = ((Qwen3MoeConfig, Qwen3MoeForCausalLM, QWEN3_DEFAULTS) if model_type == "qwen3_moe"
+                                       else (MixtralConfig, MixtralForCausalLM, MIXTRAL_DEFAULTS))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**defaults, **overrides})).to(torch.float32)
+    _randomize(model, torch.Generator().manual_seed(seed), std)
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+    return out
+
+
 def _randomize(model: torch.nn.Module, generator: torch.Generator, std: float) -> None:
     """Give every parameter non-trivial random values (norms around 1, router bias spread out)."""
     with torch.no_grad():

@@ -73,7 +73,14 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         "deepseek_v2",
         dict(q_lora_rank=24, rope_parameters=YARN, norm_topk_prob=True, routed_scaling_factor=1.5),
     ),
+    # grouped-query families (scripts/make_tiny_checkpoint.make_tiny_gqa_checkpoint)
+    "qwen3": ("qwen3_moe", {}),
+    "qwen3_sparse_step": ("qwen3_moe", dict(decoder_sparse_step=2, mlp_only_layers=[], num_hidden_layers=4,
+                                            norm_topk_prob=False, num_key_value_heads=4, num_experts_per_tok=3)),
+    "mixtral": ("mixtral", {}),
+    "mixtral_window": ("mixtral", dict(sliding_window=5, num_key_value_heads=1, head_dim=8)),
 }
+GQA_TYPES = ("qwen3_moe", "mixtral")
 
 
 @pytest.fixture(scope="session")
@@ -91,9 +98,12 @@ def checkpoint_factory(tmp_path_factory, tiny_script):
         if key not in made:
             model_type, overrides = VARIANTS[variant]
             kwargs = {**overrides, **options}
+            out = tmp_path_factory.mktemp(variant)
+            if model_type in GQA_TYPES:
+                made[key] = tiny_script.make_tiny_gqa_checkpoint(out, model_type, **kwargs)
+                return made[key]
             if model_type == "deepseek_v2":
                 kwargs.setdefault("with_mtp", False)
-            out = tmp_path_factory.mktemp(variant)
             made[key] = tiny_script.make_tiny_checkpoint(out, model_type, **kwargs)
         return made[key]
 
@@ -131,10 +141,12 @@ def hf_model(path: Path, dtype: torch.dtype = torch.float32):
     """transformers' reference model of a checkpoint (eager experts and attention)."""
     import json
 
-    from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+    from transformers import (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, MixtralForCausalLM,
+                              Qwen3MoeForCausalLM)
 
     model_type = json.loads((path / "config.json").read_text())["model_type"]
-    cls = DeepseekV3ForCausalLM if model_type == "deepseek_v3" else DeepseekV2ForCausalLM
+    cls = {"deepseek_v3": DeepseekV3ForCausalLM, "deepseek_v2": DeepseekV2ForCausalLM,
+           "qwen3_moe": Qwen3MoeForCausalLM, "mixtral": MixtralForCausalLM}[model_type]
     return cls.from_pretrained(path, dtype=dtype, experts_implementation="eager", attn_implementation="eager").eval()
 
 

@@ -120,7 +120,8 @@ def test_unknown_model_type(ckpt):
     config = json.loads((ckpt / "config.json").read_text())
     config["model_type"] = "llama"
     (ckpt / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="model_type 'llama'; supported: deepseek_v3, deepseek_v2"):
+    with pytest.raises(CheckpointError,
+                       match="model_type 'llama'; supported: deepseek_v3, deepseek_v2, qwen3_moe, mixtral"):
         _load(ckpt)
 
 
