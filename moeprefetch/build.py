@@ -160,11 +160,13 @@ def build_engine(cls: type["MoEPrefetchEngine"], path: str | Path, config: Engin
             raise
         # the budget is too small: name the working space's share that the user can shrink
         element = torch.tensor([], dtype=options.dtype).element_size()
+        window = options.prefill_window if config.prefill_window is not None else options.prefill_chunk
         chunk_bytes = prefill_workspace_bytes(args, options.prefill_chunk, options.max_seq_len, dev, element,
-                                              options.prefill_window, grouped_mm_usable(fmt, dev))
-        raise RequestError(f"{exc}; of the working space, prefill_chunk={options.prefill_chunk} and "
-                           f"prefill_window={options.prefill_window} take {chunk_bytes / 1024**3:.2f} GiB: a shorter "
-                           "prefill_chunk or prefill_window needs less") from None
+                                              window, grouped_mm_usable(fmt, dev))
+        tried = (f"prefill_window={window}" if config.prefill_window is not None
+                 else "a window of one chunk, the smallest tried")
+        raise RequestError(f"{exc}; of the working space, prefill_chunk={options.prefill_chunk} with {tried} takes "
+                           f"{chunk_bytes / 1024**3:.2f} GiB: a shorter prefill_chunk needs less") from None
     logger.info(plan.describe())
     for note in plan.notes:
         logger.info(note)
@@ -257,8 +259,8 @@ def auto_prefill_window(seq_len: int, chunk: int, device: torch.device, given: i
     """Prompt tokens per prefill window (`given`, or the device's default, within the context): whole chunks, at least
     one. A window's chunks run layer by layer together, so an offloaded expert that several of them use crosses the
     link once per window, not once per chunk; its cost is per-token state (a few hidden-size vectors per token,
-    counted by `prefill_workspace_bytes`). It never depends on the budget, and it does not change bits: each chunk's
-    kernels keep their shapes."""
+    counted by `prefill_workspace_bytes`). It does not change bits (each chunk's kernels keep their shapes), so a
+    tight budget may shrink it (`fit_prefill_window`)."""
     window = min(seq_len, given or (PREFILL_WINDOW_CUDA if device.type == "cuda" else PREFILL_WINDOW_CPU))
     return max(window // chunk, 1) * chunk
 
@@ -298,28 +300,34 @@ def fit_prefill_window(args: ModelArgs, reader: CheckpointReader, options: Engin
                        stream_layers: int | None, stream_ahead: int, window_given: bool
                        ) -> tuple[EngineOptions, MemoryPlan, int]:
     """The memory plan, with the largest prefill window (the default, halved down to one chunk) that a budget holds
-    without streaming layers; if every window needs streaming, one chunk's (the fewest streamed bytes, since a layer
-    streamed costs link time on every decode token, while a window only saves prefill's expert copies). A window
-    never changes bits (`auto_prefill_window`), so unlike the chunk it may follow the budget. A window the user gave
-    is kept."""
+    without streaming layers; if every window needs streaming, the largest of those that stream the fewest bytes (a
+    streamed layer costs link time on every decode token, while a window only saves prefill's expert copies). A
+    window never changes bits (`auto_prefill_window`), so unlike the chunk it may follow the budget. A window the
+    user gave is kept."""
     windows = [options.prefill_window]
     while not window_given and budget_bytes is not None and windows[-1] > options.prefill_chunk:
         windows.append(max((windows[-1] // 2) // options.prefill_chunk, 1) * options.prefill_chunk)
-    for i, window in enumerate(windows):
+    fitting: list[tuple[EngineOptions, MemoryPlan, int]] = []
+    error: RequestError | None = None
+    for window in windows:
         candidate = dataclasses.replace(options, prefill_window=window)
-        last = i == len(windows) - 1
         try:
             plan, staging = plan_engine_memory(args, reader, candidate, fmt, total_experts, has_mtp, budget_bytes,
                                                slots, stream_layers, stream_ahead)
-        except RequestError:
-            if last:
-                raise
+        except RequestError as exc:
+            error = exc
             continue
-        if last or not plan.streamed_layers or stream_layers:
-            if window != options.prefill_window:
-                plan.notes.append(f"prefill_window {options.prefill_window} -> {window} tokens to fit the budget")
-            return candidate, plan, staging
-    raise AssertionError("unreachable: the last window returns or raises")
+        fitting.append((candidate, plan, staging))
+        if not plan.streamed_layers or stream_layers:
+            break
+    if not fitting:
+        assert error is not None
+        raise error
+    chosen = min(fitting, key=lambda f: (f[1].streamed_bytes, -f[0].prefill_window))
+    if chosen[0].prefill_window != options.prefill_window:
+        chosen[1].notes.append(f"prefill_window {options.prefill_window} -> {chosen[0].prefill_window} tokens to fit "
+                               "the budget")
+    return chosen
 
 
 def plan_engine_memory(

@@ -168,7 +168,7 @@ def _rope_args(hf_config: Any, raw: dict[str, Any]) -> RopeArgs:
     if rope_type == "yarn" and factor is None:
         factor = raw.get("max_position_embeddings", original) / original
     interleave = FAMILIES[raw["model_type"]].attention == "mla"  # GQA families rotate halves
-    if raw.get("model_type") == "deepseek_v3":
+    if raw.get("model_type") in ("deepseek_v3", "glm4_moe_lite"):
         interleave = bool(raw.get("rope_interleave", True))
     return RopeArgs(
         theta=float(theta),
@@ -232,7 +232,7 @@ def load_model_args(path: str | Path) -> ModelArgs:
         args = _gqa_args(raw, get, hf, model_type, path)
         _validate_shapes(args, path)
         return args
-    is_v3 = model_type == "deepseek_v3"
+    is_v3 = model_type in ("deepseek_v3", "glm4_moe_lite")  # V3's router and defaults
     scoring = get("scoring_func", "sigmoid" if is_v3 else "softmax")
     topk_method = get("topk_method", "noaux_tc" if is_v3 else "greedy")
     if scoring not in ("sigmoid", "softmax"):
@@ -301,25 +301,85 @@ def load_model_args(path: str | Path) -> ModelArgs:
         eos_token_ids=tuple(int(e) for e in eos_ids),
         pad_token_id=get("pad_token_id", None),
         quant=_quant_args(raw),
+        sparse_layers=_listed_sparse_layers(raw, num_layers),
         extra={k: v for k, v in raw.items() if k not in ("architectures",)},
     )
     _validate_shapes(args, path)
     return args
 
 
-def _gqa_args(raw: dict[str, Any], get, hf: Any, model_type: str, path: Path) -> ModelArgs:
-    """Qwen3-MoE and Mixtral: grouped-query attention, a softmax top-k router over one group, no shared experts.
-    Qwen3 lists its MoE layers (`decoder_sparse_step`, `mlp_only_layers`); Mixtral's are all MoE, and its experts'
-    intermediate size is `intermediate_size`."""
-    qwen = model_type == "qwen3_moe"
+def _gqa_attention_fields(raw: dict[str, Any], get, hf: Any) -> dict[str, Any]:
+    """Heads, head size and rotary size of a grouped-query family, as ModelArgs fields (the rotary part of a head
+    comes first: qk_rope_head_dim of it rotates, qk_nope_head_dim does not)."""
     heads = int(get("num_attention_heads"))
-    hidden = int(get("hidden_size"))
-    head_dim = int(get("head_dim", 0) or hidden // heads)
+    head_dim = int(get("head_dim", 0) or int(get("hidden_size")) // heads)
     kv_heads = int(get("num_key_value_heads", heads) or heads)
     if heads % kv_heads:
         raise CheckpointError(f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})")
-    if head_dim % 2:
-        raise CheckpointError(f"head_dim ({head_dim}) must be even for rotary embeddings")
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    partial = float(params.get("partial_rotary_factor") or raw.get("partial_rotary_factor")
+                    or getattr(hf, "partial_rotary_factor", None) or 1.0)
+    rotary = int(head_dim * partial)
+    if rotary % 2 or not 0 < rotary <= head_dim:
+        raise CheckpointError(f"the rotary part of a head ({rotary} of {head_dim}) must be even and positive")
+    return dict(num_attention_heads=heads, num_key_value_heads=kv_heads, q_lora_rank=None, kv_lora_rank=0,
+                qk_nope_head_dim=head_dim - rotary, qk_rope_head_dim=rotary, v_head_dim=head_dim)
+
+
+def _glm4_args(raw: dict[str, Any], get, hf: Any, path: Path) -> ModelArgs:
+    n_experts = int(raw.get("n_routed_experts", raw.get("num_local_experts")) or 0)
+    top_k = int(get("num_experts_per_tok"))
+    n_group = int(get("n_group", 1) or 1)
+    topk_group = int(get("topk_group", n_group) or n_group)
+    if not 0 < top_k <= n_experts or n_experts % n_group or not 0 < topk_group <= n_group:
+        raise CheckpointError(f"the router's sizes do not fit: {n_experts} experts, top-{top_k}, groups "
+                              f"{topk_group} of {n_group}")
+    act = get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise CheckpointError(f"hidden_act {act!r} is not supported (supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
+    eos = get("eos_token_id", None)
+    eos_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    first_dense = int(get("first_k_dense_replace", 0) or 0)
+    if first_dense > 0 and raw.get("intermediate_size") is None:
+        raise CheckpointError(f"{path / 'config.json'} is missing required field intermediate_size (dense layers)")
+    nextn = raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 0)) or 0
+    return ModelArgs(
+        model_type="glm4_moe", vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
+        intermediate_size=int(get("intermediate_size", 0) or 0),
+        moe_intermediate_size=int(get("moe_intermediate_size")), num_hidden_layers=int(get("num_hidden_layers")),
+        **_gqa_attention_fields(raw, get, hf), n_routed_experts=n_experts,
+        n_shared_experts=int(get("n_shared_experts", 0) or 0), num_experts_per_tok=top_k, n_group=n_group,
+        topk_group=topk_group, first_k_dense_replace=first_dense, moe_layer_freq=1, scoring_func="sigmoid",
+        topk_method="noaux_tc", norm_topk_prob=bool(get("norm_topk_prob", True)),
+        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)), rms_norm_eps=float(get("rms_norm_eps", 1e-5)),
+        max_position_embeddings=int(get("max_position_embeddings", 4096)), rope=_rope_args(hf, raw),
+        num_nextn_predict_layers=int(nextn), tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        hidden_act=act, attention_bias=bool(get("attention_bias", False)), mlp_bias=False,
+        bos_token_id=get("bos_token_id", None), eos_token_ids=tuple(int(e) for e in eos_ids),
+        pad_token_id=get("pad_token_id", None), quant=_quant_args(raw), qk_norm=bool(get("use_qk_norm", False)),
+        extra={k: v for k, v in raw.items() if k not in ("architectures",)},
+    )
+
+
+def _listed_sparse_layers(raw: dict[str, Any], layers: int) -> tuple[int, ...] | None:
+    """GLM-4.7-Flash lists each layer's kind ("dense" or "sparse") in mlp_layer_types; others have a dense prefix."""
+    kinds = raw.get("mlp_layer_types")
+    if kinds is None:
+        return None
+    if len(kinds) != layers or any(k not in ("dense", "sparse") for k in kinds):
+        raise CheckpointError(f"mlp_layer_types must list 'dense' or 'sparse' for each of the {layers} layers")
+    return tuple(i for i, kind in enumerate(kinds) if kind == "sparse")
+
+
+def _gqa_args(raw: dict[str, Any], get, hf: Any, model_type: str, path: Path) -> ModelArgs:
+    """The grouped-query families. Qwen3-MoE and Mixtral: a softmax top-k router over one group, no shared experts;
+    Qwen3 lists its MoE layers (`decoder_sparse_step`, `mlp_only_layers`), Mixtral's are all MoE and its experts'
+    intermediate size is `intermediate_size`. GLM-4.5: DeepSeek-V3's router, shared experts, dense prefix and MTP
+    layer, attention with bias, optional q/k norm and a partial rotary embedding."""
+    if model_type == "glm4_moe":
+        return _glm4_args(raw, get, hf, path)
+    qwen = model_type == "qwen3_moe"
+    hidden = int(get("hidden_size"))
     n_experts = int(raw.get("num_experts", raw.get("num_local_experts")) or 0)
     top_k = int(get("num_experts_per_tok"))
     if not 0 < top_k <= n_experts:
@@ -347,8 +407,7 @@ def _gqa_args(raw: dict[str, Any], get, hf: Any, model_type: str, path: Path) ->
     return ModelArgs(
         model_type=model_type, vocab_size=int(get("vocab_size")), hidden_size=hidden,
         intermediate_size=intermediate, moe_intermediate_size=expert_size, num_hidden_layers=layers,
-        num_attention_heads=heads, q_lora_rank=None, kv_lora_rank=0, qk_nope_head_dim=0,
-        qk_rope_head_dim=head_dim, v_head_dim=head_dim, n_routed_experts=n_experts, n_shared_experts=0,
+        **_gqa_attention_fields(raw, get, hf), n_routed_experts=n_experts, n_shared_experts=0,
         num_experts_per_tok=top_k, n_group=1, topk_group=1, first_k_dense_replace=0, moe_layer_freq=1,
         scoring_func="softmax", topk_method="greedy",
         # Mixtral always renormalises its top-k weights; Qwen3 as its config says
@@ -358,7 +417,7 @@ def _gqa_args(raw: dict[str, Any], get, hf: Any, model_type: str, path: Path) ->
         num_nextn_predict_layers=0, tie_word_embeddings=bool(get("tie_word_embeddings", False)), hidden_act=act,
         attention_bias=bool(get("attention_bias", False)), mlp_bias=False, bos_token_id=get("bos_token_id", None),
         eos_token_ids=tuple(int(e) for e in eos_ids), pad_token_id=get("pad_token_id", None), quant=_quant_args(raw),
-        num_key_value_heads=kv_heads, qk_norm=qwen, sliding_window=int(window) if window else None,
+        qk_norm=qwen, sliding_window=int(window) if window else None,
         sparse_layers=sparse, extra={k: v for k, v in raw.items() if k not in ("architectures",)},
     )
 

@@ -166,6 +166,7 @@ class DecodeStep:
             torch.cuda.synchronize()
             if streamer is not None:
                 streamer.abort()  # the capture moved the host's view of the ring without copying anything
+                streamer.bytes_copied = ring[1]
                 streamer.enter_step()
             self._body()
             return

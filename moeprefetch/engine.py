@@ -122,7 +122,7 @@ class MoEPrefetchEngine:
         if self.runner.host_embed is not None:
             total -= self.runner.host_embed.nbytes
         if self.streamer is not None:
-            total += self.streamer.ring_bytes - sum(weights_nbytes(self.weights.layers[i])
+            total += self.streamer.ring_bytes + self.streamer.kept_bytes - sum(weights_nbytes(self.weights.layers[i])
                                                    for i in self.plan.streamed_layers)
         return total
 
@@ -164,9 +164,12 @@ class MoEPrefetchEngine:
         self._steps.clear()
         self._kv.clear()
         self._trace = None
+        if self.options.device.type == "cuda":
+            torch.cuda.synchronize(self.options.device)  # nothing may still read what is unpinned below
         self.residency.close()
         if self.streamer is not None:
             self.streamer.close()
+            self.streamer = None
         if self.runner.host_embed is not None:
             self.runner.host_embed.close()
         self.weights = None  # type: ignore[assignment]

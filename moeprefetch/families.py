@@ -30,6 +30,12 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family("qwen3_moe", "gqa", "mlp", ("gate_proj", "up_proj", "down_proj"),
                         _COMMON + ("moe_intermediate_size",)),
     "mixtral": Family("mixtral", "gqa", "block_sparse_moe", ("w1", "w3", "w2"), _COMMON + ("intermediate_size",)),
+    # GLM-4.5/4.6: grouped-query attention (bias, optional q/k norm, partial rotary) with DeepSeek-V3's router,
+    # shared experts, dense prefix and MTP layer
+    "glm4_moe": Family("glm4_moe", "gqa", "mlp", ("gate_proj", "up_proj", "down_proj"),
+                       _COMMON + ("moe_intermediate_size",)),
+    # GLM-4.7-Flash: DeepSeek-V3's MLA and router, dense/sparse layers listed by mlp_layer_types, MTP layer
+    "glm4_moe_lite": Family("glm4_moe_lite", "mla", "mlp", ("gate_proj", "up_proj", "down_proj"), _MLA),
 }
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

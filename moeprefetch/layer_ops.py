@@ -34,16 +34,18 @@ def adjacent(parts: list[Linear]) -> bool:
     return True
 
 
-def fuse_rows(parts: list[Linear]) -> torch.Tensor | None:
+def fuse_rows(parts: list[Linear], views_only: bool = False) -> torch.Tensor | None:
     """One weight [sum of outs, in] for projections that read the same input; each part's weight becomes a view into
     it, so the memory is not doubled and every other reader (prefill) keeps working. Parts that are adjacent already
     (a streamed layer's ring record places them so) are spanned by a view, with no copy. None where a part has a
-    bias."""
+    bias, or where `views_only` (the parts live in a streaming ring, whose bytes change) and they are not adjacent."""
     if any(p.bias is not None for p in parts):
         return None
     if adjacent(parts):
         first = parts[0].weight
         return torch.as_strided(first, (sum(p.weight.shape[0] for p in parts), *first.shape[1:]), first.stride())
+    if views_only:
+        return None
     fused = torch.cat([p.weight for p in parts])
     start = 0
     for p in parts:
@@ -58,18 +60,18 @@ class FusedOps(LayerOps):
     the CPU tests compare against without Triton's interpreter).
 
     Given the layers' weights (`fuse`), projections that read the same input (`weights.projection_groups`) become one
-    GEMV, streamed layers' too (their ring records hold each group's rows adjacent), so a layer computes the same bits
-    whether it streams or not."""
+    GEMV, `streamed` layers' too (their ring records hold each group's rows adjacent, spanned by a view), so a layer
+    computes the same bits whether it streams or not."""
 
     def __init__(self, args: ModelArgs, act, act_name: str, rope: RotaryEmbedding, capacity: int, max_rows: int,
                  device: torch.device, use_kernels: bool = True,
-                 fuse: list[LayerWeights] | None = None):
+                 fuse: list[LayerWeights] | None = None, streamed: frozenset[int] = frozenset()):
         super().__init__(args, act, rope)
         self.act_name = act_name
         self.use_kernels = use_kernels
         self._fused: dict[int, torch.Tensor] = {}  # id(weights object) -> its fused projection
         for lw in fuse or []:
-            self._fuse_layer(lw)
+            self._fuse_layer(lw, views_only=lw.index in streamed)
         if fuse and device.type == "cuda":
             torch.cuda.empty_cache()  # the parts' old blocks: fused copies replaced them
         self.router = router_shape(args)
@@ -77,10 +79,9 @@ class FusedOps(LayerOps):
                              args.qk_rope_head_dim, capacity, max_rows, device, use_kernels) \
             if args.attention == "mla" else None
 
-    def _fuse_layer(self, lw: LayerWeights) -> None:
-        owners = [lw.attn] + [m for m in (lw.mlp, lw.shared) if m is not None]
-        for owner, parts in zip(owners, projection_groups(lw)):
-            fused = fuse_rows(parts)
+    def _fuse_layer(self, lw: LayerWeights, views_only: bool) -> None:
+        for owner, parts in projection_groups(lw):
+            fused = fuse_rows(parts, views_only)
             if fused is not None:
                 self._fused[id(owner)] = fused
 

@@ -115,16 +115,29 @@ def plan_memory(**inputs: Any) -> MemoryPlan:
     if request.stream_layers and not plan.streamed_layers:
         layer_bytes = request.layer_bytes
         chosen = _requested_layers(layer_bytes, request.stream_layers, request.stream_ahead)
-        largest = max((layer_bytes[layer] for layer in chosen), default=0)
         streamed = sum(layer_bytes[layer] for layer in chosen)
         plan.streamed_layers = sorted(chosen)
         plan.streamed_bytes = streamed
         plan.stream_ahead = request.stream_ahead
-        plan.resident_bytes = request.resident_bytes - streamed + min(request.stream_ahead + 1, len(chosen)) * largest
+        plan.resident_bytes += ring_bytes([layer_bytes[layer] for layer in chosen], request.stream_ahead) - streamed
         plan.notes.append(
             f"{len(chosen)} layer(s) stream from host RAM as requested (stream_layers={request.stream_layers})"
         )
+        if plan.budget_bytes is not None and plan.planned_vram_bytes > plan.budget_bytes:
+            # the ring can hold more than the layers it replaced (few, unequal layers): fewer expert slots
+            free = plan.budget_bytes - plan.kv_bytes - plan.workspace_bytes - plan.resident_bytes
+            if free // plan.expert_record_bytes < request.top_k:
+                raise RequestError(f"stream_layers={request.stream_layers} needs a ring larger than the layers it "
+                                   f"streams, and the budget then cannot hold {request.top_k} expert slots")
+            plan.expert_slots = int(free // plan.expert_record_bytes)
+            plan.all_resident = False
     return plan
+
+
+def ring_bytes(sizes: list[int], ahead: int) -> int:
+    """VRAM of the streaming ring for streamed layers of these sizes: `ahead + 1` buffers (at most one per layer),
+    each as large as the largest layer."""
+    return min(ahead + 1, len(sizes)) * max(sizes, default=0)
 
 
 def _plan_slots(request: PlanInputs) -> MemoryPlan:
@@ -206,7 +219,7 @@ def _choose_streamed_layers(layer_bytes: dict[int, int], short: int, ahead: int)
                 break
             chosen.append(layer)
             streamed += layer_bytes[layer]
-            ring = min(ahead + 1, len(chosen)) * max(layer_bytes[c] for c in chosen)
+            ring = ring_bytes([layer_bytes[c] for c in chosen], ahead)
         missing = max(-(streamed - ring + short), 0)
         key = (missing, streamed, chosen, ring)
         if best is None or key[:2] < best[:2]:
@@ -225,8 +238,8 @@ def _requested_layers(layer_bytes: dict[int, int], count: int, ahead: int) -> li
                             key=lambda layer: -layer_bytes[layer])[:count]
         if len(candidates) < min(count, len(layer_bytes)):
             break  # fewer layers fit under smaller caps
-        freed = (sum(layer_bytes[layer] for layer in candidates)
-                 - min(ahead + 1, len(candidates)) * max(layer_bytes[layer] for layer in candidates))
+        freed = sum(layer_bytes[layer] for layer in candidates) - ring_bytes([layer_bytes[c] for c in candidates],
+                                                                              ahead)
         if best is None or freed > best[0]:
             best = (freed, candidates)
     return best[1] if best is not None else []

@@ -101,7 +101,8 @@ class ModelRunner:
         if fused_decode is not None and kernels_usable(device.type):
             self.decode_ops = FusedOps(args, self.act, args.hidden_act, self.rope, fused_decode.capacity,
                                        fused_decode.max_rows, device,
-                                       fuse=weights.layers + ([weights.mtp.layer] if weights.mtp is not None else []))
+                                       fuse=weights.layers + ([weights.mtp.layer] if weights.mtp is not None else []),
+                                       streamed=frozenset(streamer.order) if streamer is not None else frozenset())
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids [...] -> the main embedding's rows [..., H]."""

@@ -62,13 +62,16 @@ class LayerStreamer:
         self.device = device
         layouts = [self._layout(lw) for lw in layers]
         self.layer_bytes = [size for _, size in layouts]  # each layer's own record (a copy moves only these)
+        self.kept_bytes = sum(t.numel() * t.element_size() for lw in layers for t in iter_tensors(lw)
+                              if id(t) in self._kept_resident(lw))  # routers and their norms, in VRAM
         self.record_bytes = max(self.layer_bytes)  # a host row and a ring buffer hold the largest
         check_host_ram(self.record_bytes * len(layers), f"{len(layers)} streamed layers")
         self.host = torch.empty((len(layers), self.record_bytes), dtype=torch.uint8)
         for row, (lw, (offsets, _)) in enumerate(zip(layers, layouts)):
             for tensor in iter_tensors(lw):
-                offset, n = offsets[id(tensor)], tensor.numel() * tensor.element_size()
-                self.host[row, offset : offset + n].copy_(tensor.contiguous().view(-1).view(torch.uint8))
+                if id(tensor) in offsets:
+                    offset, n = offsets[id(tensor)], tensor.numel() * tensor.element_size()
+                    self.host[row, offset : offset + n].copy_(tensor.contiguous().view(-1).view(torch.uint8))
         self.pinned = pin and register_pinned(self.host).pinned
         self._unpin = unpin_when_freed(self.host) if self.pinned else None
         self.ring = torch.empty((self.ring_size, self.record_bytes), dtype=torch.uint8, device=device)
@@ -93,25 +96,36 @@ class LayerStreamer:
         def align(n: int) -> int:
             return -(-n // ALIGN) * ALIGN
 
-        for group in projection_groups(lw):
+        for _, group in projection_groups(lw):
             if any(p.bias is not None for p in group):
                 continue
             for part in group:
                 offsets[id(part.weight)] = offset
                 offset += part.weight.numel() * part.weight.element_size()
             offset = align(offset)
+        kept = LayerStreamer._kept_resident(lw)
         for tensor in iter_tensors(lw):
-            if id(tensor) not in offsets:
+            if id(tensor) not in offsets and id(tensor) not in kept:
                 offsets[id(tensor)] = offset
                 offset = align(offset + tensor.numel() * tensor.element_size())
         return offsets, offset
 
     def _views(self, lw: LayerWeights, offsets: dict[int, int], slot: int) -> LayerWeights:
         def view(tensor: torch.Tensor) -> torch.Tensor:
+            if id(tensor) not in offsets:  # kept in VRAM (`_kept_resident`)
+                return tensor.to(self.device)
             offset, n = offsets[id(tensor)], tensor.numel() * tensor.element_size()
             return self.ring[slot, offset : offset + n].view(tensor.dtype).view(tensor.shape)
 
         return _map_tensors(lw, view)
+
+    @staticmethod
+    def _kept_resident(lw: LayerWeights) -> set[int]:
+        """Tensors of a streamed layer that stay in VRAM: its router and the norm before it. Predictors route with
+        layers ahead of the one computing (next_layer_gate) or with every layer (mtp_router), at times when the
+        layer's ring slot may hold another layer or be mid-copy; they are a few hundred KiB per layer."""
+        kept = {id(t) for t in iter_tensors(lw.router)} if lw.router is not None else set()
+        return kept | {id(lw.post_attention_norm)}
 
     def streams(self, layer: int) -> bool:
         return layer in self.position
@@ -131,8 +145,14 @@ class LayerStreamer:
         self._load(i, demand=True)
         self.in_use[i % self.ring_size] = True
         self.transfer.wait_for([i % self.ring_size])
+        n = len(self.order)
         for k in range(1, self.ring_size):  # the next layers, into slots whose layers are done
-            self._load((i + k) % len(self.order), demand=False)
+            target = (i + k) % n
+            occupant = self.occupant[target % self.ring_size]
+            if occupant is not None and occupant != self.order[target] \
+                    and 0 < (self.position[occupant] - i) % n < k:
+                break  # the slot holds a layer needed sooner (the order wraps past a slot's turn): leave it
+            self._load(target, demand=False)
 
     def end(self, layer: int) -> None:
         """After the kernels that read `layer`'s weights are enqueued: its ring slot may be refilled after them."""
@@ -190,7 +210,11 @@ class LayerStreamer:
         self.transfer.fork()
 
     def close(self) -> None:
+        """Wait for every copy, unpin the host records and drop the VRAM ring (the layers' views go with the
+        engine's weights)."""
         self.transfer.synchronize()
         if self._unpin is not None:
             self._unpin()
             self.pinned = False
+        self.ring = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self.layers = []

@@ -101,16 +101,16 @@ class ModelWeights:
         return self.mtp.head if self.mtp.head is not None else self.lm_head
 
 
-def projection_groups(lw: LayerWeights) -> list[list[Linear]]:
+def projection_groups(lw: LayerWeights) -> list[tuple[object, list[Linear]]]:
     """Projections of a layer that read the same input, which a decode step computes as one GEMV over their rows
-    stacked (`layer_ops.FusedOps`): the query (or its LoRA down-projection) with kv_a_proj, and each MLP's gate with
-    its up projection."""
+    stacked (`layer_ops.FusedOps`), with the weights object that owns each group: the query (or its LoRA
+    down-projection) with kv_a_proj (or q, k and v), and each MLP's gate with its up projection."""
     attn = lw.attn
     if isinstance(attn, GQAWeights):
-        groups = [[attn.q_proj, attn.k_proj, attn.v_proj]]
+        groups: list[tuple[object, list[Linear]]] = [(attn, [attn.q_proj, attn.k_proj, attn.v_proj])]
     else:
-        groups = [[attn.q_proj if attn.q_proj is not None else attn.q_a_proj, attn.kv_a_proj]]
-    groups += [[m.gate_proj, m.up_proj] for m in (lw.mlp, lw.shared) if m is not None]
+        groups = [(attn, [attn.q_proj if attn.q_proj is not None else attn.q_a_proj, attn.kv_a_proj])]
+    groups += [(m, [m.gate_proj, m.up_proj]) for m in (lw.mlp, lw.shared) if m is not None]
     return groups
 
 

@@ -984,11 +984,11 @@ def bench_streaming(name: str, path: Path, args: argparse.Namespace, device: tor
     for gib in SMALL_BUDGETS_GIB:
         row = measured("min_budget", {"vram_budget": f"{gib}GiB"})
         if row is not None:
-            if plain:
-                row["same_tokens_as_no_stream"] = row["sequences"] == plain["sequences"]
-                emit({**base, **row})
+            if plain:  # the same row again, with the comparison (a row replaces its workload and system's)
+                emit({**base, **row, "same_tokens_as_no_stream": row["sequences"] == plain["sequences"]})
             break
     if wanted is None or "budget_3gib_defaults" in wanted:  # the engine's own context (4,096) and batch (8)
+        engine = None
         try:
             engine = MoEPrefetchEngine.from_pretrained(path, device=str(device), dtype=torch.bfloat16,
                                                        vram_budget="3GiB", progress=False)
@@ -998,10 +998,12 @@ def bench_streaming(name: str, path: Path, args: argparse.Namespace, device: tor
                   "ms_per_token": result.stats.to_dict()["ms_per_token"],
                   "peak_vram_gib": torch.cuda.max_memory_allocated(device) / GiB,
                   "max_seq_len": engine.options.max_seq_len, "max_batch_size": engine.options.max_batch_size})
-            engine.close()
         except Exception as exc:
             emit({**base, "system": "budget_3gib_defaults", "failed": f"{type(exc).__name__}: {exc}"})
-        _free()
+        finally:
+            if engine is not None:
+                engine.close()
+            _free()
 
 
 def _active_bytes(engine: MoEPrefetchEngine) -> int:

@@ -80,7 +80,7 @@ def test_the_default_prefill_chunk_follows_the_device_and_context_never_the_budg
     assert MoEPrefetchEngine.from_pretrained(path, progress=False, prefill_chunk=5).options.prefill_chunk == 5
 
 
-def test_the_prefill_window_is_whole_chunks_within_the_context_never_the_budget(checkpoint_factory):
+def test_the_default_prefill_window_is_whole_chunks_within_the_context(checkpoint_factory):
     import torch
 
     from moeprefetch import MoEPrefetchEngine
@@ -142,3 +142,52 @@ def test_requested_streaming_frees_the_most_vram():
     assert p.resident_bytes == 3 * GiB - 8 * 64 * MiB + 3 * 64 * MiB
     # when every layer is asked for, the big one is among them
     assert len(plan(resident_bytes=3 * GiB, layer_bytes=layer_bytes, stream_layers=27).streamed_layers) == 27
+
+
+def test_requested_streaming_never_plans_past_the_budget():
+    """Three unequal layers, two of them streamed through a ring of two buffers of the larger: the ring holds more
+    than the layers it replaces, so the plan gives up expert slots instead of exceeding the budget; with a host
+    embedding the plan starts from the resident bytes that remain."""
+    layer_bytes = {0: 100 * MiB, 1: 90 * MiB, 2: 80 * MiB}
+    budget = 3 * GiB
+    p = plan(resident_bytes=2 * GiB, layer_bytes=layer_bytes, budget_bytes=budget, stream_layers=2, stream_ahead=1)
+    assert len(p.streamed_layers) == 2 and p.planned_vram_bytes <= budget and p.expert_slots >= 6
+    q = plan(resident_bytes=2 * GiB + 400 * MiB, layer_bytes=layer_bytes, budget_bytes=budget, stream_layers=2,
+             embed_bytes=500 * MiB, workspace_bytes=GiB // 4 + 60 * MiB)
+    assert q.host_embedding and q.planned_vram_bytes <= budget
+
+
+def test_the_prefill_window_shrinks_to_the_largest_that_streams_least(monkeypatch):
+    """fit_prefill_window: windows halve from the default down to one chunk; the first that needs no streaming wins;
+    if all stream, the largest of those that stream the fewest bytes; a window the user gave is kept."""
+    import dataclasses
+
+    import torch
+
+    from moeprefetch import build
+    from moeprefetch.planner import MemoryPlan
+
+    def fake_plan(streamed_by_window):
+        def plan_engine_memory(args, reader, options, *rest):
+            streamed = streamed_by_window[options.prefill_window]
+            if streamed is None:
+                raise RequestError("cannot hold one layer's working set")
+            p = MemoryPlan(GiB, GiB, 0, 0, MiB, 10, 6, False, streamed_layers=[1] if streamed else [],
+                           streamed_bytes=streamed)
+            return p, 0
+        return plan_engine_memory
+
+    options = build.EngineOptions(
+        device=torch.device("cpu"), dtype=torch.float32, policy="lru", predictor="none", lookahead=1,
+        prefetch_budget=1.0, max_inflight_experts=None, max_seq_len=8192, max_batch_size=1, prefill_chunk=1024,
+        prefill_window=8192, expert_dtype="model", min_confidence=0.0, spare_recent=1, draft_experts="cached",
+        late_prefetch="wait", cuda_graphs=False, fused_kernels=False, progress=False)
+    cases = [({8192: 5, 4096: 5, 2048: 0, 1024: 0}, False, 2048),
+             ({8192: 9, 4096: 5, 2048: 5, 1024: 7}, False, 4096),
+             ({8192: None, 4096: None, 2048: 3, 1024: 3}, False, 2048),
+             ({8192: 5, 4096: 0, 2048: 0, 1024: 0}, True, 8192)]
+    for streamed_by_window, given, expected in cases:
+        monkeypatch.setattr(build, "plan_engine_memory", fake_plan(streamed_by_window))
+        chosen, plan_, _ = build.fit_prefill_window(None, None, options, None, 10, False, GiB, None, None, 2, given)
+        assert chosen.prefill_window == expected, (streamed_by_window, given)
+        assert chosen == dataclasses.replace(options, prefill_window=expected)
