@@ -130,8 +130,13 @@ def _gqa_qkv(args: ModelArgs, w: GQAWeights, rope: RotaryEmbedding, x: torch.Ten
     v = linear(x, w.v_proj).unflatten(-1, (args.num_key_value_heads, d))
     if w.q_norm is not None:
         q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
-    cos, sin = rope.cos_sin(positions)  # [B, T, d/2]
-    return rope.apply(q, cos[:, :, None], sin[:, :, None]), rope.apply(k, cos[:, :, None], sin[:, :, None]), v
+    cos, sin = rope.cos_sin(positions)  # [B, T, r/2]: the first r of each head's d rotate (all but GLM: r = d)
+    cos, sin, r = cos[:, :, None], sin[:, :, None], args.qk_rope_head_dim
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        return rope.apply(x, cos, sin) if r == d else torch.cat((rope.apply(x[..., :r], cos, sin), x[..., r:]), -1)
+
+    return rotate(q), rotate(k), v
 
 
 def _visible(args: ModelArgs, key_index: torch.Tensor, query_index: torch.Tensor) -> torch.Tensor:

@@ -272,12 +272,16 @@ def mtp_tensor_names(args: ModelArgs, reader: CheckpointReader) -> tuple[list[st
     p = f"model.layers.{n}"
     required = [f"{p}.enorm.weight", f"{p}.hnorm.weight", f"{p}.eh_proj.weight", f"{p}.shared_head.norm.weight"]
     required += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight", f"{p}.mlp.gate.weight"]
-    required += [f"{p}.self_attn.kv_a_proj_with_mqa.weight", f"{p}.self_attn.kv_b_proj.weight"]
-    required += [f"{p}.self_attn.o_proj.weight", f"{p}.self_attn.kv_a_layernorm.weight"]
-    if args.q_lora_rank is None:
-        required.append(f"{p}.self_attn.q_proj.weight")
+    required.append(f"{p}.self_attn.o_proj.weight")
+    if args.attention == "gqa":
+        required += [f"{p}.self_attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj")]
     else:
-        required += [f"{p}.self_attn.q_a_proj.weight", f"{p}.self_attn.q_b_proj.weight"]
+        required += [f"{p}.self_attn.kv_a_proj_with_mqa.weight", f"{p}.self_attn.kv_b_proj.weight",
+                     f"{p}.self_attn.kv_a_layernorm.weight"]
+        if args.q_lora_rank is None:
+            required.append(f"{p}.self_attn.q_proj.weight")
+        else:
+            required += [f"{p}.self_attn.q_a_proj.weight", f"{p}.self_attn.q_b_proj.weight"]
     if args.n_shared_experts > 0:
         required += [f"{p}.mlp.shared_experts.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
     present = [name for name in reader.tensors if name.startswith(f"{p}.")]

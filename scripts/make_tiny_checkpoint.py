@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Write a tiny random DeepSeek-V3/V2 checkpoint in real Hugging Face format (for tests and smoke runs).
+"""Write a tiny random checkpoint of a supported family in real Hugging Face format (for tests and smoke runs).
 
-The model is built with transformers' DeepseekV3/V2 classes and saved with `save_pretrained` (per-expert tensor
-names, sharded with an index when asked). The MTP layer is added under its real names `model.layers.{N}.*`: a
+The model is built with transformers' own classes (DeepSeek-V3/V2, Qwen3-MoE, Mixtral, GLM-4.5, GLM-4.7-Flash) and
+saved with `save_pretrained` (per-expert tensor names, sharded with an index when asked). The MTP layer is added under its real names `model.layers.{N}.*`: a
 full MoE decoder block (taken from an (N+1)-layer model of the same config) plus `enorm`, `hnorm`, `eh_proj` and
 `shared_head.norm`. Options rewrite the experts in the fused layout or quantise the checkpoint to FP8 with block
 scales (`*_scale_inv`), as DeepSeek-V3's release is.
@@ -69,27 +69,23 @@ QWEN3_DEFAULTS: dict[str, Any] = dict(
     decoder_sparse_step=1, mlp_only_layers=[0], norm_topk_prob=True, max_position_embeddings=512, rms_norm_eps=1e-6,
     bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
 )
+GLM4_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_shared_experts=1, n_routed_experts=8,
+    num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+    norm_topk_prob=True, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
+    max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1, num_nextn_predict_layers=1,
+    tie_word_embeddings=False,
+)
+GLM4_LITE_DEFAULTS: dict[str, Any] = dict(
+    V3_DEFAULTS, q_lora_rank=24, v_head_dim=24, n_group=1, topk_group=1, routed_scaling_factor=1.8,
+    mlp_layer_types=["dense", "sparse", "sparse"],
+)
 MIXTRAL_DEFAULTS: dict[str, Any] = dict(
     vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
     num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512, rms_norm_eps=1e-5,
     sliding_window=None, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
 )
-
-
-def make_tiny_gqa_checkpoint(out_dir: str | Path, model_type: str = "qwen3_moe", *, seed: int = 0, std: float = 0.08,
-                             max_shard_size: str = "200KB", **overrides: Any) -> Path:
-    """A tiny random Qwen3-MoE or Mixtral checkpoint, saved by transformers as published (per-expert names)."""
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config_cls, model_cls, defaults = ((Qwen3MoeConfig, Qwen3MoeForCausalLM, QWEN3_DEFAULTS) if model_type == "qwen3_moe"
-                                       else (MixtralConfig, MixtralForCausalLM, MIXTRAL_DEFAULTS))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**defaults, **overrides})).to(torch.float32)
-    _randomize(model, torch.Generator().manual_seed(seed), std)
-    model.save_pretrained(out, max_shard_size=max_shard_size)
-    return out
 
 
 def _randomize(model: torch.nn.Module, generator: torch.Generator, std: float) -> None:
@@ -105,14 +101,25 @@ def _randomize(model: torch.nn.Module, generator: torch.Generator, std: float) -
                 buf.copy_(0.1 * torch.randn(buf.shape, generator=generator))
 
 
-def _build(model_type: str, config_kwargs: dict[str, Any], layers: int, seed: int, std: float):
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+DEFAULTS = {"deepseek_v3": V3_DEFAULTS, "deepseek_v2": V2_DEFAULTS, "qwen3_moe": QWEN3_DEFAULTS,
+            "mixtral": MIXTRAL_DEFAULTS, "glm4_moe": GLM4_DEFAULTS, "glm4_moe_lite": GLM4_LITE_DEFAULTS}
 
-    config_cls, model_cls = (
-        (DeepseekV3Config, DeepseekV3ForCausalLM) if model_type == "deepseek_v3" else (DeepseekV2Config, DeepseekV2ForCausalLM)
-    )
+
+def _classes(model_type: str):
+    import transformers
+
+    names = {"deepseek_v3": "DeepseekV3", "deepseek_v2": "DeepseekV2", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral",
+             "glm4_moe": "Glm4Moe", "glm4_moe_lite": "Glm4MoeLite"}[model_type]
+    return getattr(transformers, f"{names}Config"), getattr(transformers, f"{names}ForCausalLM")
+
+
+def _build(model_type: str, config_kwargs: dict[str, Any], layers: int, seed: int, std: float):
+    config_cls, model_cls = _classes(model_type)
     kwargs = dict(config_kwargs)
     kwargs["num_hidden_layers"] = layers
+    if "mlp_layer_types" in kwargs:  # one entry per layer (an MTP build has one more)
+        kinds = list(kwargs["mlp_layer_types"])
+        kwargs["mlp_layer_types"] = (kinds + ["sparse"] * layers)[:layers]
     if model_type == "deepseek_v2":
         kwargs.pop("rope_interleave", None)
     config = config_cls(**kwargs)
@@ -143,9 +150,9 @@ def make_tiny_checkpoint(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    defaults = V3_DEFAULTS if model_type == "deepseek_v3" else V2_DEFAULTS
-    kwargs = {**defaults, **overrides}
-    if not with_mtp:
+    kwargs = {**DEFAULTS[model_type], **overrides}
+    with_mtp = with_mtp and "num_nextn_predict_layers" in kwargs  # the families with an MTP layer
+    if "num_nextn_predict_layers" in kwargs and not with_mtp:
         kwargs["num_nextn_predict_layers"] = 0
     n = kwargs["num_hidden_layers"]
     config, model = _build(model_type, kwargs, n, seed, std)
@@ -180,7 +187,8 @@ def make_tiny_checkpoint(
         state = _quantize_fp8(state, fp8_block)
     _write_shards(out, state, max_shard_size)
     config_json = json.loads((out / "config.json").read_text())
-    config_json["num_nextn_predict_layers"] = kwargs["num_nextn_predict_layers"]
+    if "num_nextn_predict_layers" in kwargs:
+        config_json["num_nextn_predict_layers"] = kwargs["num_nextn_predict_layers"]
     if fp8:
         config_json["quantization_config"] = {
             "quant_method": "fp8",

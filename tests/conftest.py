@@ -79,8 +79,12 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                                             norm_topk_prob=False, num_key_value_heads=4, num_experts_per_tok=3)),
     "mixtral": ("mixtral", {}),
     "mixtral_window": ("mixtral", dict(sliding_window=5, num_key_value_heads=1, head_dim=8)),
+    # GLM-4.5 (GQA with bias, q/k norm, half rotary, V3 router, MTP) and GLM-4.7-Flash (MLA, mlp_layer_types, MTP)
+    "glm4": ("glm4_moe", {}),
+    "glm4_plain": ("glm4_moe", dict(use_qk_norm=False, attention_bias=False, partial_rotary_factor=1.0, n_group=1,
+                                    norm_topk_prob=False)),
+    "glm4_lite": ("glm4_moe_lite", {}),
 }
-GQA_TYPES = ("qwen3_moe", "mixtral")
 
 
 @pytest.fixture(scope="session")
@@ -99,9 +103,6 @@ def checkpoint_factory(tmp_path_factory, tiny_script):
             model_type, overrides = VARIANTS[variant]
             kwargs = {**overrides, **options}
             out = tmp_path_factory.mktemp(variant)
-            if model_type in GQA_TYPES:
-                made[key] = tiny_script.make_tiny_gqa_checkpoint(out, model_type, **kwargs)
-                return made[key]
             if model_type == "deepseek_v2":
                 kwargs.setdefault("with_mtp", False)
             made[key] = tiny_script.make_tiny_checkpoint(out, model_type, **kwargs)
@@ -141,12 +142,12 @@ def hf_model(path: Path, dtype: torch.dtype = torch.float32):
     """transformers' reference model of a checkpoint (eager experts and attention)."""
     import json
 
-    from transformers import (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, MixtralForCausalLM,
-                              Qwen3MoeForCausalLM)
+    import transformers
 
     model_type = json.loads((path / "config.json").read_text())["model_type"]
-    cls = {"deepseek_v3": DeepseekV3ForCausalLM, "deepseek_v2": DeepseekV2ForCausalLM,
-           "qwen3_moe": Qwen3MoeForCausalLM, "mixtral": MixtralForCausalLM}[model_type]
+    cls = getattr(transformers, {"deepseek_v3": "DeepseekV3", "deepseek_v2": "DeepseekV2", "qwen3_moe": "Qwen3Moe",
+                                 "mixtral": "Mixtral", "glm4_moe": "Glm4Moe",
+                                 "glm4_moe_lite": "Glm4MoeLite"}[model_type] + "ForCausalLM")
     return cls.from_pretrained(path, dtype=dtype, experts_implementation="eager", attn_implementation="eager").eval()
 
 

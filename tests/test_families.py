@@ -1,6 +1,7 @@
-"""Families beyond DeepSeek (families.py): Qwen3-MoE and Mixtral, grouped-query attention, on tiny random checkpoints
-written by transformers' own classes. Logits against transformers are in test_parity.py; here: cached decode against
-the uncached forward, and the offload runtime, predictors, layer streaming and quantised experts on each family."""
+"""Families beyond DeepSeek (families.py): Qwen3-MoE, Mixtral and GLM-4.5 (grouped-query attention) and GLM-4.7-Flash
+(MLA), on tiny random checkpoints written by transformers' own classes. Logits against transformers are in
+test_parity.py (MTP logits for GLM-4.5 too); here: cached decode against the uncached forward, and the offload runtime,
+predictors (MTP ones where the checkpoint has an MTP layer), speculation, layer streaming and quantised experts."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 from moeprefetch import MoEPrefetchEngine
 from moeprefetch.errors import RequestError
 
-GQA_VARIANTS = ["qwen3", "qwen3_sparse_step", "mixtral", "mixtral_window"]
+GQA_VARIANTS = ["qwen3", "qwen3_sparse_step", "mixtral", "mixtral_window", "glm4", "glm4_plain"]
+MTP_VARIANTS = ["glm4", "glm4_lite"]
 PROMPTS = [[3, 4, 5, 6, 7, 8, 9], [11, 12]]
 
 
@@ -26,13 +28,13 @@ def _greedy_by_forward(engine: MoEPrefetchEngine, prompt: list[int], steps: int)
 def test_cached_decode_equals_the_uncached_forward(checkpoint_factory, variant):
     path = checkpoint_factory(variant)
     engine = MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=64)
-    assert engine.args.attention == "gqa" and not engine.has_mtp
-    result = engine.generate(PROMPTS, max_new_tokens=9, stop_at_eos=False)
+    assert engine.args.attention == "gqa" and engine.has_mtp == variant.startswith("glm4")
+    result = engine.generate(PROMPTS, max_new_tokens=9, stop_at_eos=False, predictor="none")
     for prompt, got in zip(PROMPTS, result.sequences):
         assert got == _greedy_by_forward(engine, prompt, 9)
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "mixtral_window"])
+@pytest.mark.parametrize("variant", ["qwen3", "mixtral_window", "glm4"])
 def test_offloaded_generation_gives_the_resident_tokens_for_every_predictor(checkpoint_factory, variant):
     path = checkpoint_factory(variant)
     resident = MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=64)
@@ -49,6 +51,27 @@ def test_offloaded_generation_gives_the_resident_tokens_for_every_predictor(chec
         engine.close()
 
 
+@pytest.mark.parametrize("variant", MTP_VARIANTS)
+def test_glm_mtp_predictors_and_speculation_keep_the_tokens(checkpoint_factory, variant):
+    """GLM-4.5 and GLM-4.7-Flash ship an MTP layer: every MTP predictor and MTP speculation, at small caches, give
+    the all-resident tokens; the first drafts agree with the MTP head over the uncached forward."""
+    path = checkpoint_factory(variant)
+    resident = MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=64)
+    assert resident.has_mtp and resident.options.predictor == "mtp+next_layer_gate"
+    expected = resident.generate(PROMPTS, max_new_tokens=10, stop_at_eos=False, predictor="none").sequences
+    assert resident.generate(PROMPTS, max_new_tokens=10, stop_at_eos=False, speculative="mtp").sequences == expected
+    _, mtp_logits = resident.forward([PROMPTS[0]], return_mtp=True)
+    assert mtp_logits.shape == (1, len(PROMPTS[0]) - 1, resident.args.vocab_size)
+    for slots in (resident.args.num_experts_per_tok, 7):
+        engine = MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=64, expert_cache_slots=slots)
+        for predictor in ("mtp", "mtp_router", "mtp+next_layer_gate"):
+            result = engine.generate(PROMPTS, max_new_tokens=10, stop_at_eos=False, predictor=predictor)
+            assert result.sequences == expected, (slots, predictor)
+            assert result.stats.mtp_drafts_checked > 0
+        assert engine.generate(PROMPTS, max_new_tokens=10, stop_at_eos=False, speculative="mtp").sequences == expected
+        assert not engine.residency.problems()
+
+
 def test_mtp_predictors_and_speculation_need_an_mtp_layer(checkpoint_factory):
     engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("qwen3"), progress=False, max_seq_len=64)
     assert engine.options.predictor == "next_layer_gate"  # the default without an MTP layer
@@ -57,7 +80,7 @@ def test_mtp_predictors_and_speculation_need_an_mtp_layer(checkpoint_factory):
     assert engine.generate(PROMPTS, max_new_tokens=2).sequences  # still usable
 
 
-@pytest.mark.parametrize("variant", ["qwen3_sparse_step", "mixtral"])
+@pytest.mark.parametrize("variant", ["qwen3_sparse_step", "mixtral", "glm4", "glm4_lite"])
 def test_streamed_layers_and_quantised_experts_on_gqa_families(checkpoint_factory, variant):
     path = checkpoint_factory(variant)
     resident = MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=64)
@@ -85,7 +108,7 @@ def test_memory_plan_counts_the_gqa_kv_cache(checkpoint_factory):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("variant", ["qwen3", "mixtral_window"])
+@pytest.mark.parametrize("variant", ["qwen3", "mixtral_window", "glm4", "glm4_lite"])
 def test_gqa_families_on_gpu_keep_the_tokens_across_cache_sizes_and_predictors(checkpoint_factory, variant):
     """bf16 on CUDA, decode steps captured as graphs: every cache size and predictor gives the all-resident tokens,
     with one synchronisation per step; layer streaming too."""
@@ -98,7 +121,7 @@ def test_gqa_families_on_gpu_keep_the_tokens_across_cache_sizes_and_predictors(c
     for extra in (dict(expert_cache_slots=3), dict(expert_cache_slots=total // 2),
                   dict(expert_cache_slots=4, stream_layers=2, stream_ahead=1)):
         engine = MoEPrefetchEngine.from_pretrained(path, **kwargs, **extra)
-        for predictor in ("none", "next_layer_gate", "oracle"):
+        for predictor in ("none", "next_layer_gate", "oracle") + (("mtp+next_layer_gate",) if engine.has_mtp else ()):
             for _ in range(2):  # the second call replays the captured graphs
                 result = engine.generate(PROMPTS, max_new_tokens=12, stop_at_eos=False, predictor=predictor)
                 assert result.sequences == expected, (extra, predictor)

@@ -42,7 +42,7 @@ def test_fp32_close_to_float64_reference(checkpoint_factory, variant):
     assert rel.item() < 1e-5
 
 
-@pytest.mark.parametrize("variant", ["v3", "v3_groups_qlora_yarn", "v3_nogroup_plainrope"])
+@pytest.mark.parametrize("variant", ["v3", "v3_groups_qlora_yarn", "v3_nogroup_plainrope", "glm4"])
 def test_mtp_logits_match_transformers_mtp_model(checkpoint_factory, variant):
     path = checkpoint_factory(variant)
     engine = MoEPrefetchEngine.from_pretrained(path, progress=False)
