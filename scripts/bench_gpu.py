@@ -71,6 +71,18 @@ V3LAYERS = dict(
 )
 
 
+# Qwen3-30B-A3B's shape (48 layers of 128 experts, top-8, expert intermediate 768); `qwen3_30b_layers` keeps its
+# first N layers (--qwen3-layers): the whole model's 61 GB does not fit the GPU machine's disk beside the rest
+QWEN3_30B = dict(
+    model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+    num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+    num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+    max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643,
+    eos_token_id=151645, tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
+    use_sliding_window=False,
+)
+
+
 def tiny(shape: dict[str, Any]) -> dict[str, Any]:
     """A CPU-sized version of a shape, for checking the script itself."""
     small = dict(shape, vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -79,8 +91,11 @@ def tiny(shape: dict[str, Any]) -> dict[str, Any]:
     small["num_hidden_layers"] = min(shape["num_hidden_layers"], 4)
     if shape.get("q_lora_rank"):
         small["q_lora_rank"] = 24
-    small["n_group"] = min(shape["n_group"], 4)
-    small["topk_group"] = min(shape["topk_group"], 2)
+    if shape["model_type"] == "qwen3_moe":
+        small.update(head_dim=16, num_experts=16, num_key_value_heads=2)
+    else:
+        small["n_group"] = min(shape["n_group"], 4)
+        small["topk_group"] = min(shape["topk_group"], 2)
     small["num_experts_per_tok"] = min(shape["num_experts_per_tok"], 4)
     return small
 
@@ -215,9 +230,10 @@ def write_random_checkpoint(out: Path, shape: dict[str, Any], device: torch.devi
 
     out.mkdir(parents=True, exist_ok=True)
     cfg = dict(shape)
-    (out / "config.json").write_text(json.dumps({**cfg, "architectures": [
-        "DeepseekV3ForCausalLM" if cfg["model_type"] == "deepseek_v3" else "DeepseekV2ForCausalLM"],
-        "torch_dtype": "bfloat16"}, indent=1))
+    architecture = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                    "qwen3_moe": "Qwen3MoeForCausalLM"}[cfg["model_type"]]
+    (out / "config.json").write_text(json.dumps({**cfg, "architectures": [architecture], "torch_dtype": "bfloat16"},
+                                                indent=1))
     generator = torch.Generator(device=device).manual_seed(seed)
     names = _tensor_shapes(cfg)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -251,7 +267,28 @@ def write_random_checkpoint(out: Path, shape: dict[str, Any], device: torch.devi
     return out
 
 
+def _qwen3_tensor_shapes(c: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """Qwen3-MoE's published names: grouped-query attention with q/k norms, every layer MoE (no shared expert)."""
+    h, d = c["hidden_size"], c["head_dim"]
+    q, kv, e, i = c["num_attention_heads"] * d, c["num_key_value_heads"] * d, c["num_experts"], c["moe_intermediate_size"]
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (c["vocab_size"], h))]
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        shapes += [(f"{p}.input_layernorm.weight", (h,)), (f"{p}.post_attention_layernorm.weight", (h,)),
+                   (f"{p}.self_attn.q_proj.weight", (q, h)), (f"{p}.self_attn.k_proj.weight", (kv, h)),
+                   (f"{p}.self_attn.v_proj.weight", (kv, h)), (f"{p}.self_attn.o_proj.weight", (h, q)),
+                   (f"{p}.self_attn.q_norm.weight", (d,)), (f"{p}.self_attn.k_norm.weight", (d,)),
+                   (f"{p}.mlp.gate.weight", (e, h))]
+        for x in range(e):
+            shapes += [(f"{p}.mlp.experts.{x}.gate_proj.weight", (i, h)), (f"{p}.mlp.experts.{x}.up_proj.weight", (i, h)),
+                       (f"{p}.mlp.experts.{x}.down_proj.weight", (h, i))]
+    shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (c["vocab_size"], h))]
+    return shapes
+
+
 def _tensor_shapes(c: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    if c["model_type"] == "qwen3_moe":
+        return _qwen3_tensor_shapes(c)
     h, heads = c["hidden_size"], c["num_attention_heads"]
     qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (c["vocab_size"], h))]
@@ -553,7 +590,9 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
                   max_seq_len=args.max_seq_len, max_batch_size=1, progress=False)
     base = {"workload": name + (f"#{args.variant}" if args.variant else ""), "batch": 1,
             "prompt_tokens": [len(p) for p in prompts], "vram_budget_gib": args.budget_gib}
-    budget = args.budget_gib if name != "ref17" else None
+    # ref17, and a cut of Qwen3-30B-A3B's layers, cache a share of their experts (--cache-fraction); the others get
+    # the budget
+    budget = args.budget_gib if name not in ("ref17", "qwen3_30b_layers") else None
 
     # all-resident: the compute-only bound
     resident_ms = None
@@ -1059,6 +1098,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-compute", action="store_true",
                         help="v2lite/v3layers: only the all-resident decode-compute rows (contexts, fused vs not, "
                              "batches)")
+    parser.add_argument("--qwen3-layers", type=int, default=12,
+                        help="qwen3_30b_layers: how many of Qwen3-30B-A3B's 48 layers the checkpoint keeps")
     parser.add_argument("--streaming", action="store_true",
                         help="v2lite: only the layer-streaming rows (no_stream, stream8, min_budget)")
     parser.add_argument("--max-inflight", type=int, default=None, help="fills in flight at most (engine default)")
@@ -1108,8 +1149,10 @@ def main(argv: list[str] | None = None) -> int:
             if name == "ref17":
                 path = write_padded_reference(ROOT / "moeprefetch/reference_model", args.workdir / "ref17",
                                               int(args.expert_mb * 1e6 if args.scale == "full" else 3e5))
-            elif name in ("v2lite", "v3layers"):
-                shape = V2LITE if name == "v2lite" else V3LAYERS
+            elif name in ("v2lite", "v3layers", "qwen3_30b", "qwen3_30b_layers"):
+                shape = {"v2lite": V2LITE, "v3layers": V3LAYERS}.get(name, QWEN3_30B)
+                if name == "qwen3_30b_layers":
+                    shape = dict(shape, num_hidden_layers=args.qwen3_layers)
                 shape = tiny(shape) if args.scale == "tiny" else shape
                 path = write_random_checkpoint(args.workdir / name, shape, device)
             else:
