@@ -159,3 +159,18 @@ def test_cli_info_and_generate_on_a_gqa_checkpoint(checkpoint_factory, capsys):
     out = capsys.readouterr().out
     assert "mixtral" in out and "GQA attention, 4 query / 1 key-value heads of 8" in out
     assert main(["generate", path, "--prompt-ids", "3,4,5", "--max-new-tokens", "4", "--cache-slots", "4"]) == 0
+
+
+def test_an_fp8_block_quantised_qwen3_checkpoint_loads_and_offloads(checkpoint_factory):
+    """Qwen3-30B-A3B-FP8 ships block-quantised weights with `weight_scale_inv` as DeepSeek-V3 does: the same loader
+    dequantises them (experts kept in FP8 with expert_dtype='fp8'), and offload gives the resident tokens."""
+    path = checkpoint_factory("qwen3", fp8=True, with_mtp=False)
+    assert "quantization_config" in (path / "config.json").read_text()
+    resident = MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=64, expert_dtype="fp8")
+    expected = resident.generate(PROMPTS, max_new_tokens=8, stop_at_eos=False).sequences
+    offloaded = MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=64, expert_dtype="fp8",
+                                                  expert_cache_slots=4)
+    assert offloaded.generate(PROMPTS, max_new_tokens=8, stop_at_eos=False).sequences == expected
+    bf16_like = MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=64)  # dequantised experts
+    logits = bf16_like.forward([PROMPTS[0]])
+    assert torch.isfinite(logits).all() and logits.abs().max() > 0.1
