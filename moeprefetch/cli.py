@@ -1,4 +1,5 @@
-"""Command line: `moeprefetch generate [PATH] --prompt ...`, `moeprefetch report RESULTS`, `moeprefetch info PATH`.
+"""Command line: `moeprefetch generate [PATH] --prompt ...`, `moeprefetch serve [PATH]` (the OpenAI HTTP API),
+`moeprefetch report RESULTS`, `moeprefetch info PATH`.
 
 Errors the engine raises on bad input are printed as one line (no traceback) with a non-zero exit status.
 """
@@ -9,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -21,10 +23,40 @@ EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 
 
-def _parser() -> argparse.ArgumentParser:
+def _engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine options `generate` and `serve` share."""
+    from .experts import EXPERT_DTYPES
     from .options import DRAFT_EXPERTS, LATE_PREFETCH, EngineConfig
     from .predictors import PREDICTOR_NAMES
 
+    defaults = EngineConfig()
+    parser.add_argument("--device", default="cpu", help=EngineConfig.help("device"))
+    parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
+    parser.add_argument("--cache-slots", type=int, default=None, help=EngineConfig.help("expert_cache_slots"))
+    parser.add_argument("--cache-fraction", type=float, default=None,
+                        help="expert slots as a share of all routed experts (default 0.25 for the reference model)")
+    parser.add_argument("--vram-budget", default=None, help=EngineConfig.help("vram_budget"))
+    parser.add_argument("--all-resident", action="store_true", help="keep every expert in device memory")
+    parser.add_argument("--policy", default=defaults.policy, help=EngineConfig.help("policy"))
+    parser.add_argument("--predictor", default=None,
+                        help=f"{', '.join(PREDICTOR_NAMES)}, or a combination such as mtp+next_layer_gate")
+    parser.add_argument("--lookahead", type=int, default=None, help=EngineConfig.help("lookahead"))
+    parser.add_argument("--min-confidence", type=float, default=None, help=EngineConfig.help("min_confidence"))
+    parser.add_argument("--prefetch-budget", type=float, default=defaults.prefetch_budget,
+                        help=EngineConfig.help("prefetch_budget"))
+    parser.add_argument("--draft-experts", choices=DRAFT_EXPERTS, default=defaults.draft_experts,
+                        help=EngineConfig.help("draft_experts"))
+    parser.add_argument("--spare-recent", type=int, default=defaults.spare_recent, help=EngineConfig.help("spare_recent"))
+    parser.add_argument("--late-prefetch", choices=LATE_PREFETCH, default=defaults.late_prefetch,
+                        help=EngineConfig.help("late_prefetch"))
+    parser.add_argument("--max-seq-len", type=int, default=None, help=EngineConfig.help("max_seq_len"))
+    parser.add_argument("--prefill-chunk", type=int, default=None, help=EngineConfig.help("prefill_chunk"))
+    parser.add_argument("--prefill-window", type=int, default=None, help=EngineConfig.help("prefill_window"))
+    parser.add_argument("--max-batch-size", type=int, default=None, help=EngineConfig.help("max_batch_size"))
+    parser.add_argument("--expert-dtype", choices=EXPERT_DTYPES, default=None, help=EngineConfig.help("expert_dtype"))
+
+
+def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)  # -v works before or after the sub-command
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="log progress and memory plans")
@@ -34,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", parents=[common], help="generate text from a checkpoint directory")
     gen.add_argument("path", nargs="?", default=str(REFERENCE_MODEL),
-                     help="Hugging Face checkpoint directory (default: the embedded reference model)")
+                        help="Hugging Face checkpoint directory (default: the embedded reference model)")
     gen.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     gen.add_argument("--prompt-ids", action="append", help="comma-separated token ids (repeat for a batch)")
     gen.add_argument("--max-new-tokens", type=int, default=48)
@@ -42,33 +74,22 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--device", default="cpu", help=EngineConfig.help("device"))
-    gen.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
-    gen.add_argument("--cache-slots", type=int, default=None, help=EngineConfig.help("expert_cache_slots"))
-    gen.add_argument("--cache-fraction", type=float, default=None,
-                     help="expert slots as a share of all routed experts (default 0.25 for the reference model)")
-    gen.add_argument("--vram-budget", default=None, help=EngineConfig.help("vram_budget"))
-    gen.add_argument("--all-resident", action="store_true", help="keep every expert in device memory")
-    defaults = EngineConfig()
-    gen.add_argument("--policy", default=defaults.policy, help=EngineConfig.help("policy"))
-    gen.add_argument("--predictor", default=None,
-                     help=f"{', '.join(PREDICTOR_NAMES)}, or a combination such as mtp+next_layer_gate")
-    gen.add_argument("--lookahead", type=int, default=None, help=EngineConfig.help("lookahead"))
-    gen.add_argument("--min-confidence", type=float, default=None, help=EngineConfig.help("min_confidence"))
-    gen.add_argument("--prefetch-budget", type=float, default=defaults.prefetch_budget,
-                     help=EngineConfig.help("prefetch_budget"))
-    gen.add_argument("--draft-experts", choices=DRAFT_EXPERTS, default=defaults.draft_experts,
-                     help=EngineConfig.help("draft_experts"))
-    gen.add_argument("--spare-recent", type=int, default=defaults.spare_recent, help=EngineConfig.help("spare_recent"))
-    gen.add_argument("--late-prefetch", choices=LATE_PREFETCH, default=defaults.late_prefetch,
-                     help=EngineConfig.help("late_prefetch"))
+    _engine_arguments(gen)
     gen.add_argument("--speculative", choices=["mtp"], default=None)
-    gen.add_argument("--max-seq-len", type=int, default=None, help=EngineConfig.help("max_seq_len"))
-    gen.add_argument("--prefill-chunk", type=int, default=None, help=EngineConfig.help("prefill_chunk"))
-    gen.add_argument("--prefill-window", type=int, default=None, help=EngineConfig.help("prefill_window"))
     gen.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming it")
     gen.add_argument("--stats-json", default=None, help="write result.stats.to_dict() here")
     gen.add_argument("--events-jsonl", default=None, help="write every expert event here")
+
+    srv = sub.add_parser("serve", parents=[common], help="serve the OpenAI HTTP API (needs the extra .[serve])")
+    srv.add_argument("path", nargs="?", default=str(REFERENCE_MODEL))
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--model-name", default=None, help="the model id clients send (default: the directory name)")
+    srv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch (then 429)")
+    srv.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
+    srv.add_argument("--drain-seconds", type=float, default=30.0,
+                        help="on Ctrl-C or SIGTERM, how long requests in flight may finish")
+    _engine_arguments(srv)
 
     rep = sub.add_parser("report", parents=[common],
                          help="markdown report (tables, plots) from a sweep's results.jsonl")
@@ -87,32 +108,11 @@ def _generate(ns: argparse.Namespace) -> int:
     from .options import EngineConfig
     from .report import summary_lines
 
-    sizes = [flag for flag, given in (("--cache-slots", ns.cache_slots is not None),
-                                      ("--cache-fraction", ns.cache_fraction is not None),
-                                      ("--vram-budget", ns.vram_budget is not None), ("--all-resident", ns.all_resident))
-             if given]
-    if len(sizes) > 1:
-        raise MoEPrefetchError(f"{' and '.join(sizes)} contradict each other: each decides the expert cache's size")
     if ns.stats_json:  # fail now, not after the whole generation
         _check_writable(Path(ns.stats_json), "--stats-json")
     if ns.events_jsonl:
         _check_writable(Path(ns.events_jsonl), "--events-jsonl")
-    dtype = ns.dtype or ("bfloat16" if ns.device.startswith("cuda") else "float32")
-    kwargs: dict[str, Any] = dict(device=ns.device, dtype=dtype, policy=ns.policy, prefetch_budget=ns.prefetch_budget,
-                                  draft_experts=ns.draft_experts, spare_recent=ns.spare_recent,
-                                  late_prefetch=ns.late_prefetch, progress=ns.verbose)
-    for name in ("max_seq_len", "prefill_chunk", "prefill_window", "predictor", "lookahead", "min_confidence"):
-        if getattr(ns, name) is not None:
-            kwargs[name] = getattr(ns, name)
-    if ns.vram_budget:
-        kwargs["vram_budget"] = ns.vram_budget
-    elif ns.cache_slots is not None:
-        kwargs["expert_cache_slots"] = ns.cache_slots
-    elif not ns.all_resident:
-        fraction = ns.cache_fraction if ns.cache_fraction is not None else 0.25
-        if not 0 < fraction <= 1:
-            raise MoEPrefetchError(f"--cache-fraction must lie in (0, 1], got {fraction}")
-        kwargs["expert_cache_fraction"] = fraction
+    kwargs = _engine_kwargs(ns)
     prompts: list[Any] = list(ns.prompt or [])
     for ids in ns.prompt_ids or []:
         try:
@@ -121,7 +121,7 @@ def _generate(ns: argparse.Namespace) -> int:
             raise MoEPrefetchError(f"--prompt-ids must be comma-separated integers, got {ids!r}") from None
     if not prompts:
         prompts = [DEFAULT_PROMPT]
-    kwargs["max_batch_size"] = max(len(prompts), 1)
+    kwargs["max_batch_size"] = ns.max_batch_size or max(len(prompts), 1)
     engine = MoEPrefetchEngine.from_pretrained(ns.path, config=EngineConfig.from_mapping(kwargs))
     streaming = not ns.no_stream and len(prompts) == 1 and engine.tokenizer is not None
     echoed = [False]
@@ -154,6 +154,64 @@ def _generate(ns: argparse.Namespace) -> int:
         Path(ns.stats_json).write_text(json.dumps({"stats": stats, "memory": memory}, indent=1, default=str))
     engine.close()
     return EXIT_INTERRUPTED if result.interrupted else 0
+
+
+def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig fields from the shared engine options."""
+    sizes = [flag for flag, given in (("--cache-slots", ns.cache_slots is not None),
+                                      ("--cache-fraction", ns.cache_fraction is not None),
+                                      ("--vram-budget", ns.vram_budget is not None), ("--all-resident", ns.all_resident))
+             if given]
+    if len(sizes) > 1:
+        raise MoEPrefetchError(f"{' and '.join(sizes)} contradict each other: each decides the expert cache's size")
+    dtype = ns.dtype or ("bfloat16" if ns.device.startswith("cuda") else "float32")
+    kwargs: dict[str, Any] = dict(device=ns.device, dtype=dtype, policy=ns.policy, prefetch_budget=ns.prefetch_budget,
+                                  draft_experts=ns.draft_experts, spare_recent=ns.spare_recent,
+                                  late_prefetch=ns.late_prefetch, progress=ns.verbose)
+    for name in ("max_seq_len", "prefill_chunk", "prefill_window", "predictor", "lookahead", "min_confidence",
+                 "max_batch_size", "expert_dtype"):
+        if getattr(ns, name, None) is not None:
+            kwargs[name] = getattr(ns, name)
+    if ns.vram_budget:
+        kwargs["vram_budget"] = ns.vram_budget
+    elif ns.cache_slots is not None:
+        kwargs["expert_cache_slots"] = ns.cache_slots
+    elif not ns.all_resident:
+        fraction = ns.cache_fraction if ns.cache_fraction is not None else 0.25
+        if not 0 < fraction <= 1:
+            raise MoEPrefetchError(f"--cache-fraction must lie in (0, 1], got {fraction}")
+        kwargs["expert_cache_fraction"] = fraction
+    return kwargs
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from .serve.app import build_app
+    except ImportError:
+        raise MoEPrefetchError("serving needs the optional extra: pip install -e \".[serve]\"") from None
+    from .engine import MoEPrefetchEngine
+    from .options import EngineConfig
+
+    for name, value, low in (("--port", ns.port, 1), ("--max-queue", ns.max_queue, 1), ("--max-tokens", ns.max_tokens, 1)):
+        if value < low or (name == "--port" and value > 65535):
+            raise MoEPrefetchError(f"{name} {value} is out of range")
+    kwargs = _engine_kwargs(ns)
+    kwargs.setdefault("max_batch_size", 8)
+    engine = MoEPrefetchEngine.from_pretrained(ns.path, config=EngineConfig.from_mapping(kwargs))
+    name = ns.model_name or Path(ns.path).resolve().name
+    app = build_app(engine, name, ns.predictor, ns.max_queue, ns.drain_seconds, ns.max_tokens)
+    print(f"serving {name} on http://{ns.host}:{ns.port}/v1 (batch {engine.options.max_batch_size})", flush=True)
+    # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal to the handler it found: a no-op one, so that a
+    # drained shutdown ends here and exits 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level="info" if ns.verbose else "warning",
+                timeout_graceful_shutdown=max(int(ns.drain_seconds), 1))
+    engine.close()
+    print("drained and stopped", flush=True)
+    return 0
 
 
 def _check_writable(path: Path, flag: str) -> None:
@@ -204,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if ns.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     if not ns.verbose:
         logging.getLogger("transformers").setLevel(logging.ERROR)
-    handlers = {"generate": _generate, "report": _report, "info": _info}
+    handlers = {"generate": _generate, "report": _report, "info": _info, "serve": _serve}
     try:
         return handlers[ns.command](ns)
     except MoEPrefetchError as exc:

@@ -114,6 +114,63 @@ class DeviceSampler:
         return (scaled + self.gumbel(rows, positions)).argmax(dim=-1)
 
 
+class RowSampler(DeviceSampler):
+    """Each row with its own parameters (a continuous batch: requests with their own temperature, top-k, top-p and
+    seed share a step). A row draws exactly what the same request draws alone through `DeviceSampler` (as row 0 of
+    its own call): the same scaled and filtered logits, and noise from (its seed, stream 0, position); greedy rows
+    take the argmax."""
+
+    def __init__(self, vocab: int, device: torch.device, rows: int):
+        super().__init__(vocab, device)
+        self.temperature = torch.ones(rows, 1, dtype=torch.float32, device=device)
+        self.greedy = torch.ones(rows, dtype=torch.bool, device=device)
+        self.top_k = torch.zeros(rows, 1, dtype=torch.int64, device=device)
+        self.use_top_k = torch.zeros(rows, 1, dtype=torch.bool, device=device)
+        self.top_p = torch.ones(rows, 1, dtype=torch.float32, device=device)
+        self.use_top_p = torch.zeros(rows, 1, dtype=torch.bool, device=device)
+        self.row_seed = torch.zeros(rows, 2, dtype=torch.int64, device=device)
+
+    def set_row(self, row: int, params: SamplingParams) -> None:
+        """Before a request's first step in `row` (a few small copies)."""
+        self.temperature[row] = max(params.temperature, 1e-6)
+        self.greedy[row] = params.greedy
+        use_k = 0 < params.top_k < self.vocab
+        self.top_k[row] = params.top_k if use_k else 1
+        self.use_top_k[row] = use_k
+        self.top_p[row] = params.top_p
+        self.use_top_p[row] = params.top_p < 1.0
+        seed = params.seed & ((1 << 62) - 1)
+        self.row_seed[row] = torch.tensor([seed >> 31, seed & ((1 << 31) - 1)])
+
+    def gumbel(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = _pcg(positions & _MASK32)
+        h = _pcg(torch.zeros_like(rows) ^ h)  # stream 0: what the request draws alone
+        h = _pcg(self.row_seed[:, 0] ^ h)
+        h = _pcg(self.row_seed[:, 1] ^ h)
+        bits = _pcg(h[:, None] ^ self.vocab_hash[None, :])
+        uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+        return -torch.log(-torch.log(uniform))
+
+    def filter(self, logits: torch.Tensor, use_top_k: bool = True, use_top_p: bool = True) -> torch.Tensor:
+        scaled = logits / self.temperature
+        ordered, order = scaled.sort(dim=-1, descending=True)
+        kth = ordered.gather(-1, (self.top_k - 1).clamp(min=0))
+        cut_k = self.use_top_k & (scaled < kth)
+        scaled = scaled.masked_fill(cut_k, float("-inf"))
+        ordered = ordered.masked_fill(self.use_top_k & (ordered < kth), float("-inf"))
+        probs = ordered.softmax(-1)
+        before = probs.cumsum(-1) - probs
+        drop_sorted = self.use_top_p & (before >= self.top_p)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        return scaled.masked_fill(drop, float("-inf"))
+
+    def __call__(self, logits: torch.Tensor, params: SamplingParams, rows: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] -> token ids [B]; `params` is unused (every row has its own, set by `set_row`)."""
+        sampled = (self.filter(logits.float()) + self.gumbel(rows, positions)).argmax(dim=-1)
+        return torch.where(self.greedy, logits.argmax(dim=-1), sampled)
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [V] fp32 -> temperature-scaled logits with tokens outside top-k / top-p set to -inf."""
     sampler = DeviceSampler(logits.shape[-1], logits.device)

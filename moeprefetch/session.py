@@ -110,15 +110,7 @@ class Session:
     def run(self) -> Iterator[TokenEvent]:
         started = time.perf_counter()
         engine, res, request = self.engine, self.res, self.request
-        options = engine.options
-        rows = self.batch * (2 if self.speculative else 1)
-        budget = max(int(math.ceil(options.prefetch_budget * self.args.num_experts_per_tok * rows)), 0)
-        inflight = options.max_inflight_experts or max(2 * self.args.num_experts_per_tok * rows, 4)
-        # Belady's victims need no sparing; LFU's queue is not in recency order, which the sparing rule relies on
-        spare = 0 if self.spec.oracle or options.policy == "lfu" else options.spare_recent
-        res.configure(ring=self.spec.ring, budget_per_target=budget, max_inflight=inflight,
-                      min_confidence=request.min_confidence, spare_recent=spare,
-                      wait_late=options.late_prefetch == "wait")
+        configure_residency(engine, self.spec, self.batch * (2 if self.speculative else 1), request.min_confidence)
         res.begin_call()
         if self.record:
             res.trace = engine._trace_buffer()
@@ -165,51 +157,17 @@ class Session:
     def _prefill(self, caches) -> tuple[list[int], list[int], list[float]]:
         """Each prompt in windows of chunks into its cache row; the first tokens; the MTP head's first drafts."""
         engine = self.engine
-        runner, device = engine.runner, engine.device
-        last_hidden, hiddens = [], []
-        for b, prompt in enumerate(self.request.prompts):
-            tokens = torch.tensor(prompt, device=device)[None]
-            parts = []
-            for starts, pieces, positions in self._windows(tokens, 0):
-                self.res.begin_step(decode=False, belady=self.trace is not None)
-                parts += [h[0] for h in runner.forward_window(pieces, positions, caches, b, starts)]
-            hiddens.append(torch.cat(parts))
-            last_hidden.append(hiddens[-1][-1])
-        logits = runner.logits(torch.stack(last_hidden))
-        rows = torch.arange(self.batch, device=device)
-        positions = torch.tensor([len(p) for p in self.request.prompts], device=device)
+        belady = self.trace is not None
+        hiddens = [prefill_row(engine, caches, b, prompt, belady) for b, prompt in enumerate(self.request.prompts)]
+        logits = engine.runner.logits(torch.stack([h[-1] for h in hiddens]))
+        rows = torch.arange(self.batch, device=engine.device)
+        positions = torch.tensor([len(p) for p in self.request.prompts], device=engine.device)
         first = engine.sampler(logits, self.request.sampling, rows, positions).tolist()
         drafts, probs = [0] * self.batch, [0.0] * self.batch
         if self.uses_mtp:
-            drafts, probs = self._mtp_prefill(caches, hiddens, first)
+            for b, prompt in enumerate(self.request.prompts):
+                drafts[b], probs[b] = prefill_mtp_row(engine, caches, b, prompt, first[b], hiddens[b], belady)
         return first, drafts, probs
-
-    def _windows(self, tokens: torch.Tensor, offset: int):
-        """(starts, chunks, positions) of each prefill window of tokens [1, T]; positions start at `offset`."""
-        chunk, window = self.engine.options.prefill_chunk, self.engine.options.prefill_window
-        per_window = max(window // chunk, 1) * chunk
-        for w0 in range(0, tokens.shape[1], per_window):
-            starts = list(range(w0, min(w0 + per_window, tokens.shape[1]), chunk))
-            pieces = [tokens[:, s : s + chunk] for s in starts]
-            positions = [torch.arange(s + offset, s + offset + p.shape[1], device=tokens.device)[None]
-                         for s, p in zip(starts, pieces)]
-            yield starts, pieces, positions
-
-    def _mtp_prefill(self, caches, hiddens: list[torch.Tensor], first: list[int]) -> tuple[list[int], list[float]]:
-        """The MTP layer over every (hidden at i, token i+1) pair of each prompt; returns the first drafts."""
-        engine = self.engine
-        drafts, probs = [], []
-        for b, prompt in enumerate(self.request.prompts):
-            nxt = torch.tensor(prompt[1:] + [first[b]], device=engine.device)[None]
-            last = None
-            for starts, pieces, positions in self._windows(nxt, 1):
-                self.res.begin_step(decode=False, belady=self.trace is not None)
-                h = [hiddens[b][s : s + p.shape[1]][None] for s, p in zip(starts, pieces)]
-                last = engine.runner.mtp_window(pieces, h, positions, caches.mtp, b, starts)[-1][:, -1:]
-            prob, draft = engine.runner.mtp_logits(last)[0, -1].softmax(-1).max(-1)
-            drafts.append(int(draft))
-            probs.append(float(prob))
-        return drafts, probs
 
     def _step(self, caches) -> DecodeStep:
         options, res = self.engine.options, self.res
@@ -306,3 +264,55 @@ class Session:
                 logger.error("could not write the event log %s: %s", self.request.event_log, exc)
         texts = [self.engine._decode_text(g) for g in self.generated] if self.engine.tokenizer is not None else None
         return GenerationResult(self.generated, texts, self.stats, self.finish, interrupted)
+
+
+# ---- prefill of one cache row (also what a continuous batch admits a request with) ----------------------------------
+
+
+def prefill_windows(engine: "MoEPrefetchEngine", tokens: torch.Tensor, offset: int):
+    """(starts, chunks, positions) of each prefill window of tokens [1, T]; positions start at `offset`."""
+    chunk, window = engine.options.prefill_chunk, engine.options.prefill_window
+    per_window = max(window // chunk, 1) * chunk
+    for w0 in range(0, tokens.shape[1], per_window):
+        starts = list(range(w0, min(w0 + per_window, tokens.shape[1]), chunk))
+        pieces = [tokens[:, s : s + chunk] for s in starts]
+        positions = [torch.arange(s + offset, s + offset + p.shape[1], device=tokens.device)[None]
+                     for s, p in zip(starts, pieces)]
+        yield starts, pieces, positions
+
+
+def prefill_row(engine: "MoEPrefetchEngine", caches, row: int, prompt: list[int], belady: bool = False
+                ) -> torch.Tensor:
+    """A prompt through the main layers into cache row `row`, in windows of chunks -> its final hidden [T, H]."""
+    tokens = torch.tensor(prompt, device=engine.device)[None]
+    parts = []
+    for starts, pieces, positions in prefill_windows(engine, tokens, 0):
+        engine.residency.begin_step(decode=False, belady=belady)
+        parts += [h[0] for h in engine.runner.forward_window(pieces, positions, caches, row, starts)]
+    return torch.cat(parts)
+
+
+def prefill_mtp_row(engine: "MoEPrefetchEngine", caches, row: int, prompt: list[int], first: int,
+                    hidden: torch.Tensor, belady: bool = False) -> tuple[int, float]:
+    """The MTP layer over every (hidden at i, token i+1) pair of a prompt (the last pair's token is `first`, the
+    token sampled after it), into the MTP cache's row -> the first draft and its probability."""
+    nxt = torch.tensor(prompt[1:] + [first], device=engine.device)[None]
+    last = None
+    for starts, pieces, positions in prefill_windows(engine, nxt, 1):
+        engine.residency.begin_step(decode=False, belady=belady)
+        h = [hidden[s : s + p.shape[1]][None] for s, p in zip(starts, pieces)]
+        last = engine.runner.mtp_window(pieces, h, positions, caches.mtp, row, starts)[-1][:, -1:]
+    prob, draft = engine.runner.mtp_logits(last)[0, -1].softmax(-1).max(-1)
+    return int(draft), float(prob)
+
+
+def configure_residency(engine: "MoEPrefetchEngine", spec: PredictorSpec, rows: int, min_confidence: float) -> None:
+    """The residency table's per-call settings for a predictor and the rows a step computes."""
+    options, top_k = engine.options, engine.args.num_experts_per_tok
+    budget = max(int(math.ceil(options.prefetch_budget * top_k * rows)), 0)
+    inflight = options.max_inflight_experts or max(2 * top_k * rows, 4)
+    # Belady's victims need no sparing; LFU's queue is not in recency order, which the sparing rule relies on
+    spare = 0 if spec.oracle or options.policy == "lfu" else options.spare_recent
+    engine.residency.configure(ring=spec.ring, budget_per_target=budget, max_inflight=inflight,
+                               min_confidence=min_confidence, spare_recent=spare,
+                               wait_late=options.late_prefetch == "wait")

@@ -1,0 +1,156 @@
+"""Continuous batching: requests join a running batch at a token boundary and leave when they finish.
+
+A `ContinuousBatch` holds `max_batch_size` cache rows and one decode step of that many rows (captured as a CUDA graph
+like any other). Admitting a request prefills its prompt into a free row (the others wait for that prefill, at a token
+boundary) and samples its first token; every `step()` decodes one token for every active row. A row's result never
+depends on the other rows or on which rows are active (the step always has the same shape, and its kernels compute
+each row on its own), so a request gets the tokens it would get alone; sampling draws each request's noise from its
+own seed and positions (`RowSampler`). One `ContinuousBatch` owns the engine while it lives: nothing else may
+generate meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from .build import predictor_spec
+from .decode import DecodeStep, StepShape
+from .errors import RequestError
+from .sampling import RowSampler, SamplingParams, sample
+from .session import configure_residency, prefill_mtp_row, prefill_row
+
+if TYPE_CHECKING:
+    from .engine import MoEPrefetchEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RowState:
+    """What one cache row is doing."""
+
+    prompt_tokens: int
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    generated: list[int] = field(default_factory=list)
+    draft: int = 0  # the MTP head's guess of the token after the next one (shadow row input)
+    draft_prob: float = 0.0
+
+    @property
+    def position(self) -> int:
+        """Cache position of the row's next input token (its last generated one)."""
+        return self.prompt_tokens + len(self.generated) - 1
+
+
+class ContinuousBatch:
+    def __init__(self, engine: "MoEPrefetchEngine", predictor: str | None = None, min_confidence: float = 0.0):
+        options = engine.options
+        spec = predictor_spec(predictor or options.predictor, options.lookahead, engine.has_mtp)
+        if spec.oracle:
+            raise RequestError("the oracle predictor needs a recorded run of the same request; it cannot serve")
+        self.engine = engine
+        self.rows = options.max_batch_size
+        self.spec = spec
+        res = engine.residency
+        self.uses_mtp = engine.has_mtp and spec.needs_mtp
+        shadow = spec.shadow and not res.preloaded
+        self.caches = engine._caches(self.rows, self.uses_mtp)
+        self.sampler = RowSampler(engine.args.vocab_size, engine.device, self.rows)
+        draft_cached = self.uses_mtp and not res.preloaded and options.draft_experts == "cached"
+        shape = StepShape(batch=self.rows, mode="shadow" if shadow else "none", spec=spec, run_mtp=self.uses_mtp,
+                          greedy=False, top_k=True, top_p=True, reserve=spec.active and not res.preloaded,
+                          draft_cached=draft_cached)
+        self.step_fn = DecodeStep(engine.runner, self.caches, self.sampler, shape, options.cuda_graphs)
+        self.state: list[RowState | None] = [None] * self.rows
+        configure_residency(engine, spec, self.rows, min_confidence)
+        res.begin_call()
+        self.steps = 0
+        self._carried: torch.Tensor | None = None  # counters of the table before a settle
+
+    # ---- rows -------------------------------------------------------------------------------------------------------
+    @property
+    def free_rows(self) -> list[int]:
+        return [r for r, s in enumerate(self.state) if s is None]
+
+    @property
+    def active_rows(self) -> list[int]:
+        return [r for r, s in enumerate(self.state) if s is not None]
+
+    def check(self, prompt: list[int], max_new_tokens: int) -> None:
+        """Whether a request fits the engine (one sentence if not); nothing is changed."""
+        # the engine's own checks: token ids in the vocabulary, the prompt and its new tokens within the context
+        self.engine._new_request([prompt], max_new_tokens, 0.0, 0, 1.0, None, None, None, None, False, None)
+
+    def admit(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
+              stop_ids: frozenset[int] = frozenset()) -> tuple[int, int]:
+        """Prefill a request into a free row -> (row, its first token). The caller decides when (a token boundary)."""
+        self.check(prompt, max_new_tokens)
+        sampling.validate()
+        if not self.free_rows:
+            raise RequestError("no free row in the batch")
+        row = self.free_rows[0]
+        engine = self.engine
+        for kv in self.caches.layers + ([self.caches.mtp] if self.caches.mtp is not None else []):
+            for tensor in vars(kv).values():
+                tensor[row].zero_()  # masked entries meet exact zeros, never an earlier request's keys
+        hidden = prefill_row(engine, self.caches, row, prompt)
+        first = int(sample(engine.runner.logits(hidden[-1:]), sampling, [0], [len(prompt)])[0])
+        state = RowState(len(prompt), max_new_tokens, stop_ids, [first])
+        if self.uses_mtp:
+            state.draft, state.draft_prob = prefill_mtp_row(engine, self.caches, row, prompt, first, hidden)
+        self.sampler.set_row(row, sampling)
+        self.state[row] = state
+        return row, first
+
+    def finished(self, row: int) -> bool:
+        state = self.state[row]
+        assert state is not None
+        return len(state.generated) >= state.max_new_tokens or state.generated[-1] in state.stop_ids
+
+    def release(self, row: int) -> None:
+        self.state[row] = None
+
+    # ---- decoding ---------------------------------------------------------------------------------------------------
+    def step(self) -> dict[int, int]:
+        """One decode step of every active row -> {row: its new token}. Rows already finished must be released."""
+        live = [s is not None for s in self.state]
+        if not any(live):
+            return {}
+        tokens = [s.generated[-1] if s else 0 for s in self.state]
+        positions = [s.position if s else 0 for s in self.state]
+        drafts = [s.draft if s else 0 for s in self.state] if self.step_fn.shape.extra else None
+        confs = [s.draft_prob if s else 0.0 for s in self.state] if self.step_fn.shape.extra else None
+        out = self.step_fn(tokens, positions, live, drafts, confs)
+        self.steps += 1
+        new = {}
+        for row, state in enumerate(self.state):
+            if state is None:
+                continue
+            state.generated.append(out.next_tokens[row])
+            if out.drafts is not None:
+                state.draft, state.draft_prob = out.drafts[row][0], out.draft_probs[row][0]
+            new[row] = out.next_tokens[row]
+        return new
+
+    def counters(self) -> torch.Tensor:
+        """The residency's accounting since the batch began (reads the device)."""
+        current = self.engine.residency.st.counters.cpu()
+        return current + self._carried if self._carried is not None else current.clone()
+
+    def settle(self) -> None:
+        """After an engine error in a prefill: the table may hold half-planned entries, so it starts cold (the
+        rows' caches are untouched; their requests go on)."""
+        res = self.engine.residency
+        counters = res.st.counters.cpu()
+        self._carried = counters if self._carried is None else self._carried + counters
+        res.abort()
+        res.begin_call()
+
+    def reset(self) -> None:
+        """After an engine error in a step: every row is dropped and the table settled."""
+        self.settle()
+        self.state = [None] * self.rows

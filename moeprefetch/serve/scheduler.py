@@ -1,0 +1,259 @@
+"""The one thread that drives the engine for the server: queue, continuous batching, stops, cancellation, failures.
+
+HTTP handlers `submit()` a `Handle` and read its events from an asyncio queue; the scheduler thread admits queued
+requests into free batch rows at token boundaries, runs one decode step for every active row, turns tokens into
+text, applies stop strings, end-of-sequence and max_tokens, and hands each event to the handler's event loop. A
+handler whose client went away sets `cancelled`; its row is freed at the next token boundary. A request the engine
+refuses (too long, bad ids) fails alone with 400; an engine error inside a step fails the requests of that step with
+500, settles the engine and the server carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..accounting import LayerCounters, Stats
+from ..batching import ContinuousBatch
+from ..errors import MoEPrefetchError
+from ..residency import counters_by_layer
+from ..session import TextStream
+from .protocol import APIError, Job
+
+logger = logging.getLogger(__name__)
+
+METRICS_EVERY_STEPS = 32  # the residency's counters are read (a device sync) this often, and when idle
+
+
+@dataclass
+class Handle:
+    """One request in flight: what the handler waits on."""
+
+    job: Job
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    cancelled: bool = False  # set by the handler (client gone); read by the scheduler at a token boundary
+    row: int | None = None
+    tokens: list[int] = field(default_factory=list)
+    text: TextStream | None = None
+    pending_text: str = ""  # decoded but held back: it could be the start of a stop string
+    emitted: str = ""
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def send(self, event: tuple) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+@dataclass
+class ServerCounters:
+    requests: dict[str, int] = field(default_factory=lambda: {"ok": 0, "stopped": 0, "failed": 0, "rejected": 0,
+                                                               "cancelled": 0})
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    decode_steps: int = 0
+    experts: dict[str, Any] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, engine, predictor: str | None = None, max_queue: int = 64):
+        self.engine = engine
+        self.batch = ContinuousBatch(engine, predictor)
+        self.tokenizer = engine.tokenizer
+        self.stop_ids = frozenset(engine.args.eos_token_ids)
+        self.max_queue = max_queue
+        self.queue: deque[Handle] = deque()
+        self.rows: dict[int, Handle] = {}
+        self.counters = ServerCounters()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="moeprefetch-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- the handlers' side ----------------------------------------------------------------------------------------
+    def submit(self, handle: Handle) -> None:
+        """Queue a request, or refuse it at once (429 when the queue is full, 503 while shutting down)."""
+        with self._cond:
+            if self._stopping:
+                raise APIError(503, "the server is shutting down", kind="server_error")
+            if len(self.queue) >= self.max_queue:
+                self.counters.requests["rejected"] += 1
+                raise APIError(429, f"the request queue is full ({self.max_queue} waiting); retry later",
+                               kind="rate_limit_error")
+            try:
+                self.batch.check(handle.job.prompt_ids, handle.job.max_tokens)
+            except MoEPrefetchError as exc:  # too long, ids outside the vocabulary: this request fails now
+                raise APIError(400, str(exc)) from None
+            self.queue.append(handle)
+            self._cond.notify()
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._cond:
+            return {"queue_depth": len(self.queue), "active": len(self.rows), "alive": self._thread.is_alive(),
+                    "requests": dict(self.counters.requests), "prompt_tokens": self.counters.prompt_tokens,
+                    "completion_tokens": self.counters.completion_tokens, "decode_steps": self.counters.decode_steps,
+                    "experts": dict(self.counters.experts), "max_batch_size": self.batch.rows}
+
+    def stop(self, drain_seconds: float) -> None:
+        """Refuse new requests, let those in flight finish for up to `drain_seconds`, cancel the rest, stop."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        deadline = time.monotonic() + drain_seconds
+        while time.monotonic() < deadline and self._thread.is_alive():
+            with self._cond:
+                if not self.queue and not self.rows:
+                    break
+            time.sleep(0.02)
+        with self._cond:
+            for handle in list(self.queue) + list(self.rows.values()):
+                handle.cancelled = True
+            self._cond.notify()
+        self._thread.join(timeout=max(drain_seconds, 1.0) + 5.0)
+
+    # ---- the scheduler thread --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self.queue and not self.rows and not self._stopping:
+                    self._refresh_expert_metrics()
+                    self._cond.wait(timeout=1.0)
+                if self._stopping and not self.queue and not self.rows:
+                    return
+                admitting = []
+                while self.queue and len(self.rows) + len(admitting) < self.batch.rows:
+                    admitting.append(self.queue.popleft())
+            for handle in admitting:
+                self._admit(handle)
+            self._drop_cancelled()
+            if self.rows:
+                self._step()
+
+    def _admit(self, handle: Handle) -> None:
+        if handle.cancelled:
+            self._finish_counts("cancelled")
+            return
+        job = handle.job
+        try:
+            row, first = self.batch.admit(job.prompt_ids, job.max_tokens, job.sampling, self.stop_ids)
+        except MoEPrefetchError as exc:
+            self._fail(handle, APIError(400, str(exc)))
+            return
+        except Exception as exc:  # the engine failed on this request alone
+            logger.exception("prefill failed")
+            self.batch.settle()
+            self._fail(handle, APIError(500, f"the engine failed on this request: {type(exc).__name__}: {exc}",
+                                        kind="server_error"))
+            return
+        handle.row = row
+        handle.text = TextStream(self.tokenizer) if self.tokenizer is not None else None
+        with self._cond:
+            self.rows[row] = handle
+            self.counters.prompt_tokens += len(job.prompt_ids)
+        self._token(handle, first)
+
+    def _step(self) -> None:
+        try:
+            new = self.batch.step()
+        except Exception as exc:
+            logger.exception("a decode step failed")
+            error = APIError(500, f"the engine failed during decoding: {type(exc).__name__}: {exc}",
+                             kind="server_error")
+            for handle in list(self.rows.values()):
+                self._fail(handle, error)
+            self.batch.reset()
+            return
+        with self._cond:
+            self.counters.decode_steps += 1
+        for row, token in new.items():
+            handle = self.rows.get(row)
+            if handle is not None:
+                self._token(handle, token)
+        if self.batch.steps % METRICS_EVERY_STEPS == 0:
+            self._refresh_expert_metrics()
+
+    def _token(self, handle: Handle, token: int) -> None:
+        """A row's new token: text, stop strings, end of sequence, max_tokens."""
+        handle.tokens.append(token)
+        with self._cond:
+            self.counters.completion_tokens += 1
+        eos = token in self.stop_ids
+        done = eos or len(handle.tokens) >= handle.job.max_tokens
+        if handle.text is not None:
+            handle.pending_text += handle.text.piece(handle.tokens, final=done)
+        stop_at = self._stop_index(handle)
+        if stop_at is not None:
+            handle.pending_text = handle.pending_text[:stop_at]
+            self._flush(handle, everything=True)
+            self._complete(handle, "stop")
+            return
+        self._flush(handle, everything=done)
+        if done:
+            self._complete(handle, "stop" if eos else "length")
+
+    @staticmethod
+    def _stop_index(handle: Handle) -> int | None:
+        found = [handle.pending_text.find(s) for s in handle.job.stop]
+        found = [i for i in found if i >= 0]
+        return min(found) if found else None
+
+    @staticmethod
+    def _held_back(handle: Handle) -> int:
+        """Characters at the end of the pending text that could still become a stop string."""
+        text = handle.pending_text
+        for length in range(min(len(text), max((len(s) for s in handle.job.stop), default=1) - 1), 0, -1):
+            if any(s.startswith(text[-length:]) for s in handle.job.stop):
+                return length
+        return 0
+
+    def _flush(self, handle: Handle, everything: bool) -> None:
+        keep = 0 if everything else self._held_back(handle)
+        piece = handle.pending_text[: len(handle.pending_text) - keep]
+        handle.pending_text = handle.pending_text[len(piece):]
+        if piece or everything:
+            handle.emitted += piece
+            handle.send(("text", piece, len(handle.tokens)))
+
+    def _complete(self, handle: Handle, reason: str) -> None:
+        self._release(handle)
+        usage = {"prompt_tokens": len(handle.job.prompt_ids), "completion_tokens": len(handle.tokens),
+                 "total_tokens": len(handle.job.prompt_ids) + len(handle.tokens)}
+        handle.send(("done", reason, usage))
+        self._finish_counts("ok" if reason == "length" else "stopped")
+
+    def _fail(self, handle: Handle, error: APIError) -> None:
+        self._release(handle)
+        handle.send(("error", error))
+        self._finish_counts("failed")
+
+    def _release(self, handle: Handle) -> None:
+        if handle.row is not None:
+            with self._cond:
+                self.rows.pop(handle.row, None)
+            self.batch.release(handle.row)
+            handle.row = None
+
+    def _drop_cancelled(self) -> None:
+        for handle in [h for h in self.rows.values() if h.cancelled]:
+            self._release(handle)
+            self._finish_counts("cancelled")
+
+    def _finish_counts(self, outcome: str) -> None:
+        with self._cond:
+            self.counters.requests[outcome] += 1
+
+    def _refresh_expert_metrics(self) -> None:
+        """Expert cache and link figures of everything served so far (reads the device's counters once)."""
+        res = self.batch.engine.residency
+        by_layer = counters_by_layer(self.batch.counters(), res.layers)
+        stats = Stats(per_layer={layer: LayerCounters.from_row([c[n] for n in c], res.expert_bytes,
+                                                               res.cfg.chunk_bytes)
+                                 for layer, c in by_layer.items()}, expert_bytes=res.expert_bytes)
+        totals = stats.totals.as_dict()
+        self.counters.experts = {k: totals.get(k) for k in ("expert_uses", "hits", "misses", "hit_rate",
+                                                               "prefetch_issued", "prefetch_useful",
+                                                               "prefetch_wasted", "bytes_h2d")}

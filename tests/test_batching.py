@@ -1,0 +1,73 @@
+"""batching.ContinuousBatch: requests that join a running batch at token boundaries get the tokens they get alone,
+for greedy and seeded sampling, with and without offload and the MTP predictor's shadow rows; sampling.RowSampler
+draws what DeviceSampler draws for the same request."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeprefetch import MoEPrefetchEngine
+from moeprefetch.batching import ContinuousBatch
+from moeprefetch.errors import RequestError
+from moeprefetch.sampling import DeviceSampler, RowSampler, SamplingParams
+
+
+def test_row_sampler_draws_what_each_request_draws_alone():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 300, generator=generator) * 3
+    params = [SamplingParams(), SamplingParams(temperature=0.7, seed=5), SamplingParams(temperature=1.3, top_k=20,
+                                                                                       seed=9),
+              SamplingParams(temperature=0.9, top_p=0.6, top_k=50, seed=-3)]
+    rows = RowSampler(300, torch.device("cpu"), 4)
+    for row, p in enumerate(params):
+        rows.set_row(row, p)
+    positions = torch.tensor([5, 17, 40, 2])
+    got = rows(logits, SamplingParams(temperature=1.0, top_k=2, top_p=0.5), torch.arange(4), positions)
+    for row, p in enumerate(params):
+        alone = DeviceSampler(300, torch.device("cpu"))
+        alone.set_params(p)
+        expected = alone(logits[row : row + 1], p, torch.zeros(1, dtype=torch.long), positions[row : row + 1])
+        assert int(got[row]) == int(expected[0]), (row, p)
+
+
+@pytest.mark.parametrize("slots,predictor", [(None, "none"), (6, "none"), (6, "mtp+next_layer_gate")])
+def test_requests_joining_a_running_batch_get_their_tokens_alone(checkpoint_factory, slots, predictor):
+    path = checkpoint_factory("v3")
+    kwargs = dict(progress=False, max_seq_len=128, expert_cache_slots=slots)
+    alone = MoEPrefetchEngine.from_pretrained(path, max_batch_size=1, **kwargs)
+    requests = [([3, 4, 5, 6], 9, SamplingParams()), ([7, 8], 12, SamplingParams(temperature=0.8, seed=11)),
+                ([9, 10, 11], 7, SamplingParams(temperature=1.1, top_k=5, seed=4)), ([12], 10, SamplingParams())]
+    expected = [alone.generate([p], max_new_tokens=n, temperature=s.temperature, top_k=s.top_k, seed=s.seed,
+                               stop_at_eos=False, predictor=predictor).sequences[0] for p, n, s in requests]
+    engine = MoEPrefetchEngine.from_pretrained(path, max_batch_size=2, **kwargs)
+    batch = ContinuousBatch(engine, predictor)
+    waiting, got, rows = list(range(len(requests))), {}, {}
+    while waiting or rows:
+        while waiting and batch.free_rows:  # join at a token boundary
+            i = waiting.pop(0)
+            row, _ = batch.admit(*requests[i])
+            rows[row] = i
+        for row in [r for r in rows if batch.finished(r)]:
+            got[rows.pop(row)] = batch.state[row].generated
+            batch.release(row)
+        if rows:
+            batch.step()
+    assert [got[i] for i in range(len(requests))] == expected
+    assert batch.steps > 0 and not engine.residency.problems()
+
+
+def test_a_batch_refuses_what_does_not_fit_and_stays_usable(checkpoint_factory):
+    engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False, max_seq_len=32,
+                                               max_batch_size=1)
+    batch = ContinuousBatch(engine)
+    with pytest.raises(RequestError, match="more than max_seq_len=32"):
+        batch.admit(list(range(3, 30)), 10, SamplingParams())
+    with pytest.raises(RequestError):
+        batch.admit([3, 10**6], 4, SamplingParams())
+    row, _ = batch.admit([3, 4], 4, SamplingParams())
+    with pytest.raises(RequestError, match="no free row"):
+        batch.admit([5, 6], 4, SamplingParams())
+    batch.release(row)
+    with pytest.raises(RequestError, match="oracle"):
+        ContinuousBatch(engine, "oracle")
