@@ -171,6 +171,7 @@ def test_bad_requests_get_openai_style_errors(live):
         (dict(model="tiny", prompt=[3, 99999]), 400, None),
         (dict(model="tiny", prompt="x", max_tokens=10**6), 400, None),
         (dict(model="other", prompt="x"), 404, "model"),
+        (dict(model="tiny", prompt="x", ignore_eos="yes"), 400, "ignore_eos"),
     ]
     for body, status, param in cases:
         response = httpx.post(live.url + "/v1/completions", json=body, timeout=30)
@@ -197,6 +198,15 @@ def test_models_health_and_metrics(live):
         assert name in metrics, name
     completed = [line for line in metrics.splitlines() if 'outcome="ok"' in line or 'outcome="stopped"' in line]
     assert sum(float(line.split()[-1]) for line in completed) >= 1
+
+
+def test_ignore_eos_generates_max_tokens_and_streams_one_chunk_per_token(live):
+    body = {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 9, "temperature": 0, "ignore_eos": True}
+    assert httpx.post(live.url + "/v1/completions", json=body, timeout=30).json()["usage"]["completion_tokens"] == 9
+    with httpx.stream("POST", live.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert len(chunks) == 10 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 9
 
 
 def test_a_client_that_disconnects_frees_its_row(live):

@@ -122,9 +122,8 @@ class Server:
                 yield f"data: {json.dumps(first)}\n\n"
             while True:
                 event = await handle.events.get()
-                if event[0] == "text":
-                    if event[1]:
-                        yield chunk(event[1], None)
+                if event[0] == "text":  # one chunk per token, even when its text is held back or empty
+                    yield chunk(event[1], None)
                 elif event[0] == "error":
                     yield f"data: {json.dumps(event[1].body())}\n\n"
                     break

@@ -34,6 +34,7 @@ class Job:
     sampling: SamplingParams
     stop: list[str]
     stream: bool
+    ignore_eos: bool = False  # an extension (as vLLM's): generate max_tokens whatever the model ends with
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -89,10 +90,11 @@ def parse_common(body: Any, served_model: str, default_max_tokens: int) -> dict[
     max_tokens = _integer(body, "max_tokens", None, 1)
     if max_tokens is None:
         max_tokens = _integer(body, "max_completion_tokens", default_max_tokens, 1)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise APIError(400, f"stream must be true or false, got {stream!r}", "stream")
-    return dict(max_tokens=max_tokens, stream=stream, stop=_stop(body),
+    stream, ignore_eos = body.get("stream", False), body.get("ignore_eos", False)
+    for name, value in (("stream", stream), ("ignore_eos", ignore_eos)):
+        if not isinstance(value, bool):
+            raise APIError(400, f"{name} must be true or false, got {value!r}", name)
+    return dict(max_tokens=max_tokens, stream=stream, stop=_stop(body), ignore_eos=ignore_eos,
                 sampling=SamplingParams(temperature=temperature, top_k=top_k or 0, top_p=top_p, seed=seed or 0))
 
 

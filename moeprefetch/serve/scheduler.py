@@ -139,7 +139,7 @@ class Scheduler:
             return
         job = handle.job
         try:
-            row, first = self.batch.admit(job.prompt_ids, job.max_tokens, job.sampling, self.stop_ids)
+            row, first = self.batch.admit(job.prompt_ids, job.max_tokens, job.sampling, self._stop_ids(job))
         except MoEPrefetchError as exc:
             self._fail(handle, APIError(400, str(exc)))
             return
@@ -181,7 +181,7 @@ class Scheduler:
         handle.tokens.append(token)
         with self._cond:
             self.counters.completion_tokens += 1
-        eos = token in self.stop_ids
+        eos = token in self._stop_ids(handle.job)
         done = eos or len(handle.tokens) >= handle.job.max_tokens
         if handle.text is not None:
             handle.pending_text += handle.text.piece(handle.tokens, final=done)
@@ -194,6 +194,9 @@ class Scheduler:
         self._flush(handle, everything=done)
         if done:
             self._complete(handle, "stop" if eos else "length")
+
+    def _stop_ids(self, job: Job) -> frozenset[int]:
+        return frozenset() if job.ignore_eos else self.stop_ids
 
     @staticmethod
     def _stop_index(handle: Handle) -> int | None:
@@ -214,9 +217,8 @@ class Scheduler:
         keep = 0 if everything else self._held_back(handle)
         piece = handle.pending_text[: len(handle.pending_text) - keep]
         handle.pending_text = handle.pending_text[len(piece):]
-        if piece or everything:
-            handle.emitted += piece
-            handle.send(("text", piece, len(handle.tokens)))
+        handle.emitted += piece
+        handle.send(("text", piece, len(handle.tokens)))  # one event per token (streams time them), text or not
 
     def _complete(self, handle: Handle, reason: str) -> None:
         self._release(handle)

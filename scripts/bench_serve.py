@@ -1,0 +1,131 @@
+#!/usr/bin/env python
+"""Serving benchmark (issue 19): `moeprefetch serve`'s engine and scheduler in-process on the V2-Lite shape (random
+weights, --budget-gib), driven over HTTP by C concurrent streaming clients for C in --concurrency: aggregate decode
+tokens/s and per-request time per output token (p50/p99), plus time to first token. One JSON file of rows.
+
+    python scripts/bench_serve.py --out experiments/results/serve_h200.json            # on the GPU machine
+    python scripts/bench_serve.py --device cpu --scale tiny --out /tmp/serve.json         # a check of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import socket
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_gpu import V2LITE, environment, link_bandwidth, prompts_for, tiny, write_random_checkpoint  # noqa: E402
+from moeprefetch import MoEPrefetchEngine  # noqa: E402
+
+logger = logging.getLogger("bench_serve")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def stream_request(url: str, prompt: list[int], max_tokens: int) -> dict[str, float]:
+    """One streaming completion: arrival time of each token's chunk."""
+    import httpx
+
+    t0 = time.perf_counter()
+    arrivals = []
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk["choices"][0]["finish_reason"] is None:
+                    arrivals.append(time.perf_counter())
+    tokens = len(arrivals)
+    return {"ttft": arrivals[0] - t0, "tokens": tokens, "end": arrivals[-1], "start": t0,
+            "tpot": (arrivals[-1] - arrivals[0]) / max(tokens - 1, 1)}
+
+
+def run_level(url: str, prompts: list[list[int]], concurrency: int, requests: int, max_tokens: int) -> dict[str, Any]:
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda i: stream_request(url, prompts[i % len(prompts)], max_tokens), range(requests)))
+    elapsed = time.perf_counter() - started
+    tpot = [r["tpot"] for r in results]
+    quantile = (lambda v, q: statistics.quantiles(v, n=100)[q - 1] if len(v) > 1 else v[0])  # noqa: E731
+    return {"concurrency": concurrency, "requests": requests, "max_tokens": max_tokens, "seconds": elapsed,
+            "output_tokens": sum(r["tokens"] for r in results),
+            "decode_tokens_per_s": sum(r["tokens"] for r in results) / elapsed,
+            "tpot_p50_ms": 1000 * quantile(tpot, 50), "tpot_p99_ms": 1000 * quantile(tpot, 99),
+            "ttft_p50_ms": 1000 * quantile([r["ttft"] for r in results], 50)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    from moeprefetch.serve.app import build_app
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/serve_h200.json")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--scale", choices=["full", "tiny"], default="full")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/moeprefetch-bench"))
+    parser.add_argument("--budget-gib", type=float, default=12.0)
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--requests-per-client", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--predictor", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    device = torch.device(args.device)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    shape = tiny(V2LITE) if args.scale == "tiny" else V2LITE
+    path = write_random_checkpoint(args.workdir / "v2lite_serve", shape, device)
+    budget = f"{args.budget_gib}GiB" if args.scale == "full" else None
+    engine = MoEPrefetchEngine.from_pretrained(
+        path, device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, progress=False,
+        max_batch_size=max(levels), max_seq_len=args.prompt_tokens + args.max_tokens + 8, vram_budget=budget,
+        expert_cache_slots=None if budget else 8)
+    app = build_app(engine, "bench", args.predictor, max_queue=4 * max(levels), drain_seconds=5)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+    prompts = prompts_for(path, None, shape["vocab_size"], 16, args.prompt_tokens, seed=3)
+    report: dict[str, Any] = {"environment": environment(device), "link": link_bandwidth(device),
+                              "plan": engine.plan.describe(), "rows": []}
+    stream_request(url, prompts[0], 8)  # warm-up: compiles kernels and captures the batch's step graph
+    for level in levels:
+        row = run_level(url, prompts, level, level * args.requests_per_client, args.max_tokens)
+        row.update(workload="v2lite", system=f"serve_c{level}", vram_budget_gib=args.budget_gib,
+                   max_batch_size=max(levels), predictor=engine.options.predictor if args.predictor is None
+                   else args.predictor)
+        report["rows"].append(row)
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1, default=str))
+    server.should_exit = True
+    thread.join(timeout=30)
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
