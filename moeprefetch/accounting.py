@@ -139,6 +139,8 @@ class Stats:
     prefill_stream_stall_seconds: float = 0.0
     decode_stream_bytes: int = 0
     decode_stream_stall_seconds: float = 0.0
+    # per lead (steps between a prediction and its target), main MoE layers: (predicted, correct, truth)
+    lead_counts: list[tuple[int, int, int]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -176,6 +178,8 @@ class Stats:
                 # router that the layer then did not use
                 "prefill_bytes_h2d": t.bytes_h2d - decode.bytes_h2d
                 + int(self.extra.get("prefill_experts_ahead_unused", 0)) * self.expert_bytes,
+                "prediction_recall_by_lead": [c / t if t else None for _, c, t in self.lead_counts],
+                "prediction_precision_by_lead": [c / p if p else None for p, c, _ in self.lead_counts],
                 "streamed_bytes_per_token": per_token(self.decode_stream_bytes),
                 "stream_stall_ms_per_token": per_token(1000.0 * self.decode_stream_stall_seconds),
                 "prefill_streamed_bytes": self.prefill_stream_bytes,
@@ -233,6 +237,9 @@ def merge_stats(runs: list[Stats]) -> Stats:
     rates are totals over totals)."""
     merged = Stats(**{k: getattr(runs[0], k) for k in ("main_layers", "speculative", "predictor", "lookahead",
                                                          "policy", "cache_slots", "expert_bytes")})
+    leads = max((len(run.lead_counts) for run in runs), default=0)
+    merged.lead_counts = [tuple(sum(run.lead_counts[i][j] for run in runs if i < len(run.lead_counts))
+                                for j in range(3)) for i in range(leads)]
     for run in runs:
         for target, source in ((merged.per_layer, run.per_layer), (merged.decode_per_layer, run.decode_per_layer)):
             for layer, counters in source.items():

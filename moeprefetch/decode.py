@@ -102,7 +102,8 @@ class DecodeStep:
         self.rows = torch.arange(b, device=dev)
         self.buffers = PlanBuffers(self.res.max_rows, self.res.max_experts, self.args.num_experts_per_tok, h, dev,
                                    step_rows=2 * b)
-        self.ring = PredictionRing(self.res.st.pred, self.res.st.decode_step, shape.spec.ring)
+        self.ring = PredictionRing(self.res.st.pred, self.res.st.decode_step, shape.spec.ring,
+                                   self.res.leads if shape.spec.max_lead else None, self.res.cfg.min_confidence)
         moe = [lw.index for lw in self.weights.layers if lw.router is not None]
         depth = shape.spec.gate_depth
         self.gate_targets = {layer: moe[i + 1 : i + 1 + depth] for i, layer in enumerate(moe)}
@@ -236,6 +237,8 @@ class DecodeStep:
         main = position < res.cfg.main_positions
         if main and shape.spec.active:
             self._predict(layer, position, flat[0], routings, active)
+            if self.ring.leads is not None:  # this step's guesses of every lead meet the real rows' experts
+                self.ring.leads.count(res.st.decode_step, position, real.ids, active)
         if len(flat) == 1:
             ids_x, act_x, ids_s, act_s, weights = real.ids, active, None, None, real.weights
         elif shape.mode == "verify":
@@ -265,10 +268,33 @@ class DecodeStep:
             ring.write(1, position, routings[1].ids, conf)
 
     def _mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor) -> None:
-        """The MTP head over (token after row, row's final hidden) pairs: drafts and their probabilities."""
-        mtp, args = self.weights.mtp, self.args
+        """The MTP head over (token after row, row's final hidden) pairs: drafts and their probabilities; with
+        lookahead k > 1, the head chained k times (link j drafts from link j-1's output and draft), each link's
+        output routed through the main routers as predictions j steps ahead (`predictors.py`)."""
         rows = tokens.shape[1]
         positions = pos[:, None] + torch.arange(1, rows + 1, device=pos.device)
+        x = self._mtp_link(tokens, hidden, positions, chained=False)
+        probs, drafts = self.runner.mtp_logits(x).softmax(-1).max(-1)  # [B, M]
+        self.outputs[:, 2:].copy_(drafts)
+        self.probs.copy_(probs)
+        spec = self.shape.spec
+        if spec.mtp_router:
+            self._route_ahead(x, 1, None)
+        reach = probs[:, 0]  # the probability that the chain's drafts so far are right
+        links = spec.chain if rows == 1 else 1  # chained from one MTP row per sequence (not when verifying a draft)
+        for lead in range(2, links + 1):
+            x = self._mtp_link(drafts[:, :1], x, pos[:, None] + lead, chained=True)
+            self._route_ahead(x, lead, reach)
+            probs, drafts = self.runner.mtp_logits(x).softmax(-1).max(-1)
+            reach = reach * probs[:, 0]
+
+    def _mtp_link(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                  chained: bool) -> torch.Tensor:
+        """One pass of the MTP block over rows at `positions` [B, M] (its cache entry at position - 1) -> its
+        output [B, M, H] before the head. A chained link (a draft's continuation) only steers prefetching: its
+        experts are the ones in VRAM, and it reserves nothing."""
+        mtp, args = self.weights.mtp, self.args
+        rows = tokens.shape[1]
         x = mtp_input(args, mtp, self.runner.embed_mtp(tokens), hidden)
         kv = self.caches.mtp
 
@@ -278,7 +304,7 @@ class DecodeStep:
         def routed(layer: int, flat: list[torch.Tensor], routings: list[Routing]) -> list[torch.Tensor]:
             act = self.active.repeat_interleave(rows)
             ids, weights = routings[0].ids, routings[0].weights
-            if not self.shape.draft_cached:
+            if not self.shape.draft_cached and not chained:
                 out = self.res.decode_experts(layer, flat[0].contiguous(), ids, act, None, None, weights,
                                               self.buffers, self.shape.reserve, count_recall=False)
                 return [out]
@@ -287,18 +313,20 @@ class DecodeStep:
             # (on the reference model its own misses cost more bytes than all its predictions saved).
             none = ids[:0]
             return [self.res.decode_experts(layer, flat[0].contiguous(), none, act[:0], ids, act, weights,
-                                            self.buffers, self.shape.reserve, count_recall=False)]
+                                            self.buffers, self.shape.reserve and not chained, count_recall=False)]
 
-        x = block(self.ops, mtp.layer, [x], attend, routed)[0]
-        logits = self.runner.mtp_logits(x)  # [B, M, V]
-        probs, drafts = logits.softmax(-1).max(-1)
-        self.outputs[:, 2:].copy_(drafts)
-        self.probs.copy_(probs)
-        if self.shape.spec.mtp_router:
-            flat = x.reshape(-1, x.shape[-1])
-            live = self.active.repeat_interleave(rows).float()[:, None]
-            for lw in self.routers.values():
-                if self.res.position[lw.index] >= self.res.cfg.main_positions:
-                    continue
-                guess = self.ops.route(lw.router, self.ops.norm(flat, lw.post_attention_norm))
-                self.ring.write(1, self.res.position[lw.index], guess.ids, routing_confidence(guess.weights) * live)
+        return block(self.ops, mtp.layer, [x], attend, routed)[0]
+
+    def _route_ahead(self, x: torch.Tensor, lead: int, reach: torch.Tensor | None) -> None:
+        """An MTP output [B, M, H] through every main router: guesses for the step `lead` ahead, their confidence
+        scaled by `reach` [B] (the chained drafts' probability)."""
+        rows = x.shape[1]
+        flat = x.reshape(-1, x.shape[-1])
+        live = self.active.repeat_interleave(rows).float()[:, None]
+        if reach is not None:
+            live = live * reach.repeat_interleave(rows)[:, None]
+        for lw in self.routers.values():
+            if self.res.position[lw.index] >= self.res.cfg.main_positions:
+                continue
+            guess = self.ops.route(lw.router, self.ops.norm(flat, lw.post_attention_norm))
+            self.ring.write(lead, self.res.position[lw.index], guess.ids, routing_confidence(guess.weights) * live)

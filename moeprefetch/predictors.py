@@ -12,11 +12,19 @@ Each predictor declares the device signals it needs, and what `lookahead` means 
 | `none` | - | - | unused (must be 1) |
 | `previous` | the exact rows' routing at layer l | (t+1, l) | unused (must be 1) |
 | `next_layer_gate` | the router input of layer l | (t, l+1 .. l+d) | d, the MoE layers looked ahead |
-| `mtp` | the MTP draft as a shadow row through the main layers (resident experts only) | (t+1, l) | must be 1 |
-| `mtp_router` | every main router on the MTP head's output | (t+1, every layer) | must be 1 |
+| `mtp` | the MTP draft as a shadow row through the main layers (resident experts only); with k > 1, the MTP head chained k times, every main router on link j's output | (t+1, l); (t+j, every layer) for j = 2..k | k, the tokens ahead |
+| `mtp_router` | every main router on the MTP head's output, the head chained k times | (t+j, every layer), j = 1..k | k, the tokens ahead |
 | `oracle` | the routing recorded by an identical earlier run | (t .. t+d, every layer) | d, steps ahead |
 
-Confidence: a routed expert's share of its row's top-k weight; for `mtp` also times the draft's probability.
+In a combination each component reads `lookahead` its own way (`mtp+next_layer_gate` with 2: drafts chained twice
+and gates two MoE layers ahead). Chained drafts: link 1 drafts token t+2 from the main hidden state (as the MTP head
+does); link j > 1 drafts token t+j+1 from link j-1's output and draft, as vLLM and SGLang reuse DeepSeek's one MTP
+module for several draft tokens. Leads beyond 1 route the link's output instead of running another shadow row: a
+shadow row per lead would add rows to every main layer's expert kernel, whose configuration follows the rows a step
+computes, and the real rows' bits must not depend on the lookahead.
+
+Confidence: a routed expert's share of its row's top-k weight; for `mtp` also times the draft's probability, and for
+a chained lead times the probabilities of the drafts it was chained through.
 """
 
 from __future__ import annotations
@@ -56,10 +64,10 @@ class PredictorSpec:
     @staticmethod
     def parse(spec: str, lookahead: int = 1) -> "PredictorSpec":
         names = tuple(parse_predictor(spec))
-        if lookahead > 1 and not any(n in _LOOKAHEAD_IS_DEPTH for n in names):
+        if lookahead > 1 and not any(n in _LOOKAHEAD_IS_DEPTH + MTP_PREDICTORS for n in names):
             raise ValueError(
-                f"lookahead={lookahead} means nothing to predictor {spec!r}: only next_layer_gate (MoE layers ahead) "
-                f"and oracle (steps ahead) use it")
+                f"lookahead={lookahead} means nothing to predictor {spec!r}: only next_layer_gate (MoE layers ahead), "
+                f"oracle (steps ahead) and the MTP predictors (tokens ahead, chained drafts) use it")
         return PredictorSpec(names, lookahead)
 
     @property
@@ -91,9 +99,21 @@ class PredictorSpec:
         return "oracle" in self.names
 
     @property
+    def chain(self) -> int:
+        """Links of the MTP head run per step (drafts chained): the MTP predictors' lookahead, else 1."""
+        return self.lookahead if self.needs_mtp else 1
+
+    @property
+    def max_lead(self) -> int:
+        """The most steps ahead a prediction is made (0: only this step's, as next_layer_gate's)."""
+        leads = [1 if self.previous or self.needs_mtp else 0, self.chain if self.needs_mtp else 0,
+                 self.lookahead if self.oracle else 0]
+        return max(leads)
+
+    @property
     def ring(self) -> int:
         """Decode steps of predictions the table must hold: this one and the ones predicted ahead."""
-        return (self.lookahead if self.oracle else 1) + 1
+        return max(self.lookahead if self.oracle else 1, self.chain) + 1
 
     @property
     def active(self) -> bool:
@@ -106,21 +126,82 @@ def routing_confidence(weights: torch.Tensor) -> torch.Tensor:
     return w / w.sum(-1, keepdim=True).clamp(min=1e-20)
 
 
-class PredictionRing:
-    """Writes into `pred[R, P, E]` at targets addressed by device tensors, so the writes can be captured."""
+class LeadTracker:
+    """Predictions by lead (how many decode steps before their target they were made) and how they fared, on the
+    device: `pred[L, R, P, E]` holds lead l+1's confidences for (step mod R, MoE position, expert), merged by `amax`
+    like the table's ring, and `counts[L, 3]` (predicted, correct, truth) grows at each main MoE layer of each decode
+    step, where the lead's guesses for this step meet the experts the real rows use; the entries are then cleared.
+    Counted as the table counts its recall: the step's predicted experts (at or above the confidence cut) against
+    the distinct experts its active rows use. Read once per call (`read`)."""
 
-    def __init__(self, pred: torch.Tensor, decode_step: torch.Tensor, ring: int):
+    def __init__(self, leads: int, ring: int, positions: int, experts: int, device: torch.device):
+        self.leads, self.ring = leads, ring
+        self.pred = torch.zeros(leads, ring, positions, experts, dtype=torch.float32, device=device)
+        self.counts = torch.zeros(leads, 3, dtype=torch.int64, device=device)
+
+    def reset(self) -> None:
+        self.pred.zero_()
+        self.counts.zero_()
+
+    def record(self, lead: int, row: torch.Tensor, position: int, ids: torch.Tensor, conf: torch.Tensor,
+               min_confidence: float) -> None:
+        """ids/conf [N, k]: guesses made `lead` steps ahead for ring row `row` ([1] on the device), `position`."""
+        if not 1 <= lead <= self.leads:
+            return
+        positions, experts = self.pred.shape[2], self.pred.shape[3]
+        kept = conf.reshape(-1).float()
+        kept = kept * (kept >= min_confidence)
+        index = (row * positions + position) * experts + ids.reshape(-1).long()
+        self.pred[lead - 1].view(-1).scatter_reduce_(0, index, kept, reduce="amax")
+
+    def record_rows(self, lead: int, row: torch.Tensor, recorded: torch.Tensor) -> None:
+        """An oracle's recorded routing [1, P, E] (0 or 1) for ring row `row`, made `lead` steps ahead."""
+        if 1 <= lead <= self.leads:
+            current = self.pred[lead - 1].index_select(0, row)
+            self.pred[lead - 1].index_copy_(0, row, torch.maximum(current, recorded[:, : self.pred.shape[2]]))
+
+    def count(self, decode_step: torch.Tensor, position: int, ids: torch.Tensor, active: torch.Tensor) -> None:
+        """At a main MoE layer of a decode step: the real rows' experts (ids [B, k], active [B]) against every lead's
+        guesses for this (step, layer), which are then cleared."""
+        row = decode_step % self.ring  # [1]
+        experts = self.pred.shape[3]
+        live = active.float()[:, None].expand(ids.shape).reshape(-1)
+        used = torch.zeros(experts, dtype=torch.float32, device=ids.device).scatter_reduce(
+            0, ids.reshape(-1).long(), live, reduce="amax") > 0
+        at_layer = self.pred[:, :, position]  # [L, R, E], a view
+        guesses = at_layer.index_select(1, row)[:, 0] > 0  # [L, E]
+        self.counts[:, 0] += guesses.sum(-1)
+        self.counts[:, 1] += (guesses & used).sum(-1)
+        self.counts[:, 2] += used.sum()
+        at_layer.index_fill_(1, row, 0.0)
+
+    def read(self, leads: int) -> list[tuple[int, int, int]]:
+        """(predicted, correct, truth) for leads 1..`leads` (reads the device)."""
+        return [tuple(int(v) for v in row) for row in self.counts[: min(leads, self.leads)].tolist()]
+
+
+class PredictionRing:
+    """Writes into `pred[R, P, E]` at targets addressed by device tensors, so the writes can be captured (and, with a
+    `LeadTracker`, into its per-lead copy)."""
+
+    def __init__(self, pred: torch.Tensor, decode_step: torch.Tensor, ring: int, leads: LeadTracker | None = None,
+                 min_confidence: float = 0.0):
         self.pred = pred
         self.flat = pred.view(-1)
         self.decode_step = decode_step  # [1] int64 on the device
         self.ring = ring
         self.positions, self.experts = pred.shape[1], pred.shape[2]
+        self.leads = leads
+        self.min_confidence = min_confidence
 
     def write(self, steps_ahead: int, position: int, ids: torch.Tensor, conf: torch.Tensor) -> None:
         """ids/conf [N, k]: guesses for (decode step + steps_ahead, position); rows with conf 0 write nothing."""
         row = (self.decode_step + steps_ahead) % self.ring  # [1]
         index = (row * self.positions + position) * self.experts + ids.reshape(-1).long()
         self.flat.scatter_reduce_(0, index, conf.reshape(-1).float(), reduce="amax")
+        if self.leads is not None and steps_ahead >= 1:
+            self.leads.record(steps_ahead, (self.decode_step + steps_ahead) % self.leads.ring, position, ids, conf,
+                              self.min_confidence)
 
     def write_trace(self, trace: torch.Tensor, steps: int) -> None:
         """Oracle: the recorded routing of decode steps t .. t+steps-1 (trace [T, P, E] uint8) into the ring."""
@@ -132,3 +213,5 @@ class PredictionRing:
             row = target % self.ring
             current = self.pred.index_select(0, row)
             self.pred.index_copy_(0, row, torch.maximum(current, recorded[:, : self.positions]))
+            if self.leads is not None and ahead >= 1:
+                self.leads.record_rows(ahead, target % self.leads.ring, recorded)

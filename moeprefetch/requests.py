@@ -43,6 +43,9 @@ def build_request(args: ModelArgs, tokenizer: Any, options: EngineOptions, path:
         raise RequestError(f"speculative must be None or 'mtp', got {speculative!r}")
     if speculative == "mtp" and not has_mtp:
         raise RequestError("speculative='mtp' needs an MTP layer, and this checkpoint has none")
+    if speculative == "mtp" and spec.chain > 1:
+        raise RequestError(f"lookahead={spec.lookahead} chains MTP drafts for prefetching, but with speculative='mtp' "
+                           "the MTP head verifies one draft per step: use lookahead=1")
     if len(token_prompts) > options.max_batch_size:
         raise RequestError(f"{len(token_prompts)} prompts exceed max_batch_size={options.max_batch_size} "
                            f"set at load time")
@@ -50,8 +53,9 @@ def build_request(args: ModelArgs, tokenizer: Any, options: EngineOptions, path:
         if len(prompt) > args.max_position_embeddings:
             raise RequestError(f"prompt {i} has {len(prompt)} tokens, more than the model's "
                                f"{args.max_position_embeddings} positions")
-        # +2: the decode step writes the shadow/draft row one position ahead, and an accepted draft one more
-        needed = len(prompt) + max_new_tokens + 2
+        # the decode step writes the shadow/draft row one position ahead, an accepted draft one more, and chained
+        # MTP drafts (lookahead k) k - 1 more
+        needed = len(prompt) + max_new_tokens + 1 + max(1, spec.chain)
         if needed > options.max_seq_len:
             raise RequestError(f"prompt {i} ({len(prompt)} tokens) plus max_new_tokens={max_new_tokens} needs "
                                f"{needed} positions, more than max_seq_len={options.max_seq_len}")

@@ -230,6 +230,7 @@ class Session:
     # ---- ends -----------------------------------------------------------------------------------------------------
     def _finish(self, prefill_counters: torch.Tensor) -> None:
         counters = self.res.end_call()
+        self.stats.lead_counts = self.res.leads.read(self.spec.max_lead)
         self.stats.extra.update(self.res.prefill_extra)
         self.res.trace = None
         self._fill_counters(counters, prefill_counters)

@@ -15,15 +15,85 @@ def test_parsing_and_combinations():
         with pytest.raises(ValueError, match=message):
             parse_predictor(bad)
     spec = PredictorSpec.parse("mtp+next_layer_gate", lookahead=2)
-    assert spec.shadow and spec.needs_mtp and spec.gate_depth == 2 and not spec.oracle and spec.ring == 2
-    assert PredictorSpec.parse("oracle", lookahead=3).ring == 4
+    # each component reads lookahead its own way: drafts chained twice, gates two MoE layers ahead
+    assert spec.shadow and spec.needs_mtp and spec.gate_depth == 2 and spec.chain == 2 and not spec.oracle
+    assert spec.ring == 3 and spec.max_lead == 2
+    assert PredictorSpec.parse("oracle", lookahead=3).ring == 4 and PredictorSpec.parse("oracle", 3).max_lead == 3
+    assert PredictorSpec.parse("mtp_router", lookahead=3).chain == 3 and PredictorSpec.parse("mtp_router", 3).ring == 4
+    assert PredictorSpec.parse("next_layer_gate", lookahead=3).chain == 1
+    assert PredictorSpec.parse("next_layer_gate", lookahead=3).max_lead == 0  # same-step guesses only
     assert not PredictorSpec.parse("none").active and PredictorSpec.parse("previous").previous
 
 
-@pytest.mark.parametrize("name", ["mtp", "mtp_router", "previous", "none", "mtp+mtp_router"])
+@pytest.mark.parametrize("name", ["previous", "none"])
 def test_a_lookahead_a_predictor_cannot_use_is_an_error(name):
     with pytest.raises(ValueError, match="lookahead=2 means nothing"):
         PredictorSpec.parse(name, lookahead=2)
+
+
+def test_lead_tracker_counts_each_leads_guesses_against_the_step_that_uses_them():
+    from moeprefetch.predictors import LeadTracker
+
+    tracker = LeadTracker(leads=3, ring=4, positions=2, experts=6, device=torch.device("cpu"))
+    step = torch.tensor([5])
+    ring = PredictionRing(torch.zeros(4, 2, 6), step, ring=4, leads=tracker, min_confidence=0.2)
+    ring.write(1, 1, torch.tensor([[0, 1]]), torch.tensor([[0.9, 0.5]]))  # lead 1, for step 6
+    ring.write(2, 1, torch.tensor([[2, 3]]), torch.tensor([[0.9, 0.1]]))  # lead 2 (expert 3 under the cut)
+    ring.write(0, 1, torch.tensor([[4, 5]]), torch.tensor([[0.9, 0.9]]))  # same step: no lead
+    step.fill_(6)  # step 6 uses experts 1 and 2 (one row active, the other not)
+    tracker.count(step, 1, torch.tensor([[1, 2], [0, 3]]), torch.tensor([True, False]))
+    assert tracker.read(3) == [(2, 1, 2), (0, 0, 2), (0, 0, 2)]  # (predicted, correct, truth) per lead
+    step.fill_(7)  # lead 2's guess for step 7: expert 2 (3 was cut); step 7 uses 2 and 5
+    tracker.count(step, 1, torch.tensor([[2, 5]]), torch.tensor([True]))
+    assert tracker.read(3) == [(2, 1, 4), (1, 1, 4), (0, 0, 4)]
+    step.fill_(10)  # the ring came round to row 6 mod 4 = 2 again: step 6's guesses were cleared when counted
+    tracker.count(step, 1, torch.tensor([[0, 1]]), torch.tensor([True]))
+    assert tracker.read(1) == [(2, 1, 6)]
+    tracker.reset()
+    assert tracker.read(3) == [(0, 0, 0)] * 3 and not tracker.pred.any()
+
+
+@pytest.mark.parametrize("predictor", ["mtp", "mtp_router", "mtp+next_layer_gate"])
+def test_chained_mtp_drafts_change_no_token_and_report_recall_by_lead(checkpoint_factory, predictor):
+    """lookahead 1, 2, 3 at two cache sizes and batches of one and two: the tokens of `none`; the by-lead lists have
+    one entry per lead, and lead 1 is the main-layer recall when nothing else predicts that step."""
+    from moeprefetch import MoEPrefetchEngine
+
+    engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False, max_seq_len=128,
+                                               expert_cache_slots=6)
+    small = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False, max_seq_len=128,
+                                              expert_cache_slots=3)
+    for prompts in ([[3, 4, 5, 6]], [[3, 4, 5, 6], [7, 8]]):
+        expected = engine.generate(prompts, max_new_tokens=12, stop_at_eos=False, predictor="none").sequences
+        for lookahead in (1, 2, 3):
+            for e in (engine, small):
+                result = e.generate(prompts, max_new_tokens=12, stop_at_eos=False, predictor=predictor,
+                                    lookahead=lookahead)
+                assert result.sequences == expected, (predictor, lookahead)
+                stats = result.stats.to_dict()
+                recall, precision = stats["prediction_recall_by_lead"], stats["prediction_precision_by_lead"]
+                assert len(recall) == len(precision) == lookahead
+                assert all(r is None or 0.0 <= r <= 1.0 for r in recall + precision)
+                assert recall[-1] is not None and recall[-1] > 0.0  # the farthest lead predicted something right
+                if lookahead == 1 and "next_layer_gate" not in predictor:
+                    assert recall[0] == pytest.approx(stats["prediction_recall_main_layers"])
+                assert not e.residency.problems()
+
+
+def test_the_oracle_is_right_at_every_lead_and_speculation_takes_no_chain(checkpoint_factory):
+    from moeprefetch import MoEPrefetchEngine
+    from moeprefetch.errors import RequestError
+
+    engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False, max_seq_len=128,
+                                               expert_cache_slots=6)
+    stats = engine.generate([[3, 4, 5]], max_new_tokens=10, stop_at_eos=False, predictor="oracle",
+                            lookahead=3).stats.to_dict()
+    assert stats["prediction_precision_by_lead"] == [1.0, 1.0, 1.0]
+    assert stats["prediction_recall_by_lead"][0] > stats["prediction_recall_by_lead"][2] > 0.5
+    with pytest.raises(RequestError, match="verifies one draft per step"):
+        engine.generate([[3, 4]], max_new_tokens=4, predictor="mtp", lookahead=2, speculative="mtp")
+    assert engine.generate([[3, 4]], max_new_tokens=4, predictor="none").stats.to_dict()[
+        "prediction_recall_by_lead"] == []
 
 
 def test_routing_confidence_is_each_experts_share():

@@ -28,6 +28,7 @@ from ..kernels.grouped import GroupedExperts, grouped_mm_usable
 from ..kernels.fill import Filler
 from ..kernels.plan import Planner
 from ..store import HostExpertStore
+from ..predictors import LeadTracker
 from ..transfer import SideStream, TransferEngine
 from .plan import finish_call, next_use_table, victim_order
 from .prefill import PrefillExperts
@@ -90,6 +91,8 @@ class Residency:
         self.cfg = self.base_cfg
         self.st = TableState.allocate(replace(self.base_cfg, ring=RING_CAPACITY, entries=ENTRIES), self.max_experts,
                                       device)
+        # predictions by lead and how they fared (predictors.py), zeroed per call
+        self.leads = LeadTracker(RING_CAPACITY - 1, RING_CAPACITY, len(self.layers), n_experts, device)
         self._launchers: dict[ResidencyConfig, tuple[Planner, Planner, Filler]] = {}
         # zero-filled once: a slot is only read once published, but NaN bits must not meet a masked multiply. Prefill's
         # staging rows follow the slots in the same allocation, so the expert kernels address them as slots.
@@ -183,6 +186,7 @@ class Residency:
     # ---- calls and steps ----------------------------------------------------------------------------------------
     def begin_call(self) -> None:
         self._prefill.begin_call()
+        self.leads.reset()
         self.st.counters.zero_()
         self.st.decode_step.fill_(-1)
 
