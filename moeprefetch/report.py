@@ -225,8 +225,51 @@ def _figures(rows: list[dict[str, Any]], out: Path, conditions: str) -> list[str
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
         text += [f"![{label}]({name})", ""]
+    text += _lead_figure(rows, out, conditions, plt)
     text += _per_layer_figure(rows, out, conditions, plt)
     return text
+
+
+def _lead_figure(rows: list[dict[str, Any]], out: Path, conditions: str, plt) -> list[str]:
+    """Recall against lead (the steps between a prediction and the step it targets), from each predictor's longest
+    lookahead at each cache size, and decode hit rate against lookahead."""
+    chained = [r for r in rows if len(r.get("prediction_recall_by_lead") or []) > 1]
+    if not chained:
+        return []
+    longest: dict[tuple[str, float], dict[str, Any]] = {}
+    for row in chained:
+        key = (row["predictor"] + (f" @{row['min_confidence']:g}" if row.get("min_confidence") else ""),
+               row["cache_fraction"])
+        if key not in longest or row["lookahead"] > longest[key]["lookahead"]:
+            longest[key] = row
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for (label, fraction), row in sorted(longest.items()):
+        recall = row["prediction_recall_by_lead"]
+        leads = [i + 1 for i, r in enumerate(recall) if r is not None]
+        left.plot(leads, [r for r in recall if r is not None], marker="o", label=f"{label}, {100 * fraction:.0f} %")
+        points = sorted((r["lookahead"], _derived(r)["decode_hit_rate"]) for r in rows
+                        if r["predictor"] == row["predictor"] and r["cache_fraction"] == fraction
+                        and (r.get("min_confidence") or 0) == (row.get("min_confidence") or 0))
+        right.plot(*zip(*points), marker="o", label=f"{label}, {100 * fraction:.0f} %")
+    left.set(xlabel="lead (decode steps before the target step)", ylabel="recall, main MoE layers",
+             title="recall against lead")
+    right.set(xlabel="lookahead", ylabel="decode hit rate", title="hit rate against lookahead")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.text(0.01, 0.01, conditions, fontsize=6.5, color="0.35")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(out / "recall_by_lead.png", dpi=110)
+    plt.close(fig)
+    table = [{"predictor": label, "cache_fraction": fraction, "lookahead": row["lookahead"],
+              **{f"recall_lead_{i + 1}": r for i, r in enumerate(row["prediction_recall_by_lead"])},
+              "decode_hit_rate": _derived(row)["decode_hit_rate"]} for (label, fraction), row in sorted(longest.items())]
+    leads = max(len(row["prediction_recall_by_lead"]) for row in longest.values())
+    columns = ["predictor", "cache_fraction", "lookahead"] + [f"recall_lead_{i + 1}" for i in range(leads)] + [
+        "decode_hit_rate"]
+    formats = {"cache_fraction": ".0%", "decode_hit_rate": ".1%", **{f"recall_lead_{i + 1}": ".1%" for i in range(leads)}}
+    return ["### Recall by lead", "", markdown_table(table, columns, formats), "",
+            "![recall against lead, hit rate against lookahead](recall_by_lead.png)", ""]
 
 
 def _per_layer_figure(rows: list[dict[str, Any]], out: Path, conditions: str, plt) -> list[str]:

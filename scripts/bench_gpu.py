@@ -437,6 +437,8 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
             r["decode_bytes_h2d_per_token"] / max(r["ms_per_token"], 1e-9) / 1e6 for r in results),
         "bytes_h2d_per_token": med("bytes_h2d") / max(decode_tokens, 1),
         "prediction_recall": med("prediction_recall_main_layers"),
+        "prediction_recall_by_lead": [statistics.median(v) for v in zip(*(
+            [x if x is not None else 0.0 for x in r["prediction_recall_by_lead"]] for r in results))],
         "prediction_precision": med("prediction_precision_main_layers"),
         "prefetch_waste": med("prefetch_waste"),
         "prefetch_issued": med("prefetch_issued"),
@@ -664,6 +666,8 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
                     ("mtp_router+next_layer_gate", "mtp_router+next_layer_gate", None, None, 0.0),
                     ("speculative_mtp", "none", "mtp", None, 0.0),
                     ("speculative_mtp+next_layer_gate", "next_layer_gate", "mtp", None, 0.0)]
+        # MTP drafts chained 2 and 3 tokens ahead (issue 21)
+        systems += [(f"{name}_la{k}", name, None, k, 0.0) for name in ("mtp", "mtp+next_layer_gate") for k in (2, 3)]
     if args.systems:
         systems = [s for s in systems if s[0] in args.systems.split(",")]
     for system, predictor, speculative, lookahead, min_confidence in systems:

@@ -59,3 +59,21 @@ def test_results_without_a_successful_point_write_nothing(tmp_path):
     with pytest.raises(ReportError, match="no successful sweep points"):
         write_report(results, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_sweep_with_chained_leads_draws_recall_against_lead(tmp_path):
+    rows = []
+    for slots in (10, 20):
+        for lookahead, recall in ((1, [0.8]), (2, [0.8, 0.41]), (3, [0.8, 0.4, 0.23])):
+            rows.append({**sweep_row("mtp", slots, 0.5 + 0.01 * lookahead), "lookahead": lookahead,
+                         "prediction_recall_by_lead": recall, "prediction_precision_by_lead": recall})
+    results = tmp_path / "results.jsonl"
+    results.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    report = write_report(results).read_text()
+    assert "### Recall by lead" in report and (tmp_path / "recall_by_lead.png").is_file()
+    lead_rows = [line for line in report.splitlines() if line.startswith("| mtp | 25% | 3 |")]
+    assert len(lead_rows) == 1 and "| 80.0% | 40.0% | 23.0% | 53.0% |" in lead_rows[0]
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "results.jsonl").write_text(json.dumps(sweep_row("mtp", 10, 0.5)) + "\n")
+    assert "Recall by lead" not in write_report(plain / "results.jsonl").read_text()
