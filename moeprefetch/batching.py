@@ -3,10 +3,14 @@
 A `ContinuousBatch` holds `max_batch_size` cache rows and one decode step of that many rows (captured as a CUDA graph
 like any other). Admitting a request prefills its prompt into a free row (the others wait for that prefill, at a token
 boundary) and samples its first token; every `step()` decodes one token for every active row. A row's result never
-depends on the other rows or on which rows are active (the step always has the same shape, and its kernels compute
-each row on its own), so a request gets the tokens it would get alone; sampling draws each request's noise from its
-own seed and positions (`RowSampler`). One `ContinuousBatch` owns the engine while it lives: nothing else may
-generate meanwhile.
+depends on the other rows or on which rows are active: the step always has the same shape and its kernels compute
+each row on its own, and sampling draws each request's noise from its own seed and positions (`RowSampler`). On the
+CPU that also makes its tokens those of `engine.generate` alone (tests check it); on CUDA a batch-of-one call may
+pick other kernel tiles, so the guarantee there is independence from the rest of the batch. One `ContinuousBatch`
+owns the engine while it lives: nothing else may generate meanwhile.
+
+Admitting a request runs its prefill as table steps, which moves the table's step clock: prefetches reserved for the
+next decode step of the rows already running may be released as wasted (speed, never tokens).
 """
 
 from __future__ import annotations
@@ -18,10 +22,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from .build import predictor_spec
-from .decode import DecodeStep, StepShape
+from .decode import DecodeStep
 from .errors import RequestError
 from .sampling import RowSampler, SamplingParams, sample
-from .session import configure_residency, prefill_mtp_row, prefill_row
+from .session import configure_residency, prefill_mtp_row, prefill_row, step_shape
 
 if TYPE_CHECKING:
     from .engine import MoEPrefetchEngine
@@ -47,7 +51,8 @@ class RowState:
 
 
 class ContinuousBatch:
-    def __init__(self, engine: "MoEPrefetchEngine", predictor: str | None = None, min_confidence: float = 0.0):
+    def __init__(self, engine: "MoEPrefetchEngine", predictor: str | None = None,
+                 min_confidence: float | None = None):
         options = engine.options
         spec = predictor_spec(predictor or options.predictor, options.lookahead, engine.has_mtp)
         if spec.oracle:
@@ -57,16 +62,14 @@ class ContinuousBatch:
         self.spec = spec
         res = engine.residency
         self.uses_mtp = engine.has_mtp and spec.needs_mtp
-        shadow = spec.shadow and not res.preloaded
         self.caches = engine._caches(self.rows, self.uses_mtp)
         self.sampler = RowSampler(engine.args.vocab_size, engine.device, self.rows)
-        draft_cached = self.uses_mtp and not res.preloaded and options.draft_experts == "cached"
-        shape = StepShape(batch=self.rows, mode="shadow" if shadow else "none", spec=spec, run_mtp=self.uses_mtp,
-                          greedy=False, top_k=True, top_p=True, reserve=spec.active and not res.preloaded,
-                          draft_cached=draft_cached)
+        configure_residency(engine, spec, self.rows,
+                            options.min_confidence if min_confidence is None else min_confidence)
+        shape = step_shape(engine, self.rows, spec, "shadow" if spec.shadow and not res.preloaded else "none",
+                           self.uses_mtp, SamplingParams(temperature=1.0, top_k=1, top_p=0.5))
         self.step_fn = DecodeStep(engine.runner, self.caches, self.sampler, shape, options.cuda_graphs)
         self.state: list[RowState | None] = [None] * self.rows
-        configure_residency(engine, spec, self.rows, min_confidence)
         res.begin_call()
         self.steps = 0
         self._carried: torch.Tensor | None = None  # counters of the table before a settle
@@ -82,8 +85,10 @@ class ContinuousBatch:
 
     def check(self, prompt: list[int], max_new_tokens: int) -> None:
         """Whether a request fits the engine (one sentence if not); nothing is changed."""
-        # the engine's own checks: token ids in the vocabulary, the prompt and its new tokens within the context
-        self.engine._new_request([prompt], max_new_tokens, 0.0, 0, 1.0, None, None, None, None, False, None)
+        # the engine's own checks: token ids in the vocabulary, the prompt and its new tokens (and chained drafts)
+        # within the context
+        self.engine._new_request([prompt], max_new_tokens, 0.0, 0, 1.0, None, self.spec.name, self.spec.lookahead,
+                                 None, False, None)
 
     def admit(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
               stop_ids: frozenset[int] = frozenset()) -> tuple[int, int]:
@@ -94,9 +99,7 @@ class ContinuousBatch:
             raise RequestError("no free row in the batch")
         row = self.free_rows[0]
         engine = self.engine
-        for kv in self.caches.layers + ([self.caches.mtp] if self.caches.mtp is not None else []):
-            for tensor in vars(kv).values():
-                tensor[row].zero_()  # masked entries meet exact zeros, never an earlier request's keys
+        self.caches.zero_(row)  # masked entries meet exact zeros, never an earlier request's keys
         hidden = prefill_row(engine, self.caches, row, prompt)
         first = int(sample(engine.runner.logits(hidden[-1:]), sampling, [0], [len(prompt)])[0])
         state = RowState(len(prompt), max_new_tokens, stop_ids, [first])

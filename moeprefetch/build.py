@@ -100,7 +100,7 @@ def predictor_spec(spec: str, lookahead: int, has_mtp: bool) -> PredictorSpec:
     if any(n in MTP_PREDICTORS for n in parsed.names) and not has_mtp:
         raise RequestError(f"predictor {spec!r} needs an MTP layer, and this checkpoint has none")
     if parsed.ring > 9:
-        raise RequestError(f"lookahead={lookahead} is too far for the oracle: at most 8 steps ahead")
+        raise RequestError(f"lookahead={lookahead} is too far: predictions reach at most 8 steps ahead")
     return parsed
 
 

@@ -301,7 +301,7 @@ def load_model_args(path: str | Path) -> ModelArgs:
         eos_token_ids=tuple(int(e) for e in eos_ids),
         pad_token_id=get("pad_token_id", None),
         quant=_quant_args(raw),
-        sparse_layers=_listed_sparse_layers(raw, num_layers),
+        sparse_layers=_listed_sparse_layers(raw, hf, num_layers),
         extra={k: v for k, v in raw.items() if k not in ("architectures",)},
     )
     _validate_shapes(args, path)
@@ -361,9 +361,11 @@ def _glm4_args(raw: dict[str, Any], get, hf: Any, path: Path) -> ModelArgs:
     )
 
 
-def _listed_sparse_layers(raw: dict[str, Any], layers: int) -> tuple[int, ...] | None:
-    """GLM-4.7-Flash lists each layer's kind ("dense" or "sparse") in mlp_layer_types; others have a dense prefix."""
-    kinds = raw.get("mlp_layer_types")
+def _listed_sparse_layers(raw: dict[str, Any], hf: Any, layers: int) -> tuple[int, ...] | None:
+    """GLM-4.7-Flash lists each layer's kind ("dense" or "sparse") in mlp_layer_types (transformers' default when the
+    config omits it: the first layer dense); others have a dense prefix."""
+    kinds = raw.get("mlp_layer_types") or (getattr(hf, "mlp_layer_types", None)
+                                           if raw.get("model_type") == "glm4_moe_lite" else None)
     if kinds is None:
         return None
     if len(kinds) != layers or any(k not in ("dense", "sparse") for k in kinds):

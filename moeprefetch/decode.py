@@ -285,8 +285,9 @@ class DecodeStep:
         for lead in range(2, links + 1):
             x = self._mtp_link(drafts[:, :1], x, pos[:, None] + lead, chained=True)
             self._route_ahead(x, lead, reach)
-            probs, drafts = self.runner.mtp_logits(x).softmax(-1).max(-1)
-            reach = reach * probs[:, 0]
+            if lead < links:  # the next link's draft (the last link's would go unused: the head reads V x H)
+                probs, drafts = self.runner.mtp_logits(x).softmax(-1).max(-1)
+                reach = reach * probs[:, 0]
 
     def _mtp_link(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                   chained: bool) -> torch.Tensor:

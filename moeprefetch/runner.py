@@ -61,10 +61,11 @@ class KVCaches:
         per_layer *= torch.tensor([], dtype=dtype).element_size()
         return per_layer * (args.num_hidden_layers + (1 if with_mtp else 0))
 
-    def zero_(self) -> None:
+    def zero_(self, row: int | None = None) -> None:
+        """Zero every cache (or one batch row of each)."""
         for kv in self.layers + ([self.mtp] if self.mtp is not None else []):
             for tensor in vars(kv).values():
-                tensor.zero_()
+                (tensor if row is None else tensor[row]).zero_()
 
 
 @dataclass(frozen=True)

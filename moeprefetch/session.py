@@ -170,14 +170,9 @@ class Session:
         return first, drafts, probs
 
     def _step(self, caches) -> DecodeStep:
-        options, res = self.engine.options, self.res
         mode = "verify" if self.speculative else ("shadow" if self.shadow else "none")
-        sampling = self.request.sampling
-        reserve = self.spec.active and not res.preloaded
-        draft_cached = self.uses_mtp and not res.preloaded and options.draft_experts == "cached"
-        shape = StepShape(batch=self.batch, mode=mode, spec=self.spec, run_mtp=self.uses_mtp,
-                          greedy=sampling.greedy, top_k=0 < sampling.top_k < self.args.vocab_size,
-                          top_p=sampling.top_p < 1.0, reserve=reserve, record=self.record, draft_cached=draft_cached)
+        shape = step_shape(self.engine, self.batch, self.spec, mode, self.uses_mtp, self.request.sampling,
+                           record=self.record)
         return self.engine._decode_step(caches, shape, self.trace)
 
     def _advance(self, out: StepOutput, drafts: list[int], probs: list[float], positions: list[int],
@@ -317,3 +312,13 @@ def configure_residency(engine: "MoEPrefetchEngine", spec: PredictorSpec, rows: 
     engine.residency.configure(ring=spec.ring, budget_per_target=budget, max_inflight=inflight,
                                min_confidence=min_confidence, spare_recent=spare,
                                wait_late=options.late_prefetch == "wait")
+
+
+def step_shape(engine: "MoEPrefetchEngine", batch: int, spec: PredictorSpec, mode: str, uses_mtp: bool,
+               sampling: SamplingParams, record: bool = False) -> StepShape:
+    """The decode step a call (or a continuous batch) runs: its rows, predictor signals and sampling paths."""
+    res = engine.residency
+    return StepShape(batch=batch, mode=mode, spec=spec, run_mtp=uses_mtp, greedy=sampling.greedy,
+                     top_k=0 < sampling.top_k < engine.args.vocab_size, top_p=sampling.top_p < 1.0,
+                     reserve=spec.active and not res.preloaded, record=record,
+                     draft_cached=uses_mtp and not res.preloaded and engine.options.draft_experts == "cached")

@@ -31,15 +31,20 @@ def test_row_sampler_draws_what_each_request_draws_alone():
         assert int(got[row]) == int(expected[0]), (row, p)
 
 
-@pytest.mark.parametrize("slots,predictor", [(None, "none"), (6, "none"), (6, "mtp+next_layer_gate")])
-def test_requests_joining_a_running_batch_get_their_tokens_alone(checkpoint_factory, slots, predictor):
-    path = checkpoint_factory("v3")
-    kwargs = dict(progress=False, max_seq_len=128, expert_cache_slots=slots)
+@pytest.mark.parametrize("variant,slots,predictor,lookahead", [
+    ("v3", None, "none", 1), ("v3", 6, "none", 1), ("v3", 6, "mtp+next_layer_gate", 1), ("v3", 6, "mtp", 3),
+    ("qwen3", 5, "next_layer_gate", 2), ("glm4", 6, "mtp+next_layer_gate", 2)])
+def test_requests_joining_a_running_batch_get_their_tokens_alone(checkpoint_factory, variant, slots, predictor,
+                                                                 lookahead):
+    path = checkpoint_factory(variant)
+    kwargs = dict(progress=False, max_seq_len=128, expert_cache_slots=slots, lookahead=lookahead)
     alone = MoEPrefetchEngine.from_pretrained(path, max_batch_size=1, **kwargs)
     requests = [([3, 4, 5, 6], 9, SamplingParams()), ([7, 8], 12, SamplingParams(temperature=0.8, seed=11)),
-                ([9, 10, 11], 7, SamplingParams(temperature=1.1, top_k=5, seed=4)), ([12], 10, SamplingParams())]
-    expected = [alone.generate([p], max_new_tokens=n, temperature=s.temperature, top_k=s.top_k, seed=s.seed,
-                               stop_at_eos=False, predictor=predictor).sequences[0] for p, n, s in requests]
+                ([9, 10, 11], 7, SamplingParams(temperature=1.1, top_k=5, seed=4)),
+                ([12], 10, SamplingParams(temperature=0.9, top_p=0.7, seed=2))]
+    expected = [alone.generate([p], max_new_tokens=n, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                               seed=s.seed, stop_at_eos=False, predictor=predictor).sequences[0]
+                for p, n, s in requests]
     engine = MoEPrefetchEngine.from_pretrained(path, max_batch_size=2, **kwargs)
     batch = ContinuousBatch(engine, predictor)
     waiting, got, rows = list(range(len(requests))), {}, {}

@@ -223,6 +223,44 @@ def test_a_client_that_disconnects_frees_its_row(live):
     assert live.client.completions.create(model="tiny", prompt="x", max_tokens=3, temperature=0).choices
 
 
+def test_a_non_streaming_client_that_disconnects_frees_its_row(live):
+    before = live.scheduler.snapshot()["requests"]["cancelled"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.url + "/v1/completions", timeout=0.5,
+                   json={"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 240, "temperature": 0,
+                         "ignore_eos": True})
+    deadline = time.monotonic() + 20
+    while live.scheduler.snapshot()["active"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    state = live.scheduler.snapshot()
+    assert state["active"] == 0 and state["requests"]["cancelled"] > before
+    assert state["completion_tokens"] > 0
+
+
+def test_unseeded_sampling_differs_between_requests(live):
+    answers = {live.client.completions.create(model="tiny", prompt="the quick", max_tokens=16,
+                                              temperature=1.5).choices[0].text for _ in range(4)}
+    assert len(answers) > 1
+
+
+def test_a_failed_decode_step_fails_its_requests_and_the_server_carries_on(live, monkeypatch):
+    batch = live.scheduler.batch
+    step = batch.step
+    failures = {"left": 1}
+
+    def failing():
+        if failures["left"]:
+            failures["left"] -= 1
+            raise RuntimeError("injected step failure")
+        return step()
+
+    monkeypatch.setattr(batch, "step", failing)
+    response = httpx.post(live.url + "/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 6, "temperature": 0})
+    assert response.status_code == 500 and "injected step failure" in response.json()["error"]["message"]
+    assert live.client.completions.create(model="tiny", prompt=[3, 4], max_tokens=4, temperature=0).choices
+
+
 def test_stop_strings_end_the_text_before_them(live, reference):
     full = _alone(reference, PROMPTS[0], 16)[0]
     assert len(full) > 6
@@ -327,8 +365,31 @@ def test_sigterm_drains_requests_in_flight_then_exits(model_dir):
         time.sleep(0.5)  # the request is in flight
         process.send_signal(signal.SIGTERM)
         thread.join(timeout=60)
-        assert result["status"] == 200 and result["body"]["usage"]["completion_tokens"] > 0
+        assert result["status"] == 200
+        # the request in flight ran to its end: every token, not a cut-short answer
+        choice, usage = result["body"]["choices"][0], result["body"]["usage"]
+        assert (choice["finish_reason"], usage["completion_tokens"]) in (("length", 120),) or choice[
+            "finish_reason"] == "stop"
         assert process.wait(timeout=60) == 0
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_an_engine_thread_that_dies_fails_its_requests_and_refuses_new_ones(model_dir, monkeypatch):
+    server = LiveServer(model_dir, max_batch_size=1, name="fragile")
+    try:
+        scheduler = server.scheduler
+
+        def broken(handle, token):
+            raise RuntimeError("injected thread failure")
+
+        monkeypatch.setattr(scheduler, "_token", broken)
+        body = {"model": "fragile", "prompt": [3, 4], "max_tokens": 4, "temperature": 0}
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 500 and "engine thread stopped" in response.json()["error"]["message"]
+        again = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert again.status_code == 503
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 503
+    finally:
+        server.close()

@@ -84,10 +84,17 @@ class Server:
         if job.stream:
             return StreamingResponse(self._stream(handle), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._collect(handle)
+        return await self._collect(request, handle)
 
-    async def _collect(self, handle: Handle) -> Response:
+    async def _collect(self, request: Request, handle: Handle) -> Response:
         job, text = handle.job, []
+
+        async def watch_disconnect() -> None:  # nothing cancels a plain endpoint when its client leaves
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            handle.cancelled = True
+
+        watcher = asyncio.create_task(watch_disconnect())
         try:
             while True:
                 event = await handle.events.get()
@@ -102,6 +109,7 @@ class Server:
                                          "choices": [_choice(job, "".join(text), reason, delta=False)],
                                          "usage": usage})
         finally:
+            watcher.cancel()
             handle.cancelled = True  # a client that went away frees its row at the next token boundary
 
     async def _stream(self, handle: Handle) -> AsyncIterator[str]:

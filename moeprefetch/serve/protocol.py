@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -35,8 +36,13 @@ class Job:
     stop: list[str]
     stream: bool
     ignore_eos: bool = False  # an extension (as vLLM's): generate max_tokens whatever the model ends with
-    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
+    id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            prefix = "chatcmpl" if self.kind == "chat.completion" else "cmpl"
+            self.id = f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
@@ -94,8 +100,10 @@ def parse_common(body: Any, served_model: str, default_max_tokens: int) -> dict[
     for name, value in (("stream", stream), ("ignore_eos", ignore_eos)):
         if not isinstance(value, bool):
             raise APIError(400, f"{name} must be true or false, got {value!r}", name)
+    if seed is None:  # as engine.generate: a fresh seed, so that unseeded requests differ
+        seed = secrets.randbits(62)
     return dict(max_tokens=max_tokens, stream=stream, stop=_stop(body), ignore_eos=ignore_eos,
-                sampling=SamplingParams(temperature=temperature, top_k=top_k or 0, top_p=top_p, seed=seed or 0))
+                sampling=SamplingParams(temperature=temperature, top_k=top_k or 0, top_p=top_p, seed=seed))
 
 
 def parse_completion(body: Any, tokenizer, served_model: str, default_max_tokens: int) -> Job:

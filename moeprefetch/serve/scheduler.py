@@ -46,7 +46,10 @@ class Handle:
     submitted: float = field(default_factory=time.perf_counter)
 
     def send(self, event: tuple) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the handler's loop is closed (the server stopped): nobody is waiting
+            pass
 
 
 @dataclass
@@ -71,6 +74,7 @@ class Scheduler:
         self.counters = ServerCounters()
         self._cond = threading.Condition()
         self._stopping = False
+        self._admitting: list[Handle] = []  # taken off the queue, not yet in a row
         self._thread = threading.Thread(target=self._run, name="moeprefetch-scheduler", daemon=True)
         self._thread.start()
 
@@ -78,8 +82,9 @@ class Scheduler:
     def submit(self, handle: Handle) -> None:
         """Queue a request, or refuse it at once (429 when the queue is full, 503 while shutting down)."""
         with self._cond:
-            if self._stopping:
-                raise APIError(503, "the server is shutting down", kind="server_error")
+            if self._stopping or not self._thread.is_alive():
+                raise APIError(503, "the server is shutting down or its engine thread has stopped",
+                               kind="server_error")
             if len(self.queue) >= self.max_queue:
                 self.counters.requests["rejected"] += 1
                 raise APIError(429, f"the request queue is full ({self.max_queue} waiting); retry later",
@@ -106,17 +111,36 @@ class Scheduler:
         deadline = time.monotonic() + drain_seconds
         while time.monotonic() < deadline and self._thread.is_alive():
             with self._cond:
-                if not self.queue and not self.rows:
+                if not self.queue and not self.rows and not self._admitting:
                     break
             time.sleep(0.02)
         with self._cond:
-            for handle in list(self.queue) + list(self.rows.values()):
+            left = list(self.queue) + list(self._admitting) + list(self.rows.values())
+            for handle in left:
                 handle.cancelled = True
             self._cond.notify()
-        self._thread.join(timeout=max(drain_seconds, 1.0) + 5.0)
+        for handle in left:  # whoever still waits hears why
+            handle.send(("error", APIError(503, "the server shut down before this request finished",
+                                           kind="server_error")))
+        self._thread.join(timeout=10.0)
 
     # ---- the scheduler thread --------------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # the engine thread must not die silently: every waiting request hears it
+            logger.exception("the scheduler stopped")
+            error = APIError(500, f"the server's engine thread stopped: {type(exc).__name__}: {exc}",
+                             kind="server_error")
+            with self._cond:
+                self._stopping = True
+                left = list(self.queue) + list(self._admitting) + list(self.rows.values())
+                self.queue.clear()
+                self.rows.clear()
+            for handle in left:
+                handle.send(("error", error))
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self.queue and not self.rows and not self._stopping:
@@ -124,18 +148,19 @@ class Scheduler:
                     self._cond.wait(timeout=1.0)
                 if self._stopping and not self.queue and not self.rows:
                     return
-                admitting = []
-                while self.queue and len(self.rows) + len(admitting) < self.batch.rows:
-                    admitting.append(self.queue.popleft())
-            for handle in admitting:
-                self._admit(handle)
+                while self.queue and len(self.rows) + len(self._admitting) < self.batch.rows:
+                    self._admitting.append(self.queue.popleft())
+            while self._admitting:
+                self._admit(self._admitting[0])
+                with self._cond:
+                    self._admitting.pop(0)
             self._drop_cancelled()
             if self.rows:
                 self._step()
 
     def _admit(self, handle: Handle) -> None:
         if handle.cancelled:
-            self._finish_counts("cancelled")
+            self._cancelled(handle)
             return
         job = handle.job
         try:
@@ -182,7 +207,7 @@ class Scheduler:
         with self._cond:
             self.counters.completion_tokens += 1
         eos = token in self._stop_ids(handle.job)
-        done = eos or len(handle.tokens) >= handle.job.max_tokens
+        done = self.batch.finished(handle.row)  # end of sequence (unless ignored) or max_tokens
         if handle.text is not None:
             handle.pending_text += handle.text.piece(handle.tokens, final=done)
         stop_at = self._stop_index(handle)
@@ -242,7 +267,12 @@ class Scheduler:
     def _drop_cancelled(self) -> None:
         for handle in [h for h in self.rows.values() if h.cancelled]:
             self._release(handle)
-            self._finish_counts("cancelled")
+            self._cancelled(handle)
+
+    def _cancelled(self, handle: Handle) -> None:
+        """A request whose client left: its handler (still waiting, for a plain request) ends too."""
+        handle.send(("error", APIError(499, "the client closed the request", kind="cancelled")))
+        self._finish_counts("cancelled")
 
     def _finish_counts(self, outcome: str) -> None:
         with self._cond:
