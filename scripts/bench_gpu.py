@@ -71,8 +71,9 @@ V3LAYERS = dict(
 )
 
 
-# Qwen3-30B-A3B's shape (48 layers of 128 experts, top-8, expert intermediate 768); `qwen3_30b_layers` keeps its
-# first N layers (--qwen3-layers): the whole model's 61 GB does not fit the GPU machine's disk beside the rest
+# Qwen3-30B-A3B's shape (48 layers of 128 experts, top-8, expert intermediate 768). `qwen3_30b` writes its experts in
+# FP8 with block scales, as Qwen3-30B-A3B-FP8 is published (~31 GB: the bf16 model's 61 GB does not fit the GPU
+# machine's 64 GiB disk beside the rest); `qwen3_30b_layers` keeps bf16 and its first N layers (--qwen3-layers)
 QWEN3_30B = dict(
     model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
@@ -223,15 +224,25 @@ def scale_placement(device: torch.device) -> dict[str, float]:
 # ---- checkpoints --------------------------------------------------------------------------------------------------
 
 
+FP8_BLOCK = (128, 128)
+
+
 def write_random_checkpoint(out: Path, shape: dict[str, Any], device: torch.device, seed: int = 0,
-                            shard_bytes: int = 4 * GiB) -> Path:
-    """A random-weight checkpoint with real tensor names, generated shard by shard (bounded host RAM)."""
+                            shard_bytes: int = 4 * GiB, fp8_experts: bool = False) -> Path:
+    """A random-weight checkpoint with real tensor names, generated shard by shard (bounded host RAM). With
+    `fp8_experts` the routed experts are FP8 with 128x128 block scales (`weight_scale_inv`), as DeepSeek-V3's and
+    Qwen3-30B-A3B-FP8's releases are."""
     from safetensors.torch import save_file
+
+    from moeprefetch.quant import quantize_fp8_blocks
 
     out.mkdir(parents=True, exist_ok=True)
     cfg = dict(shape)
     architecture = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                     "qwen3_moe": "Qwen3MoeForCausalLM"}[cfg["model_type"]]
+    if fp8_experts:
+        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "weight_block_size": list(FP8_BLOCK)}
     (out / "config.json").write_text(json.dumps({**cfg, "architectures": [architecture], "torch_dtype": "bfloat16"},
                                                 indent=1))
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -254,13 +265,20 @@ def write_random_checkpoint(out: Path, shape: dict[str, Any], device: torch.devi
             tensor = torch.zeros(tensor_shape, dtype=torch.float32)
         else:
             std = 0.02 if not name.endswith("mlp.gate.weight") else 0.05
-            tensor = (torch.randn(tensor_shape, generator=generator, device=device) * std).to(torch.bfloat16).cpu()
-        nbytes = tensor.numel() * tensor.element_size()
+            tensor = (torch.randn(tensor_shape, generator=generator, device=device) * std).to(torch.bfloat16)
+            if fp8_experts and ".mlp.experts." in name:
+                payload, scale = quantize_fp8_blocks(tensor, FP8_BLOCK)
+                tensors = {name: payload.cpu(), name.removesuffix(".weight") + ".weight_scale_inv": scale.cpu()}
+            else:
+                tensor = tensor.cpu()
+        if not (fp8_experts and ".mlp.experts." in name):
+            tensors = {name: tensor}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         if shards[-1] and size + nbytes > shard_bytes:
             flush()
             shards.append({})
             size = 0
-        shards[-1][name] = tensor
+        shards[-1].update(tensors)
         size += nbytes
     flush()
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
@@ -1158,7 +1176,8 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "qwen3_30b_layers":
                     shape = dict(shape, num_hidden_layers=args.qwen3_layers)
                 shape = tiny(shape) if args.scale == "tiny" else shape
-                path = write_random_checkpoint(args.workdir / name, shape, device)
+                # the whole Qwen3-30B-A3B only fits the GPU machine's disk as its published FP8 release does
+                path = write_random_checkpoint(args.workdir / name, shape, device, fp8_experts=name == "qwen3_30b")
             else:
                 raise ValueError(f"unknown workload {name}")
             logger.info("%s checkpoint ready in %.1f s", name, time.perf_counter() - start)

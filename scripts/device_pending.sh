@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (repo root): the measurements this code still owes, one stage per device call (each fits a
+# 10-minute call). STAGE=qwen3: issue 17's qwen3_30b rows (the whole 48-layer shape, FP8 experts as published, 12
+# GiB); STAGE=serve: issue 19's serving rows (V2-Lite, 12 GiB, 1/4/16 streams); STAGE=lead: issue 21's ref17 rows with
+# MTP drafts chained 1-3 tokens ahead; STAGE=tests: the GPU tests of this session's code.
+# Usage: STAGE=qwen3|serve|lead|tests bash scripts/device_pending.sh OUT_DIR
+set -u
+out=$1; shift
+export PYTHONUNBUFFERED=1
+mkdir -p "$out"
+filter() { grep -v -i warning | grep -E '^\{|bench_gpu|bench_serve|Error|error|passed|failed' | cut -c1-300; }
+case "${STAGE:-tests}" in
+  qwen3)
+    timeout 560 python3 scripts/bench_gpu.py --out "$out/bench_qwen3.json" --workloads qwen3_30b \
+      --systems all_resident,none,next_layer_gate,oracle --runs 2 "$@" 2>&1 | filter ;;
+  serve)
+    timeout 560 python3 scripts/bench_serve.py --out "$out/serve_h200.json" "$@" 2>&1 | filter ;;
+  lead)
+    timeout 560 python3 scripts/bench_gpu.py --out "$out/bench_lead.json" --workloads ref17 \
+      --systems all_resident,none,mtp,mtp_la2,mtp_la3,mtp+next_layer_gate,mtp+next_layer_gate_la2,mtp+next_layer_gate_la3 \
+      "$@" 2>&1 | filter ;;
+  tests)
+    timeout 560 python3 -m pytest tests/test_streaming.py tests/test_families.py tests/test_predictors.py \
+      tests/test_batching.py tests/test_transfer.py -q -x -p no:cacheprovider --tb=short "$@" 2>&1 | tail -15 ;;
+esac
