@@ -206,7 +206,15 @@ def test_ignore_eos_generates_max_tokens_and_streams_one_chunk_per_token(live):
     with httpx.stream("POST", live.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as response:
         chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     assert len(chunks) == 10 and chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["usage"]["completion_tokens"] == 9
+    assert "usage" not in chunks[-1]  # only when asked for, as OpenAI's API does
+    with httpx.stream("POST", live.url + "/v1/completions", timeout=30,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 9
+    # a stream that fails before its first token gets the HTTP error, not a 200 with an error event
+    response = httpx.post(live.url + "/v1/completions", timeout=30,
+                          json={"model": "tiny", "prompt": [3, 10**6], "max_tokens": 3, "stream": True})
+    assert response.status_code == 400 and response.json()["error"]["message"]
 
 
 def test_a_client_that_disconnects_frees_its_row(live):
@@ -289,6 +297,10 @@ def test_an_engine_error_fails_that_request_only(live, monkeypatch):
         responses = [f.result() for f in futures]
     assert responses[0].status_code == 500 and "injected failure" in responses[0].json()["error"]["message"]
     assert [r.status_code for r in responses[1:]] == [200, 200]
+    # streaming: a failure before the first token is the HTTP status, not a 200 with an error event
+    streamed = httpx.post(live.url + "/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": [7, 7, 9], "max_tokens": 6, "stream": True})
+    assert streamed.status_code == 500 and "injected failure" in streamed.json()["error"]["message"]
     assert httpx.get(live.url + "/health", timeout=30).status_code == 200
 
 

@@ -82,7 +82,12 @@ class Server:
         except APIError as exc:
             return _error(exc)
         if job.stream:
-            return StreamingResponse(self._stream(handle), media_type="text/event-stream",
+            # the first event decides the status: a request that fails before its first token gets its HTTP error
+            first = await handle.events.get()
+            if first[0] == "error":
+                handle.cancelled = True
+                return _error(first[1])
+            return StreamingResponse(self._stream(handle, first), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await self._collect(request, handle)
 
@@ -112,32 +117,35 @@ class Server:
             watcher.cancel()
             handle.cancelled = True  # a client that went away frees its row at the next token boundary
 
-    async def _stream(self, handle: Handle) -> AsyncIterator[str]:
+    async def _stream(self, handle: Handle, first: tuple) -> AsyncIterator[str]:
         job = handle.job
 
-        def chunk(text: str, reason: str | None, usage: dict | None = None) -> str:
+        def chunk(text: str, reason: str | None) -> str:
             body = {"id": job.id, "object": _object(job, True), "created": job.created, "model": self.model_name,
                     "choices": [_choice(job, text, reason, delta=True)]}
-            if usage is not None:
-                body["usage"] = usage
             return f"data: {json.dumps(body)}\n\n"
 
         try:
-            if job.kind == "chat.completion":
-                first = {"id": job.id, "object": "chat.completion.chunk", "created": job.created,
-                         "model": self.model_name,
-                         "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
-                yield f"data: {json.dumps(first)}\n\n"
+            if job.kind == "chat.completion":  # the role first, as OpenAI's chat streams begin
+                role = {"id": job.id, "object": "chat.completion.chunk", "created": job.created,
+                        "model": self.model_name,
+                        "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+                yield f"data: {json.dumps(role)}\n\n"
+            event = first
             while True:
-                event = await handle.events.get()
                 if event[0] == "text":  # one chunk per token, even when its text is held back or empty
                     yield chunk(event[1], None)
-                elif event[0] == "error":
+                elif event[0] == "error":  # after the stream began: an error event, as OpenAI's API sends
                     yield f"data: {json.dumps(event[1].body())}\n\n"
                     break
                 else:
-                    yield chunk("", event[1], event[2])
+                    yield chunk("", event[1])
+                    if job.include_usage:
+                        usage = {"id": job.id, "object": _object(job, True), "created": job.created,
+                                 "model": self.model_name, "choices": [], "usage": event[2]}
+                        yield f"data: {json.dumps(usage)}\n\n"
                     break
+                event = await handle.events.get()
             yield "data: [DONE]\n\n"
         finally:
             handle.cancelled = True

@@ -36,6 +36,7 @@ class Job:
     stop: list[str]
     stream: bool
     ignore_eos: bool = False  # an extension (as vLLM's): generate max_tokens whatever the model ends with
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage and no choices
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -100,9 +101,13 @@ def parse_common(body: Any, served_model: str, default_max_tokens: int) -> dict[
     for name, value in (("stream", stream), ("ignore_eos", ignore_eos)):
         if not isinstance(value, bool):
             raise APIError(400, f"{name} must be true or false, got {value!r}", name)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise APIError(400, "stream_options must be an object like {\"include_usage\": true}", "stream_options")
     if seed is None:  # as engine.generate: a fresh seed, so that unseeded requests differ
         seed = secrets.randbits(62)
     return dict(max_tokens=max_tokens, stream=stream, stop=_stop(body), ignore_eos=ignore_eos,
+                include_usage=bool(options.get("include_usage", False)),
                 sampling=SamplingParams(temperature=temperature, top_k=top_k or 0, top_p=top_p, seed=seed))
 
 
