@@ -76,3 +76,31 @@ def test_a_batch_refuses_what_does_not_fit_and_stays_usable(checkpoint_factory):
     batch.release(row)
     with pytest.raises(RequestError, match="oracle"):
         ContinuousBatch(engine, "oracle")
+
+
+def test_row_sampler_matches_device_sampler_on_random_parameters():
+    """Property check over random parameter mixes: every row of a mixed batch draws the request's own token."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    params = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.3, 1.0, 1.7]),
+                       top_k=st.sampled_from([0, 1, 5, 64]), top_p=st.sampled_from([1.0, 0.9, 0.4]),
+                       seed=st.integers(min_value=-2**40, max_value=2**40))
+
+    @hypothesis.settings(max_examples=40, deadline=None)
+    @hypothesis.given(st.lists(params, min_size=1, max_size=5), st.integers(0, 1000))
+    def check(rows, seed):
+        generator = torch.Generator().manual_seed(seed)
+        logits = torch.randn(len(rows), 64, generator=generator) * 2
+        positions = torch.randint(0, 500, (len(rows),), generator=generator)
+        sampler = RowSampler(64, torch.device("cpu"), len(rows))
+        for row, p in enumerate(rows):
+            sampler.set_row(row, p)
+        got = sampler(logits, SamplingParams(), torch.arange(len(rows)), positions)
+        for row, p in enumerate(rows):
+            alone = DeviceSampler(64, torch.device("cpu"))
+            alone.set_params(p)
+            expected = alone(logits[row : row + 1], p, torch.zeros(1, dtype=torch.long), positions[row : row + 1])
+            assert int(got[row]) == int(expected[0])
+
+    check()
