@@ -228,10 +228,59 @@ def load_model_args(path: str | Path) -> ModelArgs:
         value = raw.get(name, getattr(hf, name, default))
         return default if value is None else value
 
-    if FAMILIES[model_type].attention == "gqa":
-        args = _gqa_args(raw, get, hf, model_type, path)
-        _validate_shapes(args, path)
-        return args
+    parse = _gqa_args if FAMILIES[model_type].attention == "gqa" else _mla_args
+    args = parse(raw, get, hf, model_type, path)
+    _validate_shapes(args, path)
+    return args
+
+
+def _common_fields(raw: dict[str, Any], get, hf: Any, eps: float) -> dict[str, Any]:
+    """The ModelArgs fields every family reads the same way (`eps`: the family's default RMSNorm epsilon)."""
+    act = get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise CheckpointError(f"hidden_act {act!r} is not supported (supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
+    eos = get("eos_token_id", None)
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    return dict(vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
+                num_hidden_layers=int(get("num_hidden_layers")), hidden_act=act,
+                rms_norm_eps=float(get("rms_norm_eps", eps)),
+                max_position_embeddings=int(get("max_position_embeddings", 4096)), rope=_rope_args(hf, raw),
+                tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+                attention_bias=bool(get("attention_bias", False)), bos_token_id=get("bos_token_id", None),
+                eos_token_ids=tuple(int(e) for e in eos_ids), pad_token_id=get("pad_token_id", None),
+                quant=_quant_args(raw), extra={k: v for k, v in raw.items() if k not in ("architectures",)})
+
+
+def _router_fields(n_experts: int, top_k: int, n_group: int, topk_group: int, group_limited: bool
+                   ) -> dict[str, int]:
+    """The router's sizes, checked against each other."""
+    if n_experts % n_group:
+        raise CheckpointError(f"n_routed_experts ({n_experts}) is not a multiple of n_group ({n_group})")
+    if not 0 < topk_group <= n_group:
+        raise CheckpointError(f"topk_group ({topk_group}) must lie in 1..n_group ({n_group})")
+    if not 0 < top_k <= n_experts:
+        raise CheckpointError(f"num_experts_per_tok ({top_k}) must lie in 1..n_routed_experts ({n_experts})")
+    if group_limited and top_k > topk_group * (n_experts // n_group):
+        raise CheckpointError(
+            f"num_experts_per_tok ({top_k}) exceeds the experts in the {topk_group} selected group(s)"
+        )
+    return dict(n_routed_experts=n_experts, num_experts_per_tok=top_k, n_group=n_group, topk_group=topk_group)
+
+
+def _dense_prefix(raw: dict[str, Any], get, path: Path) -> int:
+    """first_k_dense_replace, whose dense layers need an intermediate_size."""
+    first_dense = int(get("first_k_dense_replace", 0) or 0)
+    if first_dense > 0 and raw.get("intermediate_size") is None:
+        raise CheckpointError(f"{path / 'config.json'} is missing required field intermediate_size (dense layers)")
+    return first_dense
+
+
+def _mtp_layers(raw: dict[str, Any]) -> int:
+    return int(raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 0)) or 0)
+
+
+def _mla_args(raw: dict[str, Any], get, hf: Any, model_type: str, path: Path) -> ModelArgs:
+    """DeepSeek-V3/V2 and GLM-4.7-Flash: MLA attention, their routers, a dense prefix (or listed layer kinds)."""
     is_v3 = model_type in ("deepseek_v3", "glm4_moe_lite")  # V3's router and defaults
     scoring = get("scoring_func", "sigmoid" if is_v3 else "softmax")
     topk_method = get("topk_method", "noaux_tc" if is_v3 else "greedy")
@@ -241,71 +290,23 @@ def load_model_args(path: str | Path) -> ModelArgs:
         raise CheckpointError(
             f"topk_method {topk_method!r} is not supported (supported: noaux_tc, greedy, group_limited_greedy)"
         )
-    n_experts = int(get("n_routed_experts"))
     n_group = int(get("n_group", 1) or 1)
-    topk_group = int(get("topk_group", n_group) or n_group)
-    top_k = int(get("num_experts_per_tok"))
-    if n_experts % n_group:
-        raise CheckpointError(f"n_routed_experts ({n_experts}) is not a multiple of n_group ({n_group})")
-    if not 0 < topk_group <= n_group:
-        raise CheckpointError(f"topk_group ({topk_group}) must lie in 1..n_group ({n_group})")
-    if not 0 < top_k <= n_experts:
-        raise CheckpointError(f"num_experts_per_tok ({top_k}) must lie in 1..n_routed_experts ({n_experts})")
-    if topk_method != "greedy" and top_k > topk_group * (n_experts // n_group):
-        raise CheckpointError(
-            f"num_experts_per_tok ({top_k}) exceeds the experts in the {topk_group} selected group(s)"
-        )
-    act = get("hidden_act", "silu")
-    if act not in SUPPORTED_ACTIVATIONS:
-        raise CheckpointError(f"hidden_act {act!r} is not supported (supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
-    eos = get("eos_token_id", None)
-    eos_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    first_dense = int(get("first_k_dense_replace", 0))
-    num_layers = int(get("num_hidden_layers"))
-    if first_dense > 0 and raw.get("intermediate_size") is None:
-        raise CheckpointError(f"{path / 'config.json'} is missing required field intermediate_size (dense layers)")
-    nextn = raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 0)) or 0
-    args = ModelArgs(
-        model_type=model_type,
-        vocab_size=int(get("vocab_size")),
-        hidden_size=int(get("hidden_size")),
-        intermediate_size=int(get("intermediate_size", 0)),
-        moe_intermediate_size=int(get("moe_intermediate_size")),
-        num_hidden_layers=num_layers,
+    router = _router_fields(int(get("n_routed_experts")), int(get("num_experts_per_tok")), n_group,
+                            int(get("topk_group", n_group) or n_group), topk_method != "greedy")
+    common = _common_fields(raw, get, hf, 1e-6)
+    return ModelArgs(
+        model_type=model_type, **common, **router,
+        intermediate_size=int(get("intermediate_size", 0)), moe_intermediate_size=int(get("moe_intermediate_size")),
         num_attention_heads=int(get("num_attention_heads")),
-        q_lora_rank=raw.get("q_lora_rank", getattr(hf, "q_lora_rank", None)),
-        kv_lora_rank=int(get("kv_lora_rank")),
-        qk_nope_head_dim=int(get("qk_nope_head_dim")),
-        qk_rope_head_dim=int(get("qk_rope_head_dim")),
-        v_head_dim=int(get("v_head_dim")),
-        n_routed_experts=n_experts,
-        n_shared_experts=int(get("n_shared_experts", 0) or 0),
-        num_experts_per_tok=top_k,
-        n_group=n_group,
-        topk_group=topk_group,
-        first_k_dense_replace=first_dense,
-        moe_layer_freq=int(get("moe_layer_freq", 1) or 1),
-        scoring_func=scoring,
-        topk_method=topk_method,
-        norm_topk_prob=_norm_topk_prob(raw, hf, is_v3),
-        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
-        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(get("max_position_embeddings", 4096)),
-        rope=_rope_args(hf, raw),
-        num_nextn_predict_layers=int(nextn),
-        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-        hidden_act=act,
-        attention_bias=bool(get("attention_bias", False)),
+        q_lora_rank=raw.get("q_lora_rank", getattr(hf, "q_lora_rank", None)), kv_lora_rank=int(get("kv_lora_rank")),
+        qk_nope_head_dim=int(get("qk_nope_head_dim")), qk_rope_head_dim=int(get("qk_rope_head_dim")),
+        v_head_dim=int(get("v_head_dim")), n_shared_experts=int(get("n_shared_experts", 0) or 0),
+        first_k_dense_replace=_dense_prefix(raw, get, path), moe_layer_freq=int(get("moe_layer_freq", 1) or 1),
+        scoring_func=scoring, topk_method=topk_method, norm_topk_prob=_norm_topk_prob(raw, hf, is_v3),
+        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)), num_nextn_predict_layers=_mtp_layers(raw),
         mlp_bias=bool(get("mlp_bias", False)),
-        bos_token_id=get("bos_token_id", None),
-        eos_token_ids=tuple(int(e) for e in eos_ids),
-        pad_token_id=get("pad_token_id", None),
-        quant=_quant_args(raw),
-        sparse_layers=_listed_sparse_layers(raw, hf, num_layers),
-        extra={k: v for k, v in raw.items() if k not in ("architectures",)},
+        sparse_layers=_listed_sparse_layers(raw, hf, common["num_hidden_layers"]),
     )
-    _validate_shapes(args, path)
-    return args
 
 
 def _gqa_attention_fields(raw: dict[str, Any], get, hf: Any) -> dict[str, Any]:
@@ -327,37 +328,18 @@ def _gqa_attention_fields(raw: dict[str, Any], get, hf: Any) -> dict[str, Any]:
 
 
 def _glm4_args(raw: dict[str, Any], get, hf: Any, path: Path) -> ModelArgs:
-    n_experts = int(raw.get("n_routed_experts", raw.get("num_local_experts")) or 0)
-    top_k = int(get("num_experts_per_tok"))
     n_group = int(get("n_group", 1) or 1)
-    topk_group = int(get("topk_group", n_group) or n_group)
-    if not 0 < top_k <= n_experts or n_experts % n_group or not 0 < topk_group <= n_group:
-        raise CheckpointError(f"the router's sizes do not fit: {n_experts} experts, top-{top_k}, groups "
-                              f"{topk_group} of {n_group}")
-    act = get("hidden_act", "silu")
-    if act not in SUPPORTED_ACTIVATIONS:
-        raise CheckpointError(f"hidden_act {act!r} is not supported (supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
-    eos = get("eos_token_id", None)
-    eos_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    first_dense = int(get("first_k_dense_replace", 0) or 0)
-    if first_dense > 0 and raw.get("intermediate_size") is None:
-        raise CheckpointError(f"{path / 'config.json'} is missing required field intermediate_size (dense layers)")
-    nextn = raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 0)) or 0
+    router = _router_fields(int(raw.get("n_routed_experts", raw.get("num_local_experts")) or 0),
+                            int(get("num_experts_per_tok")), n_group, int(get("topk_group", n_group) or n_group),
+                            group_limited=True)
     return ModelArgs(
-        model_type="glm4_moe", vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
+        model_type="glm4_moe", **_common_fields(raw, get, hf, 1e-5), **router, **_gqa_attention_fields(raw, get, hf),
         intermediate_size=int(get("intermediate_size", 0) or 0),
-        moe_intermediate_size=int(get("moe_intermediate_size")), num_hidden_layers=int(get("num_hidden_layers")),
-        **_gqa_attention_fields(raw, get, hf), n_routed_experts=n_experts,
-        n_shared_experts=int(get("n_shared_experts", 0) or 0), num_experts_per_tok=top_k, n_group=n_group,
-        topk_group=topk_group, first_k_dense_replace=first_dense, moe_layer_freq=1, scoring_func="sigmoid",
+        moe_intermediate_size=int(get("moe_intermediate_size")), n_shared_experts=int(get("n_shared_experts", 0) or 0),
+        first_k_dense_replace=_dense_prefix(raw, get, path), moe_layer_freq=1, scoring_func="sigmoid",
         topk_method="noaux_tc", norm_topk_prob=bool(get("norm_topk_prob", True)),
-        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)), rms_norm_eps=float(get("rms_norm_eps", 1e-5)),
-        max_position_embeddings=int(get("max_position_embeddings", 4096)), rope=_rope_args(hf, raw),
-        num_nextn_predict_layers=int(nextn), tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-        hidden_act=act, attention_bias=bool(get("attention_bias", False)), mlp_bias=False,
-        bos_token_id=get("bos_token_id", None), eos_token_ids=tuple(int(e) for e in eos_ids),
-        pad_token_id=get("pad_token_id", None), quant=_quant_args(raw), qk_norm=bool(get("use_qk_norm", False)),
-        extra={k: v for k, v in raw.items() if k not in ("architectures",)},
+        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)), num_nextn_predict_layers=_mtp_layers(raw),
+        mlp_bias=False, qk_norm=bool(get("use_qk_norm", False)),
     )
 
 
@@ -381,11 +363,8 @@ def _gqa_args(raw: dict[str, Any], get, hf: Any, model_type: str, path: Path) ->
     if model_type == "glm4_moe":
         return _glm4_args(raw, get, hf, path)
     qwen = model_type == "qwen3_moe"
-    hidden = int(get("hidden_size"))
-    n_experts = int(raw.get("num_experts", raw.get("num_local_experts")) or 0)
-    top_k = int(get("num_experts_per_tok"))
-    if not 0 < top_k <= n_experts:
-        raise CheckpointError(f"num_experts_per_tok ({top_k}) must lie in 1..{n_experts} (the routed experts)")
+    router = _router_fields(int(raw.get("num_experts", raw.get("num_local_experts")) or 0),
+                            int(get("num_experts_per_tok")), 1, 1, group_limited=False)
     layers = int(get("num_hidden_layers"))
     if qwen:
         step = int(get("decoder_sparse_step", 1) or 1)
@@ -398,29 +377,17 @@ def _gqa_args(raw: dict[str, Any], get, hf: Any, model_type: str, path: Path) ->
     else:
         sparse = tuple(range(layers))
         expert_size = intermediate = int(get("intermediate_size"))
-    act = get("hidden_act", "silu")
-    if act not in SUPPORTED_ACTIVATIONS:
-        raise CheckpointError(f"hidden_act {act!r} is not supported (supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
     window = get("sliding_window", None)
     if qwen and not get("use_sliding_window", False):
         window = None
-    eos = get("eos_token_id", None)
-    eos_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     return ModelArgs(
-        model_type=model_type, vocab_size=int(get("vocab_size")), hidden_size=hidden,
-        intermediate_size=intermediate, moe_intermediate_size=expert_size, num_hidden_layers=layers,
-        **_gqa_attention_fields(raw, get, hf), n_routed_experts=n_experts, n_shared_experts=0,
-        num_experts_per_tok=top_k, n_group=1, topk_group=1, first_k_dense_replace=0, moe_layer_freq=1,
-        scoring_func="softmax", topk_method="greedy",
+        model_type=model_type, **_common_fields(raw, get, hf, 1e-6), **router, **_gqa_attention_fields(raw, get, hf),
+        intermediate_size=intermediate, moe_intermediate_size=expert_size, n_shared_experts=0,
+        first_k_dense_replace=0, moe_layer_freq=1, scoring_func="softmax", topk_method="greedy",
         # Mixtral always renormalises its top-k weights; Qwen3 as its config says
         norm_topk_prob=bool(get("norm_topk_prob", False)) if qwen else True,
-        routed_scaling_factor=1.0, rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(get("max_position_embeddings", 4096)), rope=_rope_args(hf, raw),
-        num_nextn_predict_layers=0, tie_word_embeddings=bool(get("tie_word_embeddings", False)), hidden_act=act,
-        attention_bias=bool(get("attention_bias", False)), mlp_bias=False, bos_token_id=get("bos_token_id", None),
-        eos_token_ids=tuple(int(e) for e in eos_ids), pad_token_id=get("pad_token_id", None), quant=_quant_args(raw),
-        qk_norm=qwen, sliding_window=int(window) if window else None,
-        sparse_layers=sparse, extra={k: v for k, v in raw.items() if k not in ("architectures",)},
+        routed_scaling_factor=1.0, num_nextn_predict_layers=0, mlp_bias=False,
+        qk_norm=qwen, sliding_window=int(window) if window else None, sparse_layers=sparse,
     )
 
 
