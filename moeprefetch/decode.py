@@ -217,6 +217,8 @@ class DecodeStep:
             self._mtp(torch.stack(mtp_tokens, 1), torch.stack(mtp_hidden, 1), pos)
         if self.streamer is not None:
             self.streamer.join()
+        if self.ring.leads is not None:  # this step's guesses of every lead meet the experts it used
+            self.ring.leads.close_step(res.st.decode_step)
         res.end_step()
 
     def _attend(self, lw, pos: torch.Tensor):
@@ -237,8 +239,8 @@ class DecodeStep:
         main = position < res.cfg.main_positions
         if main and shape.spec.active:
             self._predict(layer, position, flat[0], routings, active)
-            if self.ring.leads is not None:  # this step's guesses of every lead meet the real rows' experts
-                self.ring.leads.count(res.st.decode_step, position, real.ids, active)
+            if self.ring.leads is not None:  # the real rows' experts, for scoring predictions by lead
+                self.ring.leads.note(position, real.ids, active)
         if len(flat) == 1:
             ids_x, act_x, ids_s, act_s, weights = real.ids, active, None, None, real.weights
         elif shape.mode == "verify":

@@ -129,18 +129,21 @@ def routing_confidence(weights: torch.Tensor) -> torch.Tensor:
 class LeadTracker:
     """Predictions by lead (how many decode steps before their target they were made) and how they fared, on the
     device: `pred[L, R, P, E]` holds lead l+1's confidences for (step mod R, MoE position, expert), merged by `amax`
-    like the table's ring, and `counts[L, 3]` (predicted, correct, truth) grows at each main MoE layer of each decode
-    step, where the lead's guesses for this step meet the experts the real rows use; the entries are then cleared.
-    Counted as the table counts its recall: the step's predicted experts (at or above the confidence cut) against
-    the distinct experts its active rows use. Read once per call (`read`)."""
+    like the table's ring. Each main MoE layer of a decode step marks the experts its active rows use (`note`, one
+    scatter); at the step's end every lead's guesses for the step meet them at once (`close_step`), `counts[L, 3]`
+    (predicted, correct, truth) grows, and the step's entries are cleared. Counted as the table counts its recall:
+    the step's predicted experts (at or above the confidence cut) against the distinct experts its active rows use,
+    per layer. Read once per call (`read`)."""
 
     def __init__(self, leads: int, ring: int, positions: int, experts: int, device: torch.device):
         self.leads, self.ring = leads, ring
         self.pred = torch.zeros(leads, ring, positions, experts, dtype=torch.float32, device=device)
+        self.used = torch.zeros(positions, experts, dtype=torch.float32, device=device)  # this step's experts
         self.counts = torch.zeros(leads, 3, dtype=torch.int64, device=device)
 
     def reset(self) -> None:
         self.pred.zero_()
+        self.used.zero_()
         self.counts.zero_()
 
     def record(self, lead: int, row: torch.Tensor, position: int, ids: torch.Tensor, conf: torch.Tensor,
@@ -160,20 +163,21 @@ class LeadTracker:
             current = self.pred[lead - 1].index_select(0, row)
             self.pred[lead - 1].index_copy_(0, row, torch.maximum(current, recorded[:, : self.pred.shape[2]]))
 
-    def count(self, decode_step: torch.Tensor, position: int, ids: torch.Tensor, active: torch.Tensor) -> None:
-        """At a main MoE layer of a decode step: the real rows' experts (ids [B, k], active [B]) against every lead's
-        guesses for this (step, layer), which are then cleared."""
-        row = decode_step % self.ring  # [1]
-        experts = self.pred.shape[3]
+    def note(self, position: int, ids: torch.Tensor, active: torch.Tensor) -> None:
+        """At a main MoE layer of a decode step: the experts its active rows use (ids [B, k], active [B])."""
         live = active.float()[:, None].expand(ids.shape).reshape(-1)
-        used = torch.zeros(experts, dtype=torch.float32, device=ids.device).scatter_reduce(
-            0, ids.reshape(-1).long(), live, reduce="amax") > 0
-        at_layer = self.pred[:, :, position]  # [L, R, E], a view
-        guesses = at_layer.index_select(1, row)[:, 0] > 0  # [L, E]
-        self.counts[:, 0] += guesses.sum(-1)
-        self.counts[:, 1] += (guesses & used).sum(-1)
+        self.used[position].scatter_reduce_(0, ids.reshape(-1).long(), live, reduce="amax")
+
+    def close_step(self, decode_step: torch.Tensor) -> None:
+        """At the end of a decode step: every lead's guesses for it against the experts noted; both are cleared."""
+        row = decode_step % self.ring  # [1]
+        guesses = self.pred.index_select(1, row)[:, 0] > 0  # [L, P, E]
+        used = self.used > 0  # [P, E]
+        self.counts[:, 0] += guesses.sum((1, 2))
+        self.counts[:, 1] += (guesses & used).sum((1, 2))
         self.counts[:, 2] += used.sum()
-        at_layer.index_fill_(1, row, 0.0)
+        self.pred.index_fill_(1, row, 0.0)
+        self.used.zero_()
 
     def read(self, leads: int) -> list[tuple[int, int, int]]:
         """(predicted, correct, truth) for leads 1..`leads` (reads the device)."""

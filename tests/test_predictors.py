@@ -41,13 +41,16 @@ def test_lead_tracker_counts_each_leads_guesses_against_the_step_that_uses_them(
     ring.write(2, 1, torch.tensor([[2, 3]]), torch.tensor([[0.9, 0.1]]))  # lead 2 (expert 3 under the cut)
     ring.write(0, 1, torch.tensor([[4, 5]]), torch.tensor([[0.9, 0.9]]))  # same step: no lead
     step.fill_(6)  # step 6 uses experts 1 and 2 (one row active, the other not)
-    tracker.count(step, 1, torch.tensor([[1, 2], [0, 3]]), torch.tensor([True, False]))
+    tracker.note(1, torch.tensor([[1, 2], [0, 3]]), torch.tensor([True, False]))
+    tracker.close_step(step)
     assert tracker.read(3) == [(2, 1, 2), (0, 0, 2), (0, 0, 2)]  # (predicted, correct, truth) per lead
     step.fill_(7)  # lead 2's guess for step 7: expert 2 (3 was cut); step 7 uses 2 and 5
-    tracker.count(step, 1, torch.tensor([[2, 5]]), torch.tensor([True]))
+    tracker.note(1, torch.tensor([[2, 5]]), torch.tensor([True]))
+    tracker.close_step(step)
     assert tracker.read(3) == [(2, 1, 4), (1, 1, 4), (0, 0, 4)]
     step.fill_(10)  # the ring came round to row 6 mod 4 = 2 again: step 6's guesses were cleared when counted
-    tracker.count(step, 1, torch.tensor([[0, 1]]), torch.tensor([True]))
+    tracker.note(1, torch.tensor([[0, 1]]), torch.tensor([True]))
+    tracker.close_step(step)
     assert tracker.read(1) == [(2, 1, 6)]
     tracker.reset()
     assert tracker.read(3) == [(0, 0, 0)] * 3 and not tracker.pred.any()
