@@ -57,6 +57,19 @@ def _pcg(x: torch.Tensor) -> torch.Tensor:
     return (word >> 22) ^ word
 
 
+def gumbel_noise(vocab_hash: torch.Tensor, streams: torch.Tensor, positions: torch.Tensor, seed_hi: torch.Tensor,
+                 seed_lo: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise [B, V] fp32 hashed from (seed, stream, position, vocabulary index): streams and positions [B],
+    the seed's two 31-bit halves [1] or [B]."""
+    h = _pcg(positions & _MASK32)
+    h = _pcg(streams ^ h)
+    h = _pcg(seed_hi ^ h)
+    h = _pcg(seed_lo ^ h)
+    bits = _pcg(h[:, None] ^ vocab_hash[None, :])
+    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), 24 bits
+    return -torch.log(-torch.log(uniform))
+
+
 class DeviceSampler:
     """Sampling with fixed tensors (captured once, replayed every step): the call's parameters live on the device."""
 
@@ -79,13 +92,7 @@ class DeviceSampler:
 
     def gumbel(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """rows, positions [B] int64 -> Gumbel noise [B, V] fp32."""
-        h = _pcg(positions & _MASK32)
-        h = _pcg(rows ^ h)
-        h = _pcg(self.seed[0] ^ h)
-        h = _pcg(self.seed[1] ^ h)
-        bits = _pcg(h[:, None] ^ self.vocab_hash[None, :])
-        uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), 24 bits
-        return -torch.log(-torch.log(uniform))
+        return gumbel_noise(self.vocab_hash, rows, positions, self.seed[0], self.seed[1])
 
     def filter(self, logits: torch.Tensor, use_top_k: bool, use_top_p: bool) -> torch.Tensor:
         """logits [B, V] fp32 -> temperature-scaled, with tokens outside top-k / top-p set to -inf."""
@@ -143,13 +150,9 @@ class RowSampler(DeviceSampler):
         self.row_seed[row] = torch.tensor([seed >> 31, seed & ((1 << 31) - 1)])
 
     def gumbel(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = _pcg(positions & _MASK32)
-        h = _pcg(torch.zeros_like(rows) ^ h)  # stream 0: what the request draws alone
-        h = _pcg(self.row_seed[:, 0] ^ h)
-        h = _pcg(self.row_seed[:, 1] ^ h)
-        bits = _pcg(h[:, None] ^ self.vocab_hash[None, :])
-        uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-        return -torch.log(-torch.log(uniform))
+        # stream 0 and each row's own seed: what the request draws alone
+        return gumbel_noise(self.vocab_hash, torch.zeros_like(rows), positions, self.row_seed[:, 0],
+                            self.row_seed[:, 1])
 
     def filter(self, logits: torch.Tensor, use_top_k: bool = True, use_top_p: bool = True) -> torch.Tensor:
         scaled = logits / self.temperature
