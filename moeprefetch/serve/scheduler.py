@@ -42,8 +42,6 @@ class Handle:
     tokens: list[int] = field(default_factory=list)
     text: TextStream | None = None
     pending_text: str = ""  # decoded but held back: it could be the start of a stop string
-    emitted: str = ""
-    submitted: float = field(default_factory=time.perf_counter)
 
     def send(self, event: tuple) -> None:
         try:
@@ -242,7 +240,6 @@ class Scheduler:
         keep = 0 if everything else self._held_back(handle)
         piece = handle.pending_text[: len(handle.pending_text) - keep]
         handle.pending_text = handle.pending_text[len(piece):]
-        handle.emitted += piece
         handle.send(("text", piece, len(handle.tokens)))  # one event per token (streams time them), text or not
 
     def _complete(self, handle: Handle, reason: str) -> None:
