@@ -298,10 +298,15 @@ def _qwen3_tensor_shapes(c: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]
                    (f"{p}.self_attn.q_norm.weight", (d,)), (f"{p}.self_attn.k_norm.weight", (d,)),
                    (f"{p}.mlp.gate.weight", (e, h))]
         for x in range(e):
-            shapes += [(f"{p}.mlp.experts.{x}.gate_proj.weight", (i, h)), (f"{p}.mlp.experts.{x}.up_proj.weight", (i, h)),
-                       (f"{p}.mlp.experts.{x}.down_proj.weight", (h, i))]
+            shapes += _mlp_shapes(f"{p}.mlp.experts.{x}", i, h)
     shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (c["vocab_size"], h))]
     return shapes
+
+
+def _mlp_shapes(prefix: str, intermediate: int, hidden: int) -> list[tuple[str, tuple[int, ...]]]:
+    """A gated MLP's three projections (a dense MLP, the shared experts, or one routed expert)."""
+    return [(f"{prefix}.gate_proj.weight", (intermediate, hidden)), (f"{prefix}.up_proj.weight", (intermediate, hidden)),
+            (f"{prefix}.down_proj.weight", (hidden, intermediate))]
 
 
 def _tensor_shapes(c: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
@@ -327,19 +332,16 @@ def _tensor_shapes(c: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
         ]
         if layer < c["first_k_dense_replace"]:
             i = c["intermediate_size"]
-            shapes += [(f"{p}.mlp.gate_proj.weight", (i, h)), (f"{p}.mlp.up_proj.weight", (i, h)),
-                       (f"{p}.mlp.down_proj.weight", (h, i))]
+            shapes += _mlp_shapes(f"{p}.mlp", i, h)
             continue
         e, i = c["n_routed_experts"], c["moe_intermediate_size"]
         shapes.append((f"{p}.mlp.gate.weight", (e, h)))
         if c["model_type"] == "deepseek_v3":
             shapes.append((f"{p}.mlp.gate.e_score_correction_bias", (e,)))
         s = i * c["n_shared_experts"]
-        shapes += [(f"{p}.mlp.shared_experts.gate_proj.weight", (s, h)), (f"{p}.mlp.shared_experts.up_proj.weight", (s, h)),
-                   (f"{p}.mlp.shared_experts.down_proj.weight", (h, s))]
+        shapes += _mlp_shapes(f"{p}.mlp.shared_experts", s, h)
         for x in range(e):
-            shapes += [(f"{p}.mlp.experts.{x}.gate_proj.weight", (i, h)), (f"{p}.mlp.experts.{x}.up_proj.weight", (i, h)),
-                       (f"{p}.mlp.experts.{x}.down_proj.weight", (h, i))]
+            shapes += _mlp_shapes(f"{p}.mlp.experts.{x}", i, h)
     shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (c["vocab_size"], h))]
     return shapes
 
