@@ -20,6 +20,8 @@ case "${STAGE:-tests}" in
       --systems all_resident,none,mtp,mtp_la2,mtp_la3,mtp+next_layer_gate,mtp+next_layer_gate_la2,mtp+next_layer_gate_la3 \
       "$@" 2>&1 | filter ;;
   tests)
-    timeout 560 python3 -m pytest tests/test_streaming.py tests/test_families.py tests/test_predictors.py \
-      tests/test_batching.py tests/test_transfer.py -q -x -p no:cacheprovider --tb=short "$@" 2>&1 | tail -15 ;;
+    timeout 400 python3 -m pytest tests/test_gpu.py -k "chained or continuous or synchronises or cache_sizes" -q \
+      -p no:cacheprovider --tb=short --durations=6 "$@" 2>&1 | tail -30
+    timeout 160 python3 -m pytest tests/test_families.py tests/test_streaming.py -m gpu -q -p no:cacheprovider \
+      --tb=short "$@" 2>&1 | tail -15 ;;
 esac

@@ -307,3 +307,66 @@ def test_grouped_mm_rows_do_not_depend_on_the_call(hidden, intermediate):
     few = torch.clamp(counts, max=16)  # <= 128 rows per group: the small-tile kernel
     rows = torch.cat([torch.arange(s, s + int(c), device="cuda") for s, c in zip(starts, few.tolist())])
     assert torch.equal(grouped_mm_experts(x[rows], few, records, fmt, act), whole[rows])
+
+
+def test_chained_mtp_drafts_keep_the_tokens_in_graphs(checkpoint_factory):
+    """lookahead 2 and 3 chain the MTP head inside the captured step: the tokens of `none` at two cache sizes and two
+    batches, one synchronisation per token, and a recall for every lead."""
+    path = checkpoint_factory("v3")
+    for prompts in ([[3, 4, 5, 6]], [[3, 4, 5, 6], [7, 8]]):
+        reference = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_seq_len=128)
+        expected = reference.generate(prompts, max_new_tokens=16, stop_at_eos=False).sequences
+        reference.close()
+        for slots in (3, 6):
+            engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_seq_len=128,
+                                                       expert_cache_slots=slots)
+            for predictor in ("mtp", "mtp+next_layer_gate", "mtp_router"):
+                for lookahead in (2, 3):
+                    result = engine.generate(prompts, max_new_tokens=16, stop_at_eos=False, predictor=predictor,
+                                             lookahead=lookahead)
+                    assert result.sequences == expected, (slots, predictor, lookahead)
+                    stats = result.stats.to_dict()
+                    assert stats["syncs_per_token"] <= 1.0
+                    assert len(stats["prediction_recall_by_lead"]) == lookahead
+                    assert stats["prediction_recall_by_lead"][-1] > 0.0
+            assert all(step.captured for step in engine._steps.values())
+            assert not engine.residency.problems()
+            engine.close()
+
+
+def test_a_request_in_a_continuous_batch_gets_its_tokens_whoever_joins(checkpoint_factory):
+    """On CUDA a row's bits depend on the batch's shape (kernel tiles), not on the other rows: a request run alone
+    through a ContinuousBatch of two rows gets the tokens it gets while others join and leave around it, offloaded
+    with MTP prefetch and all-resident."""
+    from moeprefetch.batching import ContinuousBatch
+    from moeprefetch.sampling import SamplingParams
+
+    path = checkpoint_factory("v3")
+    requests = [([3, 4, 5, 6], 9, SamplingParams()), ([7, 8], 12, SamplingParams(temperature=0.8, seed=11)),
+                ([9, 10, 11], 7, SamplingParams(temperature=1.1, top_k=5, seed=4)),
+                ([12], 10, SamplingParams(temperature=0.9, top_p=0.7, seed=2))]
+
+    def serve(batch, order):
+        waiting, got, rows = list(order), {}, {}
+        while waiting or rows:
+            while waiting and batch.free_rows:
+                i = waiting.pop(0)
+                row, _ = batch.admit(*requests[i])
+                rows[row] = i
+            for row in [r for r in rows if batch.finished(r)]:
+                got[rows.pop(row)] = batch.state[row].generated
+                batch.release(row)
+            if rows:
+                batch.step()
+        return got
+
+    for slots, predictor in ((None, "none"), (6, "mtp+next_layer_gate")):
+        engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_seq_len=128,
+                                                   max_batch_size=2, expert_cache_slots=slots)
+        alone = {}
+        for i in range(len(requests)):
+            alone.update(serve(ContinuousBatch(engine, predictor), [i]))
+        together = serve(ContinuousBatch(engine, predictor), range(len(requests)))
+        assert together == alone, (slots, predictor)
+        assert not engine.residency.problems()
+        engine.close()
