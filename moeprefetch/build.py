@@ -26,6 +26,8 @@ from .options import EngineConfig, check_positive_int
 from .predictors import MTP_PREDICTORS, PredictorSpec
 from .residency import Residency, prefill_staging_rows
 from .runner import KVCaches
+from .distributed import ProcessGroup, local_device
+from .placement import ExpertPlacement
 from .store import HostExpertStore
 from .streaming import LayerStreamer
 from .weights import load_model_weights, resident_bytes
@@ -137,7 +139,21 @@ def validate_hot_set(hot_set: Any, layers: list[int], n_experts: int) -> list[Ex
 def build_engine(cls: type["MoEPrefetchEngine"], path: str | Path, config: EngineConfig) -> "MoEPrefetchEngine":
     config.check()
     path = Path(path)
-    dev, torch_dtype = resolve_device(config.device), resolve_dtype(config.dtype)
+    device = config.device
+    if config.distributed and str(device) == "cuda":  # each rank takes cuda:LOCAL_RANK
+        device = local_device(torch.device("cuda"))
+    dev, torch_dtype = resolve_device(device), resolve_dtype(config.dtype)
+    group = ProcessGroup.join(dev) if config.distributed else None
+    try:
+        return _build(cls, path, config, dev, torch_dtype, group)
+    except BaseException:
+        if group is not None:
+            group.close()
+        raise
+
+
+def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev: torch.device,
+           torch_dtype: torch.dtype, group: ProcessGroup | None) -> "MoEPrefetchEngine":
     budget_bytes = parse_bytes(config.vram_budget) if config.vram_budget is not None else None
     args = load_model_args(path)
     reader = CheckpointReader(path)
@@ -147,7 +163,12 @@ def build_engine(cls: type["MoEPrefetchEngine"], path: str | Path, config: Engin
     block = (args.quant.block_rows, args.quant.block_cols) if args.quant else (128, 128)
     fmt = ExpertFormat.build(args.hidden_size, args.moe_intermediate_size, torch_dtype, config.expert_dtype, block)
     expert_layers = list(args.moe_layers) + ([args.mtp_layer_index] if has_mtp else [])
-    total_experts = len(expert_layers) * args.n_routed_experts
+    placement = None
+    if group is not None:
+        placement = ExpertPlacement.build(expert_layers, args.n_routed_experts, group.world, group.rank,
+                                          config.placement_profile)
+    # this rank's experts (every expert in one process): what the cache, the host store and the plan are sized by
+    total_experts = len(expert_layers) * (placement.local if placement is not None else args.n_routed_experts)
     slots = config.expert_cache_slots
     if config.expert_cache_fraction is not None:
         slots = max(round(config.expert_cache_fraction * total_experts), args.num_experts_per_tok)
@@ -180,7 +201,7 @@ def build_engine(cls: type["MoEPrefetchEngine"], path: str | Path, config: Engin
             f"{plan.expert_slots} cache slots free")
     start = time.perf_counter()
     weights, streamer, residency = _load(reader, args, options, plan, fmt, expert_layers, block, hot,
-                                         config.pin_memory, staging)
+                                         config.pin_memory, staging, placement, group)
     reader.close()
     logger.info("loaded %s in %.1f s", path, time.perf_counter() - start)
     return cls(path, args, weights, residency, tokenizer, options, plan, streamer)
@@ -197,6 +218,8 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
         raise RequestError(
             f"max_seq_len={seq_len} exceeds the model's max_position_embeddings ({args.max_position_embeddings})")
     chunk = config.prefill_chunk or auto_prefill_chunk(seq_len, device)
+    # a decode step with all-reduces is not captured: capturing NCCL collectives in the step's graph is untested
+    graphs = bool(config.cuda_graphs) and not (config.distributed and device.type == "cuda")
     return EngineOptions(
         device=device, dtype=dtype, policy=config.policy, predictor=predictor, lookahead=config.lookahead,
         prefetch_budget=float(config.prefetch_budget), max_inflight_experts=config.max_inflight_experts,
@@ -204,12 +227,13 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
         prefill_chunk=chunk, prefill_window=auto_prefill_window(seq_len, chunk, device, config.prefill_window),
         expert_dtype=config.expert_dtype, min_confidence=float(config.min_confidence),
         spare_recent=config.spare_recent,
-        draft_experts=config.draft_experts, late_prefetch=config.late_prefetch, cuda_graphs=bool(config.cuda_graphs),
+        draft_experts=config.draft_experts, late_prefetch=config.late_prefetch, cuda_graphs=graphs,
         fused_kernels=bool(config.fused_kernels), progress=bool(config.progress))
 
 
 def _load(reader: CheckpointReader, args: ModelArgs, options: EngineOptions, plan: MemoryPlan, fmt: ExpertFormat,
-          expert_layers: list[int], block: tuple[int, int], hot: list[ExpertKey], pin_memory: bool, staging_rows: int):
+          expert_layers: list[int], block: tuple[int, int], hot: list[ExpertKey], pin_memory: bool, staging_rows: int,
+          placement: ExpertPlacement | None, group: ProcessGroup | None):
     """Weights to the device (or the streaming ring), experts to the host store or the pool, the residency table."""
     dev, torch_dtype, policy, progress = options.device, options.dtype, options.policy, options.progress
     weights = load_model_weights(reader, args, torch_dtype, dev, progress, frozenset(plan.streamed_layers),
@@ -222,16 +246,25 @@ def _load(reader: CheckpointReader, args: ModelArgs, options: EngineOptions, pla
             weights.layers[i] = layer
     experts = CheckpointExperts(reader, args, block)
 
+    position = {layer: i for i, layer in enumerate(expert_layers)}
+    n_experts = placement.local if placement is not None else args.n_routed_experts
+
     def pack(layer: int, expert: int, out: torch.Tensor) -> None:
+        """The record of (layer, expert) as the table numbers it: a rank's local expert, or zeros for padding."""
+        if placement is not None:
+            expert = placement.global_expert(position[layer], expert)
+            if expert < 0:
+                out.zero_()
+                return
         experts.pack(fmt, layer, expert, out)
 
     store = None
     if not plan.all_resident:  # filled (and page-locked) first: whether it is pinned decides the residency's kernels
-        store = HostExpertStore(fmt, expert_layers, args.n_routed_experts, pin=pin_memory and dev.type == "cuda")
+        store = HostExpertStore(fmt, expert_layers, n_experts, pin=pin_memory and dev.type == "cuda")
         store.fill(pack, progress)
-    residency = Residency(fmt, expert_layers, len(args.moe_layers), args.n_routed_experts, args.num_experts_per_tok,
+    residency = Residency(fmt, expert_layers, len(args.moe_layers), n_experts, args.num_experts_per_tok,
                           plan.expert_slots, dev, args.hidden_act, store, max_rows=2 * options.max_batch_size,
-                          policy=policy, hot_set=hot, stage_rows=staging_rows)
+                          policy=policy, hot_set=hot, stage_rows=staging_rows, placement=placement, group=group)
     if store is None:
         residency.preload(pack, progress)
     return weights, streamer, residency

@@ -7,6 +7,8 @@ Errors the engine raises on bad input are printed as one line (no traceback) wit
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import logging
 import os
@@ -54,6 +56,8 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-window", type=int, default=None, help=EngineConfig.help("prefill_window"))
     parser.add_argument("--max-batch-size", type=int, default=None, help=EngineConfig.help("max_batch_size"))
     parser.add_argument("--expert-dtype", choices=EXPERT_DTYPES, default=None, help=EngineConfig.help("expert_dtype"))
+    parser.add_argument("--distributed", action="store_true",
+                        help=EngineConfig.help("distributed") + " (torchrun --nproc-per-node N -m moeprefetch ...)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -102,11 +106,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _generate(ns: argparse.Namespace) -> int:
-    import torch
-
     from .engine import MoEPrefetchEngine
     from .options import EngineConfig
-    from .report import summary_lines
 
     if ns.stats_json:  # fail now, not after the whole generation
         _check_writable(Path(ns.stats_json), "--stats-json")
@@ -123,6 +124,19 @@ def _generate(ns: argparse.Namespace) -> int:
         prompts = [DEFAULT_PROMPT]
     kwargs["max_batch_size"] = ns.max_batch_size or max(len(prompts), 1)
     engine = MoEPrefetchEngine.from_pretrained(ns.path, config=EngineConfig.from_mapping(kwargs))
+    group = engine.residency.group
+    if group is not None and group.rank != 0:  # every rank computes the same tokens; rank 0 alone prints
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = _run_generation(ns, engine, prompts, write_stats=False)
+        return code
+    return _run_generation(ns, engine, prompts, write_stats=True)
+
+
+def _run_generation(ns: argparse.Namespace, engine, prompts: list[Any], write_stats: bool) -> int:
+    import torch
+
+    from .report import summary_lines
+
     streaming = not ns.no_stream and len(prompts) == 1 and engine.tokenizer is not None
     echoed = [False]
 
@@ -150,7 +164,7 @@ def _generate(ns: argparse.Namespace) -> int:
     print("\n" + "\n".join(summary_lines(stats, memory, str(torch.device(ns.device)))))
     if result.interrupted:
         print("(interrupted: the tokens above are those produced before Ctrl-C)")
-    if ns.stats_json:
+    if ns.stats_json and write_stats:
         Path(ns.stats_json).write_text(json.dumps({"stats": stats, "memory": memory}, indent=1, default=str))
     engine.close()
     return EXIT_INTERRUPTED if result.interrupted else 0
@@ -167,7 +181,7 @@ def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     dtype = ns.dtype or ("bfloat16" if ns.device.startswith("cuda") else "float32")
     kwargs: dict[str, Any] = dict(device=ns.device, dtype=dtype, policy=ns.policy, prefetch_budget=ns.prefetch_budget,
                                   draft_experts=ns.draft_experts, spare_recent=ns.spare_recent,
-                                  late_prefetch=ns.late_prefetch, progress=ns.verbose)
+                                  late_prefetch=ns.late_prefetch, progress=ns.verbose, distributed=ns.distributed)
     for name in ("max_seq_len", "prefill_chunk", "prefill_window", "predictor", "lookahead", "min_confidence",
                  "max_batch_size", "expert_dtype"):
         if getattr(ns, name, None) is not None:
@@ -198,6 +212,9 @@ def _serve(ns: argparse.Namespace) -> int:
         if value < low or (name == "--port" and value > 65535):
             raise MoEPrefetchError(f"{name} {value} is out of range")
     kwargs = _engine_kwargs(ns)
+    if kwargs["distributed"]:
+        raise MoEPrefetchError("serve runs in one process: --distributed is for generate (the ranks would need one "
+                               "scheduler between them)")
     kwargs.setdefault("max_batch_size", 8)
     engine = MoEPrefetchEngine.from_pretrained(ns.path, config=EngineConfig.from_mapping(kwargs))
     name = ns.model_name or Path(ns.path).resolve().name

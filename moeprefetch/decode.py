@@ -103,7 +103,8 @@ class DecodeStep:
         self.buffers = PlanBuffers(self.res.max_rows, self.res.max_experts, self.args.num_experts_per_tok, h, dev,
                                    step_rows=2 * b)
         self.ring = PredictionRing(self.res.st.pred, self.res.st.decode_step, shape.spec.ring,
-                                   self.res.leads if shape.spec.max_lead else None, self.res.cfg.min_confidence)
+                                   self.res.leads if shape.spec.max_lead else None, self.res.cfg.min_confidence,
+                                   self.res.local_ids if self.res.local_of is not None else None)
         moe = [lw.index for lw in self.weights.layers if lw.router is not None]
         depth = shape.spec.gate_depth
         self.gate_targets = {layer: moe[i + 1 : i + 1 + depth] for i, layer in enumerate(moe)}
@@ -240,7 +241,7 @@ class DecodeStep:
         if main and shape.spec.active:
             self._predict(layer, position, flat[0], routings, active)
             if self.ring.leads is not None:  # the real rows' experts, for scoring predictions by lead
-                self.ring.leads.note(position, real.ids, active)
+                self.ring.note(position, real.ids, active)
         if len(flat) == 1:
             ids_x, act_x, ids_s, act_s, weights = real.ids, active, None, None, real.weights
         elif shape.mode == "verify":

@@ -109,8 +109,12 @@ class MoEPrefetchEngine:
             # the VRAM ring the streamed layers pass through (part of vram_resident_bytes)
             "stream_ring_slots": self.streamer.ring_size if self.streamer else 0,
             "stream_ring_bytes": self.streamer.ring_bytes if self.streamer else 0,
-            "total_experts": self.plan.total_experts,
+            "total_experts": self.plan.total_experts,  # this rank's, with distributed=True
         })
+        group = self.residency.group
+        if group is not None:
+            stats.update({"rank": group.rank, "world_size": group.world,
+                          "local_experts_per_layer": self.residency.n_experts})
         if self.device.type == "cuda":
             stats["vram_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
             stats["vram_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
@@ -131,7 +135,7 @@ class MoEPrefetchEngine:
         """How often each (layer, expert) was needed since the engine was loaded (for the `static` policy)."""
         res = self.residency
         counts = res.st.use_count.tolist()
-        return {(res.layers[k // res.n_experts], k % res.n_experts): c for k, c in enumerate(counts) if c}
+        return {res.global_key(k): c for k, c in enumerate(counts) if c}
 
     def set_hot_set_from_profile(self, share: float = 0.5,
                                  profile: dict[ExpertKey, int] | None = None) -> list[ExpertKey]:
@@ -166,7 +170,10 @@ class MoEPrefetchEngine:
         self._trace = None
         if self.options.device.type == "cuda":
             torch.cuda.synchronize(self.options.device)  # nothing may still read what is unpinned below
+        group = self.residency.group
         self.residency.close()
+        if group is not None:  # leaves the process group it joined (not one the caller made)
+            group.close()
         if self.streamer is not None:
             self.streamer.close()
             self.streamer = None

@@ -69,6 +69,12 @@ class EngineConfig:
     stream_layers: int | None = _opt(None, "layers streamed from host RAM (default: as the budget needs)")
     stream_ahead: int = _opt(2, "streamed layers copied ahead of the compute")
     progress: bool = _opt(False, "progress bars while loading")
+    # several GPUs (expert parallelism over torch.distributed, launched by torchrun)
+    distributed: bool = _opt(False, "join torchrun's process group: each rank (cuda:LOCAL_RANK) owns a share of every "
+                                    "MoE layer's experts, with its own host arena, VRAM cache and link")
+    placement_profile: Mapping[tuple[int, int], float] | None = _opt(
+        None, "expected uses per (layer, expert), e.g. an engine's routing_profile: places experts so that every "
+              "rank's link traffic is even (default round-robin)")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -118,6 +124,11 @@ class EngineConfig:
                  if getattr(self, name) is not None]
         if len(sizes) > 1:
             raise RequestError(f"give one of {' or '.join(sizes)}, not both: each sizes the expert cache")
+        if self.placement_profile is not None and not self.distributed:
+            raise RequestError("placement_profile places experts over ranks: it needs distributed=True")
+        if self.placement_profile is not None and not isinstance(self.placement_profile, Mapping):
+            raise RequestError("placement_profile must map (layer, expert) to expected uses, like an engine's "
+                               "routing_profile")
         fraction = self.expert_cache_fraction
         if fraction is not None and (not isinstance(fraction, (int, float)) or isinstance(fraction, bool)
                                      or not 0 < fraction <= 1):

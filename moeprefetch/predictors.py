@@ -30,6 +30,7 @@ a chained lead times the probabilities of the drafts it was chained through.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -164,8 +165,9 @@ class LeadTracker:
             self.pred[lead - 1].index_copy_(0, row, torch.maximum(current, recorded[:, : self.pred.shape[2]]))
 
     def note(self, position: int, ids: torch.Tensor, active: torch.Tensor) -> None:
-        """At a main MoE layer of a decode step: the experts its active rows use (ids [B, k], active [B])."""
-        live = active.float()[:, None].expand(ids.shape).reshape(-1)
+        """At a main MoE layer of a decode step: the experts its active rows use (ids [B, k], active [B] per row or
+        [B, k] per entry)."""
+        live = (active.float() if active.dim() == 2 else active.float()[:, None]).expand(ids.shape).reshape(-1)
         self.used[position].scatter_reduce_(0, ids.reshape(-1).long(), live, reduce="amax")
 
     def close_step(self, decode_step: torch.Tensor) -> None:
@@ -189,7 +191,7 @@ class PredictionRing:
     `LeadTracker`, into its per-lead copy)."""
 
     def __init__(self, pred: torch.Tensor, decode_step: torch.Tensor, ring: int, leads: LeadTracker | None = None,
-                 min_confidence: float = 0.0):
+                 min_confidence: float = 0.0, local_ids: Callable[[int, torch.Tensor], torch.Tensor] | None = None):
         self.pred = pred
         self.flat = pred.view(-1)
         self.decode_step = decode_step  # [1] int64 on the device
@@ -197,15 +199,34 @@ class PredictionRing:
         self.positions, self.experts = pred.shape[1], pred.shape[2]
         self.leads = leads
         self.min_confidence = min_confidence
+        # expert parallelism: the table holds this rank's experts under local numbers (-1: another rank's)
+        self.local_ids = local_ids
+
+    def _mine(self, position: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(ids as the table numbers them, which entries are this rank's, or None when all are)."""
+        if self.local_ids is None:
+            return ids, None
+        local = self.local_ids(position, ids)
+        return local.clamp(min=0), local >= 0
 
     def write(self, steps_ahead: int, position: int, ids: torch.Tensor, conf: torch.Tensor) -> None:
-        """ids/conf [N, k]: guesses for (decode step + steps_ahead, position); rows with conf 0 write nothing."""
+        """ids/conf [N, k]: guesses for (decode step + steps_ahead, position); rows with conf 0 write nothing. Each
+        rank keeps the guesses of its own experts."""
+        ids, mine = self._mine(position, ids)
+        if mine is not None:
+            conf = conf * mine
         row = (self.decode_step + steps_ahead) % self.ring  # [1]
         index = (row * self.positions + position) * self.experts + ids.reshape(-1).long()
         self.flat.scatter_reduce_(0, index, conf.reshape(-1).float(), reduce="amax")
         if self.leads is not None and steps_ahead >= 1:
             self.leads.record(steps_ahead, (self.decode_step + steps_ahead) % self.leads.ring, position, ids, conf,
                               self.min_confidence)
+
+    def note(self, position: int, ids: torch.Tensor, active: torch.Tensor) -> None:
+        """The experts a main MoE layer's active rows use (ids [B, k], active [B]), for scoring by lead."""
+        assert self.leads is not None
+        ids, mine = self._mine(position, ids)
+        self.leads.note(position, ids, active if mine is None else active[:, None] & mine)
 
     def write_trace(self, trace: torch.Tensor, steps: int) -> None:
         """Oracle: the recorded routing of decode steps t .. t+steps-1 (trace [T, P, E] uint8) into the ring."""

@@ -95,11 +95,39 @@ def test_a_host_read_gives_exactly_the_slot_result():
     assert torch.equal(from_slots, from_host)
 
 
+def test_expert_terms_are_the_products_that_the_combine_sums():
+    """Expert parallelism's per-(row, k) products: the kernels' equal the definition's, zero where another rank's
+    expert sits (assign -1), and combining them in k order gives the routed output bit for bit."""
+    from moeprefetch.kernels.experts import RoutedExperts, routed_experts_reference
+    from moeprefetch.residency import combine_in_k_order
+
+    g = torch.Generator().manual_seed(3)
+    fmt = ExpertFormat.build(64, 48, torch.float32 if DEVICE == "cpu" else torch.bfloat16)
+    host, _ = _experts(fmt, 3, g)
+    pool = host.to(DEVICE).clone()
+    x = torch.randn(3, 64, generator=g).to(fmt.compute_dtype).to(DEVICE)
+    assign = torch.tensor([[0, -1], [2, 0], [-1, 1]], dtype=torch.int32, device=DEVICE)
+    weights = torch.rand(3, 2, generator=g).to(DEVICE)
+    keys = torch.tensor([0, 1, 2, -1, -1, -1], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([0, 1, 2, -1, -1, -1], dtype=torch.int32, device=DEVICE)
+    none = torch.full((6,), -1, dtype=torch.int32, device=DEVICE)
+    host_arg = host.pin_memory() if DEVICE == "cuda" else host
+    reference = RoutedExperts(fmt, pool, host_arg, "silu", F.silu, 4, 2, False)
+    kernel = RoutedExperts(fmt, pool, host_arg, "silu", F.silu, 4, 2, True)
+    terms = reference.terms(x, assign, keys, slots, none)
+    assert terms.shape == (3, 2, 64) and not terms[0, 1].any() and not terms[2, 0].any()
+    assert terms[1, 1].abs().sum() > 0
+    torch.testing.assert_close(kernel.terms(x, assign, keys, slots, none), terms, rtol=1e-4, atol=1e-5)
+    combined = combine_in_k_order(terms, weights, assign >= 0)
+    expected = routed_experts_reference(x, assign, weights, keys, slots, none, pool, host, fmt, F.silu)
+    assert torch.equal(combined, expected)
+
+
 # ---- the plan kernel against the reference: identical tables after random sequences --------------------------------
 
 
 def _simulate(seed: int, policy: str, slots: int, spare: int, steps: int = 6, positions: int = 4, experts: int = 8,
-              k: int = 2, nx: int = 2, ns: int = 1, wait: bool = False, ring: int = 2):
+              k: int = 2, nx: int = 2, ns: int = 1, wait: bool = False, ring: int = 2, foreign: float = 0.0):
     from moeprefetch.kernels.fill import await_fills
     from moeprefetch.kernels.plan import Planner
 
@@ -127,6 +155,9 @@ def _simulate(seed: int, policy: str, slots: int, spare: int, steps: int = 6, po
             act_x = torch.rand(nx, generator=g) < 0.85
             ids_s = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(ns)])
             act_s = torch.ones(ns, dtype=torch.bool)
+            if foreign:  # expert parallelism: entries of another rank's experts are -1
+                ids_x = torch.where(torch.rand(ids_x.shape, generator=g) < foreign, -1, ids_x)
+                ids_s = torch.where(torch.rand(ids_s.shape, generator=g) < foreign, -1, ids_s)
             ready = torch.rand(cfg.entries, generator=g) < 0.5
             partial = torch.randint(0, cfg.chunks + 1, (cfg.entries,), generator=g, dtype=torch.int32)
             outputs = []
@@ -164,19 +195,20 @@ def _same(tables, where: str) -> None:
         assert torch.equal(a[name], b[name]), f"{name} differs at {where}:\n{a[name]}\n{b[name]}"
 
 
-@pytest.mark.parametrize("seed,policy,slots,spare,wait,ring", [
-    (0, "lru", 7, 1, False, 2), (1, "lfu", 20, 0, False, 2), (2, "static", 14, 1, False, 2), (3, "lru", 30, 0, False, 2),
-    (4, "lru", 12, 2, False, 2), (11, "lru", 12, 0, True, 2), (6, "lru", 20, 0, True, 2), (12, "lru", 20, 0, True, 3),
-    (8, "lru", 9, 0, False, 4)])
-def test_plan_kernel_matches_the_reference(seed, policy, slots, spare, wait, ring):
+@pytest.mark.parametrize("seed,policy,slots,spare,wait,ring,foreign", [
+    (0, "lru", 7, 1, False, 2, 0.0), (1, "lfu", 20, 0, False, 2, 0.0), (2, "static", 14, 1, False, 2, 0.0),
+    (3, "lru", 30, 0, False, 2, 0.0), (4, "lru", 12, 2, False, 2, 0.0), (11, "lru", 12, 0, True, 2, 0.0),
+    (6, "lru", 20, 0, True, 2, 0.0), (12, "lru", 20, 0, True, 3, 0.0), (8, "lru", 9, 0, False, 4, 0.0),
+    (13, "lru", 9, 1, False, 2, 0.4), (14, "lru", 12, 0, True, 2, 0.3)])
+def test_plan_kernel_matches_the_reference(seed, policy, slots, spare, wait, ring, foreign):
     """Plans, tables and counters identical; with `wait_late`, late experts' waits too (some fills land while they
     wait, the others are read from host and counted as zero-copy by the await launch); rings of 3 and 4 steps are
-    the oracle's windows of 2 and 3 steps ahead."""
+    the oracle's windows of 2 and 3 steps ahead; `foreign` entries (-1, another rank's experts) are never planned."""
     if DEVICE == "cuda":
         pytest.skip("runs the kernel on CPU tensors (interpreter); the GPU path is covered by the engine tests")
     from moeprefetch.residency.state import C
 
-    totals = _simulate(seed, policy, slots, spare, steps=8 if wait else 6, wait=wait, ring=ring)
+    totals = _simulate(seed, policy, slots, spare, steps=8 if wait else 6, wait=wait, ring=ring, foreign=foreign)
     # the random walk reaches every outcome the kernel handles
     for name in ("hit", "miss", "admitted", "evictions", "prefetch_issued", "fills_done") + (("late",) if wait else ()):
         assert totals[C[name]] > 0, name

@@ -116,10 +116,31 @@ def routed_experts_reference(
     act: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """The definition: each (row, expert) product alone, as one GEMV pair in the compute dtype, summed in k order."""
-    n = x.shape[0]
+    terms = expert_terms_reference(x, assign, u_key, u_slot, u_dst, pool, host, fmt, act)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for r, row in enumerate(assign.tolist()):
+        for j, u in enumerate(row):
+            if u >= 0:
+                out[r] = out[r] + weights[r, j] * terms[r, j]
+    return out
+
+
+def expert_terms_reference(
+    x: torch.Tensor,
+    assign: torch.Tensor,
+    u_key: torch.Tensor,
+    u_slot: torch.Tensor,
+    u_dst: torch.Tensor,
+    pool: torch.Tensor,
+    host: torch.Tensor | None,
+    fmt: ExpertFormat,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Each (row, k) entry's product [N, k, H] fp32 (zeros where assign < 0), before weighting; admissions land."""
+    n, k = assign.shape
     assign_rows = assign.tolist()
     slots, dsts = u_slot.tolist(), u_dst.tolist()
-    products: dict[tuple[int, int], torch.Tensor] = {}
+    terms = torch.zeros(n, k, x.shape[1], dtype=torch.float32, device=x.device)
     for u, key in enumerate(u_key.tolist()):
         if key < 0:
             continue
@@ -128,14 +149,9 @@ def routed_experts_reference(
             pool[dsts[u]].copy_(record)  # admission: the bytes that were read land in the victim slot
         gate_up, down = fmt.dequantize(record.view(1, -1))
         for r in range(n):
-            if u in assign_rows[r]:
-                products[(u, r)] = expert_ffn(x[r : r + 1], gate_up[0], down[0], act).float()[0]
-    out = torch.zeros(n, x.shape[1], dtype=torch.float32, device=x.device)
-    for r in range(n):
-        for j, u in enumerate(assign_rows[r]):
-            if u >= 0:
-                out[r] = out[r] + weights[r, j] * products[(u, r)]
-    return out
+            for j in (j for j, v in enumerate(assign_rows[r]) if v == u):
+                terms[r, j] = expert_ffn(x[r : r + 1], gate_up[0], down[0], act).float()[0]
+    return terms
 
 
 # ---- kernels ------------------------------------------------------------------------------------------------------
@@ -335,12 +351,28 @@ class RoutedExperts:
             launch()
         return out
 
+    def terms(self, x: torch.Tensor, assign: torch.Tensor, u_key: torch.Tensor, u_slot: torch.Tensor,
+              u_dst: torch.Tensor, step_rows: int | None = None) -> torch.Tensor:
+        """Each (row, k) entry's product [N, k, H] fp32, zeros where assign < 0 (expert parallelism sums these over
+        the ranks before combining them)."""
+        if not self.use_kernels:
+            return expert_terms_reference(x, assign, u_key, u_slot, u_dst, self.pool, self.host, self.fmt, self.act)
+        n = assign.shape[0]
+        launches = self.launches(x, assign, assign.new_zeros(assign.shape, dtype=torch.float32), u_key, u_slot,
+                                 u_dst, torch.empty(0, device=x.device), step_rows or self.max_rows)
+        for launch in launches[:-1]:  # gate/up and down: y[u, row]; not the combine
+            launch()
+        n_pad = self._n_pad(step_rows or self.max_rows)
+        y = self._y.view(-1)[: self._y.shape[0] * n_pad * self.layout.hidden].view(-1, n_pad, self.layout.hidden)
+        gathered = y[assign.clamp(min=0).long(), torch.arange(n, device=x.device)[:, None]]  # [N, k, H]
+        return torch.where((assign >= 0)[..., None], gathered, 0.0)
+
     def launches(self, x: torch.Tensor, assign: torch.Tensor, weights: torch.Tensor, u_key: torch.Tensor,
                  u_slot: torch.Tensor, u_dst: torch.Tensor, out: torch.Tensor, step_rows: int) -> list[Launch]:
         n, k = assign.shape
         gemv = step_rows <= GEMV_MAX_ROWS
         lay, t = self.layout, self.tiles or (GEMV_TILES if gemv else DEFAULT_TILES)
-        n_pad = next_pow2(step_rows) if gemv else row_pad(min(step_rows, self.max_rows))
+        n_pad = self._n_pad(step_rows)
         u_count = min(u_key.shape[0], n * k)  # u is numbered in first-use order: u < rows x k
         assert n <= min(step_rows, self.max_rows) and u_count <= self.max_experts and x.is_contiguous()
         ieee = x.dtype == torch.float32
@@ -359,6 +391,10 @@ class RoutedExperts:
                    SCOLS=triton.cdiv(lay.intermediate, lay.block_cols), BH=t.block_h, **common),
             self._combine(n, assign, weights, out, n_pad),
         ]
+
+    def _n_pad(self, step_rows: int) -> int:
+        """Rows per expert in y's layout for steps of `step_rows` rows (the GEMV's or a tl.dot tile's)."""
+        return next_pow2(step_rows) if step_rows <= GEMV_MAX_ROWS else row_pad(min(step_rows, self.max_rows))
 
     def _combine(self, n: int, assign: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, n_pad: int) -> Launch:
         return Launch(_combine_kernel, (n, triton.cdiv(self.layout.hidden, 256)), y_ptr=self._y, assign_ptr=assign,

@@ -164,8 +164,9 @@ if HAS_TRITON:
         a late expert gets its fill's slot and entry (the await launch decides) and its fill stays first in line."""
         ix = tl.arange(0, XK_PAD)
         inside = ix < nx * K
-        on_x = inside & (tl.load(act_x + ix // K, mask=inside, other=0) != 0)
         ex = tl.load(ids_x + ix, mask=inside, other=0).to(tl.int32)
+        # an entry < 0 is another rank's expert (expert parallelism): not planned here
+        on_x = inside & (tl.load(act_x + ix // K, mask=inside, other=0) != 0) & (ex >= 0)
         first, u_of = _distinct(ex, on_x, ix, XK_PAD)
         u_first = _exclusive_cumsum(first)
         tl.store(assign + ix, tl.where(on_x, u_of, -1), mask=inside)
@@ -245,8 +246,8 @@ if HAS_TRITON:
         they read counts as used this step, so no fill of this step can overwrite it while it is read."""
         js = tl.arange(0, SK_PAD)
         inside_s = js < ns * K
-        on_s = inside_s & (tl.load(act_s + js // K, mask=inside_s, other=0) != 0)
         es = tl.load(ids_s + js, mask=inside_s, other=0).to(tl.int32)
+        on_s = inside_s & (tl.load(act_s + js // K, mask=inside_s, other=0) != 0) & (es >= 0)
         match = (es[:, None] == ex[None, :]) & first[None, :] & on_s[:, None]
         in_exact = tl.max(match.to(tl.int32), axis=1) > 0
         u_exact = tl.sum(tl.where(match, u_first[None, :], 0), axis=1)

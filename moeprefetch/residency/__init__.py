@@ -11,13 +11,18 @@ and `begin_step` / `end_step` around the step. Prefill (many tokens per expert, 
 window of chunks with the same kernel and runs the layer's experts as grouped GEMMs: on the device's own plan when
 every expert is resident; otherwise the host reads the plan once and the used experts cross once per window through
 staging rows placed after the pool, in batches that copy while the previous batch computes.
+
+Expert parallelism (`placement.py`): on each rank the table, pool and host store hold only that rank's experts,
+numbered locally per layer. Selected experts are mapped to local numbers at this boundary (-1: another rank's,
+skipped by the plan and the kernels), and the routed output is combined after one all-reduce of the per-(row, k)
+products, so every rank gets the bits one process would.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -33,6 +38,10 @@ from ..transfer import SideStream, TransferEngine
 from .plan import finish_call, next_use_table, victim_order
 from .prefill import PrefillExperts
 from .state import C, COUNTERS, E_FREE, FILLING, NO_ENTRY, RESIDENT, ResidencyConfig, TableState
+
+if TYPE_CHECKING:
+    from ..distributed import ProcessGroup
+    from ..placement import ExpertPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +77,13 @@ class Residency:
         hot_set: list[tuple[int, int]] | None = None,
         use_kernels: bool | None = None,
         stage_rows: int | None = None,
+        placement: "ExpertPlacement | None" = None,
+        group: "ProcessGroup | None" = None,
     ):
         self.fmt = fmt
+        self.placement, self.group = placement, group
+        # [P, E] each expert's local number on this rank (-1: another rank's); None in one process
+        self.local_of = placement.local_table(device) if placement is not None else None
         self.layers = list(layers)
         self.position = {layer: i for i, layer in enumerate(self.layers)}
         self.n_experts, self.top_k, self.n_slots = n_experts, top_k, n_slots
@@ -155,10 +169,28 @@ class Residency:
         """The static policy's pinned experts, as (checkpoint layer, expert) pairs."""
         self.st.pinned.zero_()
         for layer, expert in keys:
+            if self.placement is not None:
+                position = self.position[layer]
+                if self.placement.owner[position][expert] != self.placement.rank:
+                    continue
+                expert = self.placement.owned(position).index(expert)
             self.st.pinned[self.key(layer, expert)] = 1
 
     def key(self, layer: int, expert: int) -> int:
         return self.position[layer] * self.n_experts + expert
+
+    def local_ids(self, position: int, ids: torch.Tensor) -> torch.Tensor:
+        """Selected experts [..] as this rank's local numbers (-1 where another rank owns one); unchanged in one
+        process."""
+        if self.local_of is None:
+            return ids
+        return self.local_of[position].index_select(0, ids.reshape(-1).long()).view(ids.shape)
+
+    def global_key(self, key: int) -> tuple[int, int]:
+        """(checkpoint layer, checkpoint expert) of a table key."""
+        position, local = divmod(key, self.n_experts)
+        expert = self.placement.global_expert(position, local) if self.placement is not None else local
+        return self.layers[position], expert
 
     @property
     def expert_bytes(self) -> int:
@@ -226,6 +258,9 @@ class Residency:
             torch.cuda.synchronize(self.device)
         finish_call(self.st, self.cfg)
         self._collect_staging_stall()
+        if self.group is not None:  # the call's statistics are every rank's together
+            self.group.all_reduce_(self.st.counters)
+            self.group.all_reduce_(self.leads.counts)
         return self.st.counters.cpu()
 
     def abort(self) -> None:
@@ -254,23 +289,42 @@ class Residency:
         position = self.position[layer]
         n = x.shape[0]
         assign = buffers.assign[:n]
+        ids_x = self.local_ids(position, ids_x)
+        ids_s = self.local_ids(position, ids_s) if ids_s is not None else None
         self.planner(position, ids_x, act_x, ids_s, act_s, assign, buffers.u_key, buffers.u_slot, buffers.u_dst,
                      reserve, count_recall, self.trace, buffers.u_wait)
         self.fill(position)
         if self.cfg.wait_late and not self.preloaded and ids_x.shape[0] > 0:  # only exact rows can be late
             self.filler.await_fills(position, buffers.u_wait, buffers.u_slot)
+        if self.group is not None:
+            return self._exchanged(x, assign, weights, ids_x.shape[0] if ids_s is not None else n, buffers)
         if ids_s is not None:
             nx = ids_x.shape[0]
             weights = torch.cat((weights[:nx], renormalise(weights[nx:], assign[nx:] >= 0)))
         return self.experts(x, assign, weights.contiguous(), buffers.u_key, buffers.u_slot, buffers.u_dst,
                             out=buffers.out[:n], step_rows=buffers.step_rows)
 
+    def _exchanged(self, x: torch.Tensor, assign: torch.Tensor, weights: torch.Tensor, nx: int,
+                   buffers: "PlanBuffers") -> torch.Tensor:
+        """Expert parallelism: this rank's products per (row, k) (zeros for the rest) and a flag per computed entry,
+        summed over the ranks in one all-reduce (each entry comes from one rank: the sum is exact), then combined in
+        k order as one process combines them. Shadow rows renormalise over the experts some rank had in VRAM."""
+        terms = self.experts.terms(x, assign, buffers.u_key, buffers.u_slot, buffers.u_dst,
+                                   step_rows=buffers.step_rows)  # [N, k, H] fp32
+        packed = torch.cat((terms, (assign >= 0).float()[..., None]), -1)
+        self.group.all_reduce_(packed)  # type: ignore[union-attr]
+        valid = packed[..., -1] > 0
+        if nx < x.shape[0]:
+            weights = torch.cat((weights[:nx], renormalise(weights[nx:], valid[nx:])))
+        return combine_in_k_order(packed[..., :-1], weights.float(), valid)
+
     # ---- prefill: many tokens per expert (prefill.py) -----------------------------------------------------------
     def prefill_experts(self, layer: int, xs: list[torch.Tensor], ids: list[torch.Tensor],
                         weights: list[torch.Tensor]) -> list[torch.Tensor]:
         """A prefill window's routed experts at one layer: per chunk, xs [T, H] and ids/weights [T, k] -> [T, H] fp32;
         each used expert once per window, on all of its tokens."""
-        return self._prefill(layer, xs, ids, weights)
+        position = self.position[layer]
+        return self._prefill(layer, xs, [self.local_ids(position, i) for i in ids], weights)
 
     # ---- cold starts and snapshots -----------------------------------------------------------------------------
     def reset(self) -> None:
@@ -320,8 +374,7 @@ class Residency:
 
     def resident_keys(self) -> list[tuple[int, int]]:
         """(layer, expert) of every resident slot (one read of the table)."""
-        return [(self.layers[k // self.n_experts], k % self.n_experts)
-                for k in self.st.key_of.tolist() if k >= 0]
+        return [self.global_key(k) for k in self.st.key_of.tolist() if k >= 0]
 
     # ---- reporting ------------------------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
@@ -360,6 +413,15 @@ class PlanBuffers:
         self.u_dst = torch.full((max_experts,), -1, dtype=i32, device=device)
         self.u_wait = torch.full((max_experts,), -1, dtype=i32, device=device)  # late experts' fill entries
         self.out = torch.zeros(rows, hidden, dtype=torch.float32, device=device)
+
+
+def combine_in_k_order(terms: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """terms [N, k, H] fp32, weights [N, k] fp32, valid [N, k] -> [N, H]: the sum from zero, entry by entry in k
+    order, of weight x product over the valid entries: `routed_experts_reference`'s arithmetic, bit for bit."""
+    out = torch.zeros(terms.shape[0], terms.shape[2], dtype=torch.float32, device=terms.device)
+    for j in range(terms.shape[1]):
+        out = out + torch.where(valid[:, j : j + 1], weights[:, j : j + 1] * terms[:, j], 0.0)
+    return out
 
 
 def renormalise(weights: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

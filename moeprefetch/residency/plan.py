@@ -209,7 +209,8 @@ def plan_layer(
     for r in range(nx):
         if active[r]:
             for j, e in enumerate(rows[r]):
-                out_assign[r][j] = exact.setdefault(e, len(exact))
+                if e >= 0:  # < 0: another rank's expert (expert parallelism)
+                    out_assign[r][j] = exact.setdefault(e, len(exact))
 
     misses = _classify_exact(t, cfg, position, now, exact, keys, slots, waits)
     if reserve:  # live predictions protect their experts before any victim is chosen
@@ -252,6 +253,8 @@ def _shadow_rows(t: _Lists, key_base: int, rows: list[list[int]], active: list[b
         if not active[r]:
             continue
         for j, e in enumerate(row):
+            if e < 0:
+                continue
             if e in exact:
                 out_assign[offset + r][j] = exact[e]
                 continue

@@ -71,6 +71,8 @@ class PrefillExperts:
         u_of_expert = out.assign[:, 0]  # u of each used expert (in expert order), -1 for the others
         if res.prefill_log is not None:
             res.prefill_log.append((layer, torch.nonzero(used).flatten().tolist()))
+        if res.group is not None:  # expert parallelism: the loop's products, summed over the ranks, then combined
+            return self._loop(position, xs, weights, self._read_back(position, ids, u_of_expert))
         if res.preloaded and (res.grouped_mm or res.grouped.use_kernels):
             return [self._in_place(position, x, i, w, c, u_of_expert) for x, i, w, c in zip(xs, ids, weights, counts)]
         plan = self._read_back(position, ids, u_of_expert)
@@ -99,8 +101,9 @@ class PrefillExperts:
     def _pairs_per_expert(self, ids: torch.Tensor) -> torch.Tensor:
         """[E] int32 on the device; not bincount, whose output size would make the device wait for the host."""
         flat = ids.flatten()
+        mine = flat >= 0  # < 0: another rank's expert (expert parallelism)
         return torch.zeros(self.res.n_experts, dtype=torch.int32, device=flat.device).index_add_(
-            0, flat, torch.ones_like(flat, dtype=torch.int32))
+            0, flat.clamp(min=0), mine.to(torch.int32))
 
     def _in_place(self, position: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                   counts: torch.Tensor, u_of_expert: torch.Tensor) -> torch.Tensor:
@@ -227,6 +230,8 @@ class PrefillExperts:
                 if rows.numel():
                     rows_d, kpos_d = rows.to(res.device), kpos.to(res.device)
                     p[rows_d, kpos_d] = expert_ffn(x[rows_d], gate_up[0], down[0], res.act).to(p.dtype)
+        if res.group is not None:  # each (token, k) product comes from one rank: the sum is exact
+            products = [res.group.all_reduce_(p) for p in products]
         return [combine_expert_outputs(p, w, None) for p, w in zip(products, weights)]
 
     def _record(self, key: int, slot: int, admit: int) -> torch.Tensor:

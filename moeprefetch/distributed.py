@@ -1,0 +1,74 @@
+"""The process group of an expert-parallel engine (`from_pretrained(..., distributed=True)`, launched by torchrun).
+
+torch.distributed carries everything: NCCL between GPUs, gloo on the CPU (tests), the same code across hosts
+(`torchrun --nnodes`). Each process is one rank; on CUDA it takes `cuda:LOCAL_RANK`. The engine sums each MoE layer's
+routed outputs across ranks with one all-reduce (`Residency`), and its statistics once per call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .errors import RequestError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ProcessGroup:
+    rank: int
+    world: int
+    local_rank: int
+    backend: str
+    owns_group: bool  # this engine initialised the default group (and destroys it on close)
+
+    @staticmethod
+    def join(device: torch.device) -> "ProcessGroup":
+        """Join (or reuse) the default process group: NCCL for CUDA, gloo for the CPU. The rendezvous comes from
+        torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)."""
+        if not dist.is_available():
+            raise RequestError("distributed=True needs a torch build with torch.distributed")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        owns = not dist.is_initialized()
+        if owns:
+            missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+            if missing:
+                raise RequestError(f"distributed=True needs a launch by torchrun (environment {', '.join(missing)} "
+                                   f"not set), e.g. torchrun --nproc-per-node 2 -m moeprefetch generate ... "
+                                   f"--distributed")
+            if device.type == "cuda":  # before the group: NCCL binds each rank to its own GPU
+                torch.cuda.set_device(local_device(device))
+            dist.init_process_group(backend=backend)
+        group = ProcessGroup(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
+                             dist.get_backend(), owns)
+        logger.info("rank %d of %d (%s)", group.rank, group.world, group.backend)
+        return group
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks, in place (fp32 for 16-bit floats: the sums here add one value to zeros, so
+        the widening is exact and gloo needs no 16-bit support)."""
+        if self.world == 1:
+            return tensor
+        if tensor.dtype in (torch.bfloat16, torch.float16):
+            wide = tensor.float()
+            dist.all_reduce(wide)
+            return tensor.copy_(wide)
+        dist.all_reduce(tensor)
+        return tensor
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_group = False
+
+
+def local_device(device: torch.device) -> torch.device:
+    """The device of this rank: `cuda` means cuda:LOCAL_RANK; an explicit index or the CPU stays."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return device

@@ -1,0 +1,129 @@
+"""Expert parallelism (distributed=True) over gloo with two CPU processes: the tokens of one process for every predictor
+and cache size, each rank about half of the expert bytes, the same result on every rank, clean shutdown; placement.
+
+The GPU half (NCCL, two H200s) is not run here: no two-GPU machine was lent (see the README)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from moeprefetch import MoEPrefetchEngine
+from moeprefetch.errors import RequestError
+from moeprefetch.placement import ExpertPlacement
+
+CASES = [  # (cache slots or None for all-resident, predictor)
+    (None, "none"), (3, "none"), (3, "mtp+next_layer_gate"), (6, "previous"), (6, "mtp"), (6, "oracle"),
+    (4, "next_layer_gate"),
+]
+PROMPTS = [[3, 4, 5, 6], [9, 10]]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, path: str, out: str, cases: list, extra: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # two ranks on a 2-core CI machine; the one-process reference uses one thread too
+    results = []
+    for slots, predictor in cases:
+        engine = MoEPrefetchEngine.from_pretrained(path, distributed=True, expert_cache_slots=slots, max_seq_len=128,
+                                                   **extra)
+        result = engine.generate(PROMPTS, max_new_tokens=10, stop_at_eos=False, predictor=predictor)
+        spec = engine.generate(PROMPTS, max_new_tokens=10, stop_at_eos=False, speculative="mtp") \
+            if engine.has_mtp and predictor == "none" else None
+        logits = engine.forward([[3, 4, 5, 6, 7]])
+        stats = result.stats.to_dict()
+        results.append({"sequences": result.sequences, "spec": spec.sequences if spec else None,
+                        "logits": logits.tolist(), "memory": engine.memory_stats(),
+                        "uses": stats["expert_uses"], "hits": stats["hits"], "misses": stats["misses"],
+                        "problems": engine.residency.problems()})
+        engine.close()
+    results.append({"initialized_after_close": torch.distributed.is_initialized()})
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results, default=str))
+
+
+def run_ranks(path: Path, tmp: Path, world: int = 2, cases=CASES, **extra) -> list[list[dict]]:
+    mp.start_processes(_rank_main, args=(world, _free_port(), str(path), str(tmp), cases, extra), nprocs=world,
+                       join=True, start_method="spawn")
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="gloo over TCP on localhost")
+@pytest.mark.parametrize("variant", ["v3", "qwen3"])
+def test_two_ranks_give_the_tokens_of_one_process(checkpoint_factory, tmp_path, variant):
+    path = checkpoint_factory(variant)
+    cases = CASES if variant == "v3" else [(None, "none"), (3, "next_layer_gate"), (5, "previous")]
+    ranks = run_ranks(path, tmp_path, cases=cases)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # CPU matmuls block by thread count: the same count gives the same bits
+    try:
+        _compare_with_one_process(path, cases, ranks)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(rows[-1] == {"initialized_after_close": False} for rows in ranks)
+
+
+def _compare_with_one_process(path: Path, cases: list, ranks: list[list[dict]]) -> None:
+    for i, (slots, predictor) in enumerate(cases):
+        alone = MoEPrefetchEngine.from_pretrained(path, expert_cache_slots=slots, max_seq_len=128)
+        expected = alone.generate(PROMPTS, max_new_tokens=10, stop_at_eos=False, predictor=predictor)
+        logits = alone.forward([[3, 4, 5, 6, 7]])
+        whole = alone.memory_stats()
+        for rank, rows in enumerate(ranks):
+            got = rows[i]
+            assert got["sequences"] == expected.sequences, (rank, slots, predictor)
+            if got["spec"] is not None:
+                assert got["spec"] == expected.sequences
+            assert torch.equal(torch.tensor(got["logits"]), logits), (rank, slots, predictor)  # bit for bit
+            assert got["problems"] == []
+            assert got["memory"]["rank"] == rank and got["memory"]["world_size"] == 2
+            if slots is not None:  # each rank's host arena holds its half of the experts
+                assert got["memory"]["host_expert_bytes"] == pytest.approx(whole["host_expert_bytes"] / 2, rel=0.1)
+            else:
+                assert got["memory"]["vram_expert_cache_bytes"] == pytest.approx(
+                    whole["vram_expert_cache_bytes"] / 2, rel=0.1)
+        # the call's statistics are every rank's together: each use is counted by the rank that owns the expert
+        assert ranks[0][i]["uses"] == ranks[1][i]["uses"] == expected.stats.to_dict()["expert_uses"]
+        alone.close()
+
+
+def test_round_robin_and_balanced_placement():
+    rr = ExpertPlacement.round_robin(2, 6, 2, 1)
+    assert rr.owned(0) == (1, 3, 5) and rr.local == 3 and rr.global_expert(1, 2) == 5
+    assert rr.local_table(torch.device("cpu"))[0].tolist() == [-1, 0, -1, 1, -1, 2]
+    # a skewed profile: two hot experts go to different ranks, and the traffic evens out
+    profile = [[100.0, 90.0, 5.0, 4.0, 3.0, 2.0, 1.0, 1.0]]
+    placed = [ExpertPlacement.balanced(profile, 2, r) for r in range(2)]
+    assert placed[0].owner == placed[1].owner  # every rank computes the same placement
+    loads = placed[0].traffic(profile)
+    assert max(loads) / min(loads) < 1.1 and sorted(loads) != [3.0 + 4 + 5 + 2, 100 + 90 + 1 + 1]
+    assert {placed[0].owner[0][0], placed[0].owner[0][1]} == {0, 1}
+    assert all(sum(1 for o in placed[0].owner[0] if o == r) == 4 for r in range(2))
+    odd = ExpertPlacement.balanced([[1.0] * 5], 2, 0)
+    assert odd.local == 3 and sorted(len(ExpertPlacement(r, 2, odd.owner).owned(0)) for r in range(2)) == [2, 3]
+    keyed = ExpertPlacement.build([1, 2], 8, 2, 0, {(2, 0): 50.0, (2, 1): 40.0})
+    assert keyed.owner[0] == ExpertPlacement.round_robin(1, 8, 2, 0).owner[0] or keyed.owner[1][0] != keyed.owner[1][1]
+
+
+def test_distributed_needs_a_launch_and_profiles_need_it(checkpoint_factory, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    path = checkpoint_factory("v3")
+    with pytest.raises(RequestError, match="torchrun"):
+        MoEPrefetchEngine.from_pretrained(path, distributed=True)
+    with pytest.raises(RequestError, match="needs distributed=True"):
+        MoEPrefetchEngine.from_pretrained(path, placement_profile={(1, 0): 3})
+    assert not torch.distributed.is_initialized()
+    MoEPrefetchEngine.from_pretrained(path, expert_cache_slots=3).close()  # still usable
