@@ -127,3 +127,51 @@ def test_distributed_needs_a_launch_and_profiles_need_it(checkpoint_factory, mon
         MoEPrefetchEngine.from_pretrained(path, placement_profile={(1, 0): 3})
     assert not torch.distributed.is_initialized()
     MoEPrefetchEngine.from_pretrained(path, expert_cache_slots=3).close()  # still usable
+
+
+def test_two_ranks_on_the_reference_model_with_mtp_prefetch(tmp_path):
+    """The trained reference model (learned routing, MTP head), a quarter of the experts cached, the default MTP
+    predictor: both ranks produce the one-process tokens and logits."""
+    from moeprefetch.cli import REFERENCE_MODEL
+
+    cases = [(40, "mtp+next_layer_gate")]
+    ranks = run_ranks(REFERENCE_MODEL, tmp_path, cases=cases)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _compare_with_one_process(REFERENCE_MODEL, cases, ranks)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_torchrun_launch_prints_once_and_exits_cleanly(checkpoint_factory):
+    """`torchrun --nproc-per-node 2 -m moeprefetch generate ... --distributed`: rank 0 alone prints the answer."""
+    import subprocess
+
+    path = checkpoint_factory("v3")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(_free_port()), "-m", "moeprefetch", "generate", str(path), "--prompt-ids", "3,4,5",
+               "--max-new-tokens", "6", "--cache-slots", "4", "--distributed"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    answers = [line for line in done.stdout.splitlines() if line.startswith("[0] ")]
+    assert len(answers) == 1, done.stdout
+    alone = subprocess.run([sys.executable, "-m", "moeprefetch", "generate", str(path), "--prompt-ids", "3,4,5",
+                            "--max-new-tokens", "6", "--cache-slots", "4"], capture_output=True, text=True,
+                           timeout=300, env=env)
+    assert [line for line in alone.stdout.splitlines() if line.startswith("[0] ")] == answers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpus_give_the_tokens_of_one(checkpoint_factory, tmp_path):
+    """NCCL between two GPUs, bf16: the tokens of one GPU for every predictor and cache size."""
+    path = checkpoint_factory("v3")
+    ranks = run_ranks(path, tmp_path, device="cuda", dtype=torch.bfloat16)
+    for i, (slots, predictor) in enumerate(CASES):
+        alone = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, expert_cache_slots=slots,
+                                                  max_seq_len=128)
+        expected = alone.generate(PROMPTS, max_new_tokens=10, stop_at_eos=False, predictor=predictor).sequences
+        assert all(rows[i]["sequences"] == expected for rows in ranks), (slots, predictor)
+        alone.close()
