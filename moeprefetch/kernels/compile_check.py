@@ -150,12 +150,61 @@ def layer_launches(hidden: int, experts: int, top_k: int, heads: int = 16, laten
     return launches
 
 
+def local_memory_ops(compiled: Any) -> int | None:
+    """Local-memory loads and stores (register spills) in a compiled kernel's SASS, or None without cuobjdump."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return sum(1 for line in sass.splitlines() if " LDL" in line or " STL" in line)
+
+
+def plan_launch(positions: int, experts: int, slots: int, top_k: int, ring: int) -> Any:
+    """The plan kernel's launch with prefetch reservation at a model's shape (wait_late, shadow rows)."""
+    from dataclasses import replace
+
+    from ..residency.state import ResidencyConfig, TableState
+    from .plan import Planner
+
+    cfg = ResidencyConfig(positions=positions + 1, main_positions=positions, n_experts=experts, n_slots=slots,
+                          record_bytes=1 << 20, ring=ring, wait_late=True)
+    st = TableState.allocate(replace(cfg, ring=9), max(16 * top_k, experts), torch.device("cpu"))
+    ids = torch.zeros(1, top_k, dtype=torch.int64)
+    act = torch.ones(1, dtype=torch.bool)
+    assign = torch.zeros(2, top_k, dtype=torch.int32)
+    u = torch.zeros(max(16 * top_k, experts), dtype=torch.int32)
+    return Planner(st, cfg, top_k, 16, 16, use_kernel=True).launch(5, ids, act, ids, act, assign, u, u, u, True, True,
+                                                                    u_wait=u)
+
+
+PLAN_SHAPES = {  # (MoE layers, experts, slots at 12 GiB, top-k)
+    "qwen3_30b": (48, 128, 897, 8), "deepseek_v3": (58, 256, 136, 8), "v2_lite": (26, 64, 568, 6)}
+
+
 def compile_all(arch: int = 90, **shape: Any) -> dict[str, Any]:
     return {name: compile_for(launch.kernel, launch.args, arch, launch.num_warps, launch.num_stages)
             for name, launch in example_launches(**shape).items()}
 
 
 if __name__ == "__main__" and HAS_TRITON:  # pragma: no cover - a developer's report
+    import sys
+
+    if "--plan-spills" in sys.argv:  # the plan kernel's local-memory traffic at real models' shapes
+        for model, (layers, n, s, k) in PLAN_SHAPES.items():
+            for ring in (2, 3):
+                launch = plan_launch(layers, n, s, k, ring)
+                compiled = compile_for(launch.kernel, launch.args, 90, launch.num_warps, launch.num_stages)
+                print(model, f"ring {ring}", {"local_memory_ops": local_memory_ops(compiled)})
+        sys.exit(0)
     for dtype in ("model", "fp8"):
         for name, compiled in compile_all(expert_dtype=dtype).items():
             print(dtype, name, resources(compiled))

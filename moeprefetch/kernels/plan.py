@@ -27,6 +27,10 @@ if HAS_TRITON:
     import triton.language as tl
 
 VICTIM_WINDOW = 128
+# cells of the prediction window one block of the reservation holds. Compiled for sm_90 (ptxas, SASS counts): the
+# whole window of a 48-layer, 128-expert model over 2 steps in one block spilled (870 local loads, 626 stores; 11,463
+# and 7,573 over 3 steps); blocks of 4,096 cells 54 and 29; blocks of 2,048 none, at 48 layers and on V2-Lite's shape
+WINDOW_CELLS = 2048
 
 
 def _pow2(n: int) -> int:
@@ -121,11 +125,12 @@ if HAS_TRITON:
         tl.store(prefetched_at + v, -1, mask=on)
 
     @triton.jit
-    def _window_cells(position, step, dstep, pred, slot_of, P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr,
-                      E_PAD: tl.constexpr, R, ROWS_PAD: tl.constexpr, MIN_CONF):
-        """The prediction window after `position` as a [rows, experts] block: rows (rest of this step, then the
-        next R - 1 steps) in deadline order."""
-        rows = tl.arange(0, ROWS_PAD)
+    def _window_cells(start, position, step, dstep, pred, slot_of, P: tl.constexpr, P_MAIN: tl.constexpr,
+                      E: tl.constexpr, E_PAD: tl.constexpr, R, RB: tl.constexpr, MIN_CONF):
+        """Rows start .. start + RB - 1 of the prediction window after `position` as a [rows, experts] block: rows
+        (rest of this step, then the next R - 1 steps) in deadline order. The window goes through in blocks of RB
+        rows: one block of every row spills registers on long models (48 layers x 128 experts x 2 steps)."""
+        rows = start + tl.arange(0, RB)
         off = rows // P_MAIN
         q = rows % P_MAIN
         row_ok = (rows < R * P_MAIN) & ((off > 0) | (q > position))
@@ -141,10 +146,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _protect_window(position, step, dstep, pred, slot_of, protect, P: tl.constexpr, P_MAIN: tl.constexpr,
-                        E: tl.constexpr, E_PAD: tl.constexpr, R, ROWS_PAD: tl.constexpr, MIN_CONF):
-        rows, off, q, row_ok, ring_row, deadline, e2, cell_ok, cand, rkey, rslot = _window_cells(
-            position, step, dstep, pred, slot_of, P, P_MAIN, E, E_PAD, R, ROWS_PAD, MIN_CONF)
-        tl.atomic_max(protect + rslot, deadline[:, None] + e2[None, :] * 0, mask=cand & (rslot >= 0))
+                        E: tl.constexpr, E_PAD: tl.constexpr, R, ROWS_PAD: tl.constexpr, RB: tl.constexpr, MIN_CONF):
+        for start in range(0, ROWS_PAD, RB):
+            rows, off, q, row_ok, ring_row, deadline, e2, cell_ok, cand, rkey, rslot = _window_cells(
+                start, position, step, dstep, pred, slot_of, P, P_MAIN, E, E_PAD, R, RB, MIN_CONF)
+            tl.atomic_max(protect + rslot, deadline[:, None] + e2[None, :] * 0, mask=cand & (rslot >= 0))
 
     @triton.jit
     def _distinct(e, valid, idx, PAD: tl.constexpr):
@@ -263,16 +269,12 @@ if HAS_TRITON:
         tl.store(last_use + sslot, now, mask=first_s)
 
     @triton.jit
-    def _reserve(position, step, dstep, now, step_base, pred, slot_of, key_of, slot_state, last_use, protect,
-                 prefetched_at, pinned, inflight_of, e_state, e_key, e_slot, e_deadline, e_made, e_next, e_done,
-                 e_ready, victims, cursor_ptr, fills_for, counters, scratch, scratch_e, S, BUDGET, MAX_INFLIGHT,
-                 MIN_CONF, SPARE, R, P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
-                 M: tl.constexpr, ROWS_PAD: tl.constexpr, WIN: tl.constexpr, NC: tl.constexpr):
-        """Fills for the window's missing predicted experts: rank within a target (its budget), then across targets
-        in deadline order (the cap in flight, free entries, victims)."""
+    def _wanted(start, position, step, dstep, pred, slot_of, inflight_of, fills_for, BUDGET, MIN_CONF, R,
+                P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, RB: tl.constexpr):
+        """A block of the window: the missing predicted experts each target's budget allows (`within`, each key at
+        its earliest need only), their rank within their row, and the cells' addresses."""
         rows, off, q, row_ok, ring_row, deadline, e2, cell_ok, cand, rkey, rslot = _window_cells(
-            position, step, dstep, pred, slot_of, P, P_MAIN, E, E_PAD, R, ROWS_PAD, MIN_CONF)
-        tl.atomic_max(protect + rslot, deadline[:, None] + e2[None, :] * 0, mask=cand & (rslot >= 0))
+            start, position, step, dstep, pred, slot_of, P, P_MAIN, E, E_PAD, R, RB, MIN_CONF)
         rinfl = tl.load(inflight_of + rkey, mask=cand, other=0)
         need = cand & (rslot < 0) & (rinfl == -1)
         # a key is fetched for its earliest need in the window only (not again for a later step)
@@ -285,9 +287,25 @@ if HAS_TRITON:
         used = tl.load(fills_for + ring_row * P + q, mask=row_ok, other=0)
         in_row = tl.cumsum(need.to(tl.int32), axis=1) - need.to(tl.int32)
         within = need & ((used[:, None] + in_row) < BUDGET)
-        row_total = tl.sum(within.to(tl.int32), axis=1)
-        grank = (tl.cumsum(row_total, axis=0) - row_total)[:, None] + tl.cumsum(within.to(tl.int32), axis=1) \
-            - within.to(tl.int32)
+        return within, q, row_ok, ring_row, deadline, e2, rkey, rslot, cand
+
+    @triton.jit
+    def _reserve(position, step, dstep, now, step_base, pred, slot_of, key_of, slot_state, last_use, protect,
+                 prefetched_at, pinned, inflight_of, e_state, e_key, e_slot, e_deadline, e_made, e_next, e_done,
+                 e_ready, victims, cursor_ptr, fills_for, counters, scratch, scratch_e, S, BUDGET, MAX_INFLIGHT,
+                 MIN_CONF, SPARE, R, P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
+                 M: tl.constexpr, ROWS_PAD: tl.constexpr, RB: tl.constexpr, WIN: tl.constexpr, NC: tl.constexpr):
+        """Fills for the window's missing predicted experts: rank within a target (its budget), then across targets
+        in deadline order (the cap in flight, free entries, victims). Two passes over the window's blocks: count
+        the wanted fills, pop that many victims (at most), then hand them out in deadline order. A block's wants do
+        not change between the passes: the victims are never experts the window protects."""
+        total = 0
+        for start in range(0, ROWS_PAD, RB):
+            within, q, row_ok, ring_row, deadline, e2, rkey, rslot, cand = _wanted(
+                start, position, step, dstep, pred, slot_of, inflight_of, fills_for, BUDGET, MIN_CONF, R, P, P_MAIN,
+                E, E_PAD, RB)
+            tl.atomic_max(protect + rslot, deadline[:, None] + e2[None, :] * 0, mask=cand & (rslot >= 0))
+            total += _count2(within)
         jm = tl.arange(0, M)
         states = tl.load(e_state + jm)
         free = states == 0  # E_FREE
@@ -295,30 +313,40 @@ if HAS_TRITON:
         room = tl.minimum(MAX_INFLIGHT - _count(states == 1), _count(free))
         tl.debug_barrier()
         warm_from = tl.where(SPARE > 0, step_base - 2 * P * SPARE, now + 1)
-        got = _pop_victims(_count2(within & (grank < room)), now, step_base, warm_from, victims, cursor_ptr, key_of,
-                           slot_state, protect, last_use, pinned, scratch, S, WIN)
+        got = _pop_victims(tl.maximum(tl.minimum(total, room), 0), now, step_base, warm_from, victims, cursor_ptr,
+                           key_of, slot_state, protect, last_use, pinned, scratch, S, WIN)
         tl.debug_barrier()
-        go = within & (grank < got)
-        rv = tl.load(scratch + grank, mask=go, other=0)
-        rj = tl.load(scratch_e + grank, mask=go, other=0)
-        _evict(rv, go, slot_of, key_of, prefetched_at, counters, E, NC, 6, 8)
-        zero = e2[None, :] * 0
-        tl.store(key_of + rv, rkey, mask=go)
-        tl.store(slot_state + rv, 2, mask=go)  # FILLING
-        tl.store(protect + rv, deadline[:, None] + zero, mask=go)
-        tl.store(last_use + rv, now + zero, mask=go)
-        tl.store(inflight_of + rkey, rj, mask=go)
-        tl.store(e_key + rj, rkey, mask=go)
-        tl.store(e_slot + rj, rv, mask=go)
-        tl.store(e_deadline + rj, deadline[:, None] + zero, mask=go)
-        tl.store(e_made + rj, now + zero, mask=go)
-        tl.store(e_next + rj, 0, mask=go)
-        tl.store(e_done + rj, 0, mask=go)  # a reused entry's counts restart: no early 'ready'
-        tl.store(e_ready + rj, 0, mask=go)
-        tl.store(e_state + rj, 1, mask=go)  # E_ACTIVE
-        issued = tl.sum(go.to(tl.int32), axis=1)
-        tl.atomic_add(fills_for + ring_row * P + q, issued, mask=row_ok)
-        tl.atomic_add(counters + q * NC + 7, issued, mask=row_ok)  # prefetch_issued
+        base = 0
+        for start in range(0, ROWS_PAD, RB):
+            within, q, row_ok, ring_row, deadline, e2, rkey, rslot, cand = _wanted(
+                start, position, step, dstep, pred, slot_of, inflight_of, fills_for, BUDGET, MIN_CONF, R, P, P_MAIN,
+                E, E_PAD, RB)
+            row_total = tl.sum(within.to(tl.int32), axis=1)
+            grank = base + (tl.cumsum(row_total, axis=0) - row_total)[:, None] + tl.cumsum(within.to(tl.int32), axis=1) \
+                - within.to(tl.int32)
+            base += tl.sum(row_total, axis=0)
+            go = within & (grank < got)
+            rv = tl.load(scratch + grank, mask=go, other=0)
+            rj = tl.load(scratch_e + grank, mask=go, other=0)
+            _evict(rv, go, slot_of, key_of, prefetched_at, counters, E, NC, 6, 8)
+            zero = e2[None, :] * 0
+            tl.store(key_of + rv, rkey, mask=go)
+            tl.store(slot_state + rv, 2, mask=go)  # FILLING
+            tl.store(protect + rv, deadline[:, None] + zero, mask=go)
+            tl.store(last_use + rv, now + zero, mask=go)
+            tl.store(inflight_of + rkey, rj, mask=go)
+            tl.store(e_key + rj, rkey, mask=go)
+            tl.store(e_slot + rj, rv, mask=go)
+            tl.store(e_deadline + rj, deadline[:, None] + zero, mask=go)
+            tl.store(e_made + rj, now + zero, mask=go)
+            tl.store(e_next + rj, 0, mask=go)
+            tl.store(e_done + rj, 0, mask=go)  # a reused entry's counts restart: no early 'ready'
+            tl.store(e_ready + rj, 0, mask=go)
+            tl.store(e_state + rj, 1, mask=go)  # E_ACTIVE
+            issued = tl.sum(go.to(tl.int32), axis=1)
+            tl.atomic_add(fills_for + ring_row * P + q, issued, mask=row_ok)
+            tl.atomic_add(counters + q * NC + 7, issued, mask=row_ok)  # prefetch_issued
+            tl.debug_barrier()  # the next block reads fills_for and inflight_of after these writes
 
     @triton.jit
     def _write_order(order, e_state, e_next, e_deadline, position, CHUNKS, M: tl.constexpr):
@@ -344,7 +372,7 @@ if HAS_TRITON:
         S, CHUNKS, BUDGET, MAX_INFLIGHT, MIN_CONF, SPARE, R, SHADOW, RESERVE, RECALL, TRACE, WAIT: tl.constexpr,
         P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
         M: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, K: tl.constexpr, XK_PAD: tl.constexpr,
-        SK_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, WIN: tl.constexpr, NC: tl.constexpr,
+        SK_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, RB: tl.constexpr, WIN: tl.constexpr, NC: tl.constexpr,
     ):
         step = tl.load(step_ptr)
         dstep = tl.load(dstep_ptr)
@@ -365,7 +393,7 @@ if HAS_TRITON:
                                                     e_made, e_slot, e_deadline, counters, E, K, XK_PAD, NC, WAIT)
         tl.debug_barrier()
         if RESERVE != 0:  # live predictions protect their resident experts before any victim is chosen
-            _protect_window(position, step, dstep, pred, slot_of, protect, P, P_MAIN, E, E_PAD, R, ROWS_PAD,
+            _protect_window(position, step, dstep, pred, slot_of, protect, P, P_MAIN, E, E_PAD, R, ROWS_PAD, RB,
                             MIN_CONF)
             tl.debug_barrier()
         _admit(key, miss, u_first, position, now, step_base, u_dst, adm_key, adm_slot, slot_of, key_of, slot_state,
@@ -384,7 +412,7 @@ if HAS_TRITON:
             _reserve(position, step, dstep, now, step_base, pred, slot_of, key_of, slot_state, last_use, protect,
                      prefetched_at, pinned, inflight_of, e_state, e_key, e_slot, e_deadline, e_made, e_next, e_done,
                      e_ready, victims, cursor_ptr, fills_for, counters, scratch, scratch_e, S, BUDGET, MAX_INFLIGHT,
-                     MIN_CONF, SPARE, R, P, P_MAIN, E, E_PAD, M, ROWS_PAD, WIN, NC)
+                     MIN_CONF, SPARE, R, P, P_MAIN, E, E_PAD, M, ROWS_PAD, RB, WIN, NC)
             tl.debug_barrier()
         _write_order(order, e_state, e_next, e_deadline, position, CHUNKS, M)
 
@@ -500,6 +528,7 @@ class Planner:
         assert u_wait is not None or not cfg.wait_late
         shadow = ids_s is not None and ids_s.shape[0] > 0
         assert ids_x.shape[0] * self.top_k <= self._xk
+        rows_pad = _pow2(cfg.ring * max(cfg.main_positions, 1))
         return Launch(
             _plan_kernel, (1,), num_warps=8,
             ids_x=ids_x, act_x=act_x, ids_s=ids_s if shadow else self._dummy_ids,
@@ -518,7 +547,7 @@ class Planner:
             S=cfg.n_slots, M=cfg.entries, A=self.max_experts, A_PAD=_pow2(self.max_experts), K=self.top_k,
             XK_PAD=_pow2(max(ids_x.shape[0] * self.top_k, 2)),
             SK_PAD=_pow2(max(ids_s.shape[0] * self.top_k, 2)) if shadow else 2,
-            R=cfg.ring, ROWS_PAD=_pow2(cfg.ring * max(cfg.main_positions, 1)),
+            R=cfg.ring, ROWS_PAD=rows_pad, RB=min(rows_pad, _pow2(max(WINDOW_CELLS // _pow2(cfg.n_experts), 1) + 1) // 2),
             CHUNKS=cfg.chunks, BUDGET=cfg.budget_per_target, MAX_INFLIGHT=cfg.max_inflight,
             MIN_CONF=float(cfg.min_confidence), SPARE=cfg.spare_recent, WIN=VICTIM_WINDOW, NC=len(COUNTERS),
             SHADOW=int(shadow), RESERVE=int(reserve), RECALL=int(count_recall), TRACE=int(trace is not None),
