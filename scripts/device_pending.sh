@@ -2,8 +2,9 @@
 # Runs on the GPU machine (repo root): the measurements this code still owes, one stage per device call (each fits a
 # 10-minute call). STAGE=qwen3: issue 17's qwen3_30b rows (the whole 48-layer shape, FP8 experts as published, 12
 # GiB); STAGE=serve: issue 19's serving rows (V2-Lite, 12 GiB, 1/4/16 streams); STAGE=lead: issue 21's ref17 rows with
-# MTP drafts chained 1-3 tokens ahead; STAGE=tests: the GPU tests of this session's code.
-# Usage: STAGE=qwen3|serve|lead|tests bash scripts/device_pending.sh OUT_DIR
+# MTP drafts chained 1-3 tokens ahead; STAGE=tests: the GPU tests of this session's code; STAGE=distributed (on
+# nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU, then two, at 12 GiB per GPU and 12 GiB split).
+# Usage: STAGE=qwen3|serve|lead|tests|distributed bash scripts/device_pending.sh OUT_DIR
 set -u
 out=$1; shift
 export PYTHONUNBUFFERED=1
@@ -24,4 +25,10 @@ case "${STAGE:-tests}" in
       -p no:cacheprovider --tb=short --durations=6 "$@" 2>&1 | tail -30
     timeout 160 python3 -m pytest tests/test_families.py tests/test_streaming.py -m gpu -q -p no:cacheprovider \
       --tb=short "$@" 2>&1 | tail -15 ;;
+  distributed)
+    timeout 150 python3 -m pytest tests/test_distributed.py -q -p no:cacheprovider --tb=short -k gpus 2>&1 | tail -5
+    timeout 200 torchrun --nproc-per-node 1 scripts/bench_distributed.py --out "$out/distributed_1gpu.json" \
+      "$@" 2>&1 | filter
+    timeout 220 torchrun --nproc-per-node 2 scripts/bench_distributed.py --out "$out/distributed_2gpu.json" \
+      "$@" 2>&1 | filter ;;
 esac
