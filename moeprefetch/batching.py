@@ -9,8 +9,9 @@ CPU that also makes its tokens those of `engine.generate` alone (tests check it)
 pick other kernel tiles, so the guarantee there is independence from the rest of the batch. One `ContinuousBatch`
 owns the engine while it lives: nothing else may generate meanwhile.
 
-Admitting a request runs its prefill as table steps, which moves the table's step clock: prefetches reserved for the
-next decode step of the rows already running may be released as wasted (speed, never tokens).
+Admitting a request runs its prefill as table steps, which moves the table's step clock; the fills reserved and the
+experts protected for the running rows' next decode steps are deferred by those steps (`Residency.defer_pending`),
+so the prefill does not turn their prefetches into waste.
 """
 
 from __future__ import annotations
@@ -100,11 +101,13 @@ class ContinuousBatch:
         row = self.free_rows[0]
         engine = self.engine
         self.caches.zero_(row)  # masked entries meet exact zeros, never an earlier request's keys
+        clock = int(engine.residency.st.progress)
         hidden = prefill_row(engine, self.caches, row, prompt)
         first = int(sample(engine.runner.logits(hidden[-1:]), sampling, [0], [len(prompt)])[0])
         state = RowState(len(prompt), max_new_tokens, stop_ids, [first])
         if self.uses_mtp:
             state.draft, state.draft_prob = prefill_mtp_row(engine, self.caches, row, prompt, first, hidden)
+        engine.residency.defer_pending(clock)
         self.sampler.set_row(row, sampling)
         self.state[row] = state
         return row, first

@@ -104,3 +104,23 @@ def test_row_sampler_matches_device_sampler_on_random_parameters():
             assert int(got[row]) == int(expected[0])
 
     check()
+
+
+def test_defer_pending_moves_only_future_needs():
+    """A request's prefill joining a running batch adds table steps: fills in flight and protections for later needs
+    move by those steps (so the next decode step does not release them as passed); past ones stay."""
+    from moeprefetch.residency.state import E_ACTIVE, E_FREE, ResidencyConfig, TableState
+    from moeprefetch.residency import Residency
+
+    cfg = ResidencyConfig(positions=3, main_positions=2, n_experts=4, n_slots=4, record_bytes=64)
+    res = Residency.__new__(Residency)  # the table alone: defer_pending touches nothing else
+    res.cfg, res.st = cfg, TableState.allocate(cfg, 8, torch.device("cpu"))
+    clock = cfg.steps_clock
+    since = 5 * clock + clock - 1  # the end of step 5
+    res.st.progress.fill_(7 * clock + 3)  # two prefill steps later
+    res.st.e_state[:3] = torch.tensor([E_ACTIVE, E_ACTIVE, E_FREE])
+    res.st.e_deadline[:3] = torch.tensor([6 * clock + 2, 4 * clock, 6 * clock + 4])
+    res.st.protect[:3] = torch.tensor([6 * clock + 1, since - 3, -1])
+    res.defer_pending(since)
+    assert res.st.e_deadline[:3].tolist() == [8 * clock + 2, 4 * clock, 6 * clock + 4]
+    assert res.st.protect[:3].tolist() == [8 * clock + 1, since - 3, -1]

@@ -37,7 +37,7 @@ from ..predictors import LeadTracker
 from ..transfer import SideStream, TransferEngine
 from .plan import finish_call, next_use_table, victim_order
 from .prefill import PrefillExperts
-from .state import C, COUNTERS, E_FREE, FILLING, NO_ENTRY, RESIDENT, ResidencyConfig, TableState
+from .state import C, COUNTERS, E_ACTIVE, E_FREE, FILLING, NO_ENTRY, RESIDENT, ResidencyConfig, TableState
 
 if TYPE_CHECKING:
     from ..distributed import ProcessGroup
@@ -229,6 +229,19 @@ class Residency:
         needs first, as Belady's replacement over the prompt would, instead of its first layers' experts."""
         self._belady_prefill = belady and not decode
         self.planner.step_start(decode, self.next_use if belady else None)
+
+    def defer_pending(self, since: int) -> None:
+        """Steps that were not decode steps ran since the table's clock read `since` (a request's prefill joining a
+        running batch): fills reserved and experts protected for later needs keep their place, as if those steps had
+        not run. Without this the next decode step would find its prefetches' deadlines passed and release them."""
+        delta = int(self.st.progress) // self.cfg.steps_clock * self.cfg.steps_clock - \
+            since // self.cfg.steps_clock * self.cfg.steps_clock
+        if delta <= 0:
+            return
+        st = self.st
+        pending = (st.e_state == E_ACTIVE) & (st.e_deadline > since)
+        st.e_deadline.add_(torch.where(pending, delta, 0))
+        st.protect.add_(torch.where(st.protect > since, delta, 0))
 
     def know_future(self, trace: torch.Tensor) -> None:
         """An oracle's recorded routing [decode steps, P, E]: victims become Belady's (farthest next need first)."""
