@@ -202,3 +202,20 @@ def cuda_available() -> bool:
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def serve_in_turn(batch, requests: list, order) -> dict[int, list[int]]:
+    """Requests (prompt, max_new_tokens, sampling) through a ContinuousBatch, joining at token boundaries in `order`
+    as rows free up -> each request's generated tokens."""
+    waiting, got, rows = list(order), {}, {}
+    while waiting or rows:
+        while waiting and batch.free_rows:
+            i = waiting.pop(0)
+            row, _ = batch.admit(*requests[i])
+            rows[row] = i
+        for row in [r for r in rows if batch.finished(r)]:
+            got[rows.pop(row)] = batch.state[row].generated
+            batch.release(row)
+        if rows:
+            batch.step()
+    return got

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import serve_in_turn
 from moeprefetch import MoEPrefetchEngine
 from moeprefetch.batching import ContinuousBatch
 from moeprefetch.errors import RequestError
@@ -47,17 +48,7 @@ def test_requests_joining_a_running_batch_get_their_tokens_alone(checkpoint_fact
                 for p, n, s in requests]
     engine = MoEPrefetchEngine.from_pretrained(path, max_batch_size=2, **kwargs)
     batch = ContinuousBatch(engine, predictor)
-    waiting, got, rows = list(range(len(requests))), {}, {}
-    while waiting or rows:
-        while waiting and batch.free_rows:  # join at a token boundary
-            i = waiting.pop(0)
-            row, _ = batch.admit(*requests[i])
-            rows[row] = i
-        for row in [r for r in rows if batch.finished(r)]:
-            got[rows.pop(row)] = batch.state[row].generated
-            batch.release(row)
-        if rows:
-            batch.step()
+    got = serve_in_turn(batch, requests, range(len(requests)))  # each joins at a token boundary
     assert [got[i] for i in range(len(requests))] == expected
     assert batch.steps > 0 and not engine.residency.problems()
 

@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from conftest import gpu
+from conftest import gpu, serve_in_turn
 from moeprefetch import MoEPrefetchEngine
 
 pytestmark = [gpu, pytest.mark.gpu]
@@ -346,27 +346,13 @@ def test_a_request_in_a_continuous_batch_gets_its_tokens_whoever_joins(checkpoin
                 ([9, 10, 11], 7, SamplingParams(temperature=1.1, top_k=5, seed=4)),
                 ([12], 10, SamplingParams(temperature=0.9, top_p=0.7, seed=2))]
 
-    def serve(batch, order):
-        waiting, got, rows = list(order), {}, {}
-        while waiting or rows:
-            while waiting and batch.free_rows:
-                i = waiting.pop(0)
-                row, _ = batch.admit(*requests[i])
-                rows[row] = i
-            for row in [r for r in rows if batch.finished(r)]:
-                got[rows.pop(row)] = batch.state[row].generated
-                batch.release(row)
-            if rows:
-                batch.step()
-        return got
-
     for slots, predictor in ((None, "none"), (6, "mtp+next_layer_gate")):
         engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_seq_len=128,
                                                    max_batch_size=2, expert_cache_slots=slots)
         alone = {}
         for i in range(len(requests)):
-            alone.update(serve(ContinuousBatch(engine, predictor), [i]))
-        together = serve(ContinuousBatch(engine, predictor), range(len(requests)))
+            alone.update(serve_in_turn(ContinuousBatch(engine, predictor), requests, [i]))
+        together = serve_in_turn(ContinuousBatch(engine, predictor), requests, range(len(requests)))
         assert together == alone, (slots, predictor)
         assert not engine.residency.problems()
         engine.close()

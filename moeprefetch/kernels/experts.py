@@ -103,18 +103,9 @@ def row_pad(rows: int) -> int:
 # ---- reference ----------------------------------------------------------------------------------------------------
 
 
-def routed_experts_reference(
-    x: torch.Tensor,
-    assign: torch.Tensor,
-    weights: torch.Tensor,
-    u_key: torch.Tensor,
-    u_slot: torch.Tensor,
-    u_dst: torch.Tensor,
-    pool: torch.Tensor,
-    host: torch.Tensor | None,
-    fmt: ExpertFormat,
-    act: Callable[[torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
+def routed_experts_reference(x: torch.Tensor, assign: torch.Tensor, weights: torch.Tensor, u_key: torch.Tensor,
+                             u_slot: torch.Tensor, u_dst: torch.Tensor, pool: torch.Tensor, host: torch.Tensor | None,
+                             fmt: ExpertFormat, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """The definition: each (row, expert) product alone, as one GEMV pair in the compute dtype, summed in k order."""
     terms = expert_terms_reference(x, assign, u_key, u_slot, u_dst, pool, host, fmt, act)
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
@@ -125,17 +116,9 @@ def routed_experts_reference(
     return out
 
 
-def expert_terms_reference(
-    x: torch.Tensor,
-    assign: torch.Tensor,
-    u_key: torch.Tensor,
-    u_slot: torch.Tensor,
-    u_dst: torch.Tensor,
-    pool: torch.Tensor,
-    host: torch.Tensor | None,
-    fmt: ExpertFormat,
-    act: Callable[[torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
+def expert_terms_reference(x: torch.Tensor, assign: torch.Tensor, u_key: torch.Tensor, u_slot: torch.Tensor,
+                           u_dst: torch.Tensor, pool: torch.Tensor, host: torch.Tensor | None, fmt: ExpertFormat,
+                           act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Each (row, k) entry's product [N, k, H] fp32 (zeros where assign < 0), before weighting; admissions land."""
     n, k = assign.shape
     assign_rows = assign.tolist()
