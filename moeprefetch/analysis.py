@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .errors import RequestError
+
 if TYPE_CHECKING:
     from .engine import MoEPrefetchEngine
 
@@ -33,6 +35,8 @@ def record_routing(engine: "MoEPrefetchEngine", prompt: list[int], new_tokens: i
     from .session import Session
 
     res = engine.residency
+    if res.group is not None:
+        raise RequestError("routing traces read one process's table: record them without distributed=True")
     request = engine._new_request([prompt], new_tokens, 0.0, 0, 1.0, 0, "none", 1, None, False, None)
     res.prefill_log = []
     run = engine._run(Session(engine, request, record=True))

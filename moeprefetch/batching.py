@@ -58,6 +58,9 @@ class ContinuousBatch:
         spec = predictor_spec(predictor or options.predictor, options.lookahead, engine.has_mtp)
         if spec.oracle:
             raise RequestError("the oracle predictor needs a recorded run of the same request; it cannot serve")
+        if engine.residency.group is not None:
+            raise RequestError("continuous batching runs in one process: the ranks of distributed=True would need "
+                               "one scheduler between them")
         self.engine = engine
         self.rows = options.max_batch_size
         self.spec = spec

@@ -144,12 +144,7 @@ def build_engine(cls: type["MoEPrefetchEngine"], path: str | Path, config: Engin
         device = local_device(torch.device("cuda"))
     dev, torch_dtype = resolve_device(device), resolve_dtype(config.dtype)
     group = ProcessGroup.join(dev) if config.distributed else None
-    try:
-        return _build(cls, path, config, dev, torch_dtype, group)
-    except BaseException:
-        if group is not None:
-            group.close()
-        raise
+    return _build(cls, path, config, dev, torch_dtype, group)
 
 
 def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev: torch.device,
@@ -165,8 +160,10 @@ def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev
     expert_layers = list(args.moe_layers) + ([args.mtp_layer_index] if has_mtp else [])
     placement = None
     if group is not None:
-        placement = ExpertPlacement.build(expert_layers, args.n_routed_experts, group.world, group.rank,
-                                          config.placement_profile)
+        # rank 0's placement for everyone: a profile (or anything else) that differs per rank must not split them
+        owner = group.agree(ExpertPlacement.build(expert_layers, args.n_routed_experts, group.world, group.rank,
+                                                  config.placement_profile).owner)
+        placement = ExpertPlacement(group.rank, group.world, owner)
     # this rank's experts (every expert in one process): what the cache, the host store and the plan are sized by
     total_experts = len(expert_layers) * (placement.local if placement is not None else args.n_routed_experts)
     slots = config.expert_cache_slots
@@ -191,13 +188,20 @@ def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev
     logger.info(plan.describe())
     for note in plan.notes:
         logger.info(note)
+    if group is not None:  # what decides the number and shapes of the collectives must be the same on every rank
+        group.check_same("the model, the memory plan and the step shapes", (
+            args.model_type, args.num_hidden_layers, args.n_routed_experts, has_mtp, plan.all_resident,
+            options.max_seq_len, options.max_batch_size, options.prefill_chunk, options.prefill_window,
+            options.dtype, options.expert_dtype, options.cuda_graphs, str(dev.type)))
 
     hot = validate_hot_set(config.hot_set, expert_layers, args.n_routed_experts)
     if hot and config.policy != "static":
         raise RequestError("hot_set is only used by policy='static'")
-    if not plan.all_resident and len(hot) > plan.expert_slots - args.num_experts_per_tok:
+    pinned = [key for key in hot if placement is None or placement.owner[expert_layers.index(key[0])][key[1]] ==
+              placement.rank]  # each rank pins its own
+    if not plan.all_resident and len(pinned) > plan.expert_slots - args.num_experts_per_tok:
         raise RequestError(
-            f"the static hot set ({len(hot)} experts) leaves fewer than top-k ({args.num_experts_per_tok}) of the "
+            f"the static hot set ({len(pinned)} experts) leaves fewer than top-k ({args.num_experts_per_tok}) of the "
             f"{plan.expert_slots} cache slots free")
     start = time.perf_counter()
     weights, streamer, residency = _load(reader, args, options, plan, fmt, expert_layers, block, hot,

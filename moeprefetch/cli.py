@@ -125,11 +125,17 @@ def _generate(ns: argparse.Namespace) -> int:
     kwargs["max_batch_size"] = ns.max_batch_size or max(len(prompts), 1)
     engine = MoEPrefetchEngine.from_pretrained(ns.path, config=EngineConfig.from_mapping(kwargs))
     group = engine.residency.group
-    if group is not None and group.rank != 0:  # every rank computes the same tokens; rank 0 alone prints
-        with contextlib.redirect_stdout(io.StringIO()):
-            code = _run_generation(ns, engine, prompts, write_stats=False)
-        return code
-    return _run_generation(ns, engine, prompts, write_stats=True)
+    if group is None:
+        return _run_generation(ns, engine, prompts, write_stats=True)
+    import torch.distributed as dist
+
+    try:
+        if group.rank != 0:  # every rank computes the same tokens; rank 0 alone prints
+            with contextlib.redirect_stdout(io.StringIO()):
+                return _run_generation(ns, engine, prompts, write_stats=False)
+        return _run_generation(ns, engine, prompts, write_stats=True)
+    finally:
+        dist.destroy_process_group()  # this process is done with the group the engine joined
 
 
 def _run_generation(ns: argparse.Namespace, engine, prompts: list[Any], write_stats: bool) -> int:

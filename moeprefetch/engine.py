@@ -134,6 +134,14 @@ class MoEPrefetchEngine:
     def routing_profile(self) -> dict[ExpertKey, int]:
         """How often each (layer, expert) was needed since the engine was loaded (for the `static` policy)."""
         res = self.residency
+        if res.group is not None:  # every rank's experts (one all-reduce: every rank must ask)
+            counts = torch.zeros(len(res.layers), self.args.n_routed_experts, dtype=torch.int64, device=self.device)
+            local = res.st.use_count.view(len(res.layers), res.n_experts).long()
+            owned = res.local_of >= 0  # [P, E]
+            counts[owned] = local.gather(1, res.local_of.clamp(min=0))[owned]
+            res.group.all_reduce_(counts)
+            return {(res.layers[p], e): c for (p, e), c in zip(torch.nonzero(counts).tolist(),
+                                                               counts[counts > 0].tolist())}
         counts = res.st.use_count.tolist()
         return {res.global_key(k): c for k, c in enumerate(counts) if c}
 
@@ -145,6 +153,8 @@ class MoEPrefetchEngine:
             raise RequestError("a hot set is only used by policy='static'")
         check_fraction("share", share)
         counts = profile if profile is not None else self.routing_profile
+        if self.residency.placement is not None:  # each rank pins the hottest of its own experts
+            counts = {key: c for key, c in counts.items() if self.residency.owns(*key)}
         room = max(self.residency.n_slots - self.args.num_experts_per_tok * self.options.max_batch_size * 2, 0)
         size = min(int(share * self.residency.n_slots), room)
         hot = [key for key, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]]
@@ -170,10 +180,7 @@ class MoEPrefetchEngine:
         self._trace = None
         if self.options.device.type == "cuda":
             torch.cuda.synchronize(self.options.device)  # nothing may still read what is unpinned below
-        group = self.residency.group
-        self.residency.close()
-        if group is not None:  # leaves the process group it joined (not one the caller made)
-            group.close()
+        self.residency.close()  # a process group stays joined (distributed.py)
         if self.streamer is not None:
             self.streamer.close()
             self.streamer = None
@@ -301,9 +308,13 @@ class MoEPrefetchEngine:
     def _new_request(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead,
                      speculative, stop_at_eos, event_log, min_confidence=None) -> Request:
         self._check_idle()
-        return build_request(self.args, self.tokenizer, self.options, self.path, self.has_mtp, prompts,
-                             max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead, speculative,
-                             stop_at_eos, event_log, min_confidence)
+        request = build_request(self.args, self.tokenizer, self.options, self.path, self.has_mtp, prompts,
+                                max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead, speculative,
+                                stop_at_eos, event_log, min_confidence)
+        group = self.residency.group
+        if group is not None and seed is None:  # every rank samples with rank 0's seed, or their tokens part
+            request = replace(request, sampling=replace(request.sampling, seed=group.agree(request.sampling.seed)))
+        return request
 
     def _decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -337,6 +348,8 @@ class MoEPrefetchEngine:
             return (yield from session.run())
         except KeyboardInterrupt:
             session.abort()
+            if self.residency.group is not None:  # the ranks stopped at different layers: no partial result
+                raise
             logger.warning("generation interrupted; returning the %d tokens produced so far",
                            sum(map(len, session.generated)))
             return session.result(interrupted=True)

@@ -126,7 +126,10 @@ class Session:
         engine._sync()
         self.stats.prefill_seconds = time.perf_counter() - t0
         self.stats.ttft_seconds = time.perf_counter() - started
-        prefill_counters = res.st.counters.clone().cpu()
+        prefill_counters = res.st.counters.clone()
+        if res.group is not None:  # the call's counters are every rank's together (end_call): so is this snapshot
+            res.group.all_reduce_(prefill_counters)
+        prefill_counters = prefill_counters.cpu()
         if streamer is not None:
             self.stats.prefill_stream_bytes = streamer.bytes_copied - streamed_before
             self.stats.prefill_stream_stall_seconds = streamer.transfer.collect_stall_seconds()

@@ -46,11 +46,15 @@ def _rank_main(rank: int, world: int, port: int, path: str, out: str, cases: lis
         logits = engine.forward([[3, 4, 5, 6, 7]])
         stats = result.stats.to_dict()
         results.append({"sequences": result.sequences, "spec": spec.sequences if spec else None,
+                        "decode_hit_rate": stats["decode_hit_rate"],
                         "logits": logits.tolist(), "memory": engine.memory_stats(),
                         "uses": stats["expert_uses"], "hits": stats["hits"], "misses": stats["misses"],
                         "problems": engine.residency.problems()})
         engine.close()
-    results.append({"initialized_after_close": torch.distributed.is_initialized()})
+    # the engines leave the group joined (a later engine reuses it); the process ends it
+    torch.distributed.barrier()
+    results.append({"joined_after_close": torch.distributed.is_initialized()})
+    torch.distributed.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps(results, default=str))
 
 
@@ -72,7 +76,7 @@ def test_two_ranks_give_the_tokens_of_one_process(checkpoint_factory, tmp_path, 
         _compare_with_one_process(path, cases, ranks)
     finally:
         torch.set_num_threads(threads)
-    assert all(rows[-1] == {"initialized_after_close": False} for rows in ranks)
+    assert all(rows[-1] == {"joined_after_close": True} for rows in ranks)
 
 
 def _compare_with_one_process(path: Path, cases: list, ranks: list[list[dict]]) -> None:
@@ -96,7 +100,45 @@ def _compare_with_one_process(path: Path, cases: list, ranks: list[list[dict]]) 
                     whole["vram_expert_cache_bytes"] / 2, rel=0.1)
         # the call's statistics are every rank's together: each use is counted by the rank that owns the expert
         assert ranks[0][i]["uses"] == ranks[1][i]["uses"] == expected.stats.to_dict()["expert_uses"]
+        assert ranks[0][i]["decode_hit_rate"] == ranks[1][i]["decode_hit_rate"]
         alone.close()
+
+
+def _rank_disagreeing(rank: int, world: int, port: int, path: str, out: str, scenario: str) -> None:
+    """Ranks that differ where they must not: their own random state and placement profile (agreed from rank 0), or
+    a setting that shapes the collectives (refused, one sentence on every rank)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)
+    result: dict = {}
+    try:
+        if scenario == "sampling":
+            engine = MoEPrefetchEngine.from_pretrained(path, distributed=True, expert_cache_slots=4, max_seq_len=128,
+                                                       placement_profile={(1, rank): 100.0, (2, 3 - rank): 50.0})
+            result["sampled"] = engine.generate(PROMPTS, max_new_tokens=10, stop_at_eos=False, temperature=1.0,
+                                                speculative="mtp").sequences
+            result["profile"] = sorted(map(list, engine.routing_profile))
+            engine.close()
+        else:
+            MoEPrefetchEngine.from_pretrained(path, distributed=True, expert_cache_slots=4, max_seq_len=64 + 64 * rank)
+    except RequestError as exc:
+        result["error"] = str(exc)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("scenario", ["sampling", "mismatch"])
+def test_ranks_agree_on_seeds_and_placement_and_refuse_other_differences(checkpoint_factory, tmp_path, scenario):
+    path = checkpoint_factory("v3")
+    mp.start_processes(_rank_disagreeing, args=(2, _free_port(), str(path), str(tmp_path), scenario), nprocs=2,
+                       join=True, start_method="spawn")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    if scenario == "sampling":  # rank 0's seed and placement: the same tokens, and one profile over all experts
+        assert "error" not in ranks[0] and ranks[0]["sampled"] == ranks[1]["sampled"]
+        assert ranks[0]["profile"] == ranks[1]["profile"] and len(ranks[0]["profile"]) > 4
+    else:
+        assert all("the ranks disagree on the model, the memory plan" in r["error"] for r in ranks)
 
 
 def test_round_robin_and_balanced_placement():

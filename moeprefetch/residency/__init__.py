@@ -170,11 +170,14 @@ class Residency:
         self.st.pinned.zero_()
         for layer, expert in keys:
             if self.placement is not None:
-                position = self.position[layer]
-                if self.placement.owner[position][expert] != self.placement.rank:
+                if not self.owns(layer, expert):
                     continue
-                expert = self.placement.owned(position).index(expert)
+                expert = self.placement.owned(self.position[layer]).index(expert)
             self.st.pinned[self.key(layer, expert)] = 1
+
+    def owns(self, layer: int, expert: int) -> bool:
+        """Whether this rank holds (checkpoint layer, expert); always in one process."""
+        return self.placement is None or self.placement.owner[self.position[layer]][expert] == self.placement.rank
 
     def key(self, layer: int, expert: int) -> int:
         return self.position[layer] * self.n_experts + expert
@@ -387,7 +390,8 @@ class Residency:
 
     def resident_keys(self) -> list[tuple[int, int]]:
         """(layer, expert) of every resident slot (one read of the table)."""
-        return [self.global_key(k) for k in self.st.key_of.tolist() if k >= 0]
+        keys = (self.global_key(k) for k in self.st.key_of.tolist() if k >= 0)
+        return [key for key in keys if key[1] >= 0]  # not a rank's padding records
 
     # ---- reporting ------------------------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
