@@ -385,7 +385,8 @@ def plan_engine_memory(
     resident, layer_bytes = resident_bytes(reader, args, element)
     kv = KVCaches.bytes_per_token(args, options.dtype, has_mtp) * options.max_seq_len * options.max_batch_size
     room = max(budget_bytes - resident - kv, 0) if budget_bytes is not None else None
-    staging_rows = prefill_staging_rows(fmt.record_bytes, args.n_routed_experts, room)
+    per_layer = total_experts // max(len(args.moe_layers) + int(has_mtp), 1)  # a rank's own, when distributed
+    staging_rows = prefill_staging_rows(fmt.record_bytes, per_layer, room)
     rows = options.max_batch_size * 2
     workspace = (
         rows * args.num_experts_per_tok * max(rows, 16) * (args.moe_intermediate_size * element + args.hidden_size * 4)
