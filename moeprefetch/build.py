@@ -20,6 +20,7 @@ from .errors import CheckpointError, RequestError, ResourceError
 from .experts import CheckpointExperts, ExpertFormat
 from .kernels import kernels_usable
 from .kernels.attention import MLADecode
+from .kernels.gqa_attention import GQADecode
 from .kernels.grouped import grouped_mm_usable
 from .planner import MemoryPlan, parse_bytes, plan_memory
 from .options import EngineConfig, check_positive_int
@@ -395,9 +396,10 @@ def plan_engine_memory(
         + staging_rows * fmt.record_bytes  # prefill's staging rows
         + 256 * 1024**2  # allocator slack, logits, small tensors
     )
-    if options.fused_kernels and kernels_usable(options.device.type) and args.attention == "mla":
-        # the fused attention's split partials
-        workspace += MLADecode.scratch_bytes(args.num_attention_heads, args.kv_lora_rank, options.max_seq_len, rows)
+    if options.fused_kernels and kernels_usable(options.device.type):  # the fused attention's split partials
+        workspace += MLADecode.scratch_bytes(args.num_attention_heads, args.kv_lora_rank, options.max_seq_len, rows) \
+            if args.attention == "mla" else \
+            GQADecode.scratch_bytes(args.num_attention_heads, args.qk_head_dim, options.max_seq_len, rows)
     plan = plan_memory(
         resident_bytes=resident,
         layer_bytes=layer_bytes,

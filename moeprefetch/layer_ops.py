@@ -14,11 +14,12 @@ import torch.nn.functional as F
 
 from .config import ModelArgs
 from .kernels.attention import MLADecode
+from .kernels.gqa_attention import GQADecode
 from .kernels.norm import act_mul, residual_norm
 from .kernels.router import select_experts
-from .model import LayerKV, LayerOps, Routing, absorbed_weights, linear, router_shape
+from .model import GQAKV, LayerKV, LayerOps, Routing, absorbed_weights, gqa_decode_queries, linear, router_shape
 from .rope import RotaryEmbedding
-from .weights import AttentionWeights, LayerWeights, Linear, MLPWeights, RouterWeights, projection_groups
+from .weights import AttentionWeights, GQAWeights, LayerWeights, Linear, MLPWeights, RouterWeights, projection_groups
 
 
 def adjacent(parts: list[Linear]) -> bool:
@@ -78,6 +79,8 @@ class FusedOps(LayerOps):
         self.mla = MLADecode(args.num_attention_heads, args.qk_nope_head_dim, args.kv_lora_rank,
                              args.qk_rope_head_dim, capacity, max_rows, device, use_kernels) \
             if args.attention == "mla" else None
+        self.gqa = GQADecode(args.num_attention_heads, args.num_key_value_heads, args.qk_head_dim, capacity,
+                             max_rows, args.sliding_window, device, use_kernels) if args.attention == "gqa" else None
 
     def _fuse_layer(self, lw: LayerWeights, views_only: bool) -> None:
         for owner, parts in projection_groups(lw):
@@ -106,14 +109,16 @@ class FusedOps(LayerOps):
             gate, up = F.linear(h, fused).chunk(2, dim=-1)
         return linear(act_mul(gate, up, self.act_name, self.act, self.use_kernels), w.down_proj)
 
-    def attend_decode(self, w: AttentionWeights, x: torch.Tensor, positions: torch.Tensor, kv: LayerKV,
-                      slots: torch.Tensor | None = None) -> torch.Tensor:
-        """`model.attention_absorbed` over each row's keys 0..slot only: x [B, L, H] at rotary `positions` [B, L],
-        stored at cache index `slots` (default: the positions)."""
+    def attend_decode(self, w: AttentionWeights | GQAWeights, x: torch.Tensor, positions: torch.Tensor,
+                      kv: LayerKV | GQAKV, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """`model.attention_absorbed` (or the grouped-query definition) over each row's keys 0..slot only: x [B, L, H]
+        at rotary `positions` [B, L], stored at cache index `slots` (default: the positions)."""
         args = self.args
-        if not self.use_kernels or self.mla is None:  # grouped-query attention runs its definition
+        if not self.use_kernels:
             return super().attend_decode(w, x, positions, kv, slots)
         slots = positions if slots is None else slots
+        if self.gqa is not None:
+            return self._attend_gqa(w, x, positions, kv, slots)
         b, length, hidden = x.shape
         rows, heads, nope = b * length, args.num_attention_heads, args.qk_nope_head_dim
         flat = x.reshape(rows, hidden)
@@ -135,3 +140,15 @@ class FusedOps(LayerOps):
         out_latent = self.mla.attend(q_latent, q, kv.latent, kv.rope, slots_flat, length, args.softmax_scale)
         out = torch.bmm(out_latent, w_uv.transpose(1, 2))  # [h, R, v]
         return linear(out.transpose(0, 1).reshape(b, length, heads * args.v_head_dim), w.o_proj)
+
+    def _attend_gqa(self, w: GQAWeights, x: torch.Tensor, positions: torch.Tensor, kv: GQAKV,
+                    slots: torch.Tensor) -> torch.Tensor:
+        """`model.attention_gqa_decode` over each row's keys 0..slot only (within its sliding window, if any)."""
+        args = self.args
+        b, length, _ = x.shape
+        fused = self._fused.get(id(w))  # q, k and v as one GEMV (none where they have biases)
+        q = gqa_decode_queries(args, w, self.rope, x, positions, kv, slots,
+                               F.linear(x, fused) if fused is not None else None)
+        out = self.gqa.attend(q.reshape(b * length, args.num_attention_heads, args.qk_head_dim).contiguous(),
+                              kv.key, kv.value, slots.reshape(-1).contiguous(), length, args.softmax_scale)
+        return linear(out.view(b, length, -1), w.o_proj)

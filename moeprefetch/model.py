@@ -121,13 +121,18 @@ class GQAKV:
     value: torch.Tensor  # [B, S_cap, h_kv, d]
 
 
-def _gqa_qkv(args: ModelArgs, w: GQAWeights, rope: RotaryEmbedding, x: torch.Tensor, positions: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [B, T, H] at `positions` [B, T] -> rotated q [B, T, h, d], rotated k and v [B, T, h_kv, d]."""
+def _gqa_qkv(args: ModelArgs, w: GQAWeights, rope: RotaryEmbedding, x: torch.Tensor, positions: torch.Tensor,
+             projected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [B, T, H] at `positions` [B, T] -> rotated q [B, T, h, d], rotated k and v [B, T, h_kv, d]. `projected`: x
+    through q, k and v at once (a fused decode GEMV), if already computed."""
     d, eps = args.qk_head_dim, args.rms_norm_eps
-    q = linear(x, w.q_proj).unflatten(-1, (args.num_attention_heads, d))
-    k = linear(x, w.k_proj).unflatten(-1, (args.num_key_value_heads, d))
-    v = linear(x, w.v_proj).unflatten(-1, (args.num_key_value_heads, d))
+    if projected is None:
+        q, k, v = linear(x, w.q_proj), linear(x, w.k_proj), linear(x, w.v_proj)
+    else:
+        q, k, v = projected.split([w.q_proj.weight.shape[0], w.k_proj.weight.shape[0], w.v_proj.weight.shape[0]], -1)
+    q = q.unflatten(-1, (args.num_attention_heads, d))
+    k = k.unflatten(-1, (args.num_key_value_heads, d))
+    v = v.unflatten(-1, (args.num_key_value_heads, d))
     if w.q_norm is not None:
         q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
     cos, sin = rope.cos_sin(positions)  # [B, T, r/2]: the first r of each head's d rotate (all but GLM: r = d)
@@ -172,17 +177,27 @@ def attention_gqa_block(args: ModelArgs, w: GQAWeights, rope: RotaryEmbedding, x
     return linear(out.transpose(1, 2).flatten(2), w.o_proj)
 
 
+def gqa_decode_queries(args: ModelArgs, w: GQAWeights, rope: RotaryEmbedding, x: torch.Tensor,
+                       positions: torch.Tensor, kv: GQAKV, slots: torch.Tensor,
+                       projected: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode rows x [B, L, H]: their keys and values written into the cache at `slots` [B, L] -> rotated q
+    [B, L, h, d]."""
+    b, l, _ = x.shape
+    q, k, v = _gqa_qkv(args, w, rope, x, positions, projected)
+    rows = torch.arange(b, device=x.device)[:, None].expand(b, l)
+    kv.key[rows, slots] = k
+    kv.value[rows, slots] = v
+    return q
+
+
 def attention_gqa_decode(args: ModelArgs, w: GQAWeights, rope: RotaryEmbedding, x: torch.Tensor,
                          positions: torch.Tensor, kv: GQAKV, slots: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention (as `attention_absorbed`): x [B, L, H] at `positions` [B, L], written at cache index `slots`,
     each token attending to the cache's entries up to its own index, over the whole fixed-size cache (static
     shapes for CUDA graphs; a row's result never depends on the other rows)."""
     slots = positions if slots is None else slots
-    b, l, _ = x.shape
-    q, k, v = _gqa_qkv(args, w, rope, x, positions)
-    rows = torch.arange(b, device=x.device)[:, None].expand(b, l)
-    kv.key[rows, slots] = k
-    kv.value[rows, slots] = v
+    b = x.shape[0]
+    q = gqa_decode_queries(args, w, rope, x, positions, kv, slots)
     keys, values = kv.key[:b], kv.value[:b]  # [B, S, h_kv, d]
     groups = args.num_key_value_heads
     grouped = q.unflatten(2, (groups, args.num_attention_heads // groups))  # [B, L, h_kv, r, d]

@@ -24,7 +24,10 @@ case "${STAGE:-tests}" in
     timeout 400 python3 -m pytest tests/test_gpu.py -k "chained or continuous or synchronises or cache_sizes" -q \
       -p no:cacheprovider --tb=short --durations=6 "$@" 2>&1 | tail -30
     timeout 160 python3 -m pytest tests/test_families.py tests/test_streaming.py -m gpu -q -p no:cacheprovider \
-      --tb=short "$@" 2>&1 | tail -15 ;;
+      --tb=short "$@" 2>&1 | tail -15
+    # the fused GQA decode attention (gqa_attention.py) and the plan kernel's blocked reservation, on the device
+    timeout 200 python3 -m pytest tests/test_layer_ops.py tests/test_kernels.py -q -p no:cacheprovider --tb=short \
+      "$@" 2>&1 | tail -8 ;;
   distributed)
     timeout 150 python3 -m pytest tests/test_distributed.py -q -p no:cacheprovider --tb=short -k gpus 2>&1 | tail -5
     timeout 200 torchrun --nproc-per-node 1 scripts/bench_distributed.py --out "$out/distributed_1gpu.json" \

@@ -300,6 +300,61 @@ def test_the_plan_kernel_does_not_spill_at_large_models_shapes():
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,capacity,per_seq,window", [
+    (8, 2, 16, 300, 1, None),  # ten 32-key splits, 4 query heads per key-value head (padded to 16)
+    (4, 4, 24, 4500, 1, None),  # 71 splits of 64 keys, ragged head dim, no grouping
+    (12, 4, 16, 130, 2, None),  # two new tokens per sequence (verify steps), 3 heads per group
+    (8, 2, 16, 400, 1, 37),  # a sliding window: keys before slot - 36 are never read
+])
+def test_gqa_decode_attention_matches_float64(dtype, tolerance, heads, kv_heads, head_dim, capacity, per_seq, window):
+    """The split/merge kernels give the softmax over each row's keys lo..slot in float64; cache entries outside
+    (NaN here) are never read."""
+    from moeprefetch.kernels.gqa_attention import GQADecode, gqa_attend_reference
+
+    g = torch.Generator().manual_seed(heads + head_dim)
+    batch = 2
+    rows = batch * per_seq
+    key = torch.randn(batch, capacity, kv_heads, head_dim, generator=g).to(dtype)
+    value = torch.randn(batch, capacity, kv_heads, head_dim, generator=g).to(dtype)
+    slots = torch.tensor([capacity - 2, 3]).repeat_interleave(per_seq) + torch.arange(per_seq).repeat(batch)
+    cache_rows = torch.arange(rows) // per_seq
+    for c in range(batch):  # what none of a cache row's queries may see: beyond their slots, before their windows
+        seen = slots[cache_rows == c]
+        key[c, int(seen.max()) + 1 :] = float("nan")
+        if window:
+            value[c, : max(int(seen.min()) + 1 - window, 0)] = float("nan")
+    q = torch.randn(rows, heads, head_dim, generator=g).to(dtype)
+    want = gqa_attend_reference(q.double(), key.double(), value.double(), cache_rows, slots, 0.3, window)
+    key, value, q, slots = key.to(DEVICE), value.to(DEVICE), q.to(DEVICE), slots.to(DEVICE)
+    out = GQADecode(heads, kv_heads, head_dim, capacity, rows, window, torch.device(DEVICE), True).attend(
+        q, key, value, slots, per_seq, 0.3)
+    error = ((out.double().cpu() - want).norm() / want.norm()).item()
+    assert error < tolerance, error
+
+
+def test_gqa_reference_is_the_models_decode_attention():
+    """gqa_attend_reference is model.attention_gqa_decode's attention core (fp32, with a sliding window)."""
+    from types import SimpleNamespace
+
+    from moeprefetch.kernels.gqa_attention import gqa_attend_reference
+    from moeprefetch.model import _visible
+
+    g = torch.Generator().manual_seed(5)
+    b, cap, heads, kv_heads, d, window = 2, 40, 6, 2, 8, 9
+    key, value = torch.randn(b, cap, kv_heads, d, generator=g), torch.randn(b, cap, kv_heads, d, generator=g)
+    q = torch.randn(b, heads, d, generator=g)
+    slots = torch.tensor([30, 4])
+    args = SimpleNamespace(sliding_window=window)
+    grouped = q[:, None].unflatten(2, (kv_heads, heads // kv_heads))  # [B, 1, g, r, d]
+    scores = torch.einsum("blgrd,bsgd->blgrs", grouped, key) * 0.25
+    visible = _visible(args, torch.arange(cap)[None, None, :], slots[:, None, None])
+    probs = torch.softmax(scores.masked_fill(~visible[:, :, None, None, :], float("-inf")), dim=-1)
+    want = torch.einsum("blgrs,bsgd->blgrd", probs, value).flatten(2, 3)[:, 0]  # [B, h, d]
+    got = gqa_attend_reference(q, key, value, torch.arange(b), slots, 0.25, window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,nope,latent,rope_dim,capacity,per_seq,interleave", [
     (4, 16, 32, 8, 300, 1, True),  # ten 32-key splits, one head block padded from 4 heads
     (2, 8, 16, 8, 4500, 1, True),  # 71 splits of 64 keys (longer rows get larger splits, never more than 128)

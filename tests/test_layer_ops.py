@@ -30,6 +30,9 @@ def _last_logits(engine: MoEPrefetchEngine) -> torch.Tensor:
     ("v3_groups_qlora_yarn", "none", None),  # grouped sigmoid router, q LoRA, YaRN, interleaved rope
     ("v3_nogroup_plainrope", "mtp", 5),  # shared experts x2, de-interleaved rope, the MTP head and its shadow row
     ("v2_group_limited", "next_layer_gate", 7),  # softmax router, group-limited greedy, q_proj
+    ("qwen3", "next_layer_gate", 5),  # grouped-query attention with q/k norm (gqa_attention.py)
+    ("mixtral_window", "none", None),  # one key-value head, head dim 8, a 5-key sliding window
+    ("glm4", "mtp", 6),  # GQA with bias and half rotary, the MTP head
 ])
 def test_fused_decode_matches_the_definitions(checkpoint_factory, variant, predictor, slots):
     path = checkpoint_factory(variant)
@@ -50,7 +53,8 @@ def test_fused_decode_matches_the_definitions(checkpoint_factory, variant, predi
     # fused projections re-lay weights as views: every other reader (here the uncached forward) is unchanged
     assert torch.equal(engine.forward([prompts[0]]), before)
     assert engine.memory_stats()["vram_resident_bytes"] == bytes_before
-    assert len(engine.runner.decode_ops._fused) >= 2 * engine.args.num_hidden_layers
+    per_layer = 2 if engine.args.attention == "mla" else 1  # MLA: q with kv_a, gate with up; GQA: gate with up
+    assert len(engine.runner.decode_ops._fused) >= per_layer * engine.args.num_hidden_layers
     got = engine.generate(prompts, max_new_tokens=6, stop_at_eos=False, predictor=predictor)
     logits = _last_logits(engine)
     engine.close()

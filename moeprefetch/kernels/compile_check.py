@@ -141,6 +141,13 @@ def layer_launches(hidden: int, experts: int, top_k: int, heads: int = 16, laten
     q_latent = torch.zeros(heads, rows, latent, dtype=bf16)
     split, merge = mla.attend_launches(q_latent, q, cache_latent, cache_rope, slots, 1, 0.1, q_latent)
     launches.update(mla_split=split, mla_merge=merge)
+    from .gqa_attention import GQADecode
+
+    for window, tag in ((None, ""), (4096, "_window")):  # Qwen3-30B's heads (32 query, 4 key-value, 128 wide)
+        gqa = GQADecode(32, 4, 128, 4096, rows, window, torch.device("cpu"), True)
+        q_gqa, cache = torch.zeros(rows, 32, 128, dtype=bf16), torch.zeros(1, 8, 4, 128, dtype=bf16)
+        split, merge = gqa.launches(q_gqa, cache, cache, slots, 1, 0.1, q_gqa)
+        launches.update({f"gqa_split{tag}": split, f"gqa_merge{tag}": merge})
     from .clock import stamp_launch
     from .gather import gather_launch
 
