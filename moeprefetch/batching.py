@@ -10,8 +10,8 @@ pick other kernel tiles, so the guarantee there is independence from the rest of
 owns the engine while it lives: nothing else may generate meanwhile.
 
 Admitting a request runs its prefill as table steps, which moves the table's step clock; the fills reserved and the
-experts protected for the running rows' next decode steps are deferred by those steps (`Residency.defer_pending`),
-so the prefill does not turn their prefetches into waste.
+experts protected for the running rows' next decode steps are first deferred by those steps
+(`Residency.defer_pending`), so the prefill neither releases their prefetches as passed nor evicts what they need.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .build import predictor_spec
 from .decode import DecodeStep
 from .errors import RequestError
 from .sampling import RowSampler, SamplingParams, sample
-from .session import configure_residency, prefill_mtp_row, prefill_row, step_shape
+from .session import configure_residency, prefill_mtp_row, prefill_row, prefill_steps, step_shape
 
 if TYPE_CHECKING:
     from .engine import MoEPrefetchEngine
@@ -104,13 +104,13 @@ class ContinuousBatch:
         row = self.free_rows[0]
         engine = self.engine
         self.caches.zero_(row)  # masked entries meet exact zeros, never an earlier request's keys
-        clock = int(engine.residency.st.progress)
+        # the prefill's steps do not count against the running rows' prefetches and protections
+        engine.residency.defer_pending(prefill_steps(engine, len(prompt)) * (2 if self.uses_mtp else 1))
         hidden = prefill_row(engine, self.caches, row, prompt)
         first = int(sample(engine.runner.logits(hidden[-1:]), sampling, [0], [len(prompt)])[0])
         state = RowState(len(prompt), max_new_tokens, stop_ids, [first])
         if self.uses_mtp:
             state.draft, state.draft_prob = prefill_mtp_row(engine, self.caches, row, prompt, first, hidden)
-        engine.residency.defer_pending(clock)
         self.sampler.set_row(row, sampling)
         self.state[row] = state
         return row, first

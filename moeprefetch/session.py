@@ -280,6 +280,13 @@ def prefill_windows(engine: "MoEPrefetchEngine", tokens: torch.Tensor, offset: i
         yield starts, pieces, positions
 
 
+def prefill_steps(engine: "MoEPrefetchEngine", length: int) -> int:
+    """Table steps (windows) a prompt of `length` tokens takes through the main layers (as many again through the
+    MTP layer)."""
+    options = engine.options
+    return -(-length // (max(options.prefill_window // options.prefill_chunk, 1) * options.prefill_chunk))
+
+
 def prefill_row(engine: "MoEPrefetchEngine", caches, row: int, prompt: list[int], belady: bool = False
                 ) -> torch.Tensor:
     """A prompt through the main layers into cache row `row`, in windows of chunks -> its final hidden [T, H]."""

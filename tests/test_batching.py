@@ -97,21 +97,40 @@ def test_row_sampler_matches_device_sampler_on_random_parameters():
     check()
 
 
-def test_defer_pending_moves_only_future_needs():
-    """A request's prefill joining a running batch adds table steps: fills in flight and protections for later needs
-    move by those steps (so the next decode step does not release them as passed); past ones stay."""
-    from moeprefetch.residency.state import E_ACTIVE, E_FREE, ResidencyConfig, TableState
+@pytest.mark.parametrize("defer", [True, False])
+def test_a_joining_prefill_keeps_the_running_rows_pending_fill(checkpoint_factory, monkeypatch, defer):
+    """A fill reserved for the running rows' next step, still in flight (the link is slow: here the fill launch does
+    nothing), survives a joining request's prefill of several table steps (2 windows and the MTP layer's 2): it is
+    deferred by those steps and not released as wasted. Without the deferral it is (the test's control)."""
+    from moeprefetch.kernels.fill import Filler
     from moeprefetch.residency import Residency
+    from moeprefetch.residency.state import C, E_ACTIVE, E_FREE, FILLING
 
-    cfg = ResidencyConfig(positions=3, main_positions=2, n_experts=4, n_slots=4, record_bytes=64)
-    res = Residency.__new__(Residency)  # the table alone: defer_pending touches nothing else
-    res.cfg, res.st = cfg, TableState.allocate(cfg, 8, torch.device("cpu"))
-    clock = cfg.steps_clock
-    since = 5 * clock + clock - 1  # the end of step 5
-    res.st.progress.fill_(7 * clock + 3)  # two prefill steps later
-    res.st.e_state[:3] = torch.tensor([E_ACTIVE, E_ACTIVE, E_FREE])
-    res.st.e_deadline[:3] = torch.tensor([6 * clock + 2, 4 * clock, 6 * clock + 4])
-    res.st.protect[:3] = torch.tensor([6 * clock + 1, since - 3, -1])
-    res.defer_pending(since)
-    assert res.st.e_deadline[:3].tolist() == [8 * clock + 2, 4 * clock, 6 * clock + 4]
-    assert res.st.protect[:3].tolist() == [8 * clock + 1, since - 3, -1]
+    monkeypatch.setattr(Filler, "__call__", lambda self, position: None)
+    if not defer:
+        monkeypatch.setattr(Residency, "defer_pending", lambda self, steps: None)
+    engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False, max_seq_len=128,
+                                               expert_cache_slots=12, max_batch_size=2, prefill_chunk=4,
+                                               prefill_window=4)
+    batch = ContinuousBatch(engine, "mtp")
+    batch.admit([3, 4, 5, 6, 7, 8, 9, 10], 20, SamplingParams())
+    batch.step()
+    res = engine.residency
+    st, positions, n = res.st, res.cfg.positions, res.n_experts
+    step = int(st.step)
+    j = int(torch.nonzero(st.e_state == E_FREE)[0])
+    key = next(n + e for e in range(n) if int(st.slot_of[n + e]) < 0 and int(st.inflight_of[n + e]) < 0)
+    slot = next(v for v in range(res.n_slots) if int(st.key_of[v]) // n != 1)  # its expert (not layer 1's) leaves
+    if int(st.key_of[slot]) >= 0:
+        st.slot_of[int(st.key_of[slot])] = -1
+    deadline = 2 * ((step + 1) * positions + 1)  # what a reservation in this step for layer 1 of the next writes
+    st.e_state[j], st.e_key[j], st.e_slot[j], st.e_deadline[j], st.e_made[j] = E_ACTIVE, key, slot, deadline, 0
+    st.e_next[j] = st.e_done[j] = st.e_ready[j] = 0
+    st.slot_state[slot], st.key_of[slot], st.inflight_of[key], st.protect[slot] = FILLING, key, j, deadline
+    wasted = int(st.counters[:, C["prefetch_wasted"]].sum())
+    batch.admit([11, 12, 13, 14, 15, 16, 17], 20, SamplingParams())  # 2 windows + 2 MTP windows
+    if defer:
+        assert int(st.e_state[j]) == E_ACTIVE and int(st.e_deadline[j]) == deadline + 4 * res.cfg.steps_clock
+        assert int(st.counters[:, C["prefetch_wasted"]].sum()) == wasted
+    else:
+        assert int(st.e_state[j]) == E_FREE and int(st.counters[:, C["prefetch_wasted"]].sum()) == wasted + 1

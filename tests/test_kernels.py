@@ -217,7 +217,7 @@ def test_plan_kernel_matches_the_reference(seed, policy, slots, spare, wait, rin
 @pytest.mark.parametrize("seed,cells,wait,ring", [(21, 8, False, 2), (22, 16, True, 3), (23, 32, False, 4)])
 def test_plan_kernel_reserves_the_same_in_blocks_of_the_window(seed, cells, wait, ring, monkeypatch):
     """The reservation goes through the prediction window in blocks of rows (long models would spill registers
-    otherwise): with blocks of one, two or three rows the tables stay identical to the reference."""
+    otherwise): with blocks of one, two or four rows the tables stay identical to the reference."""
     if DEVICE == "cuda":
         pytest.skip("runs the kernel on CPU tensors (interpreter); the GPU path is covered by the engine tests")
     from moeprefetch.kernels import plan

@@ -53,7 +53,7 @@ def test_fused_decode_matches_the_definitions(checkpoint_factory, variant, predi
     # fused projections re-lay weights as views: every other reader (here the uncached forward) is unchanged
     assert torch.equal(engine.forward([prompts[0]]), before)
     assert engine.memory_stats()["vram_resident_bytes"] == bytes_before
-    per_layer = 2 if engine.args.attention == "mla" else 1  # MLA: q with kv_a, gate with up; GQA: gate with up
+    per_layer = 2 if engine.args.attention == "mla" else 1  # gate with up; q with kv_a (MLA), q/k/v (GQA without bias)
     assert len(engine.runner.decode_ops._fused) >= per_layer * engine.args.num_hidden_layers
     got = engine.generate(prompts, max_new_tokens=6, stop_at_eos=False, predictor=predictor)
     logits = _last_logits(engine)

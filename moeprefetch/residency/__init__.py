@@ -233,18 +233,18 @@ class Residency:
         self._belady_prefill = belady and not decode
         self.planner.step_start(decode, self.next_use if belady else None)
 
-    def defer_pending(self, since: int) -> None:
-        """Steps that were not decode steps ran since the table's clock read `since` (a request's prefill joining a
-        running batch): fills reserved and experts protected for later needs keep their place, as if those steps had
-        not run. Without this the next decode step would find its prefetches' deadlines passed and release them."""
-        delta = int(self.st.progress) // self.cfg.steps_clock * self.cfg.steps_clock - \
-            since // self.cfg.steps_clock * self.cfg.steps_clock
-        if delta <= 0:
+    def defer_pending(self, steps: int) -> None:
+        """`steps` table steps that are not decode steps are about to run (a request's prefill joining a running
+        batch): the fills reserved and the experts protected for later needs move by as many steps, so neither the
+        prefill's step starts release them nor its plans evict them, and the next decode step finds them where they
+        were. Device tensors only (no synchronisation)."""
+        if steps <= 0:
             return
-        st = self.st
-        pending = (st.e_state == E_ACTIVE) & (st.e_deadline > since)
+        st, delta = self.st, steps * self.cfg.steps_clock
+        now = st.progress  # [1]: the clock at the last plan or step end
+        pending = (st.e_state == E_ACTIVE) & (st.e_deadline > now)
         st.e_deadline.add_(torch.where(pending, delta, 0))
-        st.protect.add_(torch.where(st.protect > since, delta, 0))
+        st.protect.add_(torch.where(st.protect > now, delta, 0))
 
     def know_future(self, trace: torch.Tensor) -> None:
         """An oracle's recorded routing [decode steps, P, E]: victims become Belady's (farthest next need first)."""
