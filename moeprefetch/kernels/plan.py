@@ -322,8 +322,8 @@ if HAS_TRITON:
                 start, position, step, dstep, pred, slot_of, inflight_of, fills_for, BUDGET, MIN_CONF, R, P, P_MAIN,
                 E, E_PAD, RB)
             row_total = tl.sum(within.to(tl.int32), axis=1)
-            grank = base + (tl.cumsum(row_total, axis=0) - row_total)[:, None] + tl.cumsum(within.to(tl.int32), axis=1) \
-                - within.to(tl.int32)
+            in_rows = tl.cumsum(within.to(tl.int32), axis=1) - within.to(tl.int32)
+            grank = base + (tl.cumsum(row_total, axis=0) - row_total)[:, None] + in_rows
             base += tl.sum(row_total, axis=0)
             go = within & (grank < got)
             rv = tl.load(scratch + grank, mask=go, other=0)
