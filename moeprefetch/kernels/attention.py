@@ -172,12 +172,10 @@ if HAS_TRITON:
         tl.store(part_lse_ptr + part, m + tl.log(den), mask=h_on)
 
     @triton.jit
-    def _merge_kernel(part_o_ptr, part_lse_ptr, slot_ptr, out_ptr, n_rows, n_splits, NH: tl.constexpr,
-                      C: tl.constexpr, CP: tl.constexpr, NS: tl.constexpr, BS: tl.constexpr):
-        """out[head, r] = the splits' partial results weighted by their softmax mass, in split order."""
-        r = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        n_keys = tl.load(slot_ptr + r).to(tl.int32) + 1
+    def merge_splits(part_o_ptr, part_lse_ptr, r, head, n_keys, n_splits, NH: tl.constexpr, CP: tl.constexpr,
+                     NS: tl.constexpr, BS: tl.constexpr):
+        """Row r's partial results of one head over the splits that hold its n_keys keys, weighted by their softmax
+        mass, in split order -> [CP] fp32 (shared with the grouped-query kernel)."""
         size = _split_size(n_keys, NS, BS)
         used = (n_keys + size - 1) // size
         cs = tl.arange(0, CP)
@@ -191,7 +189,18 @@ if HAS_TRITON:
             w = tl.exp(tl.load(part_lse_ptr + part) - top)
             den += w
             acc += w * tl.load(part_o_ptr + part * CP + cs)
-        tl.store(out_ptr + (head * n_rows + r) * C + cs, (acc / den).to(out_ptr.dtype.element_ty), mask=cs < C)
+        return acc / den
+
+    @triton.jit
+    def _merge_kernel(part_o_ptr, part_lse_ptr, slot_ptr, out_ptr, n_rows, n_splits, NH: tl.constexpr,
+                      C: tl.constexpr, CP: tl.constexpr, NS: tl.constexpr, BS: tl.constexpr):
+        """out[head, r] = the splits' partial results weighted by their softmax mass, in split order."""
+        r = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        n_keys = tl.load(slot_ptr + r).to(tl.int32) + 1
+        cs = tl.arange(0, CP)
+        merged = merge_splits(part_o_ptr, part_lse_ptr, r, head, n_keys, n_splits, NH, CP, NS, BS)
+        tl.store(out_ptr + (head * n_rows + r) * C + cs, merged.to(out_ptr.dtype.element_ty), mask=cs < C)
 
 
 class MLADecode:

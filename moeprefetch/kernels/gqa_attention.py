@@ -23,7 +23,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .attention import _split_size
+    from .attention import _split_size, merge_splits
     from .common import dot, next_pow2
 
 SPLITS = 128  # splits per row at most (as MLA's): enough programs at batch 1, scratch independent of capacity
@@ -105,20 +105,9 @@ if HAS_TRITON:
         r = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         lo, n_vis = _visible_range(slot_ptr, r, WINDOW)
-        size = _split_size(n_vis, NS, BS)
-        used = (n_vis + size - 1) // size
         ds = tl.arange(0, DP)
-        top = tl.load(part_lse_ptr + r * n_splits * NH + head)
-        for split in range(1, used):
-            top = tl.maximum(top, tl.load(part_lse_ptr + (r * n_splits + split) * NH + head))
-        den = top * 0.0
-        acc = tl.zeros([DP], dtype=tl.float32)
-        for split in range(0, used):
-            part = (r * n_splits + split) * NH + head
-            w = tl.exp(tl.load(part_lse_ptr + part) - top)
-            den += w
-            acc += w * tl.load(part_o_ptr + part * DP + ds)
-        tl.store(out_ptr + (r * NH + head) * D + ds, (acc / den).to(out_ptr.dtype.element_ty), mask=ds < D)
+        merged = merge_splits(part_o_ptr, part_lse_ptr, r, head, n_vis, n_splits, NH, DP, NS, BS)
+        tl.store(out_ptr + (r * NH + head) * D + ds, merged.to(out_ptr.dtype.element_ty), mask=ds < D)
 
 
 class GQADecode:
