@@ -162,8 +162,8 @@ def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev
     placement = None
     if group is not None:
         # rank 0's placement for everyone: a profile (or anything else) that differs per rank must not split them
-        owner = group.agree(ExpertPlacement.build(expert_layers, args.n_routed_experts, group.world, group.rank,
-                                                  config.placement_profile).owner)
+        owner = group.agree(ExpertPlacement.build(expert_layers, args.n_routed_experts, group.world, 0,
+                                                  config.placement_profile).owner if group.rank == 0 else None)
         placement = ExpertPlacement(group.rank, group.world, owner)
     # this rank's experts (every expert in one process): what the cache, the host store and the plan are sized by
     total_experts = len(expert_layers) * (placement.local if placement is not None else args.n_routed_experts)
@@ -198,8 +198,8 @@ def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev
     hot = validate_hot_set(config.hot_set, expert_layers, args.n_routed_experts)
     if hot and config.policy != "static":
         raise RequestError("hot_set is only used by policy='static'")
-    pinned = [key for key in hot if placement is None or placement.owner[expert_layers.index(key[0])][key[1]] ==
-              placement.rank]  # each rank pins its own
+    # each rank pins its own
+    pinned = [key for key in hot if placement is None or placement.owns(expert_layers.index(key[0]), key[1])]
     if not plan.all_resident and len(pinned) > plan.expert_slots - args.num_experts_per_tok:
         raise RequestError(
             f"the static hot set ({len(pinned)} experts) leaves fewer than top-k ({args.num_experts_per_tok}) of the "

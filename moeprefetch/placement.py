@@ -47,6 +47,9 @@ class ExpertPlacement:
         """This rank's experts of one layer, in expert order: local number i is owned(position)[i]."""
         return self._owned[position]
 
+    def owns(self, position: int, expert: int) -> bool:
+        return self.owner[position][expert] == self.rank
+
     def global_expert(self, position: int, local: int) -> int:
         """The checkpoint's expert number of a local one, or -1 for a padding entry."""
         owned = self.owned(position)

@@ -270,8 +270,7 @@ class Session:
 
 def prefill_windows(engine: "MoEPrefetchEngine", tokens: torch.Tensor, offset: int):
     """(starts, chunks, positions) of each prefill window of tokens [1, T]; positions start at `offset`."""
-    chunk, window = engine.options.prefill_chunk, engine.options.prefill_window
-    per_window = max(window // chunk, 1) * chunk
+    chunk, per_window = engine.options.prefill_chunk, _tokens_per_window(engine)
     for w0 in range(0, tokens.shape[1], per_window):
         starts = list(range(w0, min(w0 + per_window, tokens.shape[1]), chunk))
         pieces = [tokens[:, s : s + chunk] for s in starts]
@@ -283,8 +282,13 @@ def prefill_windows(engine: "MoEPrefetchEngine", tokens: torch.Tensor, offset: i
 def prefill_steps(engine: "MoEPrefetchEngine", length: int) -> int:
     """Table steps (windows) a prompt of `length` tokens takes through the main layers (as many again through the
     MTP layer)."""
-    options = engine.options
-    return -(-length // (max(options.prefill_window // options.prefill_chunk, 1) * options.prefill_chunk))
+    return -(-length // _tokens_per_window(engine))
+
+
+def _tokens_per_window(engine: "MoEPrefetchEngine") -> int:
+    """Prompt tokens of one prefill window: whole chunks, at least one."""
+    chunk = engine.options.prefill_chunk
+    return max(engine.options.prefill_window // chunk, 1) * chunk
 
 
 def prefill_row(engine: "MoEPrefetchEngine", caches, row: int, prompt: list[int], belady: bool = False

@@ -341,10 +341,8 @@ class RoutedExperts:
         if not self.use_kernels:
             return expert_terms_reference(x, assign, u_key, u_slot, u_dst, self.pool, self.host, self.fmt, self.act)
         n = assign.shape[0]
-        launches = self.launches(x, assign, assign.new_zeros(assign.shape, dtype=torch.float32), u_key, u_slot,
-                                 u_dst, torch.empty(0, device=x.device), step_rows or self.max_rows)
-        for launch in launches[:-1]:  # gate/up and down: y[u, row]; not the combine
-            launch()
+        for launch in self.product_launches(x, assign, u_key, u_slot, u_dst, step_rows or self.max_rows):
+            launch()  # y[u, row]; the ranks' all-reduce comes before the combine
         n_pad = self._n_pad(step_rows or self.max_rows)
         y = self._y.view(-1)[: self._y.shape[0] * n_pad * self.layout.hidden].view(-1, n_pad, self.layout.hidden)
         gathered = y[assign.clamp(min=0).long(), torch.arange(n, device=x.device)[:, None]]  # [N, k, H]
@@ -352,6 +350,12 @@ class RoutedExperts:
 
     def launches(self, x: torch.Tensor, assign: torch.Tensor, weights: torch.Tensor, u_key: torch.Tensor,
                  u_slot: torch.Tensor, u_dst: torch.Tensor, out: torch.Tensor, step_rows: int) -> list[Launch]:
+        return self.product_launches(x, assign, u_key, u_slot, u_dst, step_rows) + \
+            [self._combine(assign.shape[0], assign, weights, out, self._n_pad(step_rows))]
+
+    def product_launches(self, x: torch.Tensor, assign: torch.Tensor, u_key: torch.Tensor, u_slot: torch.Tensor,
+                         u_dst: torch.Tensor, step_rows: int) -> list[Launch]:
+        """gate/up and down: each selected expert's product y[u, row] for its rows (fp32)."""
         n, k = assign.shape
         gemv = step_rows <= GEMV_MAX_ROWS
         lay, t = self.layout, self.tiles or (GEMV_TILES if gemv else DEFAULT_TILES)
@@ -372,7 +376,6 @@ class RoutedExperts:
             Launch(_down_kernel, (u_count, triton.cdiv(lay.hidden, t.block_h)), **shape, mid_ptr=self._mid,
                    y_ptr=self._y, DOWN_W=lay.down_w, DOWN_S=lay.down_s,
                    SCOLS=triton.cdiv(lay.intermediate, lay.block_cols), BH=t.block_h, **common),
-            self._combine(n, assign, weights, out, n_pad),
         ]
 
     def _n_pad(self, step_rows: int) -> int:

@@ -104,7 +104,7 @@ if HAS_TRITON:
         """out[r, head] = the splits' partial results weighted by their softmax mass, in split order."""
         r = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
-        lo, n_vis = _visible_range(slot_ptr, r, WINDOW)
+        _, n_vis = _visible_range(slot_ptr, r, WINDOW)
         ds = tl.arange(0, DP)
         merged = merge_splits(part_o_ptr, part_lse_ptr, r, head, n_vis, n_splits, NH, DP, NS, BS)
         tl.store(out_ptr + (r * NH + head) * D + ds, merged.to(out_ptr.dtype.element_ty), mask=ds < D)

@@ -169,15 +169,14 @@ class Residency:
         """The static policy's pinned experts, as (checkpoint layer, expert) pairs."""
         self.st.pinned.zero_()
         for layer, expert in keys:
-            if self.placement is not None:
-                if not self.owns(layer, expert):
-                    continue
-                expert = self.placement.owned(self.position[layer]).index(expert)
-            self.st.pinned[self.key(layer, expert)] = 1
+            if self.owns(layer, expert):  # each rank pins its own, under their local numbers
+                if self.placement is not None:
+                    expert = self.placement.owned(self.position[layer]).index(expert)
+                self.st.pinned[self.key(layer, expert)] = 1
 
     def owns(self, layer: int, expert: int) -> bool:
         """Whether this rank holds (checkpoint layer, expert); always in one process."""
-        return self.placement is None or self.placement.owner[self.position[layer]][expert] == self.placement.rank
+        return self.placement is None or self.placement.owns(self.position[layer], expert)
 
     def key(self, layer: int, expert: int) -> int:
         return self.position[layer] * self.n_experts + expert
