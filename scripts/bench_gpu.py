@@ -482,19 +482,22 @@ KERNEL_GROUPS = (("plan", ("_plan_kernel", "_step_start_kernel")), ("experts", (
                  ("fill", ("_fill_kernel",)))
 
 
-def timeline(engine: MoEPrefetchEngine, prompt: list[int], new_tokens: int, predictor: str) -> dict[str, Any]:
+def timeline(engine: MoEPrefetchEngine, prompt: list[int] | list[list[int]], new_tokens: int,
+             predictor: str) -> dict[str, Any]:
     """Where a decode token's time goes, from a CUDA trace of the replayed step graphs (torch.profiler/CUPTI).
 
-    Per decode token (ms): wall time; busy time of the main stream; the plan, routed-expert and other kernels on it;
-    fill kernels on the side stream, and how much of them overlapped main-stream work. Also the kernel list of one
-    step (start offset and duration in microseconds, stream) for a picture of a single token."""
+    Per decode step (ms; one step is one token of every row, so per token at batch 1): wall time; busy time of the
+    main stream; the plan, routed-expert and other kernels on it; fill kernels on the side stream, and how much of
+    them overlapped main-stream work. Also the kernel list of one step (start offset and duration in microseconds,
+    stream) for a picture of a single step. `prompt`: one prompt, or a batch of them."""
+    prompts = prompt if prompt and isinstance(prompt[0], list) else [prompt]
     from torch.profiler import ProfilerActivity, profile
 
     engine.reset_expert_cache()
-    engine.generate([prompt], max_new_tokens=min(8, new_tokens), predictor=predictor, stop_at_eos=False)
+    engine.generate(prompts, max_new_tokens=min(8, new_tokens), predictor=predictor, stop_at_eos=False)
     engine.reset_expert_cache()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        result = engine.generate([prompt], max_new_tokens=new_tokens, predictor=predictor, stop_at_eos=False)
+        result = engine.generate(prompts, max_new_tokens=new_tokens, predictor=predictor, stop_at_eos=False)
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() >= 0]
     if not kernels:
         return {"timeline_error": "the profiler recorded no kernels"}
@@ -509,7 +512,7 @@ def timeline(engine: MoEPrefetchEngine, prompt: list[int], new_tokens: int, pred
                 return label
         return "other"
 
-    tokens = max(result.stats.decode_tokens, 1)
+    tokens = max(result.stats.decode_steps, 1)  # per step (= per token at batch 1)
     main = [e for e in decode if getattr(e, "device_resource_id", None) not in fill_streams or group(e.name) != "fill"]
     side = [e for e in decode if group(e.name) == "fill"]
     totals: dict[str, float] = {}
@@ -531,7 +534,8 @@ def timeline(engine: MoEPrefetchEngine, prompt: list[int], new_tokens: int, pred
                               key=lambda row: -row[2])[:30]  # [name, launches/token, ms/token]
     out.update(wall_ms_per_token=(last - decode_start) / 1000 / tokens, main_busy_ms_per_token=busy / 1000 / tokens,
                fill_ms_per_token=fills / 1000 / tokens, fill_overlapped_ms_per_token=overlap / 1000 / tokens,
-               decode_tokens=tokens, ms_per_token_untraced=result.stats.to_dict()["ms_per_token"])
+               decode_steps=tokens, batch=len(prompts),
+               ms_per_token_untraced=result.stats.to_dict()["ms_per_token"])
     if len(steps) >= 2:  # one whole step, for a picture
         a, b = steps[-2].time_range.start, steps[-1].time_range.start
         out["one_step"] = [(round(e.time_range.start - a, 1), round(e.time_range.elapsed_us(), 1), group(e.name),
@@ -804,6 +808,9 @@ def bench_decode_compute(name: str, path: Path, args: argparse.Namespace, device
         many = prompts_for(path, None, config["vocab_size"], 16, args.prompt_tokens, seed=3)
         for batch in (1, 4, 8, 16):
             row(engine, f"all_resident_b{batch}", many, 2, args.new_tokens, batch=batch)
+            if args.profile and device.type == "cuda" and batch in (1, 8) and (wanted is None or f"all_resident_b{batch}" in wanted):
+                emit({**base, "system": f"all_resident_b{batch}_timeline",
+                      **timeline(engine, many[:batch], args.new_tokens, "none")})
         engine.close()
     except Exception as exc:
         emit({**base, "system": "all_resident_batches", "failed": f"{type(exc).__name__}: {exc}",
