@@ -808,7 +808,8 @@ def bench_decode_compute(name: str, path: Path, args: argparse.Namespace, device
         many = prompts_for(path, None, config["vocab_size"], 16, args.prompt_tokens, seed=3)
         for batch in (1, 4, 8, 16):
             row(engine, f"all_resident_b{batch}", many, 2, args.new_tokens, batch=batch)
-            if args.profile and device.type == "cuda" and batch in (1, 8) and (wanted is None or f"all_resident_b{batch}" in wanted):
+            profiled = args.profile and device.type == "cuda" and batch in (1, 8)
+            if profiled and (wanted is None or f"all_resident_b{batch}" in wanted):
                 emit({**base, "system": f"all_resident_b{batch}_timeline",
                       **timeline(engine, many[:batch], args.new_tokens, "none")})
         engine.close()
