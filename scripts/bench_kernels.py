@@ -65,26 +65,30 @@ GEMV_CANDIDATES = (  # (block_i, block_h, block_k, num_warps, num_stages): steps
     (16, 16, 128, 4, 3), (32, 32, 64, 4, 3), (8, 8, 256, 4, 3), (16, 16, 256, 4, 2), (32, 32, 128, 8, 3),
     (16, 16, 128, 2, 3), (64, 64, 32, 4, 4),
 )
-DOT_CANDIDATES = (  # (block_i, block_h, block_k, num_warps, num_stages): larger steps, tl.dot
-    (32, 32, 128, 4, 4), (64, 64, 128, 4, 3), (32, 32, 64, 4, 5), (32, 64, 128, 4, 4),
+DOT_CANDIDATES = (  # (block_i, block_h, block_k, num_warps, num_stages, weights_first): larger steps, tl.dot
+    (32, 32, 128, 4, 4, 0), (64, 64, 128, 4, 3, 0), (32, 32, 64, 4, 5, 0), (32, 64, 128, 4, 4, 0),
+    (64, 64, 128, 4, 3, 1), (64, 64, 128, 4, 4, 1), (64, 64, 64, 4, 5, 1), (128, 128, 64, 4, 4, 1),
+    (128, 64, 64, 4, 4, 1), (64, 64, 128, 8, 3, 1), (128, 128, 64, 8, 4, 1),
 )
+SHAPES = {"v2lite": (2048, 1408, 64, 6), "v3": (7168, 2048, 256, 8)}  # hidden, intermediate, experts, top-k
 
 
-def tiles_sweep(out: Path) -> int:
-    """One V2-Lite MoE layer (experts in VRAM) through the expert kernel with each tile choice: the GEMV path at 1
-    and 2 rows, the tl.dot path at 4, 8 and 16 rows (distinct experts of random routing); against a cuBLAS GEMV
-    over the bytes of 6 experts (the HBM anchor)."""
+def tiles_sweep(out: Path, shape: str = "v2lite", candidates: tuple = (), gemv: bool = True) -> int:
+    """One MoE layer (experts in VRAM) through the expert kernel with each tile choice: the GEMV path at 1 and 2
+    rows, the tl.dot path at 1, 4, 8 and 16 rows (distinct experts of random routing); against a cuBLAS GEMV over
+    the bytes of top-k experts (the HBM anchor)."""
     dev = torch.device("cuda")
-    fmt = ExpertFormat.build(2048, 1408, torch.bfloat16)
-    rec, n_experts, top_k = fmt.record_bytes, 64, 6
+    hidden, inter, n_experts, top_k = SHAPES[shape]
+    fmt = ExpertFormat.build(hidden, inter, torch.bfloat16)
+    rec = fmt.record_bytes
     pool = (torch.randn(n_experts, rec // 2, device=dev, dtype=torch.bfloat16) * 0.02).view(torch.uint8)
     g = torch.Generator(device="cpu").manual_seed(0)
     results = []
-    anchor_w = torch.randn(6 * 3 * 1408, 2048, device=dev, dtype=torch.bfloat16)  # the bytes of 6 experts
-    anchor_x = torch.randn(2048, 1, device=dev, dtype=torch.bfloat16)
+    anchor_w = torch.randn(top_k * 3 * inter, hidden, device=dev, dtype=torch.bfloat16)  # the bytes of k experts
+    anchor_x = torch.randn(hidden, 1, device=dev, dtype=torch.bfloat16)
     anchor_ms = timed(lambda: torch.mm(anchor_w, anchor_x), graph=True, repeats=50)
-    cases = [(c, rows, step) for c in GEMV_CANDIDATES for rows, step in ((1, 2), (2, 4))]
-    cases += [(c, rows, 16) for c in DOT_CANDIDATES for rows in (1, 4, 8, 16)]
+    cases = [(c, rows, step) for c in GEMV_CANDIDATES for rows, step in ((1, 2), (2, 4))] if gemv else []
+    cases += [(c, rows, 16) for c in candidates or DOT_CANDIDATES for rows in (1, 4, 8, 16)]
     for tiles_tuple, rows, step_rows in cases:
         kernel = RoutedExperts(fmt, pool, None, "silu", F.silu, 16, top_k, use_kernels=True,
                                tiles=Tiles(*tiles_tuple))
@@ -100,7 +104,8 @@ def tiles_sweep(out: Path) -> int:
         o = torch.empty(rows, 2048, device=dev)
         ms = timed(lambda: kernel(x, assign, w, keys, keys, none, out=o, step_rows=step_rows), graph=True,
                    repeats=50)
-        row = {"tiles": tiles_tuple, "path": "gemv" if step_rows <= 4 else "dot", "rows": rows, "ms": ms,
+        row = {"shape": shape, "tiles": tiles_tuple, "path": "gemv" if step_rows <= 4 else "dot", "rows": rows,
+               "distinct_experts": len(distinct), "ms": ms,
                "gbps": len(distinct) * fmt.payload_bytes / ms / 1e6}
         results.append(row)
         print(row, flush=True)
@@ -255,10 +260,12 @@ def main() -> int:
     parser.add_argument("--grouped-tokens", default="4096", help="--grouped-sweep: prompt tokens (comma list)")
     parser.add_argument("--step-rows", default="1", help="--host-sweep: step shapes (comma list of most rows)")
     parser.add_argument("--missed", default="", help="--host-sweep: only these missed counts (comma list)")
-    parser.add_argument("--tiles", default="", help="--host-sweep / --grouped-sweep: only these tiles (;-separated)")
+    parser.add_argument("--tiles", default="", help="the sweeps: only these tiles (;-separated)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="v2lite", help="--tiles-sweep: the expert shape")
     ns = parser.parse_args()
     if ns.tiles_sweep:
-        return tiles_sweep(ns.out)
+        tiles = tuple(tuple(int(v) for v in t.split(",")) for t in ns.tiles.split(";") if t)
+        return tiles_sweep(ns.out, ns.shape, tiles, gemv=not tiles)
     if ns.grouped_sweep:
         tiles = tuple(tuple(int(v) for v in t.split(",")) for t in ns.tiles.split(";") if t)
         for tokens in (int(v) for v in ns.grouped_tokens.split(",")):

@@ -3,6 +3,8 @@ and a compile for Hopper (sm_90) that catches what the interpreter cannot."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,14 +35,17 @@ def _float64_expert(x: torch.Tensor, fmt: ExpertFormat, record: torch.Tensor) ->
     return (F.silu(gate) * up) @ down[0].double().T
 
 
-@pytest.mark.parametrize("dtype,expert_dtype,tolerance,max_rows", [
-    (torch.float32, "model", 1e-5, 8), (torch.bfloat16, "model", 2e-2, 8), (torch.float32, "int8", 1e-5, 8),
-    (torch.bfloat16, "fp8", 2e-2, 8), (torch.float32, "model", 1e-5, 3), (torch.bfloat16, "fp8", 2e-2, 3),
-    (torch.float32, "int8", 1e-5, 4),
+@pytest.mark.parametrize("dtype,expert_dtype,tolerance,max_rows,weights_first", [
+    (torch.float32, "model", 1e-5, 8, False), (torch.bfloat16, "model", 2e-2, 8, False),
+    (torch.float32, "int8", 1e-5, 8, False), (torch.bfloat16, "fp8", 2e-2, 8, False),
+    (torch.float32, "model", 1e-5, 3, False), (torch.bfloat16, "fp8", 2e-2, 3, False),
+    (torch.float32, "int8", 1e-5, 4, False), (torch.float32, "model", 1e-5, 8, True),
+    (torch.bfloat16, "fp8", 2e-2, 8, True), (torch.bfloat16, "model", 2e-2, 16, True),
 ])
-def test_routed_experts_match_float64_from_slots_and_host(dtype, expert_dtype, tolerance, max_rows):
-    """Both multiplies: tl.dot tiles (more than GEMV_MAX_ROWS rows per step) and the CUDA-core GEMV (fewer)."""
-    from moeprefetch.kernels.experts import RoutedExperts
+def test_routed_experts_match_float64_from_slots_and_host(dtype, expert_dtype, tolerance, max_rows, weights_first):
+    """Both multiplies: tl.dot tiles (more than GEMV_MAX_ROWS rows per step; rows by weights or weights by rows)
+    and the CUDA-core GEMV (fewer)."""
+    from moeprefetch.kernels.experts import DEFAULT_TILES, GEMV_TILES, GEMV_MAX_ROWS, RoutedExperts
 
     g = torch.Generator().manual_seed(hash((str(dtype), expert_dtype)) % 1000)
     fmt = ExpertFormat.build(96, 72, dtype, expert_dtype, (32, 32))  # ragged against the 64/128 tiles
@@ -58,7 +63,8 @@ def test_routed_experts_match_float64_from_slots_and_host(dtype, expert_dtype, t
     u_dst = torch.tensor([-1, 2, -1, -1, -1, -1], dtype=torch.int32, device=DEVICE)
     assign = torch.tensor([[0, 1], [2, 0], [-1, 3]], dtype=torch.int32, device=DEVICE)
     weights = torch.rand(rows, k, generator=g).to(DEVICE)
-    kernel = RoutedExperts(fmt, pool, host, "silu", F.silu, 8, k, use_kernels=True)
+    tiles = GEMV_TILES if max_rows <= GEMV_MAX_ROWS else replace(DEFAULT_TILES, weights_first=weights_first)
+    kernel = RoutedExperts(fmt, pool, host, "silu", F.silu, 16, k, use_kernels=True, tiles=tiles)
     out = kernel(x, assign, weights, u_key, u_slot, u_dst, out=torch.full((rows, fmt.hidden), float("nan"),
                                                                            device=DEVICE), step_rows=max_rows)
     keys = u_key.tolist()

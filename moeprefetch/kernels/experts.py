@@ -53,6 +53,9 @@ class Tiles:
     block_k: int = 128  # reduction step
     num_warps: int = 4
     num_stages: int = 3
+    # tl.dot path: multiply weights [B, K] by rows^T [K, N_PAD] (the weight tile as the MMA's M side, which Hopper's
+    # warp-group MMA wants at >= 64) instead of rows [N_PAD, K] by weights^T; the CUDA-core path ignores it
+    weights_first: bool = False
 
 
 # Measured on the H200 at V2-Lite's expert shape (experiments/results/tiles_h200.json, one MoE layer, experts in
@@ -142,28 +145,37 @@ def expert_terms_reference(x: torch.Tensor, assign: torch.Tensor, u_key: torch.T
 if HAS_TRITON:
 
     @triton.jit
-    def _acc_zeros(N_PAD: tl.constexpr, B: tl.constexpr, BK: tl.constexpr, FMA: tl.constexpr):
+    def _acc_zeros(N_PAD: tl.constexpr, B: tl.constexpr, BK: tl.constexpr, FMA: tl.constexpr, SWAP: tl.constexpr):
         if FMA:  # per-lane partial sums, reduced over K once at the end
             acc = tl.zeros([N_PAD, B, BK], dtype=tl.float32)
+        elif SWAP:
+            acc = tl.zeros([B, N_PAD], dtype=tl.float32)
         else:
             acc = tl.zeros([N_PAD, B], dtype=tl.float32)
         return acc
 
     @triton.jit
-    def _acc_add(acc, rows_tile, w_tile, FMA: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
+    def _acc_add(acc, rows_tile, w_tile, FMA: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
+                 SWAP: tl.constexpr):
         """acc += rows [N_PAD, K] . weights [B, K]^T: on the CUDA cores (FMA; a batch-1 GEMV would waste 15 of 16
-        padded rows on tl.dot, whose shared-memory staging also limits occupancy) or with tl.dot. Either way each
-        output element is its own dot product, so a row's result never depends on the other rows of the tile."""
+        padded rows on tl.dot, whose shared-memory staging also limits occupancy) or with tl.dot (SWAP: as
+        weights . rows^T, accumulated transposed). Either way each output element is its own dot product, so a row's
+        result never depends on the other rows of the tile."""
         if FMA:
             out = acc + rows_tile.to(tl.float32)[:, None, :] * w_tile.to(tl.float32)[None, :, :]
+        elif SWAP:
+            out = acc + dot(w_tile, tl.trans(rows_tile), IEEE, DOT_F32)
         else:
             out = acc + dot(rows_tile, tl.trans(w_tile), IEEE, DOT_F32)
         return out
 
     @triton.jit
-    def _acc_total(acc, FMA: tl.constexpr):
+    def _acc_total(acc, FMA: tl.constexpr, SWAP: tl.constexpr):
+        """The accumulated products as [N_PAD, B]."""
         if FMA:
             out = tl.sum(acc, axis=2)
+        elif SWAP:
+            out = tl.trans(acc)
         else:
             out = acc
         return out
@@ -215,7 +227,7 @@ if HAS_TRITON:
                         UP_S: tl.constexpr, SCOLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                         QUANT: tl.constexpr, ACT: tl.constexpr, N_PAD: tl.constexpr, K_PAD: tl.constexpr,
                         BI: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-                        FMA: tl.constexpr):
+                        FMA: tl.constexpr, SWAP: tl.constexpr):
         """mid[u, r, i-tile] = act(x_r . gate_u) * (x_r . up_u) for the rows r of expert u."""
         u = tl.program_id(0)
         tile = tl.program_id(1)
@@ -225,8 +237,8 @@ if HAS_TRITON:
             return
         rows, row_on = _rows_of(u, assign_ptr, n_rows, TOPK, N_PAD, K_PAD)
         ri = tile * BI + tl.arange(0, BI)
-        acc_g = _acc_zeros(N_PAD, BI, BK, FMA)
-        acc_u = _acc_zeros(N_PAD, BI, BK, FMA)
+        acc_g = _acc_zeros(N_PAD, BI, BK, FMA, SWAP)
+        acc_u = _acc_zeros(N_PAD, BI, BK, FMA, SWAP)
         for k0 in range(0, H, BK):
             rk = k0 + tl.arange(0, BK)
             xt = tl.load(x_ptr + rows[:, None] * H + rk[None, :], mask=row_on[:, None] & (rk[None, :] < H),
@@ -236,9 +248,9 @@ if HAS_TRITON:
                                   H, SCOLS, BR, BC, QUANT, x_ptr.dtype.element_ty)
             up = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, UP_W, UP_S, ri, rk, mask,
                                    H, SCOLS, BR, BC, QUANT, x_ptr.dtype.element_ty)
-            acc_g = _acc_add(acc_g, xt, g, FMA, IEEE, DOT_F32)
-            acc_u = _acc_add(acc_u, xt, up, FMA, IEEE, DOT_F32)
-        mid = (activate(_acc_total(acc_g, FMA), ACT) * _acc_total(acc_u, FMA)).to(mid_ptr.dtype.element_ty)
+            acc_g = _acc_add(acc_g, xt, g, FMA, IEEE, DOT_F32, SWAP)
+            acc_u = _acc_add(acc_u, xt, up, FMA, IEEE, DOT_F32, SWAP)
+        mid = (activate(_acc_total(acc_g, FMA, SWAP), ACT) * _acc_total(acc_u, FMA, SWAP)).to(mid_ptr.dtype.element_ty)
         out = mid_ptr + (u * N_PAD + rows[:, None]) * I + ri[None, :]
         tl.store(out, mid, mask=row_on[:, None] & (ri[None, :] < I))
 
@@ -248,7 +260,7 @@ if HAS_TRITON:
                      DOWN_W: tl.constexpr, REC_S: tl.constexpr, DOWN_S: tl.constexpr, SCOLS: tl.constexpr,
                      BR: tl.constexpr, BC: tl.constexpr, QUANT: tl.constexpr, N_PAD: tl.constexpr, K_PAD: tl.constexpr,
                      BH: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-                     FMA: tl.constexpr):
+                     FMA: tl.constexpr, SWAP: tl.constexpr):
         """y[u, r, h-tile] = mid[u, r] . down_u[h-tile] (fp32) for the rows r of expert u."""
         u = tl.program_id(0)
         tile = tl.program_id(1)
@@ -258,7 +270,7 @@ if HAS_TRITON:
             return
         rows, row_on = _rows_of(u, assign_ptr, n_rows, TOPK, N_PAD, K_PAD)
         rh = tile * BH + tl.arange(0, BH)
-        acc = _acc_zeros(N_PAD, BH, BK, FMA)
+        acc = _acc_zeros(N_PAD, BH, BK, FMA, SWAP)
         for k0 in range(0, I, BK):
             rk = k0 + tl.arange(0, BK)
             m = tl.load(mid_ptr + (u * N_PAD + rows[:, None]) * I + rk[None, :],
@@ -266,9 +278,9 @@ if HAS_TRITON:
             mask = (rh[:, None] < H) & (rk[None, :] < I)
             d = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, DOWN_W, DOWN_S, rh, rk, mask,
                                   I, SCOLS, BR, BC, QUANT, mid_ptr.dtype.element_ty)
-            acc = _acc_add(acc, m, d, FMA, IEEE, DOT_F32)
+            acc = _acc_add(acc, m, d, FMA, IEEE, DOT_F32, SWAP)
         out = y_ptr + (u * N_PAD + rows[:, None]) * H + rh[None, :]
-        tl.store(out, _acc_total(acc, FMA), mask=row_on[:, None] & (rh[None, :] < H))
+        tl.store(out, _acc_total(acc, FMA, SWAP), mask=row_on[:, None] & (rh[None, :] < H))
 
     @triton.jit
     def _combine_kernel(y_ptr, assign_ptr, weights_ptr, out_ptr, H: tl.constexpr, TOPK: tl.constexpr,
@@ -367,7 +379,7 @@ class RoutedExperts:
                       s_ptr=self._s, delta_ptr=self._delta, n_rows=n, H=lay.hidden, I=lay.intermediate, TOPK=k,
                       REC_W=lay.rec_w, REC_S=max(lay.rec_s, 1), BR=lay.block_rows, BC=lay.block_cols,
                       QUANT=lay.quantized, N_PAD=n_pad, K_PAD=max(2, 1 << (k - 1).bit_length()), BK=t.block_k,
-                      IEEE=ieee, DOT_F32=INTERPRET and not ieee, FMA=gemv)
+                      IEEE=ieee, DOT_F32=INTERPRET and not ieee, FMA=gemv, SWAP=bool(t.weights_first) and not gemv)
         shape = dict(num_warps=t.num_warps, num_stages=t.num_stages)
         return [
             Launch(_gate_up_kernel, (u_count, triton.cdiv(lay.intermediate, t.block_i)), **shape, x_ptr=x,
