@@ -4,7 +4,7 @@
 # GiB); STAGE=serve: issue 19's serving rows (V2-Lite, 12 GiB, 1/4/16 streams); STAGE=lead: issue 21's ref17 rows with
 # MTP drafts chained 1-3 tokens ahead; STAGE=tests: the GPU tests of this session's code; STAGE=distributed (on
 # nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU, then two, at 12 GiB per GPU and 12 GiB split).
-# Usage: STAGE=qwen3|serve|lead|tests|distributed bash scripts/device_pending.sh OUT_DIR
+# Usage: STAGE=qwen3|serve|lead|tests|batches|distributed bash scripts/device_pending.sh OUT_DIR
 set -u
 out=$1; shift
 export PYTHONUNBUFFERED=1
@@ -21,13 +21,17 @@ case "${STAGE:-tests}" in
       --systems all_resident,none,mtp,mtp_la2,mtp_la3,mtp+next_layer_gate,mtp+next_layer_gate_la2,mtp+next_layer_gate_la3 \
       "$@" 2>&1 | filter ;;
   tests)
-    timeout 400 python3 -m pytest tests/test_gpu.py -k "chained or continuous or synchronises or cache_sizes" -q \
-      -p no:cacheprovider --tb=short --durations=6 "$@" 2>&1 | tail -30
-    timeout 160 python3 -m pytest tests/test_families.py tests/test_streaming.py -m gpu -q -p no:cacheprovider \
-      --tb=short "$@" 2>&1 | tail -15
-    # the fused GQA decode attention (gqa_attention.py) and the plan kernel's blocked reservation, on the device
-    timeout 200 python3 -m pytest tests/test_layer_ops.py tests/test_kernels.py -q -p no:cacheprovider --tb=short \
-      "$@" 2>&1 | tail -8 ;;
+    # the expert kernel's tiles (weights first), the fused GQA decode attention and the plan kernel's blocked
+    # reservation, on the device; then the engine's tokens across cache sizes, syncs, continuous batching
+    timeout 200 python3 -m pytest tests/test_kernels.py tests/test_layer_ops.py -q -p no:cacheprovider --tb=short \
+      "$@" 2>&1 | tail -8
+    timeout 250 python3 -m pytest tests/test_gpu.py -k "continuous or synchronises or cache_sizes" -q \
+      -p no:cacheprovider --tb=short --durations=4 "$@" 2>&1 | tail -12 ;;
+  batches)
+    # issue 14's batch rows (V2-Lite, every expert resident, batch 1/4/8/16) with the step timelines of 1 and 8
+    timeout 330 python3 scripts/bench_gpu.py --out "$out/bench_batches.json" --workloads v2lite --decode-compute \
+      --profile --systems all_resident_b1,all_resident_b4,all_resident_b8,all_resident_b16 --prefill-lengths "" \
+      "$@" 2>&1 | filter ;;
   distributed)
     timeout 150 python3 -m pytest tests/test_distributed.py -q -p no:cacheprovider --tb=short -k gpus 2>&1 | tail -5
     timeout 200 torchrun --nproc-per-node 1 scripts/bench_distributed.py --out "$out/distributed_1gpu.json" \

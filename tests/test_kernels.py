@@ -123,7 +123,11 @@ def test_expert_terms_are_the_products_that_the_combine_sums():
     terms = reference.terms(x, assign, keys, slots, none)
     assert terms.shape == (3, 2, 64) and not terms[0, 1].any() and not terms[2, 0].any()
     assert terms[1, 1].abs().sum() > 0
-    torch.testing.assert_close(kernel.terms(x, assign, keys, slots, none), terms, rtol=1e-4, atol=1e-5)
+    products = kernel.terms(x, assign, keys, slots, none)
+    assert not products[0, 1].any() and not products[2, 0].any()
+    # bf16 on the GPU: the kernel rounds act(gate) * up once from fp32, the definition after bf16 GEMVs
+    tolerance = 1e-5 if fmt.compute_dtype == torch.float32 else 1e-2
+    assert ((products - terms).norm() / terms.norm()).item() < tolerance
     combined = combine_in_k_order(terms, weights, assign >= 0)
     expected = routed_experts_reference(x, assign, weights, keys, slots, none, pool, host, fmt, F.silu)
     assert torch.equal(combined, expected)

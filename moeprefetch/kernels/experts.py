@@ -60,8 +60,9 @@ class Tiles:
 
 # Measured on the H200 at V2-Lite's expert shape (experiments/results/tiles_h200.json, one MoE layer, experts in
 # VRAM): the CUDA-core GEMV with 16-row tiles reads one row's 6 experts in 54 us (1.9 TB/s; tl.dot's best: 62 us);
-# with 8 and 16 rows, 64-row tl.dot tiles lead (2.2 and 2.4 TB/s).
-DEFAULT_TILES = Tiles(block_i=64, block_h=64, block_k=128, num_warps=4, num_stages=3)
+# with 8 and 16 rows, 64-row tl.dot tiles lead, weights first (2.32 and 2.30 TB/s against 2.25 and 2.11 rows first;
+# at DeepSeek-V3's shape 2.61 and 2.68 against 2.31 and 2.37: tiles_v2lite_h200.json, tiles_v3_h200.json).
+DEFAULT_TILES = Tiles(block_i=64, block_h=64, block_k=128, num_warps=4, num_stages=3, weights_first=True)
 GEMV_TILES = Tiles(block_i=16, block_h=16, block_k=128, num_warps=4, num_stages=3)
 
 
