@@ -679,14 +679,16 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
           "pin_seconds": store.pin_seconds, "host_expert_gib": store.nbytes / GiB,
           "host_pinned_gib": store.pinned_bytes / GiB,
           "store_fill_gbps": store.nbytes / max(store.load_seconds, 1e-9) / 1e9})
-    cut = args.min_confidence
-    systems = [("none", "none", None, None, 0.0), ("next_layer_gate", "next_layer_gate", None, None, 0.0),
-               (f"next_layer_gate@{cut}", "next_layer_gate", None, None, cut),
+    cuts = [float(v) for v in str(args.min_confidence).split(",") if v]
+
+    def with_cuts(name: str) -> list[tuple[str, str, None, None, float]]:
+        """The predictor uncut, then at every confidence cut (the '@' rows)."""
+        return [(name, name, None, None, 0.0)] + [(f"{name}@{cut}", name, None, None, cut) for cut in cuts]
+
+    systems = [("none", "none", None, None, 0.0), *with_cuts("next_layer_gate"),
                ("oracle", "oracle", None, args.oracle_lookahead, 0.0)]
     if engine.has_mtp:
-        systems += [("mtp", "mtp", None, None, 0.0), (f"mtp@{cut}", "mtp", None, None, cut),
-                    ("mtp+next_layer_gate", "mtp+next_layer_gate", None, None, 0.0),
-                    (f"mtp+next_layer_gate@{cut}", "mtp+next_layer_gate", None, None, cut),
+        systems += [*with_cuts("mtp"), *with_cuts("mtp+next_layer_gate"),
                     ("mtp_router+next_layer_gate", "mtp_router+next_layer_gate", None, None, 0.0),
                     ("speculative_mtp", "none", "mtp", None, 0.0),
                     ("speculative_mtp+next_layer_gate", "next_layer_gate", "mtp", None, 0.0)]
@@ -1116,7 +1118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--oracle-lookahead", type=int, default=1,
                         help="decode steps the oracle prefetches ahead (rows before 2026-12-01 afternoon asked for 2 "
                              "but planned 1: the window held one step)")
-    parser.add_argument("--min-confidence", type=float, default=0.1, help="the confidence cut of the '@' rows")
+    parser.add_argument("--min-confidence", default="0.1", help="the confidence cuts of the '@' rows (comma list)")
     parser.add_argument("--hf-baseline", action="store_true", help="v2lite: run transformers + accelerate offload")
     parser.add_argument("--hf-tokens", type=int, default=4)
     parser.add_argument("--systems", default="", help="only these rows (comma list; default all)")

@@ -4,7 +4,7 @@
 # GiB); STAGE=serve: issue 19's serving rows (V2-Lite, 12 GiB, 1/4/16 streams); STAGE=lead: issue 21's ref17 rows with
 # MTP drafts chained 1-3 tokens ahead; STAGE=tests: the GPU tests of this session's code; STAGE=distributed (on
 # nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU, then two, at 12 GiB per GPU and 12 GiB split).
-# Usage: STAGE=qwen3|serve|lead|tests|batches|distributed bash scripts/device_pending.sh OUT_DIR
+# Usage: STAGE=qwen3|serve|lead|tests|batches|cuts|distributed bash scripts/device_pending.sh OUT_DIR
 set -u
 out=$1; shift
 export PYTHONUNBUFFERED=1
@@ -27,6 +27,12 @@ case "${STAGE:-tests}" in
       "$@" 2>&1 | tail -8
     timeout 250 python3 -m pytest tests/test_gpu.py -k "continuous or synchronises or cache_sizes" -q \
       -p no:cacheprovider --tb=short --durations=4 "$@" 2>&1 | tail -12 ;;
+  cuts)
+    # issue 13: ref17 at 25 % cached with the confidence cuts that hold prefetch waste under 20 % in the CPU counts
+    # (BENCHMARKS "Recall and waste together"), beside reactive, the uncut predictors and the oracle
+    timeout 560 python3 scripts/bench_gpu.py --out "$out/bench_cuts.json" --workloads ref17 --min-confidence 0.05,0.2 \
+      --systems all_resident,none,next_layer_gate,mtp,mtp@0.05,mtp+next_layer_gate,mtp+next_layer_gate@0.2,oracle \
+      "$@" 2>&1 | filter ;;
   batches)
     # issue 14's batch rows (V2-Lite, every expert resident, batch 1/4/8/16) with the step timelines of 1 and 8
     timeout 330 python3 scripts/bench_gpu.py --out "$out/bench_batches.json" --workloads v2lite --decode-compute \
