@@ -2,10 +2,11 @@
 # Runs on the GPU machine (repo root): the measurements this code still owes, one stage per device call (each fits a
 # 10-minute call). STAGE=qwen3: issue 17's qwen3_30b rows (the whole 48-layer shape, FP8 experts as published, 12
 # GiB); STAGE=serve: issue 19's serving rows (V2-Lite, 12 GiB, 1/4/16 streams); STAGE=lead: issue 21's ref17 rows with
-# MTP drafts chained 1-3 tokens ahead; STAGE=tests: the GPU tests of the latest code (it outran 450 s with a
-# cold Triton cache this session, when it still ran the sm_90 compile checks); STAGE=batches: issue 14's batch rows; STAGE=cuts: issue 13's ref17 rows at the confidence cuts that
-# keep prefetch waste under 20 % on the CPU; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows
-# (one GPU, then two, at 12 GiB per GPU and 12 GiB split).
+# MTP drafts chained 1-3 tokens ahead; STAGE=tests: the GPU tests of the latest code (it outran 450 s with a cold
+# Triton cache this session, when it still ran the sm_90 compile checks); STAGE=batches: issue 14's batch rows;
+# STAGE=cuts: issue 13's ref17 rows at the confidence cuts that keep prefetch waste under 20 % on the CPU;
+# STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU, then two, at 12 GiB per GPU and
+# 12 GiB split).
 # Usage: STAGE=qwen3|serve|lead|tests|batches|cuts|distributed bash scripts/device_pending.sh OUT_DIR
 set -u
 out=$1; shift
