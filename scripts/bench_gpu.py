@@ -765,7 +765,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
 def bench_decode_compute(name: str, path: Path, args: argparse.Namespace, device: torch.device,
                          emit: Callable[[dict[str, Any]], None]) -> None:
     """Every expert resident: decode at a short and a 4,096-token context, the fused kernels against the torch
-    definitions (`fused_kernels=False`), and batches 1-16 (the decode-compute rows)."""
+    definitions (`fused_kernels=False`), and batches 1-16 (the decode-compute rows); then batches 1-16 offloaded."""
     config = json.loads((path / "config.json").read_text())
     short = prompts_for(path, None, config["vocab_size"], args.runs, args.prompt_tokens, seed=1)
     context = min(4096, config["max_position_embeddings"] - 2 * args.new_tokens)
@@ -819,7 +819,37 @@ def bench_decode_compute(name: str, path: Path, args: argparse.Namespace, device
         emit({**base, "system": "all_resident_batches", "failed": f"{type(exc).__name__}: {exc}",
               "traceback": traceback.format_exc(limit=4)})
     _free()
+    offloaded_batch_rows(path, args, config, common, base, emit, wanted)
     prefill_rows(path, args, config, common, base, emit, wanted)
+
+
+def offloaded_batch_rows(path: Path, args: argparse.Namespace, config: dict[str, Any], common: dict[str, Any],
+                         base: dict[str, Any], emit: Callable[[dict[str, Any]], None], wanted: set[str] | None) -> None:
+    """Decode throughput of batches 1-16 with the experts offloaded (`--budget-gib`): reactive (`offloaded_b{n}`)
+    and `next_layer_gate` (`offloaded_gate_b{n}`); an expert's bytes cross the link once per step whatever the rows."""
+    names = {f"offloaded{tag}_b{batch}" for tag in ("", "_gate") for batch in (1, 4, 8, 16)}
+    if wanted is not None and not names & wanted:
+        return
+    try:
+        options = dict(common, max_batch_size=16, max_seq_len=args.prompt_tokens + 2 * args.new_tokens)
+        engine = MoEPrefetchEngine.from_pretrained(path, **options, vram_budget=f"{args.budget_gib}GiB")
+        if engine.residency.store is None:  # the budget holds every expert: offload a fixed share instead
+            slots = max(int(round(args.cache_fraction * engine.plan.total_experts)), 8)
+            engine.close()
+            engine = MoEPrefetchEngine.from_pretrained(path, **options, expert_cache_slots=slots)
+        many = prompts_for(path, None, config["vocab_size"], 16, args.prompt_tokens, seed=3)
+        fraction = engine.residency.n_slots / engine.plan.total_experts
+        for tag, predictor in (("", "none"), ("_gate", "next_layer_gate")):
+            for batch in (1, 4, 8, 16):
+                system = f"offloaded{tag}_b{batch}"
+                if wanted is None or system in wanted:
+                    row = run_row(engine, system, many, args.new_tokens, predictor=predictor, runs=2, batch=batch)
+                    emit({**base, **row, "vram_budget_gib": args.budget_gib, "cache_fraction": fraction})
+        engine.close()
+    except Exception as exc:
+        emit({**base, "system": "offloaded_batches", "failed": f"{type(exc).__name__}: {exc}",
+              "traceback": traceback.format_exc(limit=4)})
+    _free()
 
 
 def prefill_rows(path: Path, args: argparse.Namespace, config: dict[str, Any], common: dict[str, Any],

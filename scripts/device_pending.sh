@@ -3,11 +3,11 @@
 # 10-minute call). STAGE=qwen3: issue 17's qwen3_30b rows (the whole 48-layer shape, FP8 experts as published, 12
 # GiB); STAGE=serve: issue 19's serving rows (V2-Lite, 12 GiB, 1/4/16 streams); STAGE=lead: issue 21's ref17 rows with
 # MTP drafts chained 1-3 tokens ahead; STAGE=tests: the GPU tests of the latest code (it outran 450 s with a cold
-# Triton cache this session, when it still ran the sm_90 compile checks); STAGE=batches: issue 14's batch rows;
-# STAGE=cuts: issue 13's ref17 rows at the confidence cuts that keep prefetch waste under 20 % on the CPU;
-# STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU, then two, at 12 GiB per GPU and
-# 12 GiB split).
-# Usage: STAGE=qwen3|serve|lead|tests|batches|cuts|distributed bash scripts/device_pending.sh OUT_DIR
+# Triton cache this session, when it still ran the sm_90 compile checks); STAGE=batches / offloaded_batches: issue
+# 14's batch rows, every expert resident / at 12 GiB; STAGE=cuts: issue 13's ref17 rows at the confidence cuts that
+# keep prefetch waste under 20 % on the CPU; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows
+# (one GPU, then two, at 12 GiB per GPU and 12 GiB split).
+# Usage: STAGE=qwen3|serve|lead|tests|batches|offloaded_batches|cuts|distributed bash scripts/device_pending.sh OUT_DIR
 set -u
 out=$1; shift
 export PYTHONUNBUFFERED=1
@@ -36,6 +36,11 @@ case "${STAGE:-tests}" in
     # (BENCHMARKS "Recall and waste together"), beside reactive, the uncut predictors and the oracle
     timeout 560 python3 scripts/bench_gpu.py --out "$out/bench_cuts.json" --workloads ref17 --min-confidence 0.05,0.2 \
       --systems all_resident,none,next_layer_gate,mtp,mtp@0.05,mtp+next_layer_gate,mtp+next_layer_gate@0.2,oracle \
+      "$@" 2>&1 | filter ;;
+  offloaded_batches)
+    # issue 14's offloaded batch rows (V2-Lite at 12 GiB, batch 1/4/8/16, reactive and next_layer_gate)
+    timeout 560 python3 scripts/bench_gpu.py --out "$out/bench_offloaded_batches.json" --workloads v2lite \
+      --decode-compute --prefill-lengths "" --systems "$(echo offloaded{,_gate}_b{1,4,8,16} | tr ' ' ,)" \
       "$@" 2>&1 | filter ;;
   batches)
     # issue 14's batch rows (V2-Lite, every expert resident, batch 1/4/8/16) with the step timelines of 1 and 8
