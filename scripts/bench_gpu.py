@@ -535,7 +535,8 @@ def timeline(engine: MoEPrefetchEngine, prompt: list[int] | list[list[int]], new
     out.update(wall_ms_per_token=(last - decode_start) / 1000 / tokens, main_busy_ms_per_token=busy / 1000 / tokens,
                fill_ms_per_token=fills / 1000 / tokens, fill_overlapped_ms_per_token=overlap / 1000 / tokens,
                decode_steps=tokens, batch=len(prompts),
-               ms_per_token_untraced=result.stats.to_dict()["ms_per_token"])
+               ms_per_token_untraced=result.stats.to_dict()["ms_per_token"],
+               ms_per_step_untraced=result.stats.decode_seconds * 1000 / tokens)
     if len(steps) >= 2:  # one whole step, for a picture
         a, b = steps[-2].time_range.start, steps[-1].time_range.start
         out["one_step"] = [(round(e.time_range.start - a, 1), round(e.time_range.elapsed_us(), 1), group(e.name),
@@ -804,13 +805,25 @@ def bench_decode_compute(name: str, path: Path, args: argparse.Namespace, device
             emit({**base, "system": "all_resident" + suffix, "failed": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc(limit=4)})
         _free()
+    resident_batch_rows(path, args, config, common, base, emit, wanted, row)
+    offloaded_batch_rows(path, args, config, common, base, emit, wanted)
+    prefill_rows(path, args, config, common, base, emit, wanted)
+
+
+def resident_batch_rows(path: Path, args: argparse.Namespace, config: dict[str, Any], common: dict[str, Any],
+                        base: dict[str, Any], emit: Callable[[dict[str, Any]], None], wanted: set[str] | None,
+                        row: Callable[..., dict[str, Any] | None]) -> None:
+    """Decode throughput of batches 1-16, every expert resident (`all_resident_b{n}`), with the step timelines of
+    batches 1 and 8 under --profile."""
+    if wanted is not None and not {f"all_resident_b{batch}" for batch in (1, 4, 8, 16)} & wanted:
+        return
     try:
         engine = MoEPrefetchEngine.from_pretrained(path, **{**common, "max_batch_size": 16},
                                                    max_seq_len=args.prompt_tokens + 2 * args.new_tokens)
         many = prompts_for(path, None, config["vocab_size"], 16, args.prompt_tokens, seed=3)
         for batch in (1, 4, 8, 16):
             row(engine, f"all_resident_b{batch}", many, 2, args.new_tokens, batch=batch)
-            profiled = args.profile and device.type == "cuda" and batch in (1, 8)
+            profiled = args.profile and engine.device.type == "cuda" and batch in (1, 8)
             if profiled and (wanted is None or f"all_resident_b{batch}" in wanted):
                 emit({**base, "system": f"all_resident_b{batch}_timeline",
                       **timeline(engine, many[:batch], args.new_tokens, "none")})
@@ -819,8 +832,6 @@ def bench_decode_compute(name: str, path: Path, args: argparse.Namespace, device
         emit({**base, "system": "all_resident_batches", "failed": f"{type(exc).__name__}: {exc}",
               "traceback": traceback.format_exc(limit=4)})
     _free()
-    offloaded_batch_rows(path, args, config, common, base, emit, wanted)
-    prefill_rows(path, args, config, common, base, emit, wanted)
 
 
 def offloaded_batch_rows(path: Path, args: argparse.Namespace, config: dict[str, Any], common: dict[str, Any],
@@ -833,10 +844,12 @@ def offloaded_batch_rows(path: Path, args: argparse.Namespace, config: dict[str,
     try:
         options = dict(common, max_batch_size=16, max_seq_len=args.prompt_tokens + 2 * args.new_tokens)
         engine = MoEPrefetchEngine.from_pretrained(path, **options, vram_budget=f"{args.budget_gib}GiB")
+        budget: float | None = args.budget_gib
         if engine.residency.store is None:  # the budget holds every expert: offload a fixed share instead
             slots = max(int(round(args.cache_fraction * engine.plan.total_experts)), 8)
             engine.close()
             engine = MoEPrefetchEngine.from_pretrained(path, **options, expert_cache_slots=slots)
+            budget = None
         many = prompts_for(path, None, config["vocab_size"], 16, args.prompt_tokens, seed=3)
         fraction = engine.residency.n_slots / engine.plan.total_experts
         for tag, predictor in (("", "none"), ("_gate", "next_layer_gate")):
@@ -844,7 +857,7 @@ def offloaded_batch_rows(path: Path, args: argparse.Namespace, config: dict[str,
                 system = f"offloaded{tag}_b{batch}"
                 if wanted is None or system in wanted:
                     row = run_row(engine, system, many, args.new_tokens, predictor=predictor, runs=2, batch=batch)
-                    emit({**base, **row, "vram_budget_gib": args.budget_gib, "cache_fraction": fraction})
+                    emit({**base, **row, "vram_budget_gib": budget, "cache_fraction": fraction})
         engine.close()
     except Exception as exc:
         emit({**base, "system": "offloaded_batches", "failed": f"{type(exc).__name__}: {exc}",

@@ -99,9 +99,9 @@ def tiles_sweep(out: Path, shape: str = "v2lite", candidates: tuple = (), gemv: 
         keys = torch.full((kernel.max_experts,), -1, dtype=torch.int32, device=dev)
         keys[: len(distinct)] = torch.tensor(distinct, dtype=torch.int32, device=dev)
         none = torch.full_like(keys, -1)
-        x = torch.randn(rows, 2048, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(rows, hidden, device=dev, dtype=torch.bfloat16)
         w = torch.rand(rows, top_k, device=dev)
-        o = torch.empty(rows, 2048, device=dev)
+        o = torch.empty(rows, hidden, device=dev)
         ms = timed(lambda: kernel(x, assign, w, keys, keys, none, out=o, step_rows=step_rows), graph=True,
                    repeats=50)
         row = {"shape": shape, "tiles": tiles_tuple, "path": "gemv" if step_rows <= 4 else "dot", "rows": rows,

@@ -65,7 +65,7 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
 
     from ..experts import ExpertFormat
     from ..residency.state import ResidencyConfig, TableState
-    from .experts import RoutedExperts
+    from .experts import DEFAULT_TILES, RoutedExperts
     from .grouped import LONG_BLOCK_TILES, GroupedExperts, GroupedTiles
     from .fill import Filler
     from .plan import Planner
@@ -100,8 +100,10 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
     x = torch.zeros(2 * rows, hidden, dtype=torch.bfloat16)
     out = torch.zeros(2 * rows, hidden)
     weights = torch.zeros(2 * rows, top_k)
-    for max_rows, tag in ((16, ""), (2, "_gemv")):  # tl.dot tiles, and the CUDA-core path of small steps
-        experts_ = RoutedExperts(fmt, pool, host, "silu", F.silu, max_rows, top_k, use_kernels=True)
+    rows_first = replace(DEFAULT_TILES, weights_first=False)
+    # tl.dot tiles (weights first, the default, and rows first), and the CUDA-core path of small steps
+    for max_rows, tag, tiles in ((16, "", None), (16, "_rows_first", rows_first), (2, "_gemv", None)):
+        experts_ = RoutedExperts(fmt, pool, host, "silu", F.silu, max_rows, top_k, use_kernels=True, tiles=tiles)
         for name, launch in zip(("gate_up", "down", "combine"),
                                 experts_.launches(x[:max_rows], assign[:max_rows], weights[:max_rows], u_vec, u_vec,
                                                   u_vec, out[:max_rows], max_rows)):

@@ -60,8 +60,8 @@ class Tiles:
 
 # Measured on the H200 at V2-Lite's expert shape (experiments/results/tiles_h200.json, one MoE layer, experts in
 # VRAM): the CUDA-core GEMV with 16-row tiles reads one row's 6 experts in 54 us (1.9 TB/s; tl.dot's best: 62 us);
-# with 8 and 16 rows, 64-row tl.dot tiles lead, weights first (2.32 and 2.30 TB/s against 2.25 and 2.11 rows first;
-# at DeepSeek-V3's shape 2.61 and 2.68 against 2.31 and 2.37: tiles_v2lite_h200.json, tiles_v3_h200.json).
+# with 8 and 16 rows, 64-row tl.dot tiles lead, weights first (2.32 and 2.30 TB/s against 2.25 and 2.11 rows first:
+# tiles_v2lite_h200.json; at DeepSeek-V3's shape the one sweep so far ran with wrongly sized inputs, see BENCHMARKS).
 DEFAULT_TILES = Tiles(block_i=64, block_h=64, block_k=128, num_warps=4, num_stages=3, weights_first=True)
 GEMV_TILES = Tiles(block_i=16, block_h=16, block_k=128, num_warps=4, num_stages=3)
 
@@ -363,6 +363,7 @@ class RoutedExperts:
 
     def launches(self, x: torch.Tensor, assign: torch.Tensor, weights: torch.Tensor, u_key: torch.Tensor,
                  u_slot: torch.Tensor, u_dst: torch.Tensor, out: torch.Tensor, step_rows: int) -> list[Launch]:
+        assert out.shape[-1] == self.layout.hidden and out.shape[0] >= assign.shape[0], (out.shape, assign.shape)
         return self.product_launches(x, assign, u_key, u_slot, u_dst, step_rows) + \
             [self._combine(assign.shape[0], assign, weights, out, self._n_pad(step_rows))]
 
@@ -375,6 +376,7 @@ class RoutedExperts:
         n_pad = self._n_pad(step_rows)
         u_count = min(u_key.shape[0], n * k)  # u is numbered in first-use order: u < rows x k
         assert n <= min(step_rows, self.max_rows) and u_count <= self.max_experts and x.is_contiguous()
+        assert x.shape[1] == lay.hidden, (x.shape, lay.hidden)  # the kernels index rows by the expert's shape
         ieee = x.dtype == torch.float32
         common = dict(assign_ptr=assign, u_key_ptr=u_key, u_slot_ptr=u_slot, u_dst_ptr=u_dst, w_ptr=self._w,
                       s_ptr=self._s, delta_ptr=self._delta, n_rows=n, H=lay.hidden, I=lay.intermediate, TOPK=k,
