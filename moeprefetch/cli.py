@@ -122,7 +122,8 @@ def _generate(ns: argparse.Namespace) -> int:
             raise MoEPrefetchError(f"--prompt-ids must be comma-separated integers, got {ids!r}") from None
     if not prompts:
         prompts = [DEFAULT_PROMPT]
-    kwargs["max_batch_size"] = ns.max_batch_size or max(len(prompts), 1)
+    # a batch as large as the prompts unless one was asked for (0 included: the options reject it in one sentence)
+    kwargs["max_batch_size"] = ns.max_batch_size if ns.max_batch_size is not None else max(len(prompts), 1)
     engine = MoEPrefetchEngine.from_pretrained(ns.path, config=EngineConfig.from_mapping(kwargs))
     group = engine.residency.group
     if group is None:

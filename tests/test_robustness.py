@@ -123,6 +123,7 @@ def test_cli_bad_arguments_exit_without_traceback(checkpoint_factory, capsys):
         (["generate", path, "--prompt-ids", "1,2", "--prefill-window", "-8"], "prefill_window must be a positive"),
         (["generate", path, "--prompt-ids", "1,2", "--stats-json", "/no/such/dir/s.json"], "cannot be written"),
         (["generate", path, "--prompt-ids", "1,2", "--min-confidence", "2"], "min_confidence must be a number"),
+        (["generate", path, "--prompt-ids", "1,2", "--max-batch-size", "0"], "max_batch_size must be a positive"),
     ]:
         assert main(argv) == 2
         captured = capsys.readouterr()
