@@ -664,12 +664,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         offload_kwargs["expert_cache_slots"] = max(int(round(args.cache_fraction * total_experts)), 8) \
             if total_experts else 40
     try:
-        engine = MoEPrefetchEngine.from_pretrained(path, **offload_kwargs)
-        if engine.residency.store is None:  # the budget holds every expert: offload a fixed share instead
-            engine.close()
-            offload_kwargs.pop("vram_budget", None)
-            offload_kwargs["expert_cache_slots"] = max(int(round(args.cache_fraction * engine.plan.total_experts)), 8)
-            engine = MoEPrefetchEngine.from_pretrained(path, **offload_kwargs)
+        engine = load_offloaded(path, offload_kwargs, args.cache_fraction)
     except Exception as exc:
         emit({**base, "system": "offload_load", "failed": f"{type(exc).__name__}: {exc}"})
         return
@@ -842,14 +837,9 @@ def offloaded_batch_rows(path: Path, args: argparse.Namespace, config: dict[str,
     if wanted is not None and not names & wanted:
         return
     try:
-        options = dict(common, max_batch_size=16, max_seq_len=args.prompt_tokens + 2 * args.new_tokens)
-        engine = MoEPrefetchEngine.from_pretrained(path, **options, vram_budget=f"{args.budget_gib}GiB")
-        budget: float | None = args.budget_gib
-        if engine.residency.store is None:  # the budget holds every expert: offload a fixed share instead
-            slots = max(int(round(args.cache_fraction * engine.plan.total_experts)), 8)
-            engine.close()
-            engine = MoEPrefetchEngine.from_pretrained(path, **options, expert_cache_slots=slots)
-            budget = None
+        engine = load_offloaded(path, dict(common, max_batch_size=16, vram_budget=f"{args.budget_gib}GiB",
+                                           max_seq_len=args.prompt_tokens + 2 * args.new_tokens), args.cache_fraction)
+        budget = args.budget_gib if engine.plan.budget_bytes is not None else None  # None: the fixed share
         many = prompts_for(path, None, config["vocab_size"], 16, args.prompt_tokens, seed=3)
         fraction = engine.residency.n_slots / engine.plan.total_experts
         for tag, predictor in (("", "none"), ("_gate", "next_layer_gate")):
@@ -914,11 +904,8 @@ def bench_prefill(name: str, path: Path, args: argparse.Namespace, device: torch
             continue
         engine = None
         try:
-            engine = MoEPrefetchEngine.from_pretrained(path, **common, **extra)
-            if extra and engine.residency.store is None:  # the budget holds every expert: offload a fixed share
-                slots = max(int(round(args.cache_fraction * engine.plan.total_experts)), 8)
-                engine.close()
-                engine = MoEPrefetchEngine.from_pretrained(path, **common, expert_cache_slots=slots)
+            engine = load_offloaded(path, dict(common, **extra), args.cache_fraction) if extra else \
+                MoEPrefetchEngine.from_pretrained(path, **common)
             own, own_window = engine.options.prefill_chunk, engine.options.prefill_window
             for n in lengths:
                 prompts = prompts_for(path, None, config["vocab_size"], args.runs, n, seed=4)
@@ -1132,6 +1119,18 @@ def _active_bytes(engine: MoEPrefetchEngine) -> int:
         resident -= weights_nbytes(engine.weights.mtp)  # the all-resident row runs no MTP head
     experts = len(engine.args.moe_layers) * engine.args.num_experts_per_tok * engine.residency.expert_bytes
     return int(resident + experts)
+
+
+def load_offloaded(path: Path, options: dict[str, Any], cache_fraction: float) -> MoEPrefetchEngine:
+    """An engine with `options` that offloads experts: when its `vram_budget` holds every expert (nothing would
+    cross the link), it is loaded again with a fixed share (`cache_fraction`, at least 8) of the experts cached."""
+    engine = MoEPrefetchEngine.from_pretrained(path, **options)
+    if engine.residency.store is not None:
+        return engine
+    slots = max(int(round(cache_fraction * engine.plan.total_experts)), 8)
+    engine.close()
+    rest = {k: v for k, v in options.items() if k != "vram_budget"}
+    return MoEPrefetchEngine.from_pretrained(path, **rest, expert_cache_slots=slots)
 
 
 def _free() -> None:

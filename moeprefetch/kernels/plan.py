@@ -27,9 +27,11 @@ if HAS_TRITON:
     import triton.language as tl
 
 VICTIM_WINDOW = 128
-# cells of the prediction window one block of the reservation holds. Compiled for sm_90 (ptxas, SASS counts): the
-# whole window of a 48-layer, 128-expert model over 2 steps in one block spilled (870 local loads, 626 stores; 11,463
-# and 7,573 over 3 steps); blocks of 4,096 cells 54 and 29; blocks of 2,048 none, at 48 layers and on V2-Lite's shape
+# cells of the prediction window one block of the reservation holds (a power of two, so blocks hold whole expert
+# rows). Compiled for sm_90 (ptxas, SASS counts; before compile_check marked pointers aligned): the whole window of a
+# 48-layer, 128-expert model over 2 steps in one block spilled (870 local loads, 626 stores; 11,463 and 7,573 over 3
+# steps); blocks of 4,096 cells 54 and 29; blocks of 2,048 none, at 48 layers and on V2-Lite's shape (and none with
+# the aligned compile: `python -m moeprefetch.kernels.compile_check --plan-spills`)
 WINDOW_CELLS = 2048
 
 
@@ -547,7 +549,7 @@ class Planner:
             S=cfg.n_slots, M=cfg.entries, A=self.max_experts, A_PAD=_pow2(self.max_experts), K=self.top_k,
             XK_PAD=_pow2(max(ids_x.shape[0] * self.top_k, 2)),
             SK_PAD=_pow2(max(ids_s.shape[0] * self.top_k, 2)) if shadow else 2,
-            R=cfg.ring, ROWS_PAD=rows_pad, RB=min(rows_pad, _pow2(max(WINDOW_CELLS // _pow2(cfg.n_experts), 1) + 1) // 2),
+            R=cfg.ring, ROWS_PAD=rows_pad, RB=min(rows_pad, max(WINDOW_CELLS // _pow2(cfg.n_experts), 1)),
             CHUNKS=cfg.chunks, BUDGET=cfg.budget_per_target, MAX_INFLIGHT=cfg.max_inflight,
             MIN_CONF=float(cfg.min_confidence), SPARE=cfg.spare_recent, WIN=VICTIM_WINDOW, NC=len(COUNTERS),
             SHADOW=int(shadow), RESERVE=int(reserve), RECALL=int(count_recall), TRACE=int(trace is not None),
