@@ -54,7 +54,8 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         vram_budget=budget or None, policy=cfg.cache.policy, expert_dtype=cfg.model.expert_dtype,
         prefetch_budget=float(cfg.predictor.prefetch_budget), max_inflight_experts=cfg.predictor.max_inflight_experts,
         draft_experts=cfg.predictor.get("draft_experts", "cached"),
-        spare_recent=int(cfg.predictor.get("spare_recent", 1)), cuda_graphs=bool(cfg.device.cuda_graphs),
+        spare_recent=int(cfg.predictor.get("spare_recent", 1)),
+        prefetch_lead=int(cfg.predictor.get("prefetch_lead", EngineConfig.prefetch_lead)), cuda_graphs=bool(cfg.device.cuda_graphs),
         max_batch_size=int(cfg.workload.batch), progress=False)
 
 
@@ -103,6 +104,7 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
         "min_confidence": float(cfg.predictor.get("min_confidence", 0.0)),
         "draft_experts": cfg.predictor.get("draft_experts", "cached"),
         "spare_recent": int(cfg.predictor.get("spare_recent", 1)),
+        "prefetch_lead": int(cfg.predictor.get("prefetch_lead", EngineConfig.prefetch_lead)),
         "lookahead": int(cfg.lookahead),
         "speculative": cfg.speculative,
         "batch": int(cfg.workload.batch),

@@ -61,6 +61,7 @@ class EngineOptions:
     expert_dtype: str
     min_confidence: float
     spare_recent: int
+    prefetch_lead: int  # MoE layers: a fill is reserved at most this far before its need (0: no limit)
     draft_experts: str
     late_prefetch: str
     cuda_graphs: bool
@@ -231,7 +232,7 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
         max_seq_len=seq_len, max_batch_size=config.max_batch_size,
         prefill_chunk=chunk, prefill_window=auto_prefill_window(seq_len, chunk, device, config.prefill_window),
         expert_dtype=config.expert_dtype, min_confidence=float(config.min_confidence),
-        spare_recent=config.spare_recent,
+        spare_recent=config.spare_recent, prefetch_lead=config.prefetch_lead,
         draft_experts=config.draft_experts, late_prefetch=config.late_prefetch, cuda_graphs=graphs,
         fused_kernels=bool(config.fused_kernels), progress=bool(config.progress))
 

@@ -49,6 +49,8 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-experts", choices=DRAFT_EXPERTS, default=defaults.draft_experts,
                         help=EngineConfig.help("draft_experts"))
     parser.add_argument("--spare-recent", type=int, default=defaults.spare_recent, help=EngineConfig.help("spare_recent"))
+    parser.add_argument("--prefetch-lead", type=int, default=defaults.prefetch_lead,
+                        help=EngineConfig.help("prefetch_lead"))
     parser.add_argument("--late-prefetch", choices=LATE_PREFETCH, default=defaults.late_prefetch,
                         help=EngineConfig.help("late_prefetch"))
     parser.add_argument("--max-seq-len", type=int, default=None, help=EngineConfig.help("max_seq_len"))
@@ -188,7 +190,7 @@ def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     dtype = ns.dtype or ("bfloat16" if ns.device.startswith("cuda") else "float32")
     kwargs: dict[str, Any] = dict(device=ns.device, dtype=dtype, policy=ns.policy, prefetch_budget=ns.prefetch_budget,
                                   draft_experts=ns.draft_experts, spare_recent=ns.spare_recent,
-                                  late_prefetch=ns.late_prefetch, progress=ns.verbose, distributed=ns.distributed)
+                                  prefetch_lead=ns.prefetch_lead, late_prefetch=ns.late_prefetch, progress=ns.verbose, distributed=ns.distributed)
     for name in ("max_seq_len", "prefill_chunk", "prefill_window", "predictor", "lookahead", "min_confidence",
                  "max_batch_size", "expert_dtype"):
         if getattr(ns, name, None) is not None:

@@ -46,6 +46,8 @@ class EngineConfig:
     min_confidence: float = _opt(0.0, "predictions below this confidence are neither fetched nor counted")
     spare_recent: int = _opt(1, "prefetches never evict an expert used in the last N steps (0: any victim; lru "
                                 "and static policies; the oracle uses Belady's victims)")
+    prefetch_lead: int = _opt(8, "a prefetch is reserved at most this many MoE layers before its need (0: as soon as "
+                                 "predicted, up to a step ahead); a fill reserved early holds its slot longer")
     late_prefetch: str = _opt("wait", "an expert whose prefetch is still in flight when its layer runs: wait a "
                                       "bounded time for the fill (wait), or read it from host memory again (reread; "
                                       "slower on the H200: BENCHMARKS.md)")
@@ -112,6 +114,10 @@ class EngineConfig:
         spare = self.spare_recent
         if not isinstance(spare, int) or isinstance(spare, bool) or not 0 <= spare <= 64:
             raise RequestError(f"spare_recent must be an integer from 0 to 64 (steps), got {spare!r}")
+        lead = self.prefetch_lead
+        if not isinstance(lead, int) or isinstance(lead, bool) or not 0 <= lead <= 4096:
+            raise RequestError(f"prefetch_lead must be an integer from 0 to 4096 (MoE layers; 0: no limit), "
+                               f"got {lead!r}")
         for name in ("max_inflight_experts", "stream_layers", "expert_cache_slots", "max_seq_len", "prefill_chunk",
                      "prefill_window"):
             if getattr(self, name) is not None:

@@ -325,7 +325,7 @@ def configure_residency(engine: "MoEPrefetchEngine", spec: PredictorSpec, rows: 
     spare = 0 if spec.oracle or options.policy == "lfu" else options.spare_recent
     engine.residency.configure(ring=spec.ring, budget_per_target=budget, max_inflight=inflight,
                                min_confidence=min_confidence, spare_recent=spare,
-                               wait_late=options.late_prefetch == "wait")
+                               wait_late=options.late_prefetch == "wait", prefetch_lead=options.prefetch_lead)
 
 
 def step_shape(engine: "MoEPrefetchEngine", batch: int, spec: PredictorSpec, mode: str, uses_mtp: bool,

@@ -435,6 +435,7 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
         "batch": batch,
         "predictor": predictor,
         "lookahead": lookahead or engine.options.lookahead,
+        "prefetch_lead": engine.options.prefetch_lead,
         "min_confidence": min_confidence,
         "speculative": speculative,
         "expert_dtype": engine.options.expert_dtype,
@@ -657,7 +658,8 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
 
     # offloaded: one engine (one store fill), every predictor on the same prompts and budget
     offload_kwargs = dict(common, max_inflight_experts=args.max_inflight, draft_experts=args.draft_experts,
-                          spare_recent=args.spare_recent, late_prefetch=args.late_prefetch)
+                          spare_recent=args.spare_recent, late_prefetch=args.late_prefetch,
+                          prefetch_lead=args.prefetch_lead)
     if budget is not None:
         offload_kwargs["vram_budget"] = f"{budget}GiB"
     else:
@@ -692,7 +694,12 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         systems += [(f"{name}_la{k}", name, None, k, 0.0) for name in ("mtp", "mtp+next_layer_gate") for k in (2, 3)]
     if args.systems:
         systems = [s for s in systems if s[0] in args.systems.split(",")]
-    for system, predictor, speculative, lookahead, min_confidence in systems:
+    # the same predictors with other prefetch leads ('~lead' rows; the engine's option changes between calls)
+    leads = [int(v) for v in args.lead_rows.split(",") if v]
+    planned = [(*s, args.prefetch_lead) for s in systems] + \
+        [(f"{s[0]}~lead{lead}", *s[1:], lead) for lead in leads for s in systems if s[1] != "none"]
+    for system, predictor, speculative, lookahead, min_confidence, lead in planned:
+        engine.options = dataclasses.replace(engine.options, prefetch_lead=lead)
         try:
             row = run_row(engine, system, prompts, args.new_tokens, predictor=predictor, speculative=speculative,
                           runs=args.runs, lookahead=lookahead, min_confidence=min_confidence)
@@ -703,6 +710,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         except Exception as exc:
             emit({**base, "system": system, "failed": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc(limit=4)})
+    engine.options = dataclasses.replace(engine.options, prefetch_lead=args.prefetch_lead)
     if args.profile:
         default = ("none", "oracle", "mtp+next_layer_gate" if engine.has_mtp else "next_layer_gate")
         for predictor in args.profile_predictors.split(",") if args.profile_predictors else default:
@@ -1182,6 +1190,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-experts", choices=["cached", "all"], default="cached",
                         help="the MTP head's routed experts (engine option draft_experts)")
     parser.add_argument("--spare-recent", type=int, default=1, help="engine option spare_recent (steps)")
+    parser.add_argument("--prefetch-lead", type=int, default=EngineConfig.prefetch_lead,
+                        help="engine option prefetch_lead (MoE layers; 0: no limit)")
+    parser.add_argument("--lead-rows", default="", help="also run every predictor's row at these prefetch leads "
+                        "('~leadN' rows, comma list)")
     parser.add_argument("--late-prefetch", choices=LATE_PREFETCH, default=EngineConfig.late_prefetch,
                         help="engine option late_prefetch (offloaded rows)")
     parser.add_argument("--variant", default="", help="a tag appended to every row's workload (settings runs)")

@@ -108,6 +108,28 @@ def test_sparing_recent_experts_changes_the_fills_never_the_tokens(reference):
     assert issued[0] > issued[1] >= issued[3]  # the longer the memory, the fewer victims a prefetch may take
 
 
+
+def test_the_prefetch_lead_changes_when_fills_are_reserved_never_the_tokens(checkpoint_factory):
+    """On a model of 6 MoE layers: the oracle's predictions are exact, so each of its prefetches is used at the need
+    it was reserved for, and a lead of L MoE layers reserves none more than L layers before it
+    (mean_lead_layers <= L); without a lead (0) fills are reserved up to a step ahead."""
+    path = checkpoint_factory("v3_groups_qlora_yarn", num_hidden_layers=7)
+    prompts = [[3, 4, 5, 6, 7], [9, 10]]
+    expected = MoEPrefetchEngine.from_pretrained(path, progress=False).generate(
+        prompts, max_new_tokens=10, stop_at_eos=False).sequences
+    leads = {}
+    for lead in (0, 1, 2):
+        engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=24, prefetch_lead=lead)
+        for predictor in ("oracle", "mtp+next_layer_gate"):
+            result = engine.generate(prompts, max_new_tokens=10, stop_at_eos=False, predictor=predictor)
+            assert result.sequences == expected, (lead, predictor)
+            check_invariants(result.stats.to_dict(), engine.residency.expert_bytes)
+            if predictor == "oracle":
+                stats = result.stats.to_dict()
+                assert stats["prefetch_useful"] > 0
+                leads[lead] = stats["mean_lead_layers"]
+    assert leads[1] <= 1 and leads[2] <= 2 and leads[0] > leads[2] > leads[1], leads
+
 def test_small_caches_admit_misses_and_prefetches_land(reference):
     """A cache smaller than a prefill chunk's experts still works: experts without a free slot stream through
     staging; misses are admitted as they stream; predicted experts arrive before their layer."""

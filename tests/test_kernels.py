@@ -139,14 +139,16 @@ def test_expert_terms_are_the_products_that_the_combine_sums(step_rows):
 
 
 def _simulate(seed: int, policy: str, slots: int, spare: int, steps: int = 6, positions: int = 4, experts: int = 8,
-              k: int = 2, nx: int = 2, ns: int = 1, wait: bool = False, ring: int = 2, foreign: float = 0.0):
+              k: int = 2, nx: int = 2, ns: int = 1, wait: bool = False, ring: int = 2, foreign: float = 0.0,
+              lead: int = 0):
     from moeprefetch.kernels.fill import await_fills
     from moeprefetch.kernels.plan import Planner
 
     g = torch.Generator().manual_seed(seed)
     cfg = ResidencyConfig(positions=positions, main_positions=positions - 1, n_experts=experts, n_slots=slots,
                           record_bytes=256, ring=ring, entries=16, max_inflight=4, budget_per_target=3,
-                          min_confidence=0.2, chunk_bytes=64, policy=policy, spare_recent=spare, wait_late=wait)
+                          min_confidence=0.2, chunk_bytes=64, policy=policy, spare_recent=spare, wait_late=wait,
+                          prefetch_lead=lead)
     u = (nx + ns) * k
     tables = [TableState.allocate(cfg, u, torch.device("cpu")) for _ in range(2)]
     for table in tables:
@@ -207,20 +209,23 @@ def _same(tables, where: str) -> None:
         assert torch.equal(a[name], b[name]), f"{name} differs at {where}:\n{a[name]}\n{b[name]}"
 
 
-@pytest.mark.parametrize("seed,policy,slots,spare,wait,ring,foreign", [
-    (0, "lru", 7, 1, False, 2, 0.0), (1, "lfu", 20, 0, False, 2, 0.0), (2, "static", 14, 1, False, 2, 0.0),
-    (3, "lru", 30, 0, False, 2, 0.0), (4, "lru", 12, 2, False, 2, 0.0), (11, "lru", 12, 0, True, 2, 0.0),
-    (6, "lru", 20, 0, True, 2, 0.0), (12, "lru", 20, 0, True, 3, 0.0), (8, "lru", 9, 0, False, 4, 0.0),
-    (13, "lru", 9, 1, False, 2, 0.4), (14, "lru", 12, 0, True, 2, 0.3)])
-def test_plan_kernel_matches_the_reference(seed, policy, slots, spare, wait, ring, foreign):
+@pytest.mark.parametrize("seed,policy,slots,spare,wait,ring,foreign,lead", [
+    (0, "lru", 7, 1, False, 2, 0.0, 0), (1, "lfu", 20, 0, False, 2, 0.0, 0), (2, "static", 14, 1, False, 2, 0.0, 0),
+    (3, "lru", 30, 0, False, 2, 0.0, 0), (4, "lru", 12, 2, False, 2, 0.0, 0), (11, "lru", 12, 0, True, 2, 0.0, 0),
+    (6, "lru", 20, 0, True, 2, 0.0, 0), (12, "lru", 20, 0, True, 3, 0.0, 0), (8, "lru", 9, 0, False, 4, 0.0, 0),
+    (13, "lru", 9, 1, False, 2, 0.4, 0), (14, "lru", 12, 0, True, 2, 0.3, 0), (15, "lru", 20, 0, False, 2, 0.0, 1),
+    (19, "lru", 20, 0, True, 3, 0.0, 3)])
+def test_plan_kernel_matches_the_reference(seed, policy, slots, spare, wait, ring, foreign, lead):
     """Plans, tables and counters identical; with `wait_late`, late experts' waits too (some fills land while they
     wait, the others are read from host and counted as zero-copy by the await launch); rings of 3 and 4 steps are
-    the oracle's windows of 2 and 3 steps ahead; `foreign` entries (-1, another rank's experts) are never planned."""
+    the oracle's windows of 2 and 3 steps ahead; `foreign` entries (-1, another rank's experts) are never planned;
+    a `lead` reserves fills only that many MoE positions ahead."""
     if DEVICE == "cuda":
         pytest.skip("runs the kernel on CPU tensors (interpreter); the GPU path is covered by the engine tests")
     from moeprefetch.residency.state import C
 
-    totals = _simulate(seed, policy, slots, spare, steps=8 if wait else 6, wait=wait, ring=ring, foreign=foreign)
+    totals = _simulate(seed, policy, slots, spare, steps=8 if wait else 6, wait=wait, ring=ring, foreign=foreign,
+                       lead=lead)
     # the random walk reaches every outcome the kernel handles
     for name in ("hit", "miss", "admitted", "evictions", "prefetch_issued", "fills_done") + (("late",) if wait else ()):
         assert totals[C[name]] > 0, name

@@ -128,6 +128,29 @@ def test_predicted_experts_are_fetched_within_budget_and_used_in_time():
     assert t.count("predicted") == 3 and t.count("predicted_correct") == 2
 
 
+
+def test_a_fill_waits_until_its_need_is_within_the_lead():
+    """With a lead of one MoE position, a prediction for two positions ahead protects but fetches nothing until the
+    plan before its need; the whole window (lead 0) fetches at once."""
+    def run(lead: int) -> list[int]:
+        t = Table(slots=12, positions=4, prefetch_lead=lead)
+        issued = []
+        t.start()
+        t.predict(0, 1, [2])  # position 1 of this step: one position after the step-start plan's next
+        t.predict(0, 2, [3])  # position 2
+        t.predict(1, 0, [4])  # the next step's position 0
+        t.plan(-1, [], reserve=True)
+        issued.append(t.count("prefetch_issued"))
+        for position in range(3):
+            t.plan(position, [[0, 1]])
+            issued.append(t.count("prefetch_issued"))
+        return issued
+
+    # at the step start (just before position 0) position 1 is 2 ahead; position p plans for p + 1
+    assert run(1) == [0, 1, 2, 2]  # next step's position 0 is 2 ahead of position 2 (the MTP position is between)
+    assert run(2) == [1, 2, 2, 3]
+    assert run(0) == [3, 3, 3, 3]
+
 @pytest.mark.parametrize("spare_recent", [0, 1])
 def test_prefetches_spare_last_steps_experts_and_misses_do_not(spare_recent):
     t = Table(slots=4, spare_recent=spare_recent)

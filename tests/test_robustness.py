@@ -78,6 +78,8 @@ def test_bad_request_then_the_same_engine_serves(engine, expected, kwargs, messa
         (dict(prefetch_budget=-1), RequestError, "prefetch_budget must be a number >= 0"),
         (dict(draft_experts="some"), RequestError, "draft_experts must be one of cached, all"),
         (dict(spare_recent=-1), RequestError, "spare_recent must be an integer from 0 to 64"),
+        (dict(prefetch_lead=-1), RequestError, "prefetch_lead must be an integer from 0 to 4096"),
+        (dict(prefetch_lead=2.5), RequestError, "prefetch_lead must be an integer from 0 to 4096"),
         (dict(cache_slots=3), RequestError, "unknown engine option 'cache_slots'; the options are: device"),
     ],
 )

@@ -271,10 +271,11 @@ if HAS_TRITON:
         tl.store(last_use + sslot, now, mask=first_s)
 
     @triton.jit
-    def _wanted(start, position, step, dstep, pred, slot_of, inflight_of, fills_for, BUDGET, MIN_CONF, R,
+    def _wanted(start, position, step, dstep, now, pred, slot_of, inflight_of, fills_for, BUDGET, MIN_CONF, LEAD, R,
                 P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, RB: tl.constexpr):
-        """A block of the window: the missing predicted experts each target's budget allows (`within`, each key at
-        its earliest need only), their rank within their row, and the cells' addresses."""
+        """A block of the window: the missing predicted experts within the lead (`LEAD`, a clock span) that each
+        target's budget allows (`within`, each key at its earliest need only), their rank within their row, and the
+        cells' addresses."""
         rows, off, q, row_ok, ring_row, deadline, e2, cell_ok, cand, rkey, rslot = _window_cells(
             start, position, step, dstep, pred, slot_of, P, P_MAIN, E, E_PAD, R, RB, MIN_CONF)
         rinfl = tl.load(inflight_of + rkey, mask=cand, other=0)
@@ -286,6 +287,7 @@ if HAS_TRITON:
             conf_e = tl.load(pred + ((((dstep + earlier) % R) * P + q) * E)[:, None] + e2[None, :],
                              mask=cell_ok & inside[:, None], other=0.0)
             need = need & ~(inside[:, None] & (conf_e > 0) & (conf_e >= MIN_CONF))
+        need = need & ((deadline - now) <= LEAD)[:, None]
         used = tl.load(fills_for + ring_row * P + q, mask=row_ok, other=0)
         in_row = tl.cumsum(need.to(tl.int32), axis=1) - need.to(tl.int32)
         within = need & ((used[:, None] + in_row) < BUDGET)
@@ -295,7 +297,7 @@ if HAS_TRITON:
     def _reserve(position, step, dstep, now, step_base, pred, slot_of, key_of, slot_state, last_use, protect,
                  prefetched_at, pinned, inflight_of, e_state, e_key, e_slot, e_deadline, e_made, e_next, e_done,
                  e_ready, victims, cursor_ptr, fills_for, counters, scratch, scratch_e, S, BUDGET, MAX_INFLIGHT,
-                 MIN_CONF, SPARE, R, P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
+                 MIN_CONF, SPARE, LEAD, R, P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
                  M: tl.constexpr, ROWS_PAD: tl.constexpr, RB: tl.constexpr, WIN: tl.constexpr, NC: tl.constexpr):
         """Fills for the window's missing predicted experts: rank within a target (its budget), then across targets
         in deadline order (the cap in flight, free entries, victims). Two passes over the window's blocks: count
@@ -304,8 +306,8 @@ if HAS_TRITON:
         total = 0
         for start in range(0, ROWS_PAD, RB):
             within, q, row_ok, ring_row, deadline, e2, rkey, rslot, cand = _wanted(
-                start, position, step, dstep, pred, slot_of, inflight_of, fills_for, BUDGET, MIN_CONF, R, P, P_MAIN,
-                E, E_PAD, RB)
+                start, position, step, dstep, now, pred, slot_of, inflight_of, fills_for, BUDGET, MIN_CONF, LEAD, R, P,
+                P_MAIN, E, E_PAD, RB)
             tl.atomic_max(protect + rslot, deadline[:, None] + e2[None, :] * 0, mask=cand & (rslot >= 0))
             total += _count2(within)
         jm = tl.arange(0, M)
@@ -321,8 +323,8 @@ if HAS_TRITON:
         base = 0
         for start in range(0, ROWS_PAD, RB):
             within, q, row_ok, ring_row, deadline, e2, rkey, rslot, cand = _wanted(
-                start, position, step, dstep, pred, slot_of, inflight_of, fills_for, BUDGET, MIN_CONF, R, P, P_MAIN,
-                E, E_PAD, RB)
+                start, position, step, dstep, now, pred, slot_of, inflight_of, fills_for, BUDGET, MIN_CONF, LEAD, R, P,
+                P_MAIN, E, E_PAD, RB)
             row_total = tl.sum(within.to(tl.int32), axis=1)
             in_rows = tl.cumsum(within.to(tl.int32), axis=1) - within.to(tl.int32)
             grank = base + (tl.cumsum(row_total, axis=0) - row_total)[:, None] + in_rows
@@ -371,7 +373,7 @@ if HAS_TRITON:
         order, adm_key, adm_slot, victims, cursor_ptr, step_ptr, step_base_ptr, progress_ptr, dstep_ptr,
         pred, fills_for, counters, trace, scratch, scratch_e,
         # shapes and policy
-        S, CHUNKS, BUDGET, MAX_INFLIGHT, MIN_CONF, SPARE, R, SHADOW, RESERVE, RECALL, TRACE, WAIT: tl.constexpr,
+        S, CHUNKS, BUDGET, MAX_INFLIGHT, MIN_CONF, SPARE, LEAD, R, SHADOW, RESERVE, RECALL, TRACE, WAIT: tl.constexpr,
         P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
         M: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, K: tl.constexpr, XK_PAD: tl.constexpr,
         SK_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, RB: tl.constexpr, WIN: tl.constexpr, NC: tl.constexpr,
@@ -414,7 +416,7 @@ if HAS_TRITON:
             _reserve(position, step, dstep, now, step_base, pred, slot_of, key_of, slot_state, last_use, protect,
                      prefetched_at, pinned, inflight_of, e_state, e_key, e_slot, e_deadline, e_made, e_next, e_done,
                      e_ready, victims, cursor_ptr, fills_for, counters, scratch, scratch_e, S, BUDGET, MAX_INFLIGHT,
-                     MIN_CONF, SPARE, R, P, P_MAIN, E, E_PAD, M, ROWS_PAD, RB, WIN, NC)
+                     MIN_CONF, SPARE, LEAD, R, P, P_MAIN, E, E_PAD, M, ROWS_PAD, RB, WIN, NC)
             tl.debug_barrier()
         _write_order(order, e_state, e_next, e_deadline, position, CHUNKS, M)
 
@@ -551,7 +553,8 @@ class Planner:
             SK_PAD=_pow2(max(ids_s.shape[0] * self.top_k, 2)) if shadow else 2,
             R=cfg.ring, ROWS_PAD=rows_pad, RB=min(rows_pad, max(WINDOW_CELLS // _pow2(cfg.n_experts), 1)),
             CHUNKS=cfg.chunks, BUDGET=cfg.budget_per_target, MAX_INFLIGHT=cfg.max_inflight,
-            MIN_CONF=float(cfg.min_confidence), SPARE=cfg.spare_recent, WIN=VICTIM_WINDOW, NC=len(COUNTERS),
+            MIN_CONF=float(cfg.min_confidence), SPARE=cfg.spare_recent, LEAD=cfg.lead_clock, WIN=VICTIM_WINDOW,
+            NC=len(COUNTERS),
             SHADOW=int(shadow), RESERVE=int(reserve), RECALL=int(count_recall), TRACE=int(trace is not None),
             WAIT=bool(cfg.wait_late))
 

@@ -13,7 +13,8 @@ nothing here waits for the host. A layer plan, in order:
 5. **prefetch reservation**: predictions for later layers of this step and for the next step, in deadline order,
    with confidence >= `min_confidence`, at most `budget_per_target` fills per target and `max_inflight` in flight.
    A predicted expert that is already resident is protected until its need; a missing one gets a victim slot and a
-   fill entry;
+   fill entry once its need is at most `prefetch_lead` MoE positions ahead (a fill reserved earlier holds its slot
+   longer, and its victim is chosen on less knowledge: see `_reserve`);
 6. the deadline-ordered list of unfinished fills, for the fill launch that follows this plan.
 
 Victims come from a queue sorted once per step (LRU: least recently used first; LFU: fewest uses; free slots first;
@@ -300,12 +301,17 @@ def _window(t: _Lists, cfg: ResidencyConfig, position: int, step: int,
 
 def _reserve(t: _Lists, cfg: ResidencyConfig, position: int, now: int, step_base: int, step: int,
              dstep: int) -> None:
-    """Prefetch reservation: fills for the window's missing experts, within the per-target budget and the cap on
-    fills in flight, victims permitting."""
+    """Prefetch reservation: fills for the window's missing experts whose need is within the lead, within the
+    per-target budget and the cap on fills in flight, victims permitting. The whole window still protects its
+    resident experts. Why a lead: a fill holds its slot from its reservation to its need, and its victim is picked
+    from what is known at the reservation. With Belady's victims on a 26-layer model at 12 % cached (CPU), reserving
+    a whole step ahead moved 3.91 experts per token, a lead of 8 MoE layers 3.11, of 2 layers 2.91 (Belady: 2.27)."""
     candidates = _window(t, cfg, position, step, dstep)
     per_row: dict[tuple[int, int], int] = {}
     chosen = []
     for ring_row, q, key, deadline in candidates:
+        if deadline - now > cfg.lead_clock:
+            continue
         used = t.fills_for[ring_row][q] + per_row.get((ring_row, q), 0)
         if used < cfg.budget_per_target:
             per_row[(ring_row, q)] = per_row.get((ring_row, q), 0) + 1

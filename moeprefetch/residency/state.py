@@ -48,6 +48,7 @@ class ResidencyConfig:
     budget_per_target: int = 9  # fills per (step, layer), at most
     min_confidence: float = 0.0  # predictions below this are neither fetched nor counted
     spare_recent: int = 1  # prefetches never evict an expert used within this many previous steps (misses may)
+    prefetch_lead: int = 0  # fills only for needs at most this many MoE positions ahead of the plan (0: no limit)
     chunk_bytes: int = 1 << 16  # unit of a fill: claimed and copied by one program at a time
     policy: str = "lru"
     wait_late: bool = False  # a late prefetch: wait (bounded) for its fill instead of reading it from host again
@@ -63,6 +64,12 @@ class ResidencyConfig:
     @property
     def steps_clock(self) -> int:
         return 2 * self.positions
+
+    @property
+    def lead_clock(self) -> int:
+        """The farthest a reserved fill's need may lie after the plan point, in clock units: at MoE position p a need
+        at position p + d is 2 * d later (a step start, just before position 0, is odd: position d - 1 fits)."""
+        return 2 * self.prefetch_lead if self.prefetch_lead > 0 else FAR
 
 
 @dataclass

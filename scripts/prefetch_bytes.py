@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""Experts moved per decode token by each predictor at several prefetch leads, beside Belady's optimum (CPU).
+
+The counts are exact (the CPU runs the reference plans; every fill lands before the next plan, so nothing is late):
+this measures the bytes a plan asks for, not the time they take on a GPU. Belady's replacement is run over the
+routing of the same greedy generations (prefill included, misses counted from the first decode token).
+
+    python scripts/prefetch_bytes.py --model reference --slots 40 --leads 0,1,2,4,8
+    python scripts/prefetch_bytes.py --model deep --slots 200 --predictors oracle,next_layer_gate --new-tokens 64
+
+`--model reference` is the embedded trained model with the held-out prompts; `--model deep` builds a random
+26-MoE-layer DeepSeek-V2-style checkpoint (64 experts, top-6; random prompts), the depth of V2-Lite; any other value
+is a checkpoint path (random prompts unless it has a tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from moeprefetch import MoEPrefetchEngine  # noqa: E402
+from moeprefetch.analysis import belady_misses, record_routing  # noqa: E402
+
+logger = logging.getLogger("prefetch_bytes")
+
+
+def model_and_prompts(name: str, count: int, workdir: Path) -> tuple[Path, list[list[int]]]:
+    if name == "reference":
+        path = ROOT / "moeprefetch" / "reference_model"
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        lines = (ROOT / "experiments" / "prompts" / "heldout.jsonl").read_text().splitlines()
+        return path, [tokenizer(json.loads(line)["text"])["input_ids"] for line in lines[:count]]
+    if name == "deep":
+        from make_tiny_checkpoint import make_tiny_checkpoint
+
+        path = make_tiny_checkpoint(workdir / "deep", "deepseek_v2", with_mtp=False, num_hidden_layers=27,
+                                    n_routed_experts=64, num_experts_per_tok=6)
+    else:
+        path = Path(name)
+    generator = torch.Generator().manual_seed(0)
+    return path, [torch.randint(2, 250, (24,), generator=generator).tolist() for _ in range(count)]
+
+
+def measure(engine: MoEPrefetchEngine, prompts: list[list[int]], new_tokens: int, predictor: str) -> dict[str, Any]:
+    """Experts moved (fills and zero-copy reads) and misses per decode token, over every prompt."""
+    moved = misses = wasted = issued = 0.0
+    tokens = 0
+    for prompt in prompts:
+        engine.reset_expert_cache()
+        stats = engine.generate([prompt], max_new_tokens=new_tokens, predictor=predictor,
+                                stop_at_eos=False).stats.to_dict()
+        steps = stats["decode_steps"]
+        moved += stats["decode_bytes_h2d_per_token"] / stats["expert_bytes"] * steps
+        misses += stats["decode_misses_per_token"] * steps
+        wasted += stats["prefetch_wasted"]
+        issued += stats["prefetch_issued"]
+        tokens += steps
+    return {"experts_per_token": moved / tokens, "misses_per_token": misses / tokens,
+            "prefetch_waste": wasted / issued if issued else None, "decode_tokens": tokens}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="reference", help="reference, deep, or a checkpoint path")
+    parser.add_argument("--slots", type=int, default=40, help="expert cache slots")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--leads", default="0,1,2,4,8", help="prefetch leads in MoE layers (0: no limit)")
+    parser.add_argument("--predictors", default="none,oracle,next_layer_gate,mtp,mtp+next_layer_gate")
+    parser.add_argument("--out", type=Path, default=None, help="append the rows to this JSON file")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    with tempfile.TemporaryDirectory() as tmp:
+        path, prompts = model_and_prompts(args.model, args.prompts, Path(tmp))
+        engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=args.slots)
+        traces = [record_routing(engine, prompt, args.new_tokens) for prompt in prompts]
+        tokens = sum(trace.decode_tokens for trace in traces)
+        belady = sum(belady_misses(t.uses, engine.residency.n_slots, t.first_decode) for t in traces) / tokens
+        base = {"model": args.model, "slots": engine.residency.n_slots, "moe_layers": len(engine.residency.layers),
+                "prompts": len(prompts), "new_tokens": args.new_tokens}
+        rows = [{**base, "system": "belady", "experts_per_token": belady}]
+        logger.info("%s, %d slots: Belady %.2f experts/token", args.model, engine.residency.n_slots, belady)
+        for predictor in args.predictors.split(","):
+            if predictor.startswith("mtp") and not engine.has_mtp:
+                continue
+            for lead in [0] if predictor == "none" else [int(v) for v in args.leads.split(",")]:
+                engine.options = dataclasses.replace(engine.options, prefetch_lead=lead)
+                row = {**base, "system": predictor, "prefetch_lead": lead,
+                       **measure(engine, prompts, args.new_tokens, predictor)}
+                rows.append(row)
+                logger.info("%s lead %d: %.2f experts/token, %.2f misses/token", predictor, lead,
+                            row["experts_per_token"], row["misses_per_token"])
+        engine.close()
+    if args.out is not None:
+        report = json.loads(args.out.read_text()) if args.out.is_file() else {"rows": []}
+        report["rows"] += rows
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
