@@ -5,9 +5,11 @@
 # MTP drafts chained 1-3 tokens ahead; STAGE=tests: the GPU tests of the latest code (it outran 450 s with a cold
 # Triton cache this session, when it still ran the sm_90 compile checks); STAGE=batches / offloaded_batches: issue
 # 14's batch rows, every expert resident / at 12 GiB; STAGE=cuts: issue 13's ref17 rows at the confidence cuts that
-# keep prefetch waste under 20 % on the CPU; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows
-# (one GPU, then two, at 12 GiB per GPU and 12 GiB split).
-# Usage: STAGE=qwen3|serve|lead|tests|batches|offloaded_batches|cuts|distributed bash scripts/device_pending.sh OUT_DIR
+# keep prefetch waste under 20 % on the CPU; STAGE=leads / leads_v2lite: issue 13's rows at prefetch leads of 1, 2, 4
+# (the default) MoE layers and no limit (ref17; V2-Lite at 12 GiB); STAGE=distributed (on nvidia-h200-x2): issue 18's
+# two-GPU test and rows (one GPU, then two, at 12 GiB per GPU and 12 GiB split).
+# Usage: STAGE=qwen3|serve|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|distributed \
+#   bash scripts/device_pending.sh OUT_DIR
 set -u
 out=$1; shift
 export PYTHONUNBUFFERED=1
@@ -37,6 +39,15 @@ case "${STAGE:-tests}" in
     timeout 560 python3 scripts/bench_gpu.py --out "$out/bench_cuts.json" --workloads ref17 --min-confidence 0.05,0.2 \
       --systems all_resident,none,next_layer_gate,mtp,mtp@0.05,mtp+next_layer_gate,mtp+next_layer_gate@0.2,oracle \
       "$@" 2>&1 | filter ;;
+  leads)
+    # issue 13: when fills are reserved (prefetch_lead), on ref17's learned routing: reactive, the oracle and the
+    # MTP predictors at the cuts that keep waste under 20 % (CPU), at the default lead (4) and at 1, 2 and no limit
+    timeout 560 python3 scripts/bench_gpu.py --out "$out/bench_leads.json" --workloads ref17 --min-confidence 0.05,0.2 \
+      --systems all_resident,none,oracle,mtp@0.05,mtp+next_layer_gate@0.2,mtp+next_layer_gate --lead-rows 1,2,0 \
+      "$@" 2>&1 | filter ;;
+  leads_v2lite)
+    timeout 560 python3 scripts/bench_gpu.py --out "$out/bench_leads_v2lite.json" --workloads v2lite \
+      --systems all_resident,none,oracle,next_layer_gate --lead-rows 1,0 --runs 2 "$@" 2>&1 | filter ;;
   offloaded_batches)
     # issue 14's offloaded batch rows (V2-Lite at 12 GiB, batch 1/4/8/16, reactive and next_layer_gate)
     timeout 560 python3 scripts/bench_gpu.py --out "$out/bench_offloaded_batches.json" --workloads v2lite \

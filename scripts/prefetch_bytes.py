@@ -55,14 +55,15 @@ def model_and_prompts(name: str, count: int, workdir: Path) -> tuple[Path, list[
     return path, [torch.randint(2, 250, (24,), generator=generator).tolist() for _ in range(count)]
 
 
-def measure(engine: MoEPrefetchEngine, prompts: list[list[int]], new_tokens: int, predictor: str) -> dict[str, Any]:
+def measure(engine: MoEPrefetchEngine, prompts: list[list[int]], new_tokens: int, predictor: str,
+            min_confidence: float = 0.0) -> dict[str, Any]:
     """Experts moved (fills and zero-copy reads) and misses per decode token, over every prompt."""
     moved = misses = wasted = issued = 0.0
     tokens = 0
     for prompt in prompts:
         engine.reset_expert_cache()
-        stats = engine.generate([prompt], max_new_tokens=new_tokens, predictor=predictor,
-                                stop_at_eos=False).stats.to_dict()
+        stats = engine.generate([prompt], max_new_tokens=new_tokens, predictor=predictor, stop_at_eos=False,
+                                min_confidence=min_confidence).stats.to_dict()
         steps = stats["decode_steps"]
         moved += stats["decode_bytes_h2d_per_token"] / stats["expert_bytes"] * steps
         misses += stats["decode_misses_per_token"] * steps
@@ -80,29 +81,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--leads", default="0,1,2,4,8", help="prefetch leads in MoE layers (0: no limit)")
-    parser.add_argument("--predictors", default="none,oracle,next_layer_gate,mtp,mtp+next_layer_gate")
+    parser.add_argument("--predictors", default="none,oracle,next_layer_gate,mtp,mtp+next_layer_gate",
+                        help="comma list; NAME@CUT for a confidence cut (min_confidence)")
+    parser.add_argument("--policy", default="lru", help="cache policy (lru, lfu)")
     parser.add_argument("--out", type=Path, default=None, help="append the rows to this JSON file")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with tempfile.TemporaryDirectory() as tmp:
         path, prompts = model_and_prompts(args.model, args.prompts, Path(tmp))
-        engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=args.slots)
+        engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=args.slots,
+                                                   policy=args.policy)
         traces = [record_routing(engine, prompt, args.new_tokens) for prompt in prompts]
         tokens = sum(trace.decode_tokens for trace in traces)
         belady = sum(belady_misses(t.uses, engine.residency.n_slots, t.first_decode) for t in traces) / tokens
-        base = {"model": args.model, "slots": engine.residency.n_slots, "moe_layers": len(engine.residency.layers),
+        base = {"model": args.model, "policy": args.policy, "slots": engine.residency.n_slots, "moe_layers": len(engine.residency.layers),
                 "prompts": len(prompts), "new_tokens": args.new_tokens}
         rows = [{**base, "system": "belady", "experts_per_token": belady}]
         logger.info("%s, %d slots: Belady %.2f experts/token", args.model, engine.residency.n_slots, belady)
-        for predictor in args.predictors.split(","):
+        for system in args.predictors.split(","):
+            predictor, _, cut = system.partition("@")
             if predictor.startswith("mtp") and not engine.has_mtp:
                 continue
             for lead in [0] if predictor == "none" else [int(v) for v in args.leads.split(",")]:
                 engine.options = dataclasses.replace(engine.options, prefetch_lead=lead)
-                row = {**base, "system": predictor, "prefetch_lead": lead,
-                       **measure(engine, prompts, args.new_tokens, predictor)}
+                row = {**base, "system": system, "prefetch_lead": lead,
+                       **measure(engine, prompts, args.new_tokens, predictor, float(cut or 0.0))}
                 rows.append(row)
-                logger.info("%s lead %d: %.2f experts/token, %.2f misses/token", predictor, lead,
+                logger.info("%s (%s) lead %d: %.2f experts/token, %.2f misses/token", system, args.policy, lead,
                             row["experts_per_token"], row["misses_per_token"])
         engine.close()
     if args.out is not None:
