@@ -40,7 +40,8 @@ class EngineConfig:
     # prediction and prefetching (defaults that generate() may override per call)
     predictor: str | None = _opt(None, "prefetch predictor (default mtp+next_layer_gate, or next_layer_gate "
                                        "without an MTP layer)")
-    lookahead: int = _opt(1, "MoE layers ahead for next_layer_gate, decode steps ahead for oracle")
+    lookahead: int = _opt(1, "MoE layers ahead for next_layer_gate, decode steps ahead for oracle, tokens ahead for "
+                             "MTP drafts: how far predictions reach (their fills wait for prefetch_lead)")
     prefetch_budget: float = _opt(1.5, "prefetches per (step, layer), as a multiple of top-k")
     max_inflight_experts: int | None = _opt(None, "prefetches in flight at most (default 2 x top-k per row)")
     min_confidence: float = _opt(0.0, "predictions below this confidence are neither fetched nor counted")

@@ -261,10 +261,10 @@ def test_the_oracles_prompt_leaves_behind_what_decode_needs_first(monkeypatch):
 
 
 def test_the_oracles_lookahead_is_how_many_steps_ahead_it_prefetches(reference):
-    """lookahead=d plans fills for the next d steps: prefetches are made earlier (a longer lead before their use)
-    and the tokens stay those of reactive decoding."""
+    """lookahead=d plans fills for the next d steps (with no prefetch_lead: fills as soon as predicted): prefetches
+    are made earlier (a longer lead before their use) and the tokens stay those of reactive decoding."""
     path, prompts, expected, _, total = reference
-    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=total // 2)
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=total // 2, prefetch_lead=0)
     leads = []
     for lookahead in (1, 2):
         engine.reset_expert_cache()

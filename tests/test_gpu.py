@@ -210,8 +210,9 @@ def test_the_oracle_planning_steps_ahead_keeps_the_tokens_on_gpu(checkpoint_fact
     expected = {b: reference.generate(prompts[:b], max_new_tokens=20, stop_at_eos=False).sequences for b in (1, 2)}
     total = reference.plan.total_experts
     reference.close()
-    for slots in (3, 6, total // 2):
-        engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, expert_cache_slots=slots)
+    for slots in (3, 6, total // 2):  # no prefetch_lead: the window's later steps are reserved too
+        engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, expert_cache_slots=slots,
+                                                   prefetch_lead=0)
         for lookahead in (2, 3):
             for batch in (1, 2):
                 result = engine.generate(prompts[:batch], max_new_tokens=20, stop_at_eos=False, predictor="oracle",
