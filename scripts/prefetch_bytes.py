@@ -10,7 +10,7 @@ routing of the same greedy generations (prefill included, misses counted from th
 
 `--model reference` is the embedded trained model with the held-out prompts; `--model deep` builds a random
 26-MoE-layer DeepSeek-V2-style checkpoint (64 experts, top-6; random prompts), the depth of V2-Lite; any other value
-is a checkpoint path (random prompts unless it has a tokenizer).
+is a checkpoint path (random prompts).
 """
 
 from __future__ import annotations

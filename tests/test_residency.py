@@ -101,8 +101,10 @@ def test_static_hot_set_is_never_evicted():
     assert 1 in t.resident()
 
 
-def test_a_prediction_protects_a_resident_expert_until_its_need():
-    t = Table(slots=2)
+@pytest.mark.parametrize("lead", [0, 1])
+def test_a_prediction_protects_a_resident_expert_until_its_need(lead):
+    """Also beyond the prefetch lead: the need below is 3 MoE positions ahead of the plan that protects it."""
+    t = Table(slots=2, prefetch_lead=lead)
     t.start()
     t.plan(0, [[0, 1]])
     t.start()
@@ -150,6 +152,7 @@ def test_a_fill_waits_until_its_need_is_within_the_lead():
     assert run(1) == [0, 1, 2, 2]  # next step's position 0 is 2 ahead of position 2 (the MTP position is between)
     assert run(2) == [1, 2, 2, 3]
     assert run(0) == [3, 3, 3, 3]
+
 
 @pytest.mark.parametrize("spare_recent", [0, 1])
 def test_prefetches_spare_last_steps_experts_and_misses_do_not(spare_recent):
