@@ -190,7 +190,8 @@ def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     dtype = ns.dtype or ("bfloat16" if ns.device.startswith("cuda") else "float32")
     kwargs: dict[str, Any] = dict(device=ns.device, dtype=dtype, policy=ns.policy, prefetch_budget=ns.prefetch_budget,
                                   draft_experts=ns.draft_experts, spare_recent=ns.spare_recent,
-                                  prefetch_lead=ns.prefetch_lead, late_prefetch=ns.late_prefetch, progress=ns.verbose, distributed=ns.distributed)
+                                  prefetch_lead=ns.prefetch_lead, late_prefetch=ns.late_prefetch, progress=ns.verbose,
+                                  distributed=ns.distributed)
     for name in ("max_seq_len", "prefill_chunk", "prefill_window", "predictor", "lookahead", "min_confidence",
                  "max_batch_size", "expert_dtype"):
         if getattr(ns, name, None) is not None:
