@@ -47,8 +47,8 @@ class EngineConfig:
     min_confidence: float = _opt(0.0, "predictions below this confidence are neither fetched nor counted")
     spare_recent: int = _opt(1, "prefetches never evict an expert used in the last N steps (0: any victim; lru "
                                 "and static policies; the oracle uses Belady's victims)")
-    prefetch_lead: int = _opt(4, "a prefetch is reserved at most this many MoE layers before its need (0: no limit, as "
-                                 "soon as predicted); a fill reserved early holds its slot longer")
+    prefetch_lead: int = _opt(0, "a prefetch is reserved at most this many MoE layers before its need (0: no limit, as "
+                                 "soon as predicted, fastest on the H200); a fill reserved early holds its slot longer")
     late_prefetch: str = _opt("wait", "an expert whose prefetch is still in flight when its layer runs: wait a "
                                       "bounded time for the fill (wait), or read it from host memory again (reread; "
                                       "slower on the H200: BENCHMARKS.md)")
