@@ -70,8 +70,9 @@ class MoEPrefetchEngine:
         in device memory and the experts in page-locked host RAM; `expert_cache_fraction=0.25` sizes them as a share
         of all routed experts; `vram_budget="12GiB"` lets the planner size the slots. `predictor` (default:
         `mtp+next_layer_gate` when the checkpoint has an MTP layer, else `next_layer_gate`), `lookahead`,
-        `min_confidence` and `policy` are defaults that `generate` may override. `prefetch_budget` caps fills per
-        (step, layer) at that multiple of top-k per row, `max_inflight_experts` the fills in flight.
+        `min_confidence` are defaults that `generate` may override; `policy` (lru, lrfu, lfu or static) applies from
+        the next call when `options` change. `prefetch_budget` caps fills per (step, layer) at that multiple of
+        top-k per row, `max_inflight_experts` the fills in flight.
         `draft_experts="cached"` lets the MTP head draft with the experts already in VRAM (drafts change speed, never
         tokens); `"all"` reads every expert it routes to, from host when missing. When the non-expert weights do not
         fit the budget, the largest layers stream from host RAM `stream_ahead` layers ahead of the compute;

@@ -35,7 +35,7 @@ class EngineConfig:
     expert_cache_slots: int | None = _opt(None, "routed-expert slots in device memory")
     expert_cache_fraction: float | None = _opt(None, "expert slots as a share of all routed experts")
     vram_budget: str | int | float | None = _opt(None, "device-memory budget that sizes the cache, e.g. 12GiB")
-    policy: str = _opt("lru", "cache policy: lru, lfu or static")
+    policy: str = _opt("lru", "cache policy: lru, lrfu (uses decayed by half every 8 steps), lfu or static")
     hot_set: Sequence[tuple[int, int]] | None = _opt(None, "the static policy's pinned (layer, expert) pairs")
     # prediction and prefetching (defaults that generate() may override per call)
     predictor: str | None = _opt(None, "prefetch predictor (default mtp+next_layer_gate, or next_layer_gate "

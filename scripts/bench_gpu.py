@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from moeprefetch import MoEPrefetchEngine  # noqa: E402
 from moeprefetch.analysis import belady_bytes_per_token  # noqa: E402
 from moeprefetch.checkpoint import CheckpointReader  # noqa: E402
-from moeprefetch.options import LATE_PREFETCH, EngineConfig  # noqa: E402
+from moeprefetch.options import LATE_PREFETCH, POLICIES, EngineConfig  # noqa: E402
 
 logger = logging.getLogger("bench_gpu")
 GiB = 1024**3
@@ -436,6 +436,7 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
         "predictor": predictor,
         "lookahead": lookahead or engine.options.lookahead,
         "prefetch_lead": engine.options.prefetch_lead,
+        "policy": engine.options.policy,
         "min_confidence": min_confidence,
         "speculative": speculative,
         "expert_dtype": engine.options.expert_dtype,
@@ -659,7 +660,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
     # offloaded: one engine (one store fill), every predictor on the same prompts and budget
     offload_kwargs = dict(common, max_inflight_experts=args.max_inflight, draft_experts=args.draft_experts,
                           spare_recent=args.spare_recent, late_prefetch=args.late_prefetch,
-                          prefetch_lead=args.prefetch_lead)
+                          prefetch_lead=args.prefetch_lead, policy=args.policy)
     if budget is not None:
         offload_kwargs["vram_budget"] = f"{budget}GiB"
     else:
@@ -694,12 +695,16 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         systems += [(f"{name}_la{k}", name, None, k, 0.0) for name in ("mtp", "mtp+next_layer_gate") for k in (2, 3)]
     if args.systems:
         systems = [s for s in systems if s[0] in args.systems.split(",")]
-    # the same predictors with other prefetch leads ('~lead' rows; the engine's option changes between calls)
+    # the same predictors with other prefetch leads ('~lead' rows) and cache policies ('~policy' rows, reactive too);
+    # the engine's options change between calls
     leads = [int(v) for v in args.lead_rows.split(",") if v]
-    planned = [(*s, args.prefetch_lead) for s in systems] + \
-        [(f"{s[0]}~lead{lead}", *s[1:], lead) for lead in leads for s in systems if s[1] != "none"]
-    for system, predictor, speculative, lookahead, min_confidence, lead in planned:
-        engine.options = dataclasses.replace(engine.options, prefetch_lead=lead)
+    policies = [v for v in args.policy_rows.split(",") if v]
+    planned = [(*s, args.prefetch_lead, args.policy) for s in systems] + \
+        [(f"{s[0]}~lead{lead}", *s[1:], lead, args.policy) for lead in leads for s in systems if s[1] != "none"] + \
+        [(f"{s[0]}~{policy}", *s[1:], args.prefetch_lead, policy) for policy in policies for s in systems
+         if s[1] != "oracle"]  # the oracle's victims are Belady's whatever the policy
+    for system, predictor, speculative, lookahead, min_confidence, lead, policy in planned:
+        engine.options = dataclasses.replace(engine.options, prefetch_lead=lead, policy=policy)
         try:
             row = run_row(engine, system, prompts, args.new_tokens, predictor=predictor, speculative=speculative,
                           runs=args.runs, lookahead=lookahead, min_confidence=min_confidence)
@@ -710,7 +715,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         except Exception as exc:
             emit({**base, "system": system, "failed": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc(limit=4)})
-    engine.options = dataclasses.replace(engine.options, prefetch_lead=args.prefetch_lead)
+    engine.options = dataclasses.replace(engine.options, prefetch_lead=args.prefetch_lead, policy=args.policy)
     if args.profile:
         default = ("none", "oracle", "mtp+next_layer_gate" if engine.has_mtp else "next_layer_gate")
         for predictor in args.profile_predictors.split(",") if args.profile_predictors else default:
@@ -1194,6 +1199,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="engine option prefetch_lead (MoE layers; 0: no limit)")
     parser.add_argument("--lead-rows", default="", help="also run every predictor's row at these prefetch leads "
                         "('~leadN' rows, comma list)")
+    parser.add_argument("--policy", choices=POLICIES, default=EngineConfig.policy, help="engine option policy")
+    parser.add_argument("--policy-rows", default="", help="also run every row, reactive too, with these cache "
+                        "policies ('~POLICY' rows, comma list)")
     parser.add_argument("--late-prefetch", choices=LATE_PREFETCH, default=EngineConfig.late_prefetch,
                         help="engine option late_prefetch (offloaded rows)")
     parser.add_argument("--variant", default="", help="a tag appended to every row's workload (settings runs)")

@@ -6,9 +6,10 @@
 # Triton cache this session, when it still ran the sm_90 compile checks); STAGE=batches / offloaded_batches: issue
 # 14's batch rows, every expert resident / at 12 GiB; STAGE=cuts: issue 13's ref17 rows at the confidence cuts that
 # keep prefetch waste under 20 % on the CPU; STAGE=leads / leads_v2lite: issue 13's rows at prefetch leads of 1, 2, 4
-# (the default) MoE layers and no limit (ref17; V2-Lite at 12 GiB); STAGE=distributed (on nvidia-h200-x2): issue 18's
+# (the default) MoE layers and no limit (ref17; V2-Lite at 12 GiB); STAGE=policies: issue 13's LRU / LRFU / LFU
+# rows (ref17, V2-Lite) and the GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's
 # two-GPU test and rows (one GPU, then two, at 12 GiB per GPU and 12 GiB split).
-# Usage: STAGE=qwen3|serve|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|distributed \
+# Usage: STAGE=qwen3|serve|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|distributed \
 #   bash scripts/device_pending.sh OUT_DIR
 set -u
 out=$1; shift
@@ -48,6 +49,15 @@ case "${STAGE:-tests}" in
   leads_v2lite)
     timeout 560 python3 scripts/bench_gpu.py --out "$out/bench_leads_v2lite.json" --workloads v2lite \
       --systems all_resident,none,oracle,next_layer_gate --lead-rows 1,0 --runs 2 "$@" 2>&1 | filter ;;
+  policies)
+    # issue 13: LRU against LRFU (and LFU) on ref17's learned routing and V2-Lite's random routing; every row checks
+    # its tokens against all-resident; then the GPU token test across cache sizes and policies
+    timeout 200 python3 scripts/bench_gpu.py --out "$out/bench_policies.json" --workloads ref17 --runs 1 \
+      --min-confidence 0.05,0.2 --systems all_resident,none,oracle,next_layer_gate,mtp@0.05,mtp+next_layer_gate@0.2 \
+      --policy-rows lrfu,lfu "$@" 2>&1 | filter
+    timeout 230 python3 scripts/bench_gpu.py --out "$out/bench_policies_v2lite.json" --workloads v2lite --runs 1 \
+      --systems all_resident,none,next_layer_gate --policy-rows lrfu "$@" 2>&1 | filter
+    timeout 110 python3 -m pytest tests/test_gpu.py -k "cache_sizes" -q -p no:cacheprovider --tb=short 2>&1 | tail -6 ;;
   offloaded_batches)
     # issue 14's offloaded batch rows (V2-Lite at 12 GiB, batch 1/4/8/16, reactive and next_layer_gate)
     timeout 560 python3 scripts/bench_gpu.py --out "$out/bench_offloaded_batches.json" --workloads v2lite \

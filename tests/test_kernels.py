@@ -214,7 +214,7 @@ def _same(tables, where: str) -> None:
     (3, "lru", 30, 0, False, 2, 0.0, 0), (4, "lru", 12, 2, False, 2, 0.0, 0), (11, "lru", 12, 0, True, 2, 0.0, 0),
     (6, "lru", 20, 0, True, 2, 0.0, 0), (12, "lru", 20, 0, True, 3, 0.0, 0), (8, "lru", 9, 0, False, 4, 0.0, 0),
     (13, "lru", 9, 1, False, 2, 0.4, 0), (14, "lru", 12, 0, True, 2, 0.3, 0), (15, "lru", 20, 0, False, 2, 0.0, 1),
-    (19, "lru", 20, 0, True, 3, 0.0, 3)])
+    (19, "lru", 20, 0, True, 3, 0.0, 3), (21, "lrfu", 12, 1, False, 2, 0.0, 0)])
 def test_plan_kernel_matches_the_reference(seed, policy, slots, spare, wait, ring, foreign, lead):
     """Plans, tables and counters identical; with `wait_late`, late experts' waits too (some fills land while they
     wait, the others are read from host and counted as zero-copy by the await launch); rings of 3 and 4 steps are

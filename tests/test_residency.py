@@ -89,6 +89,46 @@ def test_lfu_evicts_the_least_frequently_used():
     assert t.resident() == {0, 3, 4}
 
 
+def test_lrfu_frequencies_decay_by_half_every_halflife_steps():
+    """After each step start a key's frequency is sum over its uses in earlier steps j of d^(n-1-j) at start n, with
+    d = 2^(-1/halflife) (float64 reference on random routing); victims are ranked by it, ties by recency."""
+    halflife, steps = 3.0, 14
+    t = Table(slots=6, experts=8, positions=3, policy="lrfu", frequency_halflife=halflife)
+    generator = torch.Generator().manual_seed(5)
+    used: list[list[int]] = []  # keys used in each step
+    for _ in range(steps):
+        t.start()
+        keys = []
+        for position in (0, 1):
+            experts = torch.randperm(8, generator=generator)[:2].tolist()
+            t.plan(position, [experts])
+            keys += [t.key(position, e) for e in experts]
+        used.append(keys)
+    t.start()  # start n = steps + 1 folds in the last step's uses
+    d = 2.0 ** (-1.0 / halflife)
+    expected = torch.zeros(t.cfg.keys, dtype=torch.float64)
+    for j, keys in enumerate(used):
+        expected[keys] += d ** (steps - 1 - j)
+    assert torch.allclose(t.st.frequency.double(), expected, rtol=1e-5, atol=1e-6)
+    held = [s for s in t.st.victims.tolist() if t.st.key_of[s] >= 0]
+    ranked = sorted(held, key=lambda s: (int(expected[t.st.key_of[s]] * 1024), int(t.st.last_use[s])))
+    assert held == ranked
+
+
+@pytest.mark.parametrize("policy,first_victim", [("lfu", 1), ("lrfu", 0)])
+def test_lrfu_forgets_old_popularity_that_lfu_keeps(policy, first_victim):
+    """Expert 0 was used in steps 1-6, expert 1 in steps 9-10 (expert 2 throughout): LFU evicts the recent expert 1
+    first (fewer uses), LRFU with a half-life of one step the long-unused expert 0."""
+    t = Table(slots=3, policy=policy, frequency_halflife=1.0)
+    for step in range(1, 11):
+        t.start()
+        if step <= 6 or step >= 9:
+            t.plan(0, [[0 if step <= 6 else 1, 2]])
+    t.start()
+    assert t.resident() == {0, 1, 2}
+    assert int(t.st.key_of[int(t.st.victims[0])]) == first_victim
+
+
 def test_static_hot_set_is_never_evicted():
     t = Table(slots=3, policy="static")
     t.st.pinned[1] = 1

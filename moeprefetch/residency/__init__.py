@@ -148,17 +148,19 @@ class Residency:
     # ---- configuration ----------------------------------------------------------------------------------------
     def configure(self, ring: int = 2, budget_per_target: int | None = None, max_inflight: int | None = None,
                   min_confidence: float = 0.0, spare_recent: int | None = None, wait_late: bool = False,
-                  prefetch_lead: int = 0) -> None:
+                  prefetch_lead: int = 0, policy: str | None = None) -> None:
         """Per-call prefetch settings: prediction ring depth, fills per target, fills in flight, confidence cut, the
-        steps of recent experts that prefetches spare (0 for the oracle: Belady's victims know better), and how many
-        MoE positions ahead a fill may be reserved (0: the whole prediction window).
+        steps of recent experts that prefetches spare (0 for the oracle: Belady's victims know better), how many
+        MoE positions ahead a fill may be reserved (0: the whole prediction window) and the cache policy (default:
+        the engine's; the routing history LFU and LRFU rank by is kept whatever the policy).
         Each setting gets its own launchers (captured graphs keep theirs); the table tensors never move."""
         budget = budget_per_target if budget_per_target is not None else self.base_cfg.budget_per_target
         inflight = min(max_inflight if max_inflight is not None else self.base_cfg.max_inflight, ENTRIES // 2)
         self.cfg = replace(self.base_cfg, ring=min(max(ring, 1), RING_CAPACITY), budget_per_target=budget,
                            max_inflight=inflight, min_confidence=float(min_confidence), entries=ENTRIES,
                            spare_recent=self.base_cfg.spare_recent if spare_recent is None else spare_recent,
-                           wait_late=bool(wait_late), prefetch_lead=int(prefetch_lead))
+                           wait_late=bool(wait_late), prefetch_lead=int(prefetch_lead),
+                           policy=policy or self.base_cfg.policy)
         if self.cfg not in self._launchers:
             self._launchers[self.cfg] = (
                 Planner(self.st, self.cfg, self.top_k, self.max_rows, self.max_rows, self.use_kernels),
@@ -349,12 +351,13 @@ class Residency:
         if self.preloaded:
             return
         pinned = self.st.pinned.clone()
-        use_count = self.st.use_count.clone()
+        history = {name: getattr(self.st, name).clone() for name in ("use_count", "frequency", "counted")}
         fresh = TableState.allocate(replace(self.cfg, ring=RING_CAPACITY, entries=ENTRIES), self.max_experts,
                                     self.device)
         self.st.load(fresh.tensors())
         self.st.pinned.copy_(pinned)
-        self.st.use_count.copy_(use_count)
+        for name, values in history.items():  # routing history is no cache content: LFU and LRFU keep it
+            getattr(self.st, name).copy_(values)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         return self.st.snapshot()

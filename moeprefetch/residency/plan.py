@@ -17,9 +17,10 @@ nothing here waits for the host. A layer plan, in order:
    longer, and its victim is chosen on less knowledge: see `_reserve`);
 6. the deadline-ordered list of unfinished fills, for the fill launch that follows this plan.
 
-Victims come from a queue sorted once per step (LRU: least recently used first; LFU: fewest uses; free slots first;
-the static policy's hot set never). A slot is a victim only if nothing of the current step used it, no live prediction
-protects it, and no fill or admission is writing it. Eviction points the old key back at host memory first.
+Victims come from a queue sorted once per step (free slots first; LRU: least recently used; LFU: fewest uses; LRFU:
+the lowest use frequency decayed per step, `age_frequencies`; the static policy's hot set never). A slot is a victim
+only if nothing of the current step used it, no live prediction protects it, and no fill or admission is writing it.
+Eviction points the old key back at host memory first.
 
 This module is the CPU implementation and the reference of `kernels/plan.py`; it uses plain Python over small lists,
 which is fast enough on the CPU, where every step of the test suite runs through it.
@@ -377,6 +378,7 @@ def step_start(st: TableState, cfg: ResidencyConfig, decode: bool, next_use: tor
         t.fills_for[stale] = [0] * cfg.positions
     t.cursor = 0
     t.write_back()
+    age_frequencies(st, cfg)
     st.victims.copy_(victim_order(st, cfg, next_use))
 
 
@@ -392,6 +394,16 @@ def _release_fill(t: _Lists, cfg: ResidencyConfig, j: int) -> None:
     t.bump(key // cfg.n_experts, "fill_chunks", t.e_done[j])
 
 
+def age_frequencies(st: TableState, cfg: ResidencyConfig) -> None:
+    """LRFU: fold the uses since the last step start into each key's frequency, after decaying it by one step (torch
+    ops, capturable). Unlike LFU's counts, old popularity fades: on random routing counts that never age keep
+    yesterday's experts and miss today's."""
+    if POLICY_CODES[cfg.policy] != 2:
+        return
+    st.frequency.mul_(0.5 ** (1.0 / cfg.frequency_halflife)).add_(st.use_count - st.counted)
+    st.counted.copy_(st.use_count)
+
+
 def victim_order(st: TableState, cfg: ResidencyConfig, next_use: torch.Tensor | None = None) -> torch.Tensor:
     """Slots in eviction order (torch ops, so the same code runs captured on the GPU): free slots first, then LRU or
     LFU order, or, when the future is known (`next_use` [steps, keys]: the decode step of each key's next need, from
@@ -404,6 +416,8 @@ def victim_order(st: TableState, cfg: ResidencyConfig, next_use: torch.Tensor | 
         order_key = -next_use.index_select(0, step)[0][held]  # never needed again: farthest of all
     elif POLICY_CODES[cfg.policy] == 1:
         order_key = st.use_count[held].long() * (1 << 40) + last
+    elif POLICY_CODES[cfg.policy] == 2:  # frequency in steps of 1/1024, ties by recency
+        order_key = (st.frequency[held] * 1024).long() * (1 << 40) + last
     else:
         order_key = last
     order_key = torch.where(st.slot_state == FREE, torch.full_like(order_key, -FAR), order_key)

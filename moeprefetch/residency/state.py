@@ -24,7 +24,8 @@ E_FREE, E_ACTIVE, E_DONE = 0, 1, 2  # fill entry states
 NO_ENTRY, ADMITTING = -1, -2  # inflight_of values besides an entry index
 FAR = 1 << 60  # "never" as a clock
 
-POLICY_CODES = {"lru": 0, "lfu": 1, "static": 0}  # static = LRU outside the pinned hot set
+# static = LRU outside the pinned hot set; lrfu = least recently/frequently used: uses counted with a decay per step
+POLICY_CODES = {"lru": 0, "lfu": 1, "static": 0, "lrfu": 2}
 POLICIES = tuple(POLICY_CODES)
 
 # per-position counters, one row per MoE position
@@ -51,6 +52,7 @@ class ResidencyConfig:
     prefetch_lead: int = 0  # fills only for needs at most this many MoE positions ahead of the plan (0: no limit)
     chunk_bytes: int = 1 << 16  # unit of a fill: claimed and copied by one program at a time
     policy: str = "lru"
+    frequency_halflife: float = 8.0  # lrfu: a use counts half after this many steps (BENCHMARKS "LRFU")
     wait_late: bool = False  # a late prefetch: wait (bounded) for its fill instead of reading it from host again
 
     @property
@@ -83,6 +85,8 @@ class TableState:
     protect: torch.Tensor  # [S] int64 clock of the latest known need (predicted); evictable once passed
     prefetched_at: torch.Tensor  # [S] int64 clock a not-yet-used prefetch was made, -1
     use_count: torch.Tensor  # [K] int32 (LFU; survives eviction)
+    frequency: torch.Tensor  # [K] fp32 uses decayed per step (LRFU), as of the last step start
+    counted: torch.Tensor  # [K] int32 use_count as of the last step start (the uses `frequency` holds)
     pinned: torch.Tensor  # [K] int32 1 = the static policy's hot set
     inflight_of: torch.Tensor  # [K] int32 entry index, NO_ENTRY or ADMITTING
     e_state: torch.Tensor  # [M] int32
@@ -116,7 +120,8 @@ class TableState:
         return TableState(
             slot_of=full((k,), -1, i32), key_of=full((s,), -1, i32), slot_state=full((s,), FREE, i32),
             last_use=full((s,), -1, i64), protect=full((s,), -1, i64), prefetched_at=full((s,), -1, i64),
-            use_count=full((k,), 0, i32), pinned=full((k,), 0, i32), inflight_of=full((k,), NO_ENTRY, i32),
+            use_count=full((k,), 0, i32), frequency=full((k,), 0.0, torch.float32), counted=full((k,), 0, i32),
+            pinned=full((k,), 0, i32), inflight_of=full((k,), NO_ENTRY, i32),
             e_state=full((m,), E_FREE, i32), e_key=full((m,), -1, i32), e_slot=full((m,), -1, i32),
             e_deadline=full((m,), -1, i64), e_made=full((m,), -1, i64), e_next=full((m,), 0, i32),
             e_done=full((m,), 0, i32), e_ready=full((m,), 0, i32), order=full((cfg.positions + 1, m), -1, i32),
