@@ -123,11 +123,11 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
                       speculative=cfg.speculative, stop_at_eos=False,
                       min_confidence=float(cfg.predictor.get("min_confidence", 0.0)))
         if cfg.warmup:
-            engine.reset_expert_cache()
+            engine.reset_expert_cache(forget_routing=True)
             engine.generate(batches[0], **{**kwargs, "max_new_tokens": min(8, kwargs["max_new_tokens"])})
         runs = []
         for prompt_batch in batches:
-            engine.reset_expert_cache()
+            engine.reset_expert_cache(forget_routing=True)
             runs.append(engine.generate(prompt_batch, **kwargs).stats)
         row.update(merge_stats(runs).to_dict())
         slots = engine.residency.n_slots

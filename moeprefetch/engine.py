@@ -163,10 +163,12 @@ class MoEPrefetchEngine:
         logger.info("static policy: %d experts pinned from a profile of %d", len(hot), len(counts))
         return hot
 
-    def reset_expert_cache(self) -> None:
-        """Empty the expert cache (a cold start for the next call); no effect when every expert is resident."""
+    def reset_expert_cache(self, forget_routing: bool = False) -> None:
+        """Empty the expert cache (a cold start for the next call); no effect when every expert is resident. The
+        routing history that the lfu and lrfu policies rank by (and `routing_profile` reports) is kept unless
+        `forget_routing`."""
         self._check_idle()
-        self.residency.reset()
+        self.residency.reset(forget_routing)
 
     # ---- resources ------------------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -35,7 +35,7 @@ class EngineConfig:
     expert_cache_slots: int | None = _opt(None, "routed-expert slots in device memory")
     expert_cache_fraction: float | None = _opt(None, "expert slots as a share of all routed experts")
     vram_budget: str | int | float | None = _opt(None, "device-memory budget that sizes the cache, e.g. 12GiB")
-    policy: str = _opt("lru", "cache policy: lru, lrfu (uses decayed by half every 8 steps), lfu or static")
+    policy: str = _opt("lrfu", "cache policy: lrfu (uses decayed by half every 8 steps), lru, lfu or static")
     hot_set: Sequence[tuple[int, int]] | None = _opt(None, "the static policy's pinned (layer, expert) pairs")
     # prediction and prefetching (defaults that generate() may override per call)
     predictor: str | None = _opt(None, "prefetch predictor (default mtp+next_layer_gate, or next_layer_gate "
@@ -45,8 +45,8 @@ class EngineConfig:
     prefetch_budget: float = _opt(1.5, "prefetches per (step, layer), as a multiple of top-k")
     max_inflight_experts: int | None = _opt(None, "prefetches in flight at most (default 2 x top-k per row)")
     min_confidence: float = _opt(0.0, "predictions below this confidence are neither fetched nor counted")
-    spare_recent: int = _opt(1, "prefetches never evict an expert used in the last N steps (0: any victim; lru "
-                                "and static policies; the oracle uses Belady's victims)")
+    spare_recent: int = _opt(1, "prefetches never evict an expert used in the last N steps (0: any victim; lrfu, "
+                                "lru and static policies; the oracle uses Belady's victims)")
     prefetch_lead: int = _opt(0, "a prefetch is reserved at most this many MoE layers before its need (0: no limit, as "
                                  "soon as predicted, fastest on the H200); a fill reserved early holds its slot longer")
     late_prefetch: str = _opt("wait", "an expert whose prefetch is still in flight when its layer runs: wait a "

@@ -412,18 +412,18 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
             predictor: str = "none", speculative: str | None = None, runs: int = 3,
             lookahead: int | None = None, min_confidence: float = 0.0, batch: int = 1) -> dict[str, Any]:
     """Warm-up once, then `runs` measured generations (one per prompt, or `batch` prompts at once; cold expert cache
-    each); medians. Per-token figures count the tokens of every row."""
+    and no routing history each); medians. Per-token figures count the tokens of every row."""
     device = engine.device
     kwargs = dict(predictor=predictor, speculative=speculative, stop_at_eos=False, lookahead=lookahead,
                   min_confidence=min_confidence)
-    engine.reset_expert_cache()
+    engine.reset_expert_cache(forget_routing=True)
     engine.generate([prompts[i % len(prompts)] for i in range(batch)], max_new_tokens=min(8, new_tokens), **kwargs)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
     results, sequences = [], []
     for run in range(runs):
-        engine.reset_expert_cache()
+        engine.reset_expert_cache(forget_routing=True)
         result = engine.generate([prompts[(run + i) % len(prompts)] for i in range(batch)], max_new_tokens=new_tokens,
                                  **kwargs)
         results.append(result.stats.to_dict())
@@ -495,9 +495,9 @@ def timeline(engine: MoEPrefetchEngine, prompt: list[int] | list[list[int]], new
     prompts = prompt if prompt and isinstance(prompt[0], list) else [prompt]
     from torch.profiler import ProfilerActivity, profile
 
-    engine.reset_expert_cache()
+    engine.reset_expert_cache(forget_routing=True)
     engine.generate(prompts, max_new_tokens=min(8, new_tokens), predictor=predictor, stop_at_eos=False)
-    engine.reset_expert_cache()
+    engine.reset_expert_cache(forget_routing=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         result = engine.generate(prompts, max_new_tokens=new_tokens, predictor=predictor, stop_at_eos=False)
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() >= 0]
@@ -729,7 +729,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
     try:
         floors = []
         for prompt in prompts:
-            engine.reset_expert_cache()
+            engine.reset_expert_cache(forget_routing=True)
             floors.append(belady_bytes_per_token(engine, prompt, args.new_tokens))
         bytes_per_token = statistics.median(floors)
         transfer_ms = 1000 * bytes_per_token / (link.get("h2d_peak_gbps", float("nan")) * 1e9)
@@ -957,13 +957,13 @@ def prefill_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]]
                 budget_gib: float | None) -> dict[str, Any]:
     """Medians over prompts, each prefilled (one new token) from a cold expert cache after one warm-up."""
     res = engine.residency
-    engine.reset_expert_cache()
+    engine.reset_expert_cache(forget_routing=True)
     engine.generate([prompts[0]], max_new_tokens=1, stop_at_eos=False)  # warm-up: compiles, this chunk's shapes
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     runs = []
     for prompt in prompts:
-        engine.reset_expert_cache()
+        engine.reset_expert_cache(forget_routing=True)
         # the experts a prompt touches, for the link bound: only offloaded (the log reads every layer's plan back)
         res.prefill_log = [] if res.store is not None else None
         stats = engine.generate([prompt], max_new_tokens=1, stop_at_eos=False).stats.to_dict()
@@ -993,9 +993,9 @@ def prefill_profile(engine: MoEPrefetchEngine, system: str, prompt: list[int]) -
     synchronisations) and the wall time."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine.reset_expert_cache()
+    engine.reset_expert_cache(forget_routing=True)
     engine.generate([prompt], max_new_tokens=1, stop_at_eos=False)
-    engine.reset_expert_cache()
+    engine.reset_expert_cache(forget_routing=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         stats = engine.generate([prompt], max_new_tokens=1, stop_at_eos=False).stats.to_dict()
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() >= 0]

@@ -2,11 +2,13 @@
 """Experts moved per decode token by each predictor at several prefetch leads, beside Belady's optimum (CPU).
 
 The counts are exact (the CPU runs the reference plans; every fill lands before the next plan, so nothing is late):
-this measures the bytes a plan asks for, not the time they take on a GPU. Belady's replacement is run over the
-routing of the same greedy generations (prefill included, misses counted from the first decode token).
+this measures the bytes a plan asks for, not the time they take on a GPU. Each prompt starts with a cold cache and no
+routing history (what LFU and LRFU rank by). Belady's replacement is run over the routing of the same greedy
+generations (prefill included, misses counted from the first decode token).
 
     python scripts/prefetch_bytes.py --model reference --slots 40 --leads 0,1,2,4,8
     python scripts/prefetch_bytes.py --model deep --slots 200 --predictors oracle,next_layer_gate --new-tokens 64
+    python scripts/prefetch_bytes.py --model reference --leads 0 --policies lru,lrfu,lfu --predictors none,mtp@0.05
 
 `--model reference` is the embedded trained model with the held-out prompts; `--model deep` builds a random
 26-MoE-layer DeepSeek-V2-style checkpoint (64 experts, top-6; random prompts), the depth of V2-Lite; any other value
@@ -61,7 +63,7 @@ def measure(engine: MoEPrefetchEngine, prompts: list[list[int]], new_tokens: int
     moved = misses = wasted = issued = 0.0
     tokens = 0
     for prompt in prompts:
-        engine.reset_expert_cache()
+        engine.reset_expert_cache(forget_routing=True)  # LFU and LRFU learn each prompt's routing from scratch
         stats = engine.generate([prompt], max_new_tokens=new_tokens, predictor=predictor, stop_at_eos=False,
                                 min_confidence=min_confidence).stats.to_dict()
         steps = stats["decode_steps"]
@@ -83,32 +85,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--leads", default="0,1,2,4,8", help="prefetch leads in MoE layers (0: no limit)")
     parser.add_argument("--predictors", default="none,oracle,next_layer_gate,mtp,mtp+next_layer_gate",
                         help="comma list; NAME@CUT for a confidence cut (min_confidence)")
-    parser.add_argument("--policy", default="lru", help="cache policy (lru, lfu)")
+    parser.add_argument("--policies", default="lru", help="cache policies (comma list of lru, lrfu, lfu)")
     parser.add_argument("--out", type=Path, default=None, help="append the rows to this JSON file")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with tempfile.TemporaryDirectory() as tmp:
         path, prompts = model_and_prompts(args.model, args.prompts, Path(tmp))
-        engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=args.slots,
-                                                   policy=args.policy)
+        engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=args.slots)
         traces = [record_routing(engine, prompt, args.new_tokens) for prompt in prompts]
         tokens = sum(trace.decode_tokens for trace in traces)
         belady = sum(belady_misses(t.uses, engine.residency.n_slots, t.first_decode) for t in traces) / tokens
-        base = {"model": args.model, "policy": args.policy, "slots": engine.residency.n_slots, "moe_layers": len(engine.residency.layers),
-                "prompts": len(prompts), "new_tokens": args.new_tokens}
+        base = {"model": args.model, "slots": engine.residency.n_slots, "moe_layers": len(engine.residency.layers),
+                "prompts": len(prompts), "new_tokens": args.new_tokens, "routing_history": "cold per prompt"}
         rows = [{**base, "system": "belady", "experts_per_token": belady}]
         logger.info("%s, %d slots: Belady %.2f experts/token", args.model, engine.residency.n_slots, belady)
-        for system in args.predictors.split(","):
-            predictor, _, cut = system.partition("@")
-            if predictor.startswith("mtp") and not engine.has_mtp:
-                continue
-            for lead in [0] if predictor == "none" else [int(v) for v in args.leads.split(",")]:
-                engine.options = dataclasses.replace(engine.options, prefetch_lead=lead)
-                row = {**base, "system": system, "prefetch_lead": lead,
-                       **measure(engine, prompts, args.new_tokens, predictor, float(cut or 0.0))}
-                rows.append(row)
-                logger.info("%s (%s) lead %d: %.2f experts/token, %.2f misses/token", system, args.policy, lead,
-                            row["experts_per_token"], row["misses_per_token"])
+        for policy in args.policies.split(","):
+            for system in args.predictors.split(","):
+                predictor, _, cut = system.partition("@")
+                if predictor.startswith("mtp") and not engine.has_mtp:
+                    continue
+                for lead in [0] if predictor == "none" else [int(v) for v in args.leads.split(",")]:
+                    engine.options = dataclasses.replace(engine.options, prefetch_lead=lead, policy=policy)
+                    row = {**base, "policy": policy, "system": system, "prefetch_lead": lead,
+                           **measure(engine, prompts, args.new_tokens, predictor, float(cut or 0.0))}
+                    rows.append(row)
+                    logger.info("%s (%s) lead %d: %.2f experts/token, %.2f misses/token", system, policy, lead,
+                                row["experts_per_token"], row["misses_per_token"])
         engine.close()
     if args.out is not None:
         report = json.loads(args.out.read_text()) if args.out.is_file() else {"rows": []}

@@ -3,6 +3,7 @@ predictor, batch and speculation, and the accounting invariants of the table's c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -199,6 +200,18 @@ def test_memory_stats(reference):
     assert stats["vram_resident_bytes"] > 0 and stats["vram_residency_table_bytes"] > 0
 
 
+def test_the_cache_policy_applies_from_the_next_call(reference):
+    """engine.options.policy is read at each call: LRFU after LRU on the same engine, tokens unchanged."""
+    path, prompts, expected, _, total = reference
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=7, policy="lru")
+    first = engine.generate(prompts, max_new_tokens=10, stop_at_eos=False, predictor="none")
+    engine.options = dataclasses.replace(engine.options, policy="lrfu")
+    second = engine.generate(prompts, max_new_tokens=10, stop_at_eos=False, predictor="none")
+    assert first.sequences == second.sequences == expected
+    assert (first.stats.policy, second.stats.policy, engine.residency.cfg.policy) == ("lru", "lrfu", "lrfu")
+    assert float(engine.residency.st.frequency.sum()) > 0  # LRFU's frequencies were kept
+
+
 def test_static_hot_set_from_a_routing_profile(reference):
     path, prompts, expected, _, total = reference
     engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=16, policy="static",
@@ -208,10 +221,13 @@ def test_static_hot_set_from_a_routing_profile(reference):
     hot = engine.set_hot_set_from_profile(share=0.4)  # 6 wanted; 16 slots - 2 x 2 x top-3 working set leaves 4
     assert len(hot) == 4 and all(profile[k] >= max(v for key, v in profile.items() if key not in hot) for k in hot)
     engine.reset_expert_cache()
+    assert engine.routing_profile == profile  # a cold cache keeps the routing history
     for _ in range(3):
         result = engine.generate(prompts, max_new_tokens=10, stop_at_eos=False)
         assert result.sequences == expected
     assert set(hot) <= set(engine.residency.resident_keys())  # pinned experts, once in, stay resident
+    engine.reset_expert_cache(forget_routing=True)
+    assert engine.routing_profile == {} and not engine.residency.resident_keys()
     with pytest.raises(Exception, match="only used by policy='static'"):
         MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=16).set_hot_set_from_profile()
 

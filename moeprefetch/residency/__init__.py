@@ -346,12 +346,14 @@ class Residency:
         return self._prefill(layer, xs, [self.local_ids(position, i) for i in ids], weights)
 
     # ---- cold starts and snapshots -----------------------------------------------------------------------------
-    def reset(self) -> None:
-        """Forget every cached expert (cold cache); all-resident tables never change."""
+    def reset(self, forget_routing: bool = False) -> None:
+        """Forget every cached expert (cold cache); all-resident tables never change. The routing history (use
+        counts, LRFU frequencies) is kept unless `forget_routing`."""
         if self.preloaded:
             return
         pinned = self.st.pinned.clone()
-        history = {name: getattr(self.st, name).clone() for name in ("use_count", "frequency", "counted")}
+        history = {} if forget_routing else {
+            name: getattr(self.st, name).clone() for name in ("use_count", "frequency", "counted")}
         fresh = TableState.allocate(replace(self.cfg, ring=RING_CAPACITY, entries=ENTRIES), self.max_experts,
                                     self.device)
         self.st.load(fresh.tensors())
