@@ -205,11 +205,13 @@ def test_the_cache_policy_applies_from_the_next_call(reference):
     path, prompts, expected, _, total = reference
     engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=7, policy="lru")
     first = engine.generate(prompts, max_new_tokens=10, stop_at_eos=False, predictor="none")
+    st = engine.residency.st  # LRFU's history is kept under LRU too: every use but the last step's is folded in
+    last_step = int((st.use_count - st.counted).sum())
+    assert float(st.frequency.sum()) > 0 and 0 < last_step <= len(prompts) * engine.args.num_experts_per_tok * len(engine.residency.layers)
     engine.options = dataclasses.replace(engine.options, policy="lrfu")
     second = engine.generate(prompts, max_new_tokens=10, stop_at_eos=False, predictor="none")
     assert first.sequences == second.sequences == expected
     assert (first.stats.policy, second.stats.policy, engine.residency.cfg.policy) == ("lru", "lrfu", "lrfu")
-    assert float(engine.residency.st.frequency.sum()) > 0  # LRFU's frequencies were kept
 
 
 def test_static_hot_set_from_a_routing_profile(reference):

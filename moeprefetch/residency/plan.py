@@ -395,11 +395,10 @@ def _release_fill(t: _Lists, cfg: ResidencyConfig, j: int) -> None:
 
 
 def age_frequencies(st: TableState, cfg: ResidencyConfig) -> None:
-    """LRFU: fold the uses since the last step start into each key's frequency, after decaying it by one step (torch
-    ops, capturable). Unlike LFU's counts, old popularity fades: on random routing counts that never age keep
-    yesterday's experts and miss today's."""
-    if POLICY_CODES[cfg.policy] != 2:
-        return
+    """LRFU's ranks: fold the uses since the last step start into each key's frequency, after decaying it by one
+    step (torch ops, capturable). Unlike LFU's counts, old popularity fades: on random routing counts that never age
+    keep yesterday's experts and miss today's. Aged under every policy (two element-wise ops per step), so that a
+    switch to LRFU between calls starts from the right history."""
     st.frequency.mul_(0.5 ** (1.0 / cfg.frequency_halflife)).add_(st.use_count - st.counted)
     st.counted.copy_(st.use_count)
 
