@@ -11,10 +11,19 @@
 # two-GPU test and rows (one GPU, then two, at 12 GiB per GPU and 12 GiB split).
 # Usage: STAGE=qwen3|serve|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|distributed \
 #   bash scripts/device_pending.sh OUT_DIR
+# Triton's compile cache travels between calls of a session (a cold cache cost the tests stage its whole 450 s
+# this session): a call restores .devcache/triton_cache.tgz.part* when present (copy the parts that the last call
+# returned there and carry .devcache), and returns the cache in 15 MB parts (files back are 16 MiB at most).
 set -u
 out=$1; shift
 export PYTHONUNBUFFERED=1
-mkdir -p "$out"
+mkdir -p "$out" .devcache
+export TRITON_CACHE_DIR=$PWD/.devcache/triton
+if [ ! -d "$TRITON_CACHE_DIR" ] && ls .devcache/triton_cache.tgz.part* > /dev/null 2>&1; then
+  cat .devcache/triton_cache.tgz.part* | tar xzf - -C .devcache
+fi
+save_cache() { [ -d "$TRITON_CACHE_DIR" ] && tar czf - -C .devcache triton | split -b 15M - "$out/triton_cache.tgz.part"; }
+trap save_cache EXIT
 filter() { grep -v -i warning | grep -E '^\{|bench_gpu|bench_serve|Error|error|passed|failed' | cut -c1-300; }
 case "${STAGE:-tests}" in
   qwen3)
