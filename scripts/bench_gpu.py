@@ -408,6 +408,11 @@ def rss_gib() -> float:
     return float("nan")
 
 
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options that every offloaded engine of a run takes from the command line."""
+    return dict(policy=args.policy, prefetch_lead=args.prefetch_lead)
+
+
 def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], new_tokens: int, *,
             predictor: str = "none", speculative: str | None = None, runs: int = 3,
             lookahead: int | None = None, min_confidence: float = 0.0, batch: int = 1) -> dict[str, Any]:
@@ -660,7 +665,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
     # offloaded: one engine (one store fill), every predictor on the same prompts and budget
     offload_kwargs = dict(common, max_inflight_experts=args.max_inflight, draft_experts=args.draft_experts,
                           spare_recent=args.spare_recent, late_prefetch=args.late_prefetch,
-                          prefetch_lead=args.prefetch_lead, policy=args.policy)
+                          **engine_settings(args))
     if budget is not None:
         offload_kwargs["vram_budget"] = f"{budget}GiB"
     else:
@@ -781,7 +786,7 @@ def bench_decode_compute(name: str, path: Path, args: argparse.Namespace, device
     long = prompts_for(path, None, config["vocab_size"], 2, context, seed=2)
     base = {"workload": name + (f"#{args.variant}" if args.variant else ""), "vram_budget_gib": None,
             "cache_fraction": 1.0}
-    common = dict(device=str(device), dtype=torch.bfloat16, progress=False, max_batch_size=1)
+    common = dict(device=str(device), dtype=torch.bfloat16, progress=False, max_batch_size=1, **engine_settings(args))
 
     wanted = set(args.systems.split(",")) if args.systems else None
 
@@ -907,7 +912,7 @@ def bench_prefill(name: str, path: Path, args: argparse.Namespace, device: torch
     workload = name + (f"#{args.variant}" if args.variant else "")
     peak = link.get("h2d_peak_gbps", float("nan")) * 1e9
     common = dict(device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                  progress=False, max_batch_size=1, max_seq_len=max(lengths) + 8)
+                  progress=False, max_batch_size=1, max_seq_len=max(lengths) + 8, **engine_settings(args))
     if chunks:
         common["prefill_chunk"] = max(chunks)  # memory planned for the largest chunk
     if windows:
@@ -1057,7 +1062,7 @@ def bench_streaming(name: str, path: Path, args: argparse.Namespace, device: tor
     config = json.loads((path / "config.json").read_text())
     prompts = prompts_for(path, None, config["vocab_size"], args.runs, args.prompt_tokens, seed=1)
     common = dict(device=str(device), dtype=torch.bfloat16, max_seq_len=args.max_seq_len, max_batch_size=1,
-                  progress=False)
+                  progress=False, **engine_settings(args))
     base = {"workload": name + (f"#{args.variant}" if args.variant else ""), "batch": 1,
             "prompt_tokens": [len(p) for p in prompts]}
     peak = link.get("h2d_peak_gbps", float("nan"))  # no link on the CPU (a check of the script)

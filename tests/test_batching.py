@@ -11,6 +11,7 @@ from conftest import serve_in_turn
 from moeprefetch import MoEPrefetchEngine
 from moeprefetch.batching import ContinuousBatch
 from moeprefetch.errors import RequestError
+from moeprefetch.residency.state import C
 from moeprefetch.sampling import DeviceSampler, RowSampler, SamplingParams
 
 
@@ -30,6 +31,24 @@ def test_row_sampler_draws_what_each_request_draws_alone():
         alone.set_params(p)
         expected = alone(logits[row : row + 1], p, torch.zeros(1, dtype=torch.long), positions[row : row + 1])
         assert int(got[row]) == int(expected[0]), (row, p)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lrfu"])
+def test_a_batch_that_goes_idle_leaves_a_settled_table(checkpoint_factory, policy):
+    """When the last row leaves, admissions and fills still pending are settled as at a call's end (LFU, and LRFU
+    before this test, left the last step's admission pending: the table is never between calls in a batch)."""
+    path = checkpoint_factory("v3")
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=128, max_batch_size=2,
+                                               expert_cache_slots=6, policy=policy)
+    requests = [([3, 4, 5, 6], 9, SamplingParams()), ([7, 8], 12, SamplingParams(temperature=0.8, seed=11)),
+                ([9, 10, 11], 7, SamplingParams(temperature=1.1, top_k=5, seed=4))]
+    for predictor in ("none", "mtp+next_layer_gate"):
+        batch = ContinuousBatch(engine, predictor)
+        serve_in_turn(batch, requests, range(len(requests)))
+        assert not engine.residency.problems(), (policy, predictor)
+        counters = batch.counters()
+        issued, wasted = (int(counters[:, C[name]].sum()) for name in ("prefetch_issued", "prefetch_wasted"))
+        assert wasted <= issued and (predictor != "none" or issued == 0)
 
 
 @pytest.mark.parametrize("variant,slots,predictor,lookahead", [

@@ -282,6 +282,14 @@ class Residency:
             self.group.all_reduce_(self.leads.counts)
         return self.st.counters.cpu()
 
+    def settle_idle(self) -> None:
+        """A long-running batch has no row left (no call ends there): publish what landed, release unfinished
+        fills and count unused prefetches as wasted, as a call's end does, so an idle engine holds no half-planned
+        entries. One synchronisation; the counters run on."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        finish_call(self.st, self.cfg)
+
     def abort(self) -> None:
         """After an interrupted or failed step: the table may hold half-planned entries, so start cold."""
         if self.device.type == "cuda":
