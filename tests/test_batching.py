@@ -35,8 +35,8 @@ def test_row_sampler_draws_what_each_request_draws_alone():
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "lrfu"])
 def test_a_batch_that_goes_idle_leaves_a_settled_table(checkpoint_factory, policy):
-    """When the last row leaves, admissions and fills still pending are settled as at a call's end (LFU, and LRFU
-    before this test, left the last step's admission pending: the table is never between calls in a batch)."""
+    """When the last row leaves, admissions and fills still pending are settled as at a call's end (a batch never
+    ends a call: before the fix, LFU and LRFU left the last step's admission pending here)."""
     path = checkpoint_factory("v3")
     engine = MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=128, max_batch_size=2,
                                                expert_cache_slots=6, policy=policy)

@@ -207,7 +207,8 @@ def test_the_cache_policy_applies_from_the_next_call(reference):
     first = engine.generate(prompts, max_new_tokens=10, stop_at_eos=False, predictor="none")
     st = engine.residency.st  # LRFU's history is kept under LRU too: every use but the last step's is folded in
     last_step = int((st.use_count - st.counted).sum())
-    assert float(st.frequency.sum()) > 0 and 0 < last_step <= len(prompts) * engine.args.num_experts_per_tok * len(engine.residency.layers)
+    most = len(prompts) * engine.args.num_experts_per_tok * len(engine.residency.layers)
+    assert float(st.frequency.sum()) > 0 and 0 < last_step <= most
     engine.options = dataclasses.replace(engine.options, policy="lrfu")
     second = engine.generate(prompts, max_new_tokens=10, stop_at_eos=False, predictor="none")
     assert first.sequences == second.sequences == expected
