@@ -50,6 +50,7 @@ class EngineOptions:
     device: torch.device
     dtype: torch.dtype
     policy: str
+    lrfu_halflife: float
     predictor: str
     lookahead: int
     prefetch_budget: float
@@ -227,7 +228,8 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
     # a decode step with all-reduces is not captured: capturing NCCL collectives in the step's graph is untested
     graphs = bool(config.cuda_graphs) and not (config.distributed and device.type == "cuda")
     return EngineOptions(
-        device=device, dtype=dtype, policy=config.policy, predictor=predictor, lookahead=config.lookahead,
+        device=device, dtype=dtype, policy=config.policy, lrfu_halflife=float(config.lrfu_halflife),
+        predictor=predictor, lookahead=config.lookahead,
         prefetch_budget=float(config.prefetch_budget), max_inflight_experts=config.max_inflight_experts,
         max_seq_len=seq_len, max_batch_size=config.max_batch_size,
         prefill_chunk=chunk, prefill_window=auto_prefill_window(seq_len, chunk, device, config.prefill_window),

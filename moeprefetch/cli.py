@@ -40,6 +40,8 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vram-budget", default=None, help=EngineConfig.help("vram_budget"))
     parser.add_argument("--all-resident", action="store_true", help="keep every expert in device memory")
     parser.add_argument("--policy", default=defaults.policy, help=EngineConfig.help("policy"))
+    parser.add_argument("--lrfu-halflife", type=float, default=defaults.lrfu_halflife,
+                        help=EngineConfig.help("lrfu_halflife"))
     parser.add_argument("--predictor", default=None,
                         help=f"{', '.join(PREDICTOR_NAMES)}, or a combination such as mtp+next_layer_gate")
     parser.add_argument("--lookahead", type=int, default=None, help=EngineConfig.help("lookahead"))
@@ -188,7 +190,8 @@ def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     if len(sizes) > 1:
         raise MoEPrefetchError(f"{' and '.join(sizes)} contradict each other: each decides the expert cache's size")
     dtype = ns.dtype or ("bfloat16" if ns.device.startswith("cuda") else "float32")
-    kwargs: dict[str, Any] = dict(device=ns.device, dtype=dtype, policy=ns.policy, prefetch_budget=ns.prefetch_budget,
+    kwargs: dict[str, Any] = dict(device=ns.device, dtype=dtype, policy=ns.policy, lrfu_halflife=ns.lrfu_halflife,
+                                  prefetch_budget=ns.prefetch_budget,
                                   draft_experts=ns.draft_experts, spare_recent=ns.spare_recent,
                                   prefetch_lead=ns.prefetch_lead, late_prefetch=ns.late_prefetch, progress=ns.verbose,
                                   distributed=ns.distributed)

@@ -35,7 +35,10 @@ class EngineConfig:
     expert_cache_slots: int | None = _opt(None, "routed-expert slots in device memory")
     expert_cache_fraction: float | None = _opt(None, "expert slots as a share of all routed experts")
     vram_budget: str | int | float | None = _opt(None, "device-memory budget that sizes the cache, e.g. 12GiB")
-    policy: str = _opt("lrfu", "cache policy: lrfu (uses decayed by half every 8 steps), lru, lfu or static")
+    policy: str = _opt("lrfu", "cache policy: lrfu (uses decayed by half every lrfu_halflife steps), lru, lfu or "
+                               "static")
+    lrfu_halflife: float = _opt(8.0, "lrfu: a use counts half after this many steps (decode steps and prefill "
+                                     "chunks)")
     hot_set: Sequence[tuple[int, int]] | None = _opt(None, "the static policy's pinned (layer, expert) pairs")
     # prediction and prefetching (defaults that generate() may override per call)
     predictor: str | None = _opt(None, "prefetch predictor (default mtp+next_layer_gate, or next_layer_gate "
@@ -108,6 +111,9 @@ class EngineConfig:
             raise RequestError(f"late_prefetch must be one of {', '.join(LATE_PREFETCH)}, got {self.late_prefetch!r}")
         if self.policy not in POLICIES:
             raise RequestError(f"unknown cache policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        halflife = self.lrfu_halflife
+        if not isinstance(halflife, (int, float)) or isinstance(halflife, bool) or not 0 < halflife <= 1e6:
+            raise RequestError(f"lrfu_halflife must be a number of steps above 0 and at most 1e6, got {halflife!r}")
         if self.expert_dtype not in EXPERT_DTYPES:
             raise RequestError(f"expert_dtype must be one of {', '.join(EXPERT_DTYPES)}, got {self.expert_dtype!r}")
         for name in ("max_batch_size", "stream_ahead", "lookahead"):

@@ -328,7 +328,7 @@ def configure_residency(engine: "MoEPrefetchEngine", spec: PredictorSpec, rows: 
     engine.residency.configure(ring=spec.ring, budget_per_target=budget, max_inflight=inflight,
                                min_confidence=min_confidence, spare_recent=spare,
                                wait_late=options.late_prefetch == "wait", prefetch_lead=options.prefetch_lead,
-                               policy=options.policy)
+                               policy=options.policy, frequency_halflife=options.lrfu_halflife)
 
 
 def step_shape(engine: "MoEPrefetchEngine", batch: int, spec: PredictorSpec, mode: str, uses_mtp: bool,

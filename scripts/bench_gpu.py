@@ -410,7 +410,7 @@ def rss_gib() -> float:
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options that every offloaded engine of a run takes from the command line."""
-    return dict(policy=args.policy, prefetch_lead=args.prefetch_lead)
+    return dict(policy=args.policy, lrfu_halflife=args.lrfu_halflife, prefetch_lead=args.prefetch_lead)
 
 
 def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], new_tokens: int, *,
@@ -442,6 +442,7 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
         "lookahead": lookahead or engine.options.lookahead,
         "prefetch_lead": engine.options.prefetch_lead,
         "policy": engine.options.policy,
+        "lrfu_halflife": engine.options.lrfu_halflife,
         "min_confidence": min_confidence,
         "speculative": speculative,
         "expert_dtype": engine.options.expert_dtype,
@@ -1205,6 +1206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lead-rows", default="", help="also run every predictor's row at these prefetch leads "
                         "('~leadN' rows, comma list)")
     parser.add_argument("--policy", choices=POLICIES, default=EngineConfig.policy, help="engine option policy")
+    parser.add_argument("--lrfu-halflife", type=float, default=EngineConfig.lrfu_halflife,
+                        help="engine option lrfu_halflife (steps)")
     parser.add_argument("--policy-rows", default="", help="also run every row, reactive too, with these cache "
                         "policies ('~POLICY' rows, comma list)")
     parser.add_argument("--late-prefetch", choices=LATE_PREFETCH, default=EngineConfig.late_prefetch,

@@ -9,6 +9,8 @@ generations (prefill included, misses counted from the first decode token).
     python scripts/prefetch_bytes.py --model reference --slots 40 --leads 0,1,2,4,8
     python scripts/prefetch_bytes.py --model deep --slots 200 --predictors oracle,next_layer_gate --new-tokens 64
     python scripts/prefetch_bytes.py --model reference --leads 0 --policies lru,lrfu,lfu --predictors none,mtp@0.05
+    python scripts/prefetch_bytes.py --model deep --slots 200 --new-tokens 64 --prompts 4 --leads 0 \
+        --policies lrfu:2,lrfu:4,lrfu:8,lrfu:16 --predictors none
 
 `--model reference` is the embedded trained model with the held-out prompts; `--model deep` builds a random
 26-MoE-layer DeepSeek-V2-style checkpoint (64 experts, top-6; random prompts), the depth of V2-Lite; any other value
@@ -34,6 +36,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from moeprefetch import MoEPrefetchEngine  # noqa: E402
 from moeprefetch.analysis import belady_misses, record_routing  # noqa: E402
+from moeprefetch.options import EngineConfig  # noqa: E402
 
 logger = logging.getLogger("prefetch_bytes")
 
@@ -85,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--leads", default="0,1,2,4,8", help="prefetch leads in MoE layers (0: no limit)")
     parser.add_argument("--predictors", default="none,oracle,next_layer_gate,mtp,mtp+next_layer_gate",
                         help="comma list; NAME@CUT for a confidence cut (min_confidence)")
-    parser.add_argument("--policies", default="lru", help="cache policies (comma list of lru, lrfu, lfu)")
+    parser.add_argument("--policies", default="lru", help="cache policies (comma list of lru, lrfu, lfu; "
+                        "lrfu:H for a half-life of H steps)")
     parser.add_argument("--out", type=Path, default=None, help="append the rows to this JSON file")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -99,17 +103,20 @@ def main(argv: list[str] | None = None) -> int:
                 "prompts": len(prompts), "new_tokens": args.new_tokens, "routing_history": "cold per prompt"}
         rows = [{**base, "system": "belady", "experts_per_token": belady}]
         logger.info("%s, %d slots: Belady %.2f experts/token", args.model, engine.residency.n_slots, belady)
-        for policy in args.policies.split(","):
+        for spec in args.policies.split(","):
+            policy, _, halflife = spec.partition(":")
+            halflife = float(halflife) if halflife else EngineConfig.lrfu_halflife
             for system in args.predictors.split(","):
                 predictor, _, cut = system.partition("@")
                 if predictor.startswith("mtp") and not engine.has_mtp:
                     continue
                 for lead in [0] if predictor == "none" else [int(v) for v in args.leads.split(",")]:
-                    engine.options = dataclasses.replace(engine.options, prefetch_lead=lead, policy=policy)
-                    row = {**base, "policy": policy, "system": system, "prefetch_lead": lead,
+                    engine.options = dataclasses.replace(engine.options, prefetch_lead=lead, policy=policy,
+                                                         lrfu_halflife=halflife)
+                    row = {**base, "policy": policy, "lrfu_halflife": halflife, "system": system, "prefetch_lead": lead,
                            **measure(engine, prompts, args.new_tokens, predictor, float(cut or 0.0))}
                     rows.append(row)
-                    logger.info("%s (%s) lead %d: %.2f experts/token, %.2f misses/token", system, policy, lead,
+                    logger.info("%s (%s) lead %d: %.2f experts/token, %.2f misses/token", system, spec, lead,
                                 row["experts_per_token"], row["misses_per_token"])
         engine.close()
     if args.out is not None:

@@ -80,6 +80,9 @@ def test_bad_request_then_the_same_engine_serves(engine, expected, kwargs, messa
         (dict(spare_recent=-1), RequestError, "spare_recent must be an integer from 0 to 64"),
         (dict(prefetch_lead=-1), RequestError, "prefetch_lead must be an integer from 0 to 4096"),
         (dict(prefetch_lead=2.5), RequestError, "prefetch_lead must be an integer from 0 to 4096"),
+        (dict(lrfu_halflife=0), RequestError, "lrfu_halflife must be a number of steps above 0 and at most 1e6"),
+        (dict(lrfu_halflife=float("nan")), RequestError, "lrfu_halflife must be a number of steps above 0"),
+        (dict(lrfu_halflife="8"), RequestError, "lrfu_halflife must be a number of steps above 0"),
         (dict(cache_slots=3), RequestError, "unknown engine option 'cache_slots'; the options are: device"),
     ],
 )
@@ -126,6 +129,8 @@ def test_cli_bad_arguments_exit_without_traceback(checkpoint_factory, capsys):
         (["generate", path, "--prompt-ids", "1,2", "--stats-json", "/no/such/dir/s.json"], "cannot be written"),
         (["generate", path, "--prompt-ids", "1,2", "--min-confidence", "2"], "min_confidence must be a number"),
         (["generate", path, "--prompt-ids", "1,2", "--max-batch-size", "0"], "max_batch_size must be a positive"),
+        (["generate", path, "--prompt-ids", "1,2", "--lrfu-halflife", "0"], "lrfu_halflife must be a number of steps"),
+        (["generate", path, "--prompt-ids", "1,2", "--policy", "mru"], "unknown cache policy 'mru'"),
     ]:
         assert main(argv) == 2
         captured = capsys.readouterr()

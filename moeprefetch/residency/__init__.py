@@ -148,11 +148,13 @@ class Residency:
     # ---- configuration ----------------------------------------------------------------------------------------
     def configure(self, ring: int = 2, budget_per_target: int | None = None, max_inflight: int | None = None,
                   min_confidence: float = 0.0, spare_recent: int | None = None, wait_late: bool = False,
-                  prefetch_lead: int = 0, policy: str | None = None) -> None:
+                  prefetch_lead: int = 0, policy: str | None = None,
+                  frequency_halflife: float | None = None) -> None:
         """Per-call prefetch settings: prediction ring depth, fills per target, fills in flight, confidence cut, the
         steps of recent experts that prefetches spare (0 for the oracle: Belady's victims know better), how many
-        MoE positions ahead a fill may be reserved (0: the whole prediction window) and the cache policy (default:
-        the engine's; the routing history LFU and LRFU rank by is kept whatever the policy).
+        MoE positions ahead a fill may be reserved (0: the whole prediction window), and the cache policy and LRFU's
+        half-life in steps (default: the engine's; the routing history LFU and LRFU rank by is kept whatever the
+        policy).
         Each setting gets its own launchers (captured graphs keep theirs); the table tensors never move."""
         budget = budget_per_target if budget_per_target is not None else self.base_cfg.budget_per_target
         inflight = min(max_inflight if max_inflight is not None else self.base_cfg.max_inflight, ENTRIES // 2)
@@ -160,7 +162,8 @@ class Residency:
                            max_inflight=inflight, min_confidence=float(min_confidence), entries=ENTRIES,
                            spare_recent=self.base_cfg.spare_recent if spare_recent is None else spare_recent,
                            wait_late=bool(wait_late), prefetch_lead=int(prefetch_lead),
-                           policy=policy or self.base_cfg.policy)
+                           policy=policy or self.base_cfg.policy,
+                           frequency_halflife=float(frequency_halflife or self.base_cfg.frequency_halflife))
         if self.cfg not in self._launchers:
             self._launchers[self.cfg] = (
                 Planner(self.st, self.cfg, self.top_k, self.max_rows, self.max_rows, self.use_kernels),
