@@ -130,6 +130,7 @@ class Stats:
     predictor: str = "none"
     lookahead: int = 1
     policy: str = "lru"
+    lrfu_halflife: float = 8.0
     cache_slots: int = 0
     expert_bytes: int = 0
     mtp_drafts_checked: int = 0
@@ -195,6 +196,7 @@ class Stats:
                 "predictor": self.predictor,
                 "lookahead": self.lookahead,
                 "policy": self.policy,
+                "lrfu_halflife": self.lrfu_halflife,
                 "cache_slots": self.cache_slots,
                 "expert_bytes": self.expert_bytes,
                 "speculative": self.speculative,
@@ -236,7 +238,7 @@ def merge_stats(runs: list[Stats]) -> Stats:
     """Several calls of one configuration as one: counters summed per layer, times and tokens summed (so the
     rates are totals over totals)."""
     merged = Stats(**{k: getattr(runs[0], k) for k in ("main_layers", "speculative", "predictor", "lookahead",
-                                                         "policy", "cache_slots", "expert_bytes")})
+                                                         "policy", "lrfu_halflife", "cache_slots", "expert_bytes")})
     leads = max((len(run.lead_counts) for run in runs), default=0)
     merged.lead_counts = [tuple(sum(run.lead_counts[i][j] for run in runs if i < len(run.lead_counts))
                                 for j in range(3)) for i in range(leads)]

@@ -272,7 +272,8 @@ def _load(reader: CheckpointReader, args: ModelArgs, options: EngineOptions, pla
         store.fill(pack, progress)
     residency = Residency(fmt, expert_layers, len(args.moe_layers), n_experts, args.num_experts_per_tok,
                           plan.expert_slots, dev, args.hidden_act, store, max_rows=2 * options.max_batch_size,
-                          policy=policy, hot_set=hot, stage_rows=staging_rows, placement=placement, group=group)
+                          policy=policy, frequency_halflife=options.lrfu_halflife, hot_set=hot, stage_rows=staging_rows,
+                          placement=placement, group=group)
     if store is None:
         residency.preload(pack, progress)
     return weights, streamer, residency

@@ -227,7 +227,7 @@ class MoEPrefetchEngine:
         b, t = ids.shape
         positions = torch.arange(t, device=self.device).expand(b, t)
         res = self.residency
-        res.configure()
+        res.configure(policy=self.options.policy, frequency_halflife=self.options.lrfu_halflife)
         res.begin_call()
         self._active = True
         try:

@@ -133,6 +133,7 @@ def write_report(results: Path, out: Path | None = None) -> Path:
         raise ReportError(f"{results} holds no successful sweep points")
     out.mkdir(parents=True, exist_ok=True)
     conditions = _conditions(ok)
+    ok = _mark_varying_policy(ok)
     text = [f"# Sweep report: `{results.name}`", "", f"Conditions: {conditions}.", ""]
     text += _summary_section(ok)
     text += _figures(ok, out, conditions)
@@ -147,11 +148,12 @@ def write_report(results: Path, out: Path | None = None) -> Path:
 
 
 def _summary_section(rows: list[dict[str, Any]]) -> list[str]:
-    columns = ["predictor", "lookahead", "min_confidence", "policy", "cache_slots", "cache_fraction",
+    columns = ["predictor", "lookahead", "min_confidence", "policy", "lrfu_halflife", "cache_slots", "cache_fraction",
                "decode_hit_rate", "prediction_recall_main_layers", "prediction_precision_main_layers",
                "misses_per_token", "mb_per_token", "prefetch_waste", "decode_tokens_per_s"]
     table_rows = sorted((_derived(r) for r in rows),
-                        key=lambda r: (r["cache_slots"], r["predictor"], r["lookahead"], r.get("min_confidence") or 0))
+                        key=lambda r: (r["cache_slots"], r["predictor"], r["lookahead"], r.get("min_confidence") or 0,
+                                       str(r.get("policy")), r.get("lrfu_halflife") or 0))
     return ["## All points", "", markdown_table(table_rows, columns, {
         "hit_rate": ".1%", "decode_hit_rate": ".1%", "prediction_recall": ".1%", "prediction_precision": ".1%",
         "cache_fraction": ".0%", "prediction_recall_main_layers": ".1%", "prediction_precision_main_layers": ".1%",
@@ -173,10 +175,23 @@ def _derived(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _mark_varying_policy(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A sweep over cache policies (or LRFU half-lives) labels its series by them; otherwise their points would be
+    averaged into one line."""
+    varies = {"_label_policy": len({r.get("policy") for r in rows}) > 1,
+              "_label_halflife": len({r.get("lrfu_halflife") for r in rows if r.get("policy") == "lrfu"}) > 1}
+    return [{**r, **varies} for r in rows] if any(varies.values()) else rows
+
+
 def _label(row: dict[str, Any]) -> str:
-    """predictor, with its lookahead and confidence cut when they are not the defaults."""
+    """predictor, with its lookahead and confidence cut when they are not the defaults, and the cache policy (with
+    LRFU's half-life) when the sweep varies it."""
     label = row["predictor"] + (f" (la {row['lookahead']})" if row.get("lookahead", 1) != 1 else "")
-    return label + (f" @{row['min_confidence']:g}" if row.get("min_confidence") else "")
+    label += f" @{row['min_confidence']:g}" if row.get("min_confidence") else ""
+    if row.get("_label_policy") or row.get("_label_halflife"):
+        halflife = f" {row.get('lrfu_halflife'):g}" if row.get("_label_halflife") and row["policy"] == "lrfu" else ""
+        label += f" [{row['policy']}{halflife}]"
+    return label
 
 
 def _series(rows: Iterable[dict[str, Any]], key: str) -> dict[str, list[tuple[float, float]]]:

@@ -101,6 +101,7 @@ class Session:
         self.texts = [TextStream(engine.tokenizer) for _ in range(self.batch)] \
             if engine.tokenizer and want_text else None
         self.stats = Stats(predictor=self.spec.name, lookahead=self.spec.lookahead, policy=engine.options.policy,
+                           lrfu_halflife=engine.options.lrfu_halflife,
                            cache_slots=self.res.n_slots, expert_bytes=self.res.expert_bytes,
                            speculative=self.speculative, sequences=self.batch,
                            prompt_tokens=sum(len(p) for p in request.prompts),

@@ -6,7 +6,7 @@
 # Triton cache this session, when it still ran the sm_90 compile checks); STAGE=batches / offloaded_batches: issue
 # 14's batch rows, every expert resident / at 12 GiB; STAGE=cuts: issue 13's ref17 rows at the confidence cuts that
 # keep prefetch waste under 20 % on the CPU; STAGE=leads / leads_v2lite: issue 13's rows at prefetch leads of 1, 2, 4
-# (the default) MoE layers and no limit (ref17; V2-Lite at 12 GiB); STAGE=policies: issue 13's LRU / LRFU / LFU
+# MoE layers and no limit (ref17; V2-Lite at 12 GiB; ran in the ninth session, which made no limit the default); STAGE=policies: issue 13's LRU / LRFU / LFU
 # rows (ref17, V2-Lite) and the GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's
 # two-GPU test and rows (one GPU, then two, at 12 GiB per GPU and 12 GiB split).
 # Usage: STAGE=qwen3|serve|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|distributed \
@@ -51,13 +51,14 @@ case "${STAGE:-tests}" in
       "$@" 2>&1 | filter ;;
   leads)
     # issue 13: when fills are reserved (prefetch_lead), on ref17's learned routing: reactive, the oracle and the
-    # MTP predictors at the cuts that keep waste under 20 % (CPU), at the default lead (4) and at 1, 2 and no limit
+    # MTP predictors at the cuts that keep waste under 20 % (CPU), at a lead of 4 (the plain rows) and 1, 2, no limit
     timeout 560 python3 scripts/bench_gpu.py --out "$out/bench_leads.json" --workloads ref17 --min-confidence 0.05,0.2 \
-      --systems all_resident,none,oracle,mtp@0.05,mtp+next_layer_gate@0.2,mtp+next_layer_gate --lead-rows 1,2,0 \
+      --systems all_resident,none,oracle,mtp@0.05,mtp+next_layer_gate@0.2,mtp+next_layer_gate --prefetch-lead 4 \
+      --lead-rows 1,2,0 \
       "$@" 2>&1 | filter ;;
   leads_v2lite)
     timeout 560 python3 scripts/bench_gpu.py --out "$out/bench_leads_v2lite.json" --workloads v2lite \
-      --systems all_resident,none,oracle,next_layer_gate --lead-rows 1,0 --runs 2 "$@" 2>&1 | filter ;;
+      --systems all_resident,none,oracle,next_layer_gate --prefetch-lead 4 --lead-rows 1,0 --runs 2 "$@" 2>&1 | filter ;;
   policies)
     # issue 13: LRU against LRFU (and LFU) on ref17's learned routing and V2-Lite's random routing; every row checks
     # its tokens against all-resident; then the GPU token test across cache sizes and policies

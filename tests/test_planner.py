@@ -178,7 +178,7 @@ def test_the_prefill_window_shrinks_to_the_largest_that_streams_least(monkeypatc
         return plan_engine_memory
 
     options = build.EngineOptions(
-        device=torch.device("cpu"), dtype=torch.float32, policy="lru", predictor="none", lookahead=1,
+        device=torch.device("cpu"), dtype=torch.float32, policy="lru", lrfu_halflife=8.0, predictor="none", lookahead=1,
         prefetch_budget=1.0, max_inflight_experts=None, max_seq_len=8192, max_batch_size=1, prefill_chunk=1024,
         prefill_window=8192, expert_dtype="model", min_confidence=0.0, spare_recent=1, prefetch_lead=4,
         draft_experts="cached",

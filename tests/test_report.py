@@ -77,3 +77,19 @@ def test_a_sweep_with_chained_leads_draws_recall_against_lead(tmp_path):
     plain.mkdir()
     (plain / "results.jsonl").write_text(json.dumps(sweep_row("mtp", 10, 0.5)) + "\n")
     assert "Recall by lead" not in write_report(plain / "results.jsonl").read_text()
+
+
+def test_a_sweep_over_policies_keeps_one_series_per_policy_and_half_life(tmp_path):
+    from moeprefetch.report import _mark_varying_policy, _series
+
+    rows = [{**sweep_row("mtp", slots, hit), "policy": policy, "lrfu_halflife": halflife}
+            for slots in (10, 20) for policy, halflife, hit in (("lru", 8.0, 0.5), ("lrfu", 4.0, 0.6),
+                                                                 ("lrfu", 8.0, 0.7))]
+    series = _series(_mark_varying_policy(rows), "decode_hit_rate")
+    assert series == {"mtp [lru]": [(0.25, 0.5), (0.5, 0.5)], "mtp [lrfu 4]": [(0.25, 0.6), (0.5, 0.6)],
+                      "mtp [lrfu 8]": [(0.25, 0.7), (0.5, 0.7)]}
+    assert set(_series(_mark_varying_policy(rows[:1] + rows[3:4]), "decode_hit_rate")) == {"mtp"}  # one policy
+    results = tmp_path / "results.jsonl"
+    results.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    report = write_report(results).read_text()
+    assert sum(line.startswith("| mtp |") for line in report.splitlines()) == 6

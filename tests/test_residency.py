@@ -115,6 +115,19 @@ def test_lrfu_frequencies_decay_by_half_every_halflife_steps():
     assert held == ranked
 
 
+def test_lrfu_ranks_stay_in_order_for_huge_frequencies():
+    """A long half-life lets a hot expert's frequency grow past 8192, where (frequency x 1024) << 40 would overflow
+    int64 and sort it before free slots; the rank is capped instead (free slots first, the cold expert next)."""
+    t = Table(slots=4, policy="lrfu", frequency_halflife=1e6)
+    t.start()
+    t.plan(0, [[0, 1]])
+    t.start()
+    t.st.frequency[0], t.st.frequency[1] = 9000.0, 0.5  # 9000 x 2^10 x 2^40 > 2^63: past the int64 sign bit
+    t.start()
+    order = t.st.victims.tolist()
+    assert [int(t.st.key_of[s]) for s in order] == [-1, -1, 1, 0]
+
+
 @pytest.mark.parametrize("policy,first_victim", [("lfu", 1), ("lrfu", 0)])
 def test_lrfu_forgets_old_popularity_that_lfu_keeps(policy, first_victim):
     """Expert 0 was used in steps 1-6, expert 1 in steps 9-10 (expert 2 throughout): LFU evicts the recent expert 1

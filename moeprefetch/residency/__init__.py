@@ -74,6 +74,7 @@ class Residency:
         store: HostExpertStore | None,
         max_rows: int,
         policy: str = "lru",
+        frequency_halflife: float = 8.0,
         hot_set: list[tuple[int, int]] | None = None,
         use_kernels: bool | None = None,
         stage_rows: int | None = None,
@@ -101,7 +102,7 @@ class Residency:
         self.max_experts = max(self.max_rows * top_k, n_experts)
         self.base_cfg = ResidencyConfig(
             positions=len(self.layers), main_positions=main_layers, n_experts=n_experts, n_slots=n_slots,
-            record_bytes=fmt.record_bytes, policy=policy)
+            record_bytes=fmt.record_bytes, policy=policy, frequency_halflife=float(frequency_halflife))
         self.cfg = self.base_cfg
         self.st = TableState.allocate(replace(self.base_cfg, ring=RING_CAPACITY, entries=ENTRIES), self.max_experts,
                                       device)
@@ -360,7 +361,10 @@ class Residency:
     def reset(self, forget_routing: bool = False) -> None:
         """Forget every cached expert (cold cache); all-resident tables never change. The routing history (use
         counts, LRFU frequencies) is kept unless `forget_routing`."""
-        if self.preloaded:
+        if self.preloaded:  # all resident: only the routing history can be forgotten
+            if forget_routing:
+                for name in ("use_count", "frequency", "counted"):
+                    getattr(self.st, name).zero_()
             return
         pinned = self.st.pinned.clone()
         history = {} if forget_routing else {

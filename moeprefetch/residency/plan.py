@@ -404,10 +404,10 @@ def age_frequencies(st: TableState, cfg: ResidencyConfig) -> None:
 
 
 def victim_order(st: TableState, cfg: ResidencyConfig, next_use: torch.Tensor | None = None) -> torch.Tensor:
-    """Slots in eviction order (torch ops, so the same code runs captured on the GPU): free slots first, then LRU or
-    LFU order, or, when the future is known (`next_use` [steps, keys]: the decode step of each key's next need, from
-    an oracle trace), Belady's order: the expert needed farthest in the future first. Filling slots and the static
-    hot set come last (they are also skipped when popped)."""
+    """Slots in eviction order (torch ops, so the same code runs captured on the GPU): free slots first, then LRU,
+    LFU or LRFU order, or, when the future is known (`next_use` [steps, keys]: the decode step of each key's next
+    need, from an oracle trace), Belady's order: the expert needed farthest in the future first. Filling slots and
+    the static hot set come last (they are also skipped when popped)."""
     last = st.last_use.clamp(min=-1) + 1  # 0 .. < 2^40
     held = st.key_of.clamp(min=0).long()
     if next_use is not None:
@@ -415,8 +415,8 @@ def victim_order(st: TableState, cfg: ResidencyConfig, next_use: torch.Tensor | 
         order_key = -next_use.index_select(0, step)[0][held]  # never needed again: farthest of all
     elif POLICY_CODES[cfg.policy] == 1:
         order_key = st.use_count[held].long() * (1 << 40) + last
-    elif POLICY_CODES[cfg.policy] == 2:  # frequency in steps of 1/1024, ties by recency
-        order_key = (st.frequency[held] * 1024).long() * (1 << 40) + last
+    elif POLICY_CODES[cfg.policy] == 2:  # frequency in steps of 1/1024 up to 512 (< FAR), ties by recency
+        order_key = (st.frequency[held] * 1024).long().clamp(max=(1 << 19) - 1) * (1 << 40) + last
     else:
         order_key = last
     order_key = torch.where(st.slot_state == FREE, torch.full_like(order_key, -FAR), order_key)
