@@ -1216,6 +1216,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expert-dtypes", default="", help="also run offloaded rows with these expert formats, "
                         "e.g. fp8,int8")
     args = parser.parse_args(argv)
+    if unknown := [p for p in args.policy_rows.split(",") if p and p not in POLICIES]:
+        parser.error(f"--policy-rows: unknown policies {unknown}; choose from {', '.join(POLICIES)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     device = torch.device(args.device)
     torch.manual_seed(0)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from moeprefetch import MoEPrefetchEngine  # noqa: E402
 from moeprefetch.analysis import belady_misses, record_routing  # noqa: E402
-from moeprefetch.options import EngineConfig  # noqa: E402
+from moeprefetch.options import POLICIES, EngineConfig  # noqa: E402
 
 logger = logging.getLogger("prefetch_bytes")
 
@@ -88,10 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--leads", default="0,1,2,4,8", help="prefetch leads in MoE layers (0: no limit)")
     parser.add_argument("--predictors", default="none,oracle,next_layer_gate,mtp,mtp+next_layer_gate",
                         help="comma list; NAME@CUT for a confidence cut (min_confidence)")
-    parser.add_argument("--policies", default="lru", help="cache policies (comma list of lru, lrfu, lfu; "
+    parser.add_argument("--policies", default="lrfu", help="cache policies (comma list of lru, lrfu, lfu; "
                         "lrfu:H for a half-life of H steps)")
     parser.add_argument("--out", type=Path, default=None, help="append the rows to this JSON file")
     args = parser.parse_args(argv)
+    unknown = [s for s in args.policies.split(",") if s.partition(":")[0] not in POLICIES]
+    if unknown:
+        parser.error(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with tempfile.TemporaryDirectory() as tmp:
         path, prompts = model_and_prompts(args.model, args.prompts, Path(tmp))
