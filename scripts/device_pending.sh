@@ -36,13 +36,15 @@ case "${STAGE:-tests}" in
       --systems all_resident,none,mtp,mtp_la2,mtp_la3,mtp+next_layer_gate,mtp+next_layer_gate_la2,mtp+next_layer_gate_la3 \
       "$@" 2>&1 | filter ;;
   tests)
-    # the expert kernel's tiles (weights first), the fused GQA decode attention and the plan kernel's blocked
-    # reservation, on the device; then the engine's tokens across cache sizes, syncs, continuous batching
-    # (not the sm_90 compile checks: they need no GPU, run in CI, and take minutes of the device's CPU)
-    timeout 200 python3 -m pytest tests/test_kernels.py tests/test_layer_ops.py -q -p no:cacheprovider --tb=short \
-      -k "not compile_for_hopper and not does_not_spill" "$@" 2>&1 | tail -8
-    timeout 250 python3 -m pytest tests/test_gpu.py -k "continuous or synchronises or cache_sizes" -q \
-      -p no:cacheprovider --tb=short --durations=4 "$@" 2>&1 | tail -12 ;;
+    # the engine's tokens across cache sizes and policies, syncs, continuous batching first (with a cold Triton
+    # cache, the ninth session's call ran out of time in the kernel tests and never reached them); then the expert
+    # kernel's tiles, the fused GQA decode attention and the plan kernel's blocked reservation. Not the sm_90 compile
+    # checks: they need no GPU, run in CI, and take minutes of the device's CPU. pytest's own output, not a tail: a
+    # killed pipeline prints nothing.
+    timeout 300 python3 -m pytest tests/test_gpu.py -k "continuous or synchronises or cache_sizes" -q \
+      -p no:cacheprovider --tb=short --durations=4 "$@" 2>&1 | grep -v -i warning
+    timeout 240 python3 -m pytest tests/test_kernels.py tests/test_layer_ops.py -q -p no:cacheprovider --tb=short \
+      -k "not compile_for_hopper and not does_not_spill" "$@" 2>&1 | grep -v -i warning ;;
   cuts)
     # issue 13: ref17 at 25 % cached with the confidence cuts that hold prefetch waste under 20 % in the CPU counts
     # (BENCHMARKS "Recall and waste together"), beside reactive, the uncut predictors and the oracle
