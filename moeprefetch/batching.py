@@ -123,7 +123,7 @@ class ContinuousBatch:
     def release(self, row: int) -> None:
         self.state[row] = None
         if not any(self.state):  # the batch is idle: settle the table as a call's end would
-            self.engine.residency.settle_idle()
+            self.engine.residency.settle()
 
     # ---- decoding ---------------------------------------------------------------------------------------------------
     def step(self) -> dict[int, int]:

@@ -26,7 +26,7 @@ import logging
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -79,6 +79,17 @@ def measure(engine: MoEPrefetchEngine, prompts: list[list[int]], new_tokens: int
             "prefetch_waste": wasted / issued if issued else None, "decode_tokens": tokens}
 
 
+def points(args: argparse.Namespace, has_mtp: bool) -> Iterator[tuple[str, float, str, int]]:
+    """(policy, LRFU half-life, predictor[@cut], lead) of every row asked for; reactive rows at lead 0 only."""
+    for spec in args.policies.split(","):
+        policy, _, halflife = spec.partition(":")
+        for system in args.predictors.split(","):
+            if system.startswith("mtp") and not has_mtp:
+                continue
+            for lead in [0] if system == "none" else [int(v) for v in args.leads.split(",")]:
+                yield policy, float(halflife) if halflife else EngineConfig.lrfu_halflife, system, lead
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="reference", help="reference, deep, or a checkpoint path")
@@ -106,21 +117,15 @@ def main(argv: list[str] | None = None) -> int:
                 "prompts": len(prompts), "new_tokens": args.new_tokens, "routing_history": "cold per prompt"}
         rows = [{**base, "system": "belady", "experts_per_token": belady}]
         logger.info("%s, %d slots: Belady %.2f experts/token", args.model, engine.residency.n_slots, belady)
-        for spec in args.policies.split(","):
-            policy, _, halflife = spec.partition(":")
-            halflife = float(halflife) if halflife else EngineConfig.lrfu_halflife
-            for system in args.predictors.split(","):
-                predictor, _, cut = system.partition("@")
-                if predictor.startswith("mtp") and not engine.has_mtp:
-                    continue
-                for lead in [0] if predictor == "none" else [int(v) for v in args.leads.split(",")]:
-                    engine.options = dataclasses.replace(engine.options, prefetch_lead=lead, policy=policy,
-                                                         lrfu_halflife=halflife)
-                    row = {**base, "policy": policy, "lrfu_halflife": halflife, "system": system, "prefetch_lead": lead,
-                           **measure(engine, prompts, args.new_tokens, predictor, float(cut or 0.0))}
-                    rows.append(row)
-                    logger.info("%s (%s) lead %d: %.2f experts/token, %.2f misses/token", system, spec, lead,
-                                row["experts_per_token"], row["misses_per_token"])
+        for policy, halflife, system, lead in points(args, engine.has_mtp):
+            predictor, _, cut = system.partition("@")
+            engine.options = dataclasses.replace(engine.options, prefetch_lead=lead, policy=policy,
+                                                 lrfu_halflife=halflife)
+            row = {**base, "policy": policy, "lrfu_halflife": halflife, "system": system, "prefetch_lead": lead,
+                   **measure(engine, prompts, args.new_tokens, predictor, float(cut or 0.0))}
+            rows.append(row)
+            logger.info("%s (%s, half-life %g) lead %d: %.2f experts/token, %.2f misses/token", system, policy,
+                        halflife, lead, row["experts_per_token"], row["misses_per_token"])
         engine.close()
     if args.out is not None:
         report = json.loads(args.out.read_text()) if args.out.is_file() else {"rows": []}

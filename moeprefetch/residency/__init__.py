@@ -37,7 +37,8 @@ from ..predictors import LeadTracker
 from ..transfer import SideStream, TransferEngine
 from .plan import finish_call, next_use_table, victim_order
 from .prefill import PrefillExperts
-from .state import C, COUNTERS, E_ACTIVE, E_FREE, FILLING, NO_ENTRY, RESIDENT, ResidencyConfig, TableState
+from .state import (C, COUNTERS, E_ACTIVE, E_FREE, FILLING, NO_ENTRY, RESIDENT, ROUTING_HISTORY, ResidencyConfig,
+                    TableState)
 
 if TYPE_CHECKING:
     from ..distributed import ProcessGroup
@@ -277,28 +278,24 @@ class Residency:
 
     def end_call(self) -> torch.Tensor:
         """After the call's last step (streams idle): settle fills and unused prefetches; the counters, on the host."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        finish_call(self.st, self.cfg)
+        self.settle()
         self._collect_staging_stall()
         if self.group is not None:  # the call's statistics are every rank's together
             self.group.all_reduce_(self.st.counters)
             self.group.all_reduce_(self.leads.counts)
         return self.st.counters.cpu()
 
-    def settle_idle(self) -> None:
-        """A long-running batch has no row left (no call ends there): publish what landed, release unfinished
-        fills and count unused prefetches as wasted, as a call's end does, so an idle engine holds no half-planned
-        entries. One synchronisation; the counters run on."""
+    def settle(self) -> None:
+        """Streams idle: publish what landed, release unfinished fills and count unused prefetches as wasted, so the
+        table holds no half-planned entries; one synchronisation, the counters run on. Every call's end does it, and
+        a long-running batch when its last row leaves (no call ends there)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         finish_call(self.st, self.cfg)
 
     def abort(self) -> None:
         """After an interrupted or failed step: the table may hold half-planned entries, so start cold."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        finish_call(self.st, self.cfg)
+        self.settle()
         self._collect_staging_stall()
         self.reset()
 
@@ -363,12 +360,11 @@ class Residency:
         counts, LRFU frequencies) is kept unless `forget_routing`."""
         if self.preloaded:  # all resident: only the routing history can be forgotten
             if forget_routing:
-                for name in ("use_count", "frequency", "counted"):
+                for name in ROUTING_HISTORY:
                     getattr(self.st, name).zero_()
             return
         pinned = self.st.pinned.clone()
-        history = {} if forget_routing else {
-            name: getattr(self.st, name).clone() for name in ("use_count", "frequency", "counted")}
+        history = {} if forget_routing else {name: getattr(self.st, name).clone() for name in ROUTING_HISTORY}
         fresh = TableState.allocate(replace(self.cfg, ring=RING_CAPACITY, entries=ENTRIES), self.max_experts,
                                     self.device)
         self.st.load(fresh.tensors())

@@ -27,6 +27,7 @@ FAR = 1 << 60  # "never" as a clock
 # static = LRU outside the pinned hot set; lrfu = least recently/frequently used: uses counted with a decay per step
 POLICY_CODES = {"lru": 0, "lfu": 1, "static": 0, "lrfu": 2}
 POLICIES = tuple(POLICY_CODES)
+ROUTING_HISTORY = ("use_count", "frequency", "counted")  # what LFU and LRFU rank by; no cache content
 
 # per-position counters, one row per MoE position
 COUNTERS = (
