@@ -123,7 +123,8 @@ HOST_CANDIDATES = (  # reads over PCIe want many loads in flight: narrower tiles
 )
 
 
-HOST_CASES = ((0, False), (1, False), (3, False), (6, False), (3, True), (6, True))  # (missed of 6, admitted)
+# (missed of 6, admitted[, staged: copied into slots by the copy engine before the kernel reads them from VRAM])
+HOST_CASES = ((0, False), (1, False), (3, False), (6, False), (3, True), (6, True))
 
 
 def host_sweep(out: Path, layers: int = 8, step_rows: tuple[int, ...] = (1,),
@@ -146,8 +147,8 @@ def host_sweep(out: Path, layers: int = 8, step_rows: tuple[int, ...] = (1,),
     w = torch.rand(1, top_k, device=dev)
     o = torch.empty(1, 2048, device=dev)
     assign = torch.arange(top_k, dtype=torch.int32, device=dev)[None]
-    for tiles_tuple, rows_of_step, (missed, admit) in itertools.product(candidates or HOST_CANDIDATES, step_rows,
-                                                                         cases):
+    for tiles_tuple, rows_of_step, case in itertools.product(candidates or HOST_CANDIDATES, step_rows, cases):
+        missed, admit, staged = (*case, False)[:3]
         kernel = RoutedExperts(fmt, pool, host, "silu", F.silu, rows_of_step, top_k, use_kernels=True,
                                tiles=Tiles(*tiles_tuple))
         plans = []
@@ -160,12 +161,21 @@ def host_sweep(out: Path, layers: int = 8, step_rows: tuple[int, ...] = (1,),
                 dst[:missed] = n_host + keys[:missed]
             plans.append((keys, slots, dst))
 
+        staging = [(host[layer * per_layer : layer * per_layer + missed],
+                    pool[n_host + layer * per_layer : n_host + layer * per_layer + missed]) for layer in range(layers)]
+        if staged:  # the misses copied into their slots by the copy engine first, then computed from VRAM
+            plans = [(keys, torch.where(slots < 0, n_host + keys, slots), torch.full_like(dst, -1))
+                     for keys, slots, dst in plans]
+
         def run() -> None:
-            for keys, slots, dst in plans:
+            for (keys, slots, dst), (src, into) in zip(plans, staging):
+                if staged:
+                    into.copy_(src, non_blocking=True)
                 kernel(x, assign, w, keys, slots, dst, out=o, step_rows=rows_of_step)
 
         ms = timed(run, graph=True, repeats=20) / layers
-        row = {"tiles": tiles_tuple, "step_rows": rows_of_step, "missed": missed, "admit": admit, "ms_per_layer": ms,
+        row = {"tiles": tiles_tuple, "step_rows": rows_of_step, "missed": missed, "admit": admit, "staged": staged,
+               "ms_per_layer": ms,
                "host_gbps_if_all_time_is_host": missed * fmt.payload_bytes / ms / 1e6 if missed else None,
                "gbps_all_bytes": per_layer * fmt.payload_bytes / ms / 1e6}
         results.append(row)
@@ -260,6 +270,8 @@ def main() -> int:
     parser.add_argument("--grouped-tokens", default="4096", help="--grouped-sweep: prompt tokens (comma list)")
     parser.add_argument("--step-rows", default="1", help="--host-sweep: step shapes (comma list of most rows)")
     parser.add_argument("--missed", default="", help="--host-sweep: only these missed counts (comma list)")
+    parser.add_argument("--staged", action="store_true", help="--host-sweep: also the misses copied into their "
+                        "slots by the copy engine first (then read from VRAM)")
     parser.add_argument("--tiles", default="", help="the sweeps: only these tiles (;-separated)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="v2lite", help="--tiles-sweep: the expert shape")
     ns = parser.parse_args()
@@ -273,6 +285,7 @@ def main() -> int:
         return 0
     if ns.host_sweep:
         cases = tuple((int(m), False) for m in ns.missed.split(",")) if ns.missed else HOST_CASES
+        cases += ((6, True, True),) if ns.staged else ()
         tiles = tuple(tuple(int(v) for v in t.split(",")) for t in ns.tiles.split(";") if t)
         return host_sweep(ns.out, step_rows=tuple(int(r) for r in ns.step_rows.split(",")), cases=cases,
                           candidates=tiles)

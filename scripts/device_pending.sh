@@ -6,10 +6,10 @@
 # Triton cache this session, when it still ran the sm_90 compile checks); STAGE=batches / offloaded_batches: issue
 # 14's batch rows, every expert resident / at 12 GiB; STAGE=cuts: issue 13's ref17 rows at the confidence cuts that
 # keep prefetch waste under 20 % on the CPU; STAGE=leads / leads_v2lite: issue 13's rows at prefetch leads of 1, 2, 4
-# MoE layers and no limit (ref17; V2-Lite at 12 GiB; ran in the ninth session, which made no limit the default); STAGE=policies: issue 13's LRU / LRFU / LFU
+# MoE layers and no limit (ref17; V2-Lite at 12 GiB; ran in the ninth session, which made no limit the default); STAGE=timelines / timelines_v2lite: issue 13's CUDA-trace timelines with LRFU (ref17; V2-Lite at 12 GiB and zero-copy reads with cold translations); STAGE=policies: issue 13's LRU / LRFU / LFU
 # rows (ref17, V2-Lite) and the GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's
 # two-GPU test and rows (one GPU, then two, at 12 GiB per GPU and 12 GiB split).
-# Usage: STAGE=qwen3|serve|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|distributed \
+# Usage: STAGE=qwen3|serve|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines|timelines_v2lite|distributed \
 #   bash scripts/device_pending.sh OUT_DIR
 # Triton's compile cache travels between calls of a session (a cold cache cost the tests stage its whole 450 s
 # this session): a call restores .devcache/triton_cache.tgz.part* when present (copy the parts that the last call
@@ -72,9 +72,21 @@ case "${STAGE:-tests}" in
     timeout 110 python3 -m pytest tests/test_gpu.py -k "cache_sizes" -q -p no:cacheprovider --tb=short 2>&1 | tail -6 ;;
   offloaded_batches)
     # issue 14's offloaded batch rows (V2-Lite at 12 GiB, batch 1/4/8/16, reactive and next_layer_gate)
-    timeout 560 python3 scripts/bench_gpu.py --out "$out/bench_offloaded_batches.json" --workloads v2lite \
+    timeout "${LIMIT:-560}" python3 scripts/bench_gpu.py --out "$out/bench_offloaded_batches.json" --workloads v2lite \
       --decode-compute --prefill-lengths "" --systems "$(echo offloaded{,_gate}_b{1,4,8,16} | tr ' ' ,)" \
       "$@" 2>&1 | filter ;;
+  timelines)
+    # issue 13's closing timeline: where an offloaded ref17 token's time goes with the default policy (LRFU):
+    # reactive, the oracle and the MTP predictor at the cut that keeps waste under 20 %, each traced once
+    timeout "${LIMIT:-560}" python3 scripts/bench_gpu.py --out "$out/bench_timelines.json" --workloads ref17 \
+      --min-confidence 0.05 --systems all_resident,none,oracle,mtp@0.05 --profile \
+      --profile-predictors none,oracle,mtp "$@" 2>&1 | filter ;;
+  timelines_v2lite)
+    # the same for V2-Lite at 12 GiB (reactive and the oracle), then zero-copy reads over a 26 GiB arena with the
+    # experts changing every replay (cold address translations), which decode's misses see and isolated runs do not
+    timeout "${LIMIT:-300}" python3 scripts/bench_gpu.py --out "$out/bench_timelines_v2lite.json" --workloads v2lite \
+      --runs 1 --systems all_resident,none,oracle --profile --profile-predictors none,oracle "$@" 2>&1 | filter
+    timeout 100 python3 scripts/arena_reads.py --out "$out/arena_reads_h200.json" 2>&1 | grep -v -i warn | tail -8 ;;
   batches)
     # issue 14's batch rows (V2-Lite, every expert resident, batch 1/4/8/16) with the step timelines of 1 and 8
     timeout 330 python3 scripts/bench_gpu.py --out "$out/bench_batches.json" --workloads v2lite --decode-compute \
