@@ -851,7 +851,8 @@ def resident_batch_rows(path: Path, args: argparse.Namespace, config: dict[str, 
 def offloaded_batch_rows(path: Path, args: argparse.Namespace, config: dict[str, Any], common: dict[str, Any],
                          base: dict[str, Any], emit: Callable[[dict[str, Any]], None], wanted: set[str] | None) -> None:
     """Decode throughput of batches 1-16 with the experts offloaded (`--budget-gib`): reactive (`offloaded_b{n}`)
-    and `next_layer_gate` (`offloaded_gate_b{n}`); an expert's bytes cross the link once per step whatever the rows."""
+    and `next_layer_gate` (`offloaded_gate_b{n}`); an expert's bytes cross the link once per step whatever the rows.
+    Under --profile also the step timelines of batches 1 and 4."""
     names = {f"offloaded{tag}_b{batch}" for tag in ("", "_gate") for batch in (1, 4, 8, 16)}
     if wanted is not None and not names & wanted:
         return
@@ -867,6 +868,9 @@ def offloaded_batch_rows(path: Path, args: argparse.Namespace, config: dict[str,
                 if wanted is None or system in wanted:
                     row = run_row(engine, system, many, args.new_tokens, predictor=predictor, runs=2, batch=batch)
                     emit({**base, **row, "vram_budget_gib": budget, "cache_fraction": fraction})
+                    if args.profile and engine.device.type == "cuda" and batch in (1, 4):  # where the link time goes
+                        emit({**base, "system": f"{system}_timeline",
+                              **timeline(engine, many[:batch], args.new_tokens, predictor)})
         engine.close()
     except Exception as exc:
         emit({**base, "system": "offloaded_batches", "failed": f"{type(exc).__name__}: {exc}",

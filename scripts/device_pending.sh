@@ -71,7 +71,9 @@ case "${STAGE:-tests}" in
       --systems all_resident,none,next_layer_gate --policy-rows lrfu "$@" 2>&1 | filter
     timeout 110 python3 -m pytest tests/test_gpu.py -k "cache_sizes" -q -p no:cacheprovider --tb=short 2>&1 | tail -6 ;;
   offloaded_batches)
-    # issue 14's offloaded batch rows (V2-Lite at 12 GiB, batch 1/4/8/16, reactive and next_layer_gate)
+    # issue 14's offloaded batch rows (V2-Lite at 12 GiB, batch 1/4/8/16, reactive and next_layer_gate). The tenth
+    # session's reactive rows read host memory at 24 GB/s from batch 4 on (40 at batch 1, 50 in isolation): the next
+    # call is `LIMIT=300 STAGE=offloaded_batches ... --new-tokens 32 --systems offloaded_b1,offloaded_b4 --profile`
     timeout "${LIMIT:-560}" python3 scripts/bench_gpu.py --out "$out/bench_offloaded_batches.json" --workloads v2lite \
       --decode-compute --prefill-lengths "" --systems "$(echo offloaded{,_gate}_b{1,4,8,16} | tr ' ' ,)" \
       "$@" 2>&1 | filter ;;
