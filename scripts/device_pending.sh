@@ -24,7 +24,7 @@ if [ ! -d "$TRITON_CACHE_DIR" ] && ls .devcache/triton_cache.tgz.part* > /dev/nu
 fi
 save_cache() { [ -d "$TRITON_CACHE_DIR" ] && tar czf - -C .devcache triton | split -b 15M - "$out/triton_cache.tgz.part"; }
 trap save_cache EXIT
-filter() { grep -v -i warning | grep -E '^\{|bench_gpu|bench_serve|Error|error|passed|failed' | cut -c1-300; }
+filter() { grep -v -E "Warning:|warnings.warn" | grep -E '^\{|bench_gpu|bench_serve|Error|error|passed|failed' | cut -c1-300; }
 case "${STAGE:-tests}" in
   qwen3)
     timeout 560 python3 scripts/bench_gpu.py --out "$out/bench_qwen3.json" --workloads qwen3_30b \
@@ -42,9 +42,9 @@ case "${STAGE:-tests}" in
     # checks: they need no GPU, run in CI, and take minutes of the device's CPU. pytest's own output, not a tail: a
     # killed pipeline prints nothing.
     timeout 300 python3 -m pytest tests/test_gpu.py -k "continuous or synchronises or cache_sizes" -q \
-      -p no:cacheprovider --tb=short --durations=4 "$@" 2>&1 | grep -v -i warning
+      -p no:cacheprovider --tb=short --durations=4 "$@" 2>&1 | grep -v -E "Warning:|warnings.warn"
     timeout 240 python3 -m pytest tests/test_kernels.py tests/test_layer_ops.py -q -p no:cacheprovider --tb=short \
-      -k "not compile_for_hopper and not does_not_spill" "$@" 2>&1 | grep -v -i warning ;;
+      -k "not compile_for_hopper and not does_not_spill" "$@" 2>&1 | grep -v -E "Warning:|warnings.warn" ;;
   cuts)
     # issue 13: ref17 at 25 % cached with the confidence cuts that hold prefetch waste under 20 % in the CPU counts
     # (BENCHMARKS "Recall and waste together"), beside reactive, the uncut predictors and the oracle
