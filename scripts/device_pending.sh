@@ -6,11 +6,13 @@
 # Triton cache this session, when it still ran the sm_90 compile checks); STAGE=batches / offloaded_batches: issue
 # 14's batch rows, every expert resident / at 12 GiB; STAGE=cuts: issue 13's ref17 rows at the confidence cuts that
 # keep prefetch waste under 20 % on the CPU; STAGE=leads / leads_v2lite: issue 13's rows at prefetch leads of 1, 2, 4
-# MoE layers and no limit (ref17; V2-Lite at 12 GiB; ran in the ninth session, which made no limit the default); STAGE=timelines / timelines_v2lite: issue 13's CUDA-trace timelines with LRFU (ref17; V2-Lite at 12 GiB and zero-copy reads with cold translations); STAGE=policies: issue 13's LRU / LRFU / LFU
-# rows (ref17, V2-Lite) and the GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's
-# two-GPU test and rows (one GPU, then two, at 12 GiB per GPU and 12 GiB split).
-# Usage: STAGE=qwen3|serve|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines|timelines_v2lite|distributed \
-#   bash scripts/device_pending.sh OUT_DIR
+# MoE layers and no limit (ref17; V2-Lite at 12 GiB; ran in the ninth session, which made no limit the default);
+# STAGE=timelines / timelines_v2lite: issue 13's CUDA-trace timelines with LRFU (ref17; V2-Lite at 12 GiB, then
+# zero-copy reads with cold translations); STAGE=policies: issue 13's LRU / LRFU / LFU rows (ref17, V2-Lite) and the
+# GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU,
+# then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
+# Usage: STAGE=qwen3|serve|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
+#   timelines_v2lite|distributed [LIMIT=seconds] bash scripts/device_pending.sh OUT_DIR [bench options]
 # Triton's compile cache travels between calls of a session (a cold cache cost the tests stage its whole 450 s
 # this session): a call restores .devcache/triton_cache.tgz.part* when present (copy the parts that the last call
 # returned there and carry .devcache), and returns the cache in 15 MB parts (files back are 16 MiB at most).
@@ -79,7 +81,8 @@ case "${STAGE:-tests}" in
       "$@" 2>&1 | filter ;;
   timelines)
     # issue 13's closing timeline: where an offloaded ref17 token's time goes with the default policy (LRFU):
-    # reactive, the oracle and the MTP predictor at the cut that keeps waste under 20 %, each traced once
+    # reactive, the oracle and the MTP predictor at the cut that kept waste under 20 % in the CPU counts (23 % on the
+    # H200 in the tenth session), each traced once (the MTP trace uncut)
     timeout "${LIMIT:-560}" python3 scripts/bench_gpu.py --out "$out/bench_timelines.json" --workloads ref17 \
       --min-confidence 0.05 --systems all_resident,none,oracle,mtp@0.05 --profile \
       --profile-predictors none,oracle,mtp "$@" 2>&1 | filter ;;
