@@ -493,10 +493,9 @@ class Planner:
             step_start(st, cfg, decode, next_use)
             return
         self.start_launch(decode)()
-        from ..residency.plan import age_frequencies, victim_order
+        from ..residency.plan import rank_victims
 
-        age_frequencies(st, cfg)
-        st.victims.copy_(victim_order(st, cfg, next_use))
+        rank_victims(st, cfg, next_use)
 
     def start_launch(self, decode: bool) -> Launch:
         st, cfg = self.st, self.cfg

@@ -378,6 +378,12 @@ def step_start(st: TableState, cfg: ResidencyConfig, decode: bool, next_use: tor
         t.fills_for[stale] = [0] * cfg.positions
     t.cursor = 0
     t.write_back()
+    rank_victims(st, cfg, next_use)
+
+
+def rank_victims(st: TableState, cfg: ResidencyConfig, next_use: torch.Tensor | None = None) -> None:
+    """The step start's last part, shared by the reference and the kernel path (torch ops, capturable): fold the
+    last step's uses into the routing history, then sort the eviction queue for the step."""
     age_frequencies(st, cfg)
     st.victims.copy_(victim_order(st, cfg, next_use))
 
