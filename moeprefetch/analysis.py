@@ -85,6 +85,61 @@ def belady_misses(uses: list[ExpertKey], slots: int, count_from: int = 0) -> int
     return misses
 
 
+def belady_bypass_misses(steps: list[list[ExpertKey]], slots: int) -> int:
+    """The fewest misses any cache of `slots` can have over per-step uses when a miss may also be read without
+    admission (as the expert kernel reads it in place): Belady's rule over the step's uses in order, where a missed
+    expert displaces the resident needed farthest ahead only if it is itself needed sooner. A floor for every policy
+    and predictor of the residency."""
+    uses = [key for step in steps for key in step]
+    next_use: list[float] = [0.0] * len(uses)
+    last: dict[ExpertKey, float] = {}
+    for index in range(len(uses) - 1, -1, -1):
+        next_use[index] = last.get(uses[index], math.inf)
+        last[uses[index]] = index
+    resident: dict[ExpertKey, float] = {}
+    heap: list[tuple[float, ExpertKey]] = []
+    misses = 0
+    for index, key in enumerate(uses):
+        upcoming = next_use[index]
+        if key not in resident:
+            misses += 1
+            if len(resident) >= slots:
+                while resident.get(heap[0][1]) != -heap[0][0]:  # drop stale heap entries
+                    heapq.heappop(heap)
+                if -heap[0][0] <= upcoming:  # every resident is needed sooner: read in place, keep them
+                    continue
+                del resident[heapq.heappop(heap)[1]]
+        resident[key] = upcoming
+        heapq.heappush(heap, (-upcoming, key))
+    return misses
+
+
+def ahead_misses(steps: list[list[ExpertKey]], slots: int, ahead: int) -> int:
+    """Misses of LRU that never evicts an expert used in the current step or needed in the next `ahead` steps (a
+    perfect predictor of `ahead` steps protecting them; `ahead` 0 is plain LRU). A miss that finds no such victim
+    is read without admission. The reference that `replay` checks the residency's own code against."""
+    from collections import OrderedDict
+
+    lru: OrderedDict[ExpertKey, None] = OrderedDict()  # least recently used first
+    misses = 0
+    for t, step in enumerate(steps):
+        # protected: what the step used so far and, with a predictor, the rest of the step and the next steps
+        keep = set(step).union(*steps[t + 1 : t + 1 + ahead]) if ahead else set()
+        for key in step:
+            keep.add(key)
+            if key in lru:
+                lru.move_to_end(key)
+                continue
+            misses += 1
+            if len(lru) >= slots:
+                victim = next((k for k in lru if k not in keep), None)
+                if victim is None:
+                    continue
+                del lru[victim]
+            lru[key] = None
+    return misses
+
+
 def belady_bytes_per_token(engine: "MoEPrefetchEngine", prompt: list[int], new_tokens: int) -> float:
     """Bytes Belady's replacement must move per decode token with this engine's cache size, on this generation."""
     trace = record_routing(engine, prompt, new_tokens)

@@ -31,6 +31,8 @@ from .distributed import ProcessGroup, local_device
 from .placement import ExpertPlacement
 from .store import HostExpertStore
 from .streaming import LayerStreamer
+from .model import router_shape
+from .traces import ForcedRouting
 from .weights import load_model_weights, resident_bytes
 
 if TYPE_CHECKING:
@@ -61,6 +63,9 @@ class EngineOptions:
     prefill_window: int  # prompt tokens whose chunks run each layer together (an expert crosses once per window)
     expert_dtype: str
     min_confidence: float
+    fill_confidence: float  # predictions below it only protect (fills cost link bytes, protection none)
+    fill_link: str  # shared | idle (fills for later layers yield the link to a layer's host reads)
+    routing_trace: str | None  # benchmarks: decode routing forced from this trace file
     spare_recent: int
     prefetch_lead: int  # MoE layers: a fill is reserved at most this far before its need (0: no limit)
     draft_experts: str
@@ -206,12 +211,16 @@ def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev
         raise RequestError(
             f"the static hot set ({len(pinned)} experts) leaves fewer than top-k ({args.num_experts_per_tok}) of the "
             f"{plan.expert_slots} cache slots free")
+    forced = None
+    if options.routing_trace is not None:  # before the weights load: a wrong trace is one sentence, at once
+        forced = ForcedRouting.load(options.routing_trace, len(args.moe_layers), args.n_routed_experts,
+                                    args.num_experts_per_tok, router_shape(args), dev)
     start = time.perf_counter()
     weights, streamer, residency = _load(reader, args, options, plan, fmt, expert_layers, block, hot,
                                          config.pin_memory, staging, placement, group)
     reader.close()
     logger.info("loaded %s in %.1f s", path, time.perf_counter() - start)
-    return cls(path, args, weights, residency, tokenizer, options, plan, streamer)
+    return cls(path, args, weights, residency, tokenizer, options, plan, streamer, forced)
 
 
 def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device: torch.device,
@@ -234,6 +243,8 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
         max_seq_len=seq_len, max_batch_size=config.max_batch_size,
         prefill_chunk=chunk, prefill_window=auto_prefill_window(seq_len, chunk, device, config.prefill_window),
         expert_dtype=config.expert_dtype, min_confidence=float(config.min_confidence),
+        fill_confidence=float(config.fill_confidence), fill_link=config.fill_link,
+        routing_trace=str(config.routing_trace) if config.routing_trace is not None else None,
         spare_recent=config.spare_recent, prefetch_lead=config.prefetch_lead,
         draft_experts=config.draft_experts, late_prefetch=config.late_prefetch, cuda_graphs=graphs,
         fused_kernels=bool(config.fused_kernels), progress=bool(config.progress))

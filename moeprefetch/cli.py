@@ -1,5 +1,5 @@
 """Command line: `moeprefetch generate [PATH] --prompt ...`, `moeprefetch serve [PATH]` (the OpenAI HTTP API),
-`moeprefetch report RESULTS`, `moeprefetch info PATH`.
+`moeprefetch report RESULTS`, `moeprefetch replay TRACE --slots N`, `moeprefetch info PATH`.
 
 Errors the engine raises on bad input are printed as one line (no traceback) with a non-zero exit status.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import logging
@@ -28,7 +29,7 @@ EXIT_INTERRUPTED = 130
 def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine options `generate` and `serve` share."""
     from .experts import EXPERT_DTYPES
-    from .options import DRAFT_EXPERTS, LATE_PREFETCH, EngineConfig
+    from .options import DRAFT_EXPERTS, FILL_LINK, LATE_PREFETCH, EngineConfig
     from .predictors import PREDICTOR_NAMES
 
     defaults = EngineConfig()
@@ -46,6 +47,10 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"{', '.join(PREDICTOR_NAMES)}, or a combination such as mtp+next_layer_gate")
     parser.add_argument("--lookahead", type=int, default=None, help=EngineConfig.help("lookahead"))
     parser.add_argument("--min-confidence", type=float, default=None, help=EngineConfig.help("min_confidence"))
+    parser.add_argument("--fill-confidence", type=float, default=defaults.fill_confidence,
+                        help=EngineConfig.help("fill_confidence"))
+    parser.add_argument("--fill-link", choices=FILL_LINK, default=defaults.fill_link, help=EngineConfig.help("fill_link"))
+    parser.add_argument("--routing-trace", default=None, help=EngineConfig.help("routing_trace"))
     parser.add_argument("--prefetch-budget", type=float, default=defaults.prefetch_budget,
                         help=EngineConfig.help("prefetch_budget"))
     parser.add_argument("--draft-experts", choices=DRAFT_EXPERTS, default=defaults.draft_experts,
@@ -103,6 +108,22 @@ def _parser() -> argparse.ArgumentParser:
                          help="markdown report (tables, plots) from a sweep's results.jsonl")
     rep.add_argument("results", help="results.jsonl of a sweep, or a stats JSON written by generate --stats-json")
     rep.add_argument("--out", default=None, help="output directory (default: next to the results)")
+
+    rpl = sub.add_parser("replay", parents=[common], help="replay a routing trace through the residency's own "
+                         "victim code (CPU): hits, misses and bytes per token, Belady's floor, k-tokens-ahead lines")
+    rpl.add_argument("trace", help="a routing trace (JSON lines of [layer, expert] pairs per token, as in "
+                     "../shared/traces or written by scripts/record_trace.py)")
+    rpl.add_argument("--slots", type=int, required=True, help="expert cache slots (across all layers)")
+    rpl.add_argument("--policy", default="lru,lrfu", help="cache policies, comma list (lrfu, lru, lfu, static)")
+    rpl.add_argument("--predictor", default="none,oracle_next",
+                     help="what predictions protect, comma list: none, previous, oracle_next, ahead:K, oracle")
+    rpl.add_argument("--fills", action="store_true", help="also prefetch what is predicted (fills land at once)")
+    rpl.add_argument("--lrfu-halflife", type=float, default=8.0, help="lrfu: a use counts half after N steps")
+    rpl.add_argument("--ahead", default="1,4", help="the k-tokens-ahead reference lines, comma list of k")
+    rpl.add_argument("--experts", type=int, default=None, help="experts per layer (default: the largest id + 1)")
+    rpl.add_argument("--expert-mb", type=float, default=17.3015, help="bytes of one expert, in MB (bytes per token)")
+    rpl.add_argument("--tokens", type=int, default=None, help="replay only the first N tokens")
+    rpl.add_argument("--json", default=None, help="also write the rows here")
 
     info = sub.add_parser("info", parents=[common], help="describe a checkpoint: architecture, experts, memory")
     info.add_argument("path", nargs="?", default=str(REFERENCE_MODEL))
@@ -194,7 +215,8 @@ def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
                                   prefetch_budget=ns.prefetch_budget,
                                   draft_experts=ns.draft_experts, spare_recent=ns.spare_recent,
                                   prefetch_lead=ns.prefetch_lead, late_prefetch=ns.late_prefetch, progress=ns.verbose,
-                                  distributed=ns.distributed)
+                                  distributed=ns.distributed, fill_confidence=ns.fill_confidence,
+                                  fill_link=ns.fill_link, routing_trace=ns.routing_trace)
     for name in ("max_seq_len", "prefill_chunk", "prefill_window", "predictor", "lookahead", "min_confidence",
                  "max_batch_size", "expert_dtype"):
         if getattr(ns, name, None) is not None:
@@ -264,6 +286,45 @@ def _report(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _replay(ns: argparse.Namespace) -> int:
+    from .replay import ReplaySetup, floors, replay, result_rows
+    from .traces import load_trace
+
+    if ns.json:
+        _check_writable(Path(ns.json), "--json")
+    trace = load_trace(ns.trace, ns.experts)
+    if ns.tokens is not None:
+        if ns.tokens < 1:
+            raise MoEPrefetchError(f"--tokens must be a positive number of tokens, got {ns.tokens}")
+        trace = trace.head(ns.tokens)
+    try:
+        aheads = tuple(int(a) for a in ns.ahead.split(",") if a.strip())
+    except ValueError:
+        raise MoEPrefetchError(f"--ahead must be a comma list of token counts, got {ns.ahead!r}") from None
+    if ns.expert_mb <= 0:
+        raise MoEPrefetchError(f"--expert-mb must be positive, got {ns.expert_mb}")
+    base = ReplaySetup(slots=ns.slots, halflife=ns.lrfu_halflife, expert_bytes=int(ns.expert_mb * 1e6))
+    runs = [dataclasses.replace(base, policy=p.strip(), predictor=q.strip(), fills=ns.fills and q.strip() != "none")
+            for p in ns.policy.split(",") for q in ns.predictor.split(",")]
+    for setup in runs:  # every setup checked before the first (slow) replay
+        setup.check(trace)
+    print(f"{trace.source}: {trace.tokens} tokens, {len(trace.layers)} MoE layers x {trace.n_experts} experts, "
+          f"top-{trace.top_k}; {ns.slots} slots ({ns.slots / (len(trace.layers) * trace.n_experts):.1%})")
+    results = [replay(trace, setup) for setup in runs]
+    uses = results[0].uses if results else sum(len(s) for s in trace.steps())
+    rows = result_rows(results, floors(trace, ns.slots, aheads), uses)
+    print(f"{'':52s} {'hits':>7s} {'misses/token':>13s} {'MB/token':>9s} {'fills':>7s} {'wasted':>7s}")
+    for row in rows:
+        fills = "" if row["fills"] is None else str(row["fills"])
+        wasted = "" if row["wasted_fills"] is None else str(row["wasted_fills"])
+        print(f"{row['row']:52s} {row['hit_rate']:7.1%} {row['misses_per_token']:13.1f} {row['mb_per_token']:9.0f} "
+              f"{fills:>7s} {wasted:>7s}")
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({"trace": trace.source, "tokens": trace.tokens, "slots": ns.slots,
+                                             "rows": rows}, indent=1))
+    return 0
+
+
 def _info(ns: argparse.Namespace) -> int:
     from .checkpoint import CheckpointReader
     from .config import load_model_args
@@ -292,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if ns.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     if not ns.verbose:
         logging.getLogger("transformers").setLevel(logging.ERROR)
-    handlers = {"generate": _generate, "report": _report, "info": _info, "serve": _serve}
+    handlers = {"generate": _generate, "report": _report, "info": _info, "serve": _serve, "replay": _replay}
     try:
         return handlers[ns.command](ns)
     except MoEPrefetchError as exc:

@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .model import Routing, block, mtp_input
 from .predictors import PredictionRing, PredictorSpec, routing_confidence
@@ -81,6 +82,7 @@ class DecodeStep:
         self.params = SamplingParams(temperature=0.0 if shape.greedy else 1.0, top_k=2 if shape.top_k else 0,
                                      top_p=0.5 if shape.top_p else 1.0)
         self.oracle_trace = oracle_trace
+        self.forced = runner.forced_routing  # routing_trace (benchmarks): decode routing taken from a trace
         dev, b, h = runner.device, shape.batch, self.args.hidden_size
         # the residency's reference path plans on the host (it synchronises), which a graph cannot capture
         self.graphs = graphs and dev.type == "cuda" and self.res.use_kernels
@@ -187,11 +189,11 @@ class DecodeStep:
     def _body(self) -> None:
         res, shape = self.res, self.shape
         oracle = shape.spec.oracle and self.oracle_trace is not None
-        res.begin_step(decode=True, belady=oracle)
+        res.begin_step(decode=True, belady=oracle and shape.spec.belady)
         if self.streamer is not None:
             self.streamer.fork()
         if oracle:
-            self.ring.write_trace(self.oracle_trace, shape.spec.ring)
+            self.ring.write_trace(self.oracle_trace, shape.spec.oracle_steps)
         if shape.reserve:
             res.plan_step()
         tokens, pos = self.inputs[:, 0], self.inputs[:, 1]
@@ -235,9 +237,13 @@ class DecodeStep:
         """The routed experts of every group of one layer, in one plan and one expert computation."""
         shape, res = self.shape, self.res
         active = self.active
-        real = routings[0]
         position = res.position[layer]
         main = position < res.cfg.main_positions
+        if main and self.forced is not None:  # routing_trace: the real rows take the trace's experts
+            logits = F.linear(flat[0].float(), self.routers[layer].router.weight)
+            ids, weights = self.forced.route(position, logits, res.st.decode_step)
+            routings = [Routing(ids=ids, weights=weights, scores=routings[0].scores), *routings[1:]]
+        real = routings[0]
         if main and shape.spec.active:
             self._predict(layer, position, flat[0], routings, active)
             if self.ring.leads is not None:  # the real rows' experts, for scoring predictions by lead

@@ -27,6 +27,7 @@ from .sampling import DeviceSampler
 from .requests import as_batch_tensor, build_request
 from .session import GenerationResult, Request, Session, TokenEvent
 from .streaming import LayerStreamer
+from .traces import ForcedRouting
 from .weights import ModelWeights, weights_nbytes
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,8 @@ class MoEPrefetchEngine:
     """A DeepSeek-family MoE model with routed experts in host RAM, a VRAM expert cache and expert prefetching."""
 
     def __init__(self, path: Path, args: ModelArgs, weights: ModelWeights, residency: Residency, tokenizer: Any,
-                 options: EngineOptions, plan: MemoryPlan, streamer: LayerStreamer | None = None):
+                 options: EngineOptions, plan: MemoryPlan, streamer: LayerStreamer | None = None,
+                 forced_routing: ForcedRouting | None = None):
         self.path = path
         self.args = args
         self.weights = weights
@@ -47,7 +49,7 @@ class MoEPrefetchEngine:
         self.streamer = streamer
         self.runner = ModelRunner(args, weights, residency, options.device, streamer,
                                   fused_decode=FusedDecodeShape(options.max_seq_len, 2 * options.max_batch_size)
-                                  if options.fused_kernels else None)
+                                  if options.fused_kernels else None, forced_routing=forced_routing)
         self.sampler = DeviceSampler(args.vocab_size, options.device)
         self.tokenizer = tokenizer
         self.options = options

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -21,6 +22,7 @@ from .residency.state import POLICIES
 # how the MTP head reads its routed experts: only those in VRAM (drafts steer speed, never tokens), or all of them
 DRAFT_EXPERTS = ("cached", "all")
 LATE_PREFETCH = ("reread", "wait")
+FILL_LINK = ("shared", "idle")
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -48,6 +50,11 @@ class EngineConfig:
     prefetch_budget: float = _opt(1.5, "prefetches per (step, layer), as a multiple of top-k")
     max_inflight_experts: int | None = _opt(None, "prefetches in flight at most (default 2 x top-k per row)")
     min_confidence: float = _opt(0.0, "predictions below this confidence are neither fetched nor counted")
+    fill_confidence: float = _opt(0.0, "predictions below this confidence are not prefetched; they still protect "
+                                       "the experts they name from eviction (protection moves no bytes)")
+    fill_link: str = _opt("shared", "shared: prefetch fills and a layer's reads of missed experts share the link; "
+                                    "idle: fills for later layers wait while a layer reads experts from host, so "
+                                    "they use only link time that would idle")
     spare_recent: int = _opt(1, "prefetches never evict an expert used in the last N steps (0: any victim; lrfu, "
                                 "lru and static policies; the oracle uses Belady's victims)")
     prefetch_lead: int = _opt(0, "a prefetch is reserved at most this many MoE layers before its need (0: no limit, as "
@@ -75,6 +82,9 @@ class EngineConfig:
     stream_layers: int | None = _opt(None, "layers streamed from host RAM (default: as the budget needs)")
     stream_ahead: int = _opt(2, "streamed layers copied ahead of the compute")
     progress: bool = _opt(False, "progress bars while loading")
+    routing_trace: str | None = _opt(None, "benchmarks only: a routing trace file (moeprefetch/traces.py format) "
+                                           "whose experts every decode step's main MoE layers use instead of the "
+                                           "router's choice, so a random-weight checkpoint sees real routing")
     # several GPUs (expert parallelism over torch.distributed, launched by torchrun)
     distributed: bool = _opt(False, "join torchrun's process group: each rank (cuda:LOCAL_RANK) owns a share of every "
                                     "MoE layer's experts, with its own host arena, VRAM cache and link")
@@ -109,6 +119,10 @@ class EngineConfig:
             raise RequestError(f"draft_experts must be one of {', '.join(DRAFT_EXPERTS)}, got {self.draft_experts!r}")
         if self.late_prefetch not in LATE_PREFETCH:
             raise RequestError(f"late_prefetch must be one of {', '.join(LATE_PREFETCH)}, got {self.late_prefetch!r}")
+        if self.fill_link not in FILL_LINK:
+            raise RequestError(f"fill_link must be one of {', '.join(FILL_LINK)}, got {self.fill_link!r}")
+        if self.routing_trace is not None and not isinstance(self.routing_trace, (str, Path)):
+            raise RequestError(f"routing_trace must be the path of a trace file, got {self.routing_trace!r}")
         if self.policy not in POLICIES:
             raise RequestError(f"unknown cache policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         halflife = self.lrfu_halflife
@@ -130,6 +144,7 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
         check_fraction("min_confidence", self.min_confidence, upper_open=False)
+        check_fraction("fill_confidence", self.fill_confidence, upper_open=False)
         budget = self.prefetch_budget
         if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not math.isfinite(budget) or budget < 0:
             raise RequestError(f"prefetch_budget must be a number >= 0 (a multiple of top-k), got {budget!r}")

@@ -14,7 +14,8 @@ Each predictor declares the device signals it needs, and what `lookahead` means 
 | `next_layer_gate` | the router input of layer l | (t, l+1 .. l+d) | d, the MoE layers looked ahead |
 | `mtp` | the MTP draft as a shadow row through the main layers (resident experts only); with k > 1, the MTP head chained k times, every main router on link j's output | (t+1, l); (t+j, every layer) for j = 2..k | k, the tokens ahead |
 | `mtp_router` | every main router on the MTP head's output, the head chained k times | (t+j, every layer), j = 1..k | k, the tokens ahead |
-| `oracle` | the routing recorded by an identical earlier run | (t .. t+d, every layer) | d, steps ahead |
+| `oracle` | the routing recorded by an identical earlier run, and Belady's victims (the whole future) | (t .. t+d, every layer) | d, steps ahead |
+| `oracle_next` | the recorded routing of the next token only; the policy's victims | (t, t+1, every layer) | unused (must be 1) |
 
 In a combination each component reads `lookahead` its own way (`mtp+next_layer_gate` with 2: drafts chained twice
 and gates two MoE layers ahead). Chained drafts: link 1 drafts token t+2 from the main hidden state (as the MTP head
@@ -34,8 +35,9 @@ from typing import Callable
 
 import torch
 
-PREDICTOR_NAMES = ("none", "previous", "next_layer_gate", "mtp", "mtp_router", "oracle")
+PREDICTOR_NAMES = ("none", "previous", "next_layer_gate", "mtp", "mtp_router", "oracle", "oracle_next")
 MTP_PREDICTORS = ("mtp", "mtp_router")
+ORACLES = ("oracle", "oracle_next")  # predictors that replay a recorded run's routing
 _LOOKAHEAD_IS_DEPTH = ("next_layer_gate", "oracle")
 
 
@@ -52,6 +54,8 @@ def parse_predictor(spec: str) -> list[str]:
         raise ValueError(f"predictor {spec!r} names a component twice")
     if "none" in names and len(names) > 1:
         raise ValueError("predictor 'none' cannot be combined with others")
+    if set(ORACLES) <= set(names):
+        raise ValueError("predictors 'oracle' and 'oracle_next' cannot be combined: one knows what the other does")
     return names
 
 
@@ -97,7 +101,20 @@ class PredictorSpec:
 
     @property
     def oracle(self) -> bool:
+        """Replays a recorded run's routing (`oracle` or `oracle_next`): the call records it first."""
+        return any(n in ORACLES for n in self.names)
+
+    @property
+    def belady(self) -> bool:
+        """Victims follow the recorded future (Belady's order) instead of the cache policy: the full oracle only."""
         return "oracle" in self.names
+
+    @property
+    def oracle_steps(self) -> int:
+        """Decode steps of recorded routing written into the ring at each step start (the current one included)."""
+        if "oracle" in self.names:
+            return self.lookahead + 1
+        return 2 if "oracle_next" in self.names else 0
 
     @property
     def chain(self) -> int:
@@ -108,13 +125,13 @@ class PredictorSpec:
     def max_lead(self) -> int:
         """The most steps ahead a prediction is made (0: only this step's, as next_layer_gate's)."""
         leads = [1 if self.previous or self.needs_mtp else 0, self.chain if self.needs_mtp else 0,
-                 self.lookahead if self.oracle else 0]
+                 self.oracle_steps - 1 if self.oracle else 0]
         return max(leads)
 
     @property
     def ring(self) -> int:
         """Decode steps of predictions the table must hold: this one and the ones predicted ahead."""
-        return max(self.lookahead if self.oracle else 1, self.chain) + 1
+        return max(self.oracle_steps, self.chain + 1, 2)
 
     @property
     def active(self) -> bool:

@@ -43,6 +43,9 @@ def build_request(args: ModelArgs, tokenizer: Any, options: EngineOptions, path:
         raise RequestError(f"speculative must be None or 'mtp', got {speculative!r}")
     if speculative == "mtp" and not has_mtp:
         raise RequestError("speculative='mtp' needs an MTP layer, and this checkpoint has none")
+    if speculative == "mtp" and options.routing_trace is not None:
+        raise RequestError("routing_trace forces the routing of each decode step from a trace; speculative decoding "
+                           "computes two tokens per step, which the trace cannot route: use one or the other")
     if speculative == "mtp" and spec.chain > 1:
         raise RequestError(f"lookahead={spec.lookahead} chains MTP drafts for prefetching, but with speculative='mtp' "
                            "the MTP head verifies one draft per step: use lookahead=1")

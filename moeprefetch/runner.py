@@ -25,6 +25,7 @@ from .weights import LayerWeights, ModelWeights
 
 if TYPE_CHECKING:
     from .streaming import LayerStreamer
+    from .traces import ForcedRouting
 
 
 @dataclass
@@ -85,11 +86,13 @@ class ModelRunner:
         device: torch.device,
         streamer: "LayerStreamer | None" = None,
         fused_decode: FusedDecodeShape | None = None,
+        forced_routing: "ForcedRouting | None" = None,
     ):
         self.args = args
         self.weights = weights
         self.residency = residency
         self.streamer = streamer
+        self.forced_routing = forced_routing  # routing_trace (benchmarks only): decode steps route from a trace
         self.device = device
         # an embedding table the plan left in host memory is read row by row over PCIe (kernels/gather.py)
         self.host_embed = (HostRows(weights.embed, device, kernels_usable(device.type) or INTERPRET,

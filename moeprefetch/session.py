@@ -116,7 +116,7 @@ class Session:
         if self.record:
             res.trace = engine._trace_buffer()
             res.trace.zero_()
-        if self.trace is not None:
+        if self.trace is not None and self.spec.belady:
             res.know_future(self.trace)
         engine.sampler.set_params(request.sampling)
         streamer = engine.streamer
@@ -161,7 +161,7 @@ class Session:
     def _prefill(self, caches) -> tuple[list[int], list[int], list[float]]:
         """Each prompt in windows of chunks into its cache row; the first tokens; the MTP head's first drafts."""
         engine = self.engine
-        belady = self.trace is not None
+        belady = self.trace is not None and self.spec.belady
         hiddens = [prefill_row(engine, caches, b, prompt, belady) for b, prompt in enumerate(self.request.prompts)]
         logits = engine.runner.logits(torch.stack([h[-1] for h in hiddens]))
         rows = torch.arange(self.batch, device=engine.device)
@@ -325,11 +325,12 @@ def configure_residency(engine: "MoEPrefetchEngine", spec: PredictorSpec, rows: 
     # Belady's victims need no sparing; LFU's queue is not in recency order, which the sparing rule relies on. LRFU's
     # is not either, but sparing still pays there: prefetches stop at the first recently used slot of the queue
     # (reference model at 25 % cached, mtp @ 0.05: 5.07 experts per token with sparing, 5.38 without; BENCHMARKS)
-    spare = 0 if spec.oracle or options.policy == "lfu" else options.spare_recent
+    spare = 0 if spec.belady or options.policy == "lfu" else options.spare_recent
     engine.residency.configure(ring=spec.ring, budget_per_target=budget, max_inflight=inflight,
                                min_confidence=min_confidence, spare_recent=spare,
                                wait_late=options.late_prefetch == "wait", prefetch_lead=options.prefetch_lead,
-                               policy=options.policy, frequency_halflife=options.lrfu_halflife)
+                               policy=options.policy, frequency_halflife=options.lrfu_halflife,
+                               fill_confidence=options.fill_confidence, fill_idle_link=options.fill_link == "idle")
 
 
 def step_shape(engine: "MoEPrefetchEngine", batch: int, spec: PredictorSpec, mode: str, uses_mtp: bool,

@@ -140,7 +140,7 @@ def test_expert_terms_are_the_products_that_the_combine_sums(step_rows):
 
 def _simulate(seed: int, policy: str, slots: int, spare: int, steps: int = 6, positions: int = 4, experts: int = 8,
               k: int = 2, nx: int = 2, ns: int = 1, wait: bool = False, ring: int = 2, foreign: float = 0.0,
-              lead: int = 0):
+              lead: int = 0, fill_confidence: float = 0.0, idle: bool = False):
     from moeprefetch.kernels.fill import await_fills
     from moeprefetch.kernels.plan import Planner
 
@@ -148,7 +148,7 @@ def _simulate(seed: int, policy: str, slots: int, spare: int, steps: int = 6, po
     cfg = ResidencyConfig(positions=positions, main_positions=positions - 1, n_experts=experts, n_slots=slots,
                           record_bytes=256, ring=ring, entries=16, max_inflight=4, budget_per_target=3,
                           min_confidence=0.2, chunk_bytes=64, policy=policy, spare_recent=spare, wait_late=wait,
-                          prefetch_lead=lead)
+                          prefetch_lead=lead, fill_confidence=fill_confidence, fill_idle_link=idle)
     u = (nx + ns) * k
     tables = [TableState.allocate(cfg, u, torch.device("cpu")) for _ in range(2)]
     for table in tables:
@@ -231,6 +231,18 @@ def test_plan_kernel_matches_the_reference(seed, policy, slots, spare, wait, rin
         assert totals[C[name]] > 0, name
 
 
+@pytest.mark.parametrize("seed,policy,wait,ring", [(31, "lrfu", False, 3), (32, "lru", True, 2)])
+def test_plan_kernel_matches_the_reference_with_a_fill_cut_and_idle_link_fills(seed, policy, wait, ring):
+    """A fill cut above the confidence cut (weaker predictions protect, stronger ones are also fetched), and the
+    layer's host reads published for yielding fills (`demand`): the same tables, plans and counters."""
+    if DEVICE == "cuda":
+        pytest.skip("runs the kernel on CPU tensors (interpreter); the GPU path is covered by the engine tests")
+    from moeprefetch.residency.state import C
+
+    totals = _simulate(seed, policy, 12, 0, steps=7, wait=wait, ring=ring, fill_confidence=0.55, idle=True)
+    assert totals[C["prefetch_issued"]] > 0 and totals[C["predicted"]] > totals[C["prefetch_issued"]]
+
+
 @pytest.mark.parametrize("seed,cells,wait,ring", [(21, 8, False, 2), (22, 16, True, 3), (23, 32, False, 4)])
 def test_plan_kernel_reserves_the_same_in_blocks_of_the_window(seed, cells, wait, ring, monkeypatch):
     """The reservation goes through the prediction window in blocks of rows (long models would spill registers
@@ -245,13 +257,16 @@ def test_plan_kernel_reserves_the_same_in_blocks_of_the_window(seed, cells, wait
     assert totals[C["prefetch_issued"]] > 0 and totals[C["evictions"]] > 0
 
 
-def test_fill_kernel_copies_in_deadline_order_and_skips_passed_needs():
+@pytest.mark.parametrize("idle", [False, True])
+def test_fill_kernel_copies_in_deadline_order_and_skips_passed_needs(idle):
+    """With `fill_idle_link` and a layer still reading from host (`demand`), a fill for a later layer waits a
+    bounded time (a few polls in the interpreter, where nothing runs beside it) and then copies as without."""
     if DEVICE == "cuda":
         pytest.skip("interpreter check; the GPU race test covers the device")
     from moeprefetch.kernels.fill import Filler, fill_reference
 
     cfg = ResidencyConfig(positions=3, main_positions=2, n_experts=4, n_slots=6, record_bytes=8192 * 3 + 64,
-                          entries=8, chunk_bytes=8192)
+                          entries=8, chunk_bytes=8192, fill_idle_link=idle)
     host = torch.randint(0, 255, (12, cfg.record_bytes), dtype=torch.uint8)
     results = []
     for use_kernel in (False, True):
@@ -263,6 +278,7 @@ def test_fill_kernel_copies_in_deadline_order_and_skips_passed_needs():
             st.e_state[j], st.e_key[j], st.e_slot[j] = E_ACTIVE, key, slot
             st.e_deadline[j] = 2 * (2 * 3 + position)
         st.order[2, :3] = torch.tensor([1, 0, 2])  # entry 1's need (position 1) is being planned now: skipped
+        st.demand.fill_(int(idle))
         if use_kernel:
             Filler(st, cfg, pool, host, use_kernel=True, programs=3)(1)  # three programs share the chunks
         else:

@@ -23,9 +23,16 @@ def test_parsing_and_combinations():
     assert PredictorSpec.parse("next_layer_gate", lookahead=3).chain == 1
     assert PredictorSpec.parse("next_layer_gate", lookahead=3).max_lead == 0  # same-step guesses only
     assert not PredictorSpec.parse("none").active and PredictorSpec.parse("previous").previous
+    nxt = PredictorSpec.parse("oracle_next")
+    assert nxt.oracle and not nxt.belady and nxt.oracle_steps == 2 and nxt.ring == 2 and nxt.max_lead == 1
+    assert PredictorSpec.parse("oracle", 2).belady and PredictorSpec.parse("oracle", 2).oracle_steps == 3
+    gated = PredictorSpec.parse("oracle_next+next_layer_gate", lookahead=2)  # the gate's depth, the next token
+    assert gated.gate_depth == 2 and gated.oracle_steps == 2 and gated.ring == 2
+    with pytest.raises(ValueError, match="cannot be combined"):
+        parse_predictor("oracle+oracle_next")
 
 
-@pytest.mark.parametrize("name", ["previous", "none"])
+@pytest.mark.parametrize("name", ["previous", "none", "oracle_next"])
 def test_a_lookahead_a_predictor_cannot_use_is_an_error(name):
     with pytest.raises(ValueError, match="lookahead=2 means nothing"):
         PredictorSpec.parse(name, lookahead=2)
@@ -97,6 +104,26 @@ def test_the_oracle_is_right_at_every_lead_and_speculation_takes_no_chain(checkp
         engine.generate([[3, 4]], max_new_tokens=4, predictor="mtp", lookahead=2, speculative="mtp")
     assert engine.generate([[3, 4]], max_new_tokens=4, predictor="none").stats.to_dict()[
         "prediction_recall_by_lead"] == []
+
+
+def test_oracle_next_knows_the_next_token_only_and_changes_no_token(checkpoint_factory):
+    """The one-token ceiling: every guess right (at lead 1 and for the current step), victims by the policy, and the
+    tokens of every expert resident."""
+    from moeprefetch import MoEPrefetchEngine
+
+    path = checkpoint_factory("v3")
+    resident = MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=64)
+    expected = resident.generate([[3, 4, 5]], max_new_tokens=8, stop_at_eos=False).sequences
+    for slots, spare in ((4, 0), (9, 1)):  # 9 slots hold every expert decode needs: nothing left to fetch
+        engine = MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=64, expert_cache_slots=slots,
+                                                   spare_recent=spare)
+        result = engine.generate([[3, 4, 5]], max_new_tokens=8, stop_at_eos=False, predictor="oracle_next")
+        stats = result.stats.to_dict()
+        assert result.sequences == expected
+        assert stats["prediction_precision_main_layers"] == 1.0 and stats["prediction_recall_main_layers"] == 1.0
+        assert stats["prediction_precision_by_lead"] == [1.0]
+        assert (stats["prefetch_issued"] > 0) == (slots == 4) and not engine.residency.problems()
+        assert engine.residency.next_use is None  # no Belady: it never learns the future beyond the next token
 
 
 def test_routing_confidence_is_each_experts_share():

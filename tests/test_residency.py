@@ -257,6 +257,28 @@ def test_low_confidence_predictions_are_neither_fetched_nor_counted():
     assert t.count("prefetch_issued") == 1 and t.count("predicted") == 1
 
 
+@pytest.mark.parametrize("fill_confidence,fetched", [(0.0, 2), (0.5, 3)])
+def test_a_prediction_below_the_fill_cut_protects_but_is_not_fetched(fill_confidence, fetched):
+    """Protection moves no bytes, so it takes every prediction at `min_confidence`; a fill needs `fill_confidence`.
+    Expert 0 (weakly predicted for the next step) keeps its slot; the one victim left goes to the first wanted fill
+    in deadline order that is confident enough (expert 2 at 0.3, else expert 3 at 0.8)."""
+    t = Table(slots=4, min_confidence=0.1, fill_confidence=fill_confidence, spare_recent=0)
+    t.start()
+    t.plan(0, [[0, 1]])
+    t.start()
+    t.predict(1, 0, [0], conf=0.2)
+    t.predict(0, 1, [2], conf=0.3)
+    t.predict(0, 1, [3], conf=0.8)
+    t.plan(0, [[4, 5]])  # the misses take the two free slots; the fill takes expert 1's
+    held = set(t.st.key_of.tolist())
+    assert t.count("prefetch_issued") == 1 and t.key(1, fetched) in held and t.key(1, 5 - fetched) not in held
+    assert 0 in held and 1 not in held
+    t.land_fills()
+    t.plan(1, [[2, 3]])
+    assert t.count("predicted") == 2  # both count as predictions (recall), whatever the fill cut
+    assert t.count("prefetched") == 1
+
+
 def test_a_fill_still_in_flight_is_late_not_wasted():
     t = Table(slots=6)
     t.start()

@@ -9,6 +9,11 @@ slot. The kernel never writes the table itself: one writer, no races on the tabl
 A launch stops claiming when the main stream has moved past the plan that launched it (the next launch has a fresher
 list) and skips fills whose need has already been planned (the layer read that expert from host; copying it now
 would only cross the link twice). A small grid keeps most multiprocessors free for the compute it hides behind.
+
+With `fill_idle_link`, a fill whose need lies beyond the next MoE layer claims no chunk while the current layer
+reads missed experts from host memory (`demand`, set by the layer's plan, cleared after its experts): the two would
+share one link, so a prefetch for later would slow the read that the step is waiting for. Such fills take only
+the link time that would otherwise idle (attention, routers, experts read from VRAM).
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ AWAIT_SPINS = 1 << 16
 # In Triton's CPU interpreter (tests) nothing runs beside the await launch, so a flag that is not set never will be:
 # a few polls decide the same outcome without interpreting 65,536 of them.
 INTERPRETER_AWAIT_SPINS = 4
+# Polls of the demand flag before a yielding fill goes ahead anyway (a safety net: the flag is cleared after every
+# layer's experts, within a few expert reads' time)
+YIELD_SPINS = 1 << 20
 
 
 def launch_clock(st: TableState, cfg: ResidencyConfig, position: int) -> int:
@@ -87,10 +95,22 @@ if HAS_TRITON:
         tl.atomic_add(counters_ptr + position * NC + ZERO_COPY, tl.sum(failed.to(tl.int64), axis=0))
 
     @triton.jit
+    def _yield_link(demand_ptr, progress_ptr, launch, deadline, SPINS: tl.constexpr):
+        """Wait while this layer reads experts from host, unless the fill is needed by the next MoE layer (its clock
+        is at most two after the launch's) or the main stream has moved on (the next launch takes over)."""
+        if deadline > launch + 2:
+            spins = 0
+            busy = tl.load(demand_ptr, volatile=True)
+            while (busy != 0) & (spins < SPINS):
+                busy = tl.load(demand_ptr, volatile=True)
+                busy = tl.where(tl.load(progress_ptr, volatile=True) > launch, 0, busy)
+                spins += 1
+
+    @triton.jit
     def _fill_kernel(order_ptr, e_key_ptr, e_slot_ptr, e_deadline_ptr, e_next_ptr, e_done_ptr, e_ready_ptr,
-                     progress_ptr, step_ptr, pool_ptr, delta_ptr, position, P: tl.constexpr,
+                     progress_ptr, step_ptr, pool_ptr, delta_ptr, demand_ptr, position, P: tl.constexpr,
                      M: tl.constexpr, REC: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, IDLE: tl.constexpr, SPINS: tl.constexpr):
         step = tl.load(step_ptr)
         launch = tl.where(position < 0, 2 * step * P - 1, 2 * (step * P + position))  # the plan it follows
         delta = tl.load(delta_ptr)  # host arena - pool, in int32 elements
@@ -113,6 +133,8 @@ if HAS_TRITON:
                 elif deadline <= progress:
                     chunk = N_CHUNKS  # its layer already planned: skip
                 else:
+                    if IDLE:
+                        _yield_link(demand_ptr, progress_ptr, launch, deadline, SPINS)
                     chunk = tl.atomic_add(e_next_ptr + j, 1)
                 while chunk < N_CHUNKS:
                     for start in range(0, CHUNK, BLOCK):
@@ -130,6 +152,8 @@ if HAS_TRITON:
                     elif deadline <= progress:
                         chunk = N_CHUNKS
                     else:
+                        if IDLE:
+                            _yield_link(demand_ptr, progress_ptr, launch, deadline, SPINS)
                         chunk = tl.atomic_add(e_next_ptr + j, 1)
             i += 1
 
@@ -168,8 +192,10 @@ class Filler:
             _fill_kernel, (self.programs,), num_warps=8, num_stages=1, order_ptr=st.order[position + 1],
             e_key_ptr=st.e_key, e_slot_ptr=st.e_slot, e_deadline_ptr=st.e_deadline, e_next_ptr=st.e_next,
             e_done_ptr=st.e_done, e_ready_ptr=st.e_ready, progress_ptr=st.progress, step_ptr=st.step,
-            pool_ptr=self._words, delta_ptr=self._delta, position=position, P=cfg.positions, M=cfg.entries,
-            REC=cfg.record_bytes // 4, CHUNK=cfg.chunk_bytes // 4, N_CHUNKS=cfg.chunks, BLOCK=FILL_BLOCK)
+            pool_ptr=self._words, delta_ptr=self._delta, demand_ptr=st.demand, position=position, P=cfg.positions,
+            M=cfg.entries, REC=cfg.record_bytes // 4, CHUNK=cfg.chunk_bytes // 4, N_CHUNKS=cfg.chunks,
+            BLOCK=FILL_BLOCK, IDLE=bool(cfg.fill_idle_link),
+            SPINS=YIELD_SPINS if self.pool.is_cuda else INTERPRETER_AWAIT_SPINS)
 
 
 def await_fills(st: TableState, position: int, u_wait: torch.Tensor, u_slot: torch.Tensor, use_kernel: bool) -> None:

@@ -144,13 +144,13 @@ if HAS_TRITON:
         cand = cell_ok & (conf > 0) & (conf >= MIN_CONF)
         rkey = q[:, None] * E + e2[None, :]
         rslot = tl.load(slot_of + rkey, mask=cand, other=-1)
-        return rows, off, q, row_ok, ring_row, deadline, e2, cell_ok, cand, rkey, rslot
+        return rows, off, q, row_ok, ring_row, deadline, e2, cell_ok, cand, rkey, rslot, conf
 
     @triton.jit
     def _protect_window(position, step, dstep, pred, slot_of, protect, P: tl.constexpr, P_MAIN: tl.constexpr,
                         E: tl.constexpr, E_PAD: tl.constexpr, R, ROWS_PAD: tl.constexpr, RB: tl.constexpr, MIN_CONF):
         for start in range(0, ROWS_PAD, RB):
-            rows, off, q, row_ok, ring_row, deadline, e2, cell_ok, cand, rkey, rslot = _window_cells(
+            rows, off, q, row_ok, ring_row, deadline, e2, cell_ok, cand, rkey, rslot, conf = _window_cells(
                 start, position, step, dstep, pred, slot_of, P, P_MAIN, E, E_PAD, R, RB, MIN_CONF)
             tl.atomic_max(protect + rslot, deadline[:, None] + e2[None, :] * 0, mask=cand & (rslot >= 0))
 
@@ -211,7 +211,11 @@ if HAS_TRITON:
         else:
             _bump(counters, position, 5, _count(late | miss), NC)  # zero_copy
         _bump(counters, position, 9, tl.sum(tl.where(was_prefetch, now - made, 0), axis=0), NC)  # lead_sum
-        return ex, first, u_first, key, miss
+        if WAIT:  # the experts this layer reads from host memory (a waited-for late one is a fill's)
+            reads = _count(miss)
+        else:
+            reads = _count(late | miss)
+        return ex, first, u_first, key, miss, reads
 
     @triton.jit
     def _admit(key, miss, u_first, position, now, step_base, u_dst, adm_key, adm_slot, slot_of, key_of,
@@ -271,12 +275,13 @@ if HAS_TRITON:
         tl.store(last_use + sslot, now, mask=first_s)
 
     @triton.jit
-    def _wanted(start, position, step, dstep, now, pred, slot_of, inflight_of, fills_for, BUDGET, MIN_CONF, LEAD, R,
-                P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, RB: tl.constexpr):
-        """A block of the window: the missing predicted experts within the lead (`LEAD`, a clock span) that each
-        target's budget allows (`within`, each key at its earliest need only), their rank within their row, and the
-        cells' addresses."""
-        rows, off, q, row_ok, ring_row, deadline, e2, cell_ok, cand, rkey, rslot = _window_cells(
+    def _wanted(start, position, step, dstep, now, pred, slot_of, inflight_of, fills_for, BUDGET, MIN_CONF, FILL_CONF,
+                LEAD, R, P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
+                RB: tl.constexpr):
+        """A block of the window: the missing predicted experts within the lead (`LEAD`, a clock span) and at the
+        fill cut (`FILL_CONF`) that each target's budget allows (`within`, each key at its earliest need only), their
+        rank within their row, and the cells' addresses."""
+        rows, off, q, row_ok, ring_row, deadline, e2, cell_ok, cand, rkey, rslot, conf = _window_cells(
             start, position, step, dstep, pred, slot_of, P, P_MAIN, E, E_PAD, R, RB, MIN_CONF)
         rinfl = tl.load(inflight_of + rkey, mask=cand, other=0)
         need = cand & (rslot < 0) & (rinfl == -1)
@@ -287,7 +292,7 @@ if HAS_TRITON:
             conf_e = tl.load(pred + ((((dstep + earlier) % R) * P + q) * E)[:, None] + e2[None, :],
                              mask=cell_ok & inside[:, None], other=0.0)
             need = need & ~(inside[:, None] & (conf_e > 0) & (conf_e >= MIN_CONF))
-        need = need & ((deadline - now) <= LEAD)[:, None]
+        need = need & ((deadline - now) <= LEAD)[:, None] & (conf >= FILL_CONF)
         used = tl.load(fills_for + ring_row * P + q, mask=row_ok, other=0)
         in_row = tl.cumsum(need.to(tl.int32), axis=1) - need.to(tl.int32)
         within = need & ((used[:, None] + in_row) < BUDGET)
@@ -297,8 +302,8 @@ if HAS_TRITON:
     def _reserve(position, step, dstep, now, step_base, pred, slot_of, key_of, slot_state, last_use, protect,
                  prefetched_at, pinned, inflight_of, e_state, e_key, e_slot, e_deadline, e_made, e_next, e_done,
                  e_ready, victims, cursor_ptr, fills_for, counters, scratch, scratch_e, S, BUDGET, MAX_INFLIGHT,
-                 MIN_CONF, SPARE, LEAD, R, P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
-                 M: tl.constexpr, ROWS_PAD: tl.constexpr, RB: tl.constexpr, WIN: tl.constexpr, NC: tl.constexpr):
+                 MIN_CONF, FILL_CONF, SPARE, LEAD, R, P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr,
+                 E_PAD: tl.constexpr, M: tl.constexpr, ROWS_PAD: tl.constexpr, RB: tl.constexpr, WIN: tl.constexpr, NC: tl.constexpr):
         """Fills for the window's missing predicted experts: rank within a target (its budget), then across targets
         in deadline order (the cap in flight, free entries, victims). Two passes over the window's blocks: count
         the wanted fills, pop that many victims (at most), then hand them out in deadline order. A block's wants do
@@ -306,8 +311,8 @@ if HAS_TRITON:
         total = 0
         for start in range(0, ROWS_PAD, RB):
             within, q, row_ok, ring_row, deadline, e2, rkey, rslot, cand = _wanted(
-                start, position, step, dstep, now, pred, slot_of, inflight_of, fills_for, BUDGET, MIN_CONF, LEAD, R, P,
-                P_MAIN, E, E_PAD, RB)
+                start, position, step, dstep, now, pred, slot_of, inflight_of, fills_for, BUDGET, MIN_CONF,
+                FILL_CONF, LEAD, R, P, P_MAIN, E, E_PAD, RB)
             tl.atomic_max(protect + rslot, deadline[:, None] + e2[None, :] * 0, mask=cand & (rslot >= 0))
             total += _count2(within)
         jm = tl.arange(0, M)
@@ -323,8 +328,8 @@ if HAS_TRITON:
         base = 0
         for start in range(0, ROWS_PAD, RB):
             within, q, row_ok, ring_row, deadline, e2, rkey, rslot, cand = _wanted(
-                start, position, step, dstep, now, pred, slot_of, inflight_of, fills_for, BUDGET, MIN_CONF, LEAD, R, P,
-                P_MAIN, E, E_PAD, RB)
+                start, position, step, dstep, now, pred, slot_of, inflight_of, fills_for, BUDGET, MIN_CONF,
+                FILL_CONF, LEAD, R, P, P_MAIN, E, E_PAD, RB)
             row_total = tl.sum(within.to(tl.int32), axis=1)
             in_rows = tl.cumsum(within.to(tl.int32), axis=1) - within.to(tl.int32)
             grank = base + (tl.cumsum(row_total, axis=0) - row_total)[:, None] + in_rows
@@ -371,9 +376,10 @@ if HAS_TRITON:
         slot_of, key_of, slot_state, last_use, protect, prefetched_at, use_count, pinned, inflight_of,
         e_state, e_key, e_slot, e_deadline, e_made, e_next, e_done, e_ready,
         order, adm_key, adm_slot, victims, cursor_ptr, step_ptr, step_base_ptr, progress_ptr, dstep_ptr,
-        pred, fills_for, counters, trace, scratch, scratch_e,
+        pred, fills_for, counters, trace, scratch, scratch_e, demand_ptr,
         # shapes and policy
-        S, CHUNKS, BUDGET, MAX_INFLIGHT, MIN_CONF, SPARE, LEAD, R, SHADOW, RESERVE, RECALL, TRACE, WAIT: tl.constexpr,
+        S, CHUNKS, BUDGET, MAX_INFLIGHT, MIN_CONF, FILL_CONF, SPARE, LEAD, R, SHADOW, RESERVE, RECALL, TRACE,
+        WAIT: tl.constexpr, IDLE: tl.constexpr,
         P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
         M: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, K: tl.constexpr, XK_PAD: tl.constexpr,
         SK_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, RB: tl.constexpr, WIN: tl.constexpr, NC: tl.constexpr,
@@ -392,9 +398,12 @@ if HAS_TRITON:
         _publish(slot_of, slot_state, prefetched_at, inflight_of, e_state, e_key, e_slot, e_made, e_ready, adm_key,
                  adm_slot, counters, E, M, A, A_PAD, NC, 13, 14, CHUNKS)
         tl.debug_barrier()
-        ex, first, u_first, key, miss = _exact_rows(ids_x, act_x, nx, position, now, assign, u_key, u_slot, u_dst,
-                                                    u_wait, slot_of, last_use, prefetched_at, use_count, inflight_of,
-                                                    e_made, e_slot, e_deadline, counters, E, K, XK_PAD, NC, WAIT)
+        ex, first, u_first, key, miss, reads = _exact_rows(ids_x, act_x, nx, position, now, assign, u_key, u_slot,
+                                                           u_dst, u_wait, slot_of, last_use, prefetched_at,
+                                                           use_count, inflight_of, e_made, e_slot, e_deadline,
+                                                           counters, E, K, XK_PAD, NC, WAIT)
+        if IDLE:  # fills for later layers give the link to this layer's host reads (cleared after its experts)
+            tl.store(demand_ptr, reads)
         tl.debug_barrier()
         if RESERVE != 0:  # live predictions protect their resident experts before any victim is chosen
             _protect_window(position, step, dstep, pred, slot_of, protect, P, P_MAIN, E, E_PAD, R, ROWS_PAD, RB,
@@ -416,12 +425,12 @@ if HAS_TRITON:
             _reserve(position, step, dstep, now, step_base, pred, slot_of, key_of, slot_state, last_use, protect,
                      prefetched_at, pinned, inflight_of, e_state, e_key, e_slot, e_deadline, e_made, e_next, e_done,
                      e_ready, victims, cursor_ptr, fills_for, counters, scratch, scratch_e, S, BUDGET, MAX_INFLIGHT,
-                     MIN_CONF, SPARE, LEAD, R, P, P_MAIN, E, E_PAD, M, ROWS_PAD, RB, WIN, NC)
+                     MIN_CONF, FILL_CONF, SPARE, LEAD, R, P, P_MAIN, E, E_PAD, M, ROWS_PAD, RB, WIN, NC)
             tl.debug_barrier()
         _write_order(order, e_state, e_next, e_deadline, position, CHUNKS, M)
 
     @triton.jit
-    def _step_start_kernel(step_ptr, dstep_ptr, step_base_ptr, progress_ptr, cursor_ptr, slot_of, key_of,
+    def _step_start_kernel(step_ptr, dstep_ptr, step_base_ptr, progress_ptr, cursor_ptr, demand_ptr, slot_of, key_of,
                            slot_state, last_use, protect, prefetched_at, inflight_of, e_state, e_key, e_slot,
                            e_deadline, e_made, e_done, e_ready, adm_key, adm_slot, pred, fills_for, counters,
                            P: tl.constexpr, E: tl.constexpr, M: tl.constexpr, A: tl.constexpr,
@@ -437,6 +446,7 @@ if HAS_TRITON:
         tl.store(step_base_ptr, now)
         tl.store(progress_ptr, now)
         tl.store(cursor_ptr, 0)
+        tl.store(demand_ptr, 0)
         _publish(slot_of, slot_state, prefetched_at, inflight_of, e_state, e_key, e_slot, e_made, e_ready, adm_key,
                  adm_slot, counters, E, M, A, A_PAD, NC, 13, 14, CHUNKS)
         tl.debug_barrier()
@@ -501,7 +511,7 @@ class Planner:
         st, cfg = self.st, self.cfg
         return Launch(
             _step_start_kernel, (1,), step_ptr=st.step, dstep_ptr=st.decode_step, step_base_ptr=st.step_base,
-            progress_ptr=st.progress, cursor_ptr=st.cursor, slot_of=st.slot_of, key_of=st.key_of,
+            progress_ptr=st.progress, cursor_ptr=st.cursor, demand_ptr=st.demand, slot_of=st.slot_of, key_of=st.key_of,
             slot_state=st.slot_state, last_use=st.last_use, protect=st.protect, prefetched_at=st.prefetched_at,
             inflight_of=st.inflight_of, e_state=st.e_state, e_key=st.e_key, e_slot=st.e_slot,
             e_deadline=st.e_deadline, e_made=st.e_made, e_done=st.e_done, e_ready=st.e_ready, adm_key=st.adm_key,
@@ -546,17 +556,17 @@ class Planner:
             victims=st.victims, cursor_ptr=st.cursor, step_ptr=st.step, step_base_ptr=st.step_base,
             progress_ptr=st.progress, dstep_ptr=st.decode_step, pred=st.pred, fills_for=st.fills_for,
             counters=st.counters, trace=trace if trace is not None else self._dummy, scratch=self._scratch,
-            scratch_e=self._scratch_e,
+            scratch_e=self._scratch_e, demand_ptr=st.demand,
             P=cfg.positions, P_MAIN=max(cfg.main_positions, 1), E=cfg.n_experts, E_PAD=_pow2(cfg.n_experts),
             S=cfg.n_slots, M=cfg.entries, A=self.max_experts, A_PAD=_pow2(self.max_experts), K=self.top_k,
             XK_PAD=_pow2(max(ids_x.shape[0] * self.top_k, 2)),
             SK_PAD=_pow2(max(ids_s.shape[0] * self.top_k, 2)) if shadow else 2,
             R=cfg.ring, ROWS_PAD=rows_pad, RB=min(rows_pad, max(WINDOW_CELLS // _pow2(cfg.n_experts), 1)),
             CHUNKS=cfg.chunks, BUDGET=cfg.budget_per_target, MAX_INFLIGHT=cfg.max_inflight,
-            MIN_CONF=float(cfg.min_confidence), SPARE=cfg.spare_recent, LEAD=cfg.lead_clock, WIN=VICTIM_WINDOW,
-            NC=len(COUNTERS),
+            MIN_CONF=float(cfg.min_confidence), FILL_CONF=float(cfg.fill_cut), SPARE=cfg.spare_recent,
+            LEAD=cfg.lead_clock, WIN=VICTIM_WINDOW, NC=len(COUNTERS),
             SHADOW=int(shadow), RESERVE=int(reserve), RECALL=int(count_recall), TRACE=int(trace is not None),
-            WAIT=bool(cfg.wait_late))
+            WAIT=bool(cfg.wait_late), IDLE=bool(cfg.fill_idle_link))
 
 
 # the kernel writes counter columns by number; keep them tied to the names

@@ -42,7 +42,7 @@ def select_experts_reference(shape: RouterShape, logits: torch.Tensor, bias: tor
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [N, E] fp32 -> (ids [N, k] int64, weights [N, k] fp32, selection scores [N, E] fp32), exactly as
     DeepSeek-V3 (sigmoid, bias for selection only, group-limited) or V2 (softmax, greedy or group-limited)."""
-    scores = logits.sigmoid() if shape.sigmoid else logits.softmax(dim=-1)
+    scores = router_scores(shape, logits)
     choice = scores + bias if bias is not None else scores
     if shape.grouped:
         grouped = choice.view(-1, shape.n_group, shape.n_experts // shape.n_group)
@@ -56,10 +56,21 @@ def select_experts_reference(shape: RouterShape, logits: torch.Tensor, bias: tor
         choice = choice.masked_fill(~group_mask.repeat_interleave(shape.n_experts // shape.n_group, 1),
                                     float("-inf"))
     ids = choice.topk(shape.top_k, dim=-1).indices
-    weights = scores.gather(1, ids)  # unbiased scores: the bias only selects
+    return ids, combine_weights_reference(shape, scores, ids), choice
+
+
+def combine_weights_reference(shape: RouterShape, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The combination weights of the experts `ids` [N, k] from the router's unbiased scores [N, E] (the bias only
+    selects): gathered, renormalised when the family does, scaled."""
+    weights = scores.gather(1, ids)
     if shape.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return ids, weights * shape.scaling, choice
+    return weights * shape.scaling
+
+
+def router_scores(shape: RouterShape, logits: torch.Tensor) -> torch.Tensor:
+    """The router's unbiased scores from its fp32 logits [N, E]."""
+    return logits.sigmoid() if shape.sigmoid else logits.softmax(dim=-1)
 
 
 if HAS_TRITON:

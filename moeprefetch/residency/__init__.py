@@ -151,12 +151,14 @@ class Residency:
     def configure(self, ring: int = 2, budget_per_target: int | None = None, max_inflight: int | None = None,
                   min_confidence: float = 0.0, spare_recent: int | None = None, wait_late: bool = False,
                   prefetch_lead: int = 0, policy: str | None = None,
-                  frequency_halflife: float | None = None) -> None:
+                  frequency_halflife: float | None = None, fill_confidence: float = 0.0,
+                  fill_idle_link: bool = False) -> None:
         """Per-call prefetch settings: prediction ring depth, fills per target, fills in flight, confidence cut, the
         steps of recent experts that prefetches spare (0 for the oracle: Belady's victims know better), how many
-        MoE positions ahead a fill may be reserved (0: the whole prediction window), and the cache policy and LRFU's
+        MoE positions ahead a fill may be reserved (0: the whole prediction window), the cache policy and LRFU's
         half-life in steps (default: the engine's; the routing history LFU and LRFU rank by is kept whatever the
-        policy).
+        policy), the confidence a prediction needs to be fetched rather than only protected, and whether fills for
+        later layers yield the link to a layer's host reads.
         Each setting gets its own launchers (captured graphs keep theirs); the table tensors never move."""
         budget = budget_per_target if budget_per_target is not None else self.base_cfg.budget_per_target
         inflight = min(max_inflight if max_inflight is not None else self.base_cfg.max_inflight, ENTRIES // 2)
@@ -165,7 +167,8 @@ class Residency:
                            spare_recent=self.base_cfg.spare_recent if spare_recent is None else spare_recent,
                            wait_late=bool(wait_late), prefetch_lead=int(prefetch_lead),
                            policy=policy or self.base_cfg.policy,
-                           frequency_halflife=float(frequency_halflife or self.base_cfg.frequency_halflife))
+                           frequency_halflife=float(frequency_halflife or self.base_cfg.frequency_halflife),
+                           fill_confidence=float(fill_confidence), fill_idle_link=bool(fill_idle_link))
         if self.cfg not in self._launchers:
             self._launchers[self.cfg] = (
                 Planner(self.st, self.cfg, self.top_k, self.max_rows, self.max_rows, self.use_kernels),
@@ -329,8 +332,15 @@ class Residency:
         if ids_s is not None:
             nx = ids_x.shape[0]
             weights = torch.cat((weights[:nx], renormalise(weights[nx:], assign[nx:] >= 0)))
-        return self.experts(x, assign, weights.contiguous(), buffers.u_key, buffers.u_slot, buffers.u_dst,
-                            out=buffers.out[:n], step_rows=buffers.step_rows)
+        out = self.experts(x, assign, weights.contiguous(), buffers.u_key, buffers.u_slot, buffers.u_dst,
+                           out=buffers.out[:n], step_rows=buffers.step_rows)
+        self._host_reads_done()
+        return out
+
+    def _host_reads_done(self) -> None:
+        """After a layer's experts (main stream): its host reads are over, so yielding fills may use the link."""
+        if self.cfg.fill_idle_link and not self.preloaded:
+            self.st.demand.zero_()
 
     def _exchanged(self, x: torch.Tensor, assign: torch.Tensor, weights: torch.Tensor, nx: int,
                    buffers: "PlanBuffers") -> torch.Tensor:
@@ -340,6 +350,7 @@ class Residency:
         terms = self.experts.terms(x, assign, buffers.u_key, buffers.u_slot, buffers.u_dst,
                                    step_rows=buffers.step_rows)  # [N, k, H] fp32
         packed = torch.cat((terms, (assign >= 0).float()[..., None]), -1)
+        self._host_reads_done()
         self.group.all_reduce_(packed)  # type: ignore[union-attr]
         valid = packed[..., -1] > 0
         if nx < x.shape[0]:

@@ -28,6 +28,8 @@ which is fast enough on the CPU, where every step of the test suite runs through
 
 from __future__ import annotations
 
+import array
+
 import torch
 
 from .state import (ADMITTING, C, E_ACTIVE, E_DONE, E_FREE, FAR, FILLING, FREE, NO_ENTRY, POLICY_CODES, RESIDENT,
@@ -50,11 +52,23 @@ class _Lists:
 
     def write_back(self) -> None:
         for name in self.NAMES:
-            getattr(self.st, name).copy_(torch.tensor(getattr(self, name), dtype=getattr(self.st, name).dtype))
+            target = getattr(self.st, name)
+            target.copy_(_as_tensor(getattr(self, name), target))
         self.st.cursor.fill_(self.cursor)
 
     def bump(self, position: int, counter: str, amount: int = 1) -> None:
         self.counters[position][C[counter]] += amount
+
+
+_ARRAY_CODES = {torch.int32: "i", torch.int64: "q", torch.float32: "f"}
+
+
+def _as_tensor(values: list, like: torch.Tensor) -> torch.Tensor:
+    """A list view back as a tensor shaped like `like` (through a packed buffer: torch.tensor on Python ints is the
+    plans' largest cost on the CPU)."""
+    if like.dim() == 1 and like.dtype in _ARRAY_CODES and values:
+        return torch.frombuffer(array.array(_ARRAY_CODES[like.dtype], values), dtype=like.dtype)
+    return torch.tensor(values, dtype=like.dtype)
 
 
 # ---- pieces shared by every plan ---------------------------------------------------------------------------------
@@ -214,7 +228,10 @@ def plan_layer(
                 if e >= 0:  # < 0: another rank's expert (expert parallelism)
                     out_assign[r][j] = exact.setdefault(e, len(exact))
 
+    reads_before = t.counters[position][C["zero_copy"]] if position >= 0 else 0
     misses = _classify_exact(t, cfg, position, now, exact, keys, slots, waits)
+    if cfg.fill_idle_link and position >= 0:  # the layer's host reads, which yielding fills wait for
+        st.demand.fill_(t.counters[position][C["zero_copy"]] - reads_before)
     if reserve:  # live predictions protect their experts before any victim is chosen
         _window(t, cfg, position, step, dstep)
     _admit_misses(t, cfg, position, now, step_base, misses, keys, dsts)
@@ -272,37 +289,42 @@ def _shadow_rows(t: _Lists, key_base: int, rows: list[list[int]], active: list[b
 
 
 def _window(t: _Lists, cfg: ResidencyConfig, position: int, step: int,
-            dstep: int) -> list[tuple[int, int, int, int]]:
+            dstep: int) -> list[tuple[int, int, int, int, float]]:
     """The prediction window after `position` (the rest of this step, then the next `ring - 1` steps: one for every
     predictor but the oracle, which looks `lookahead` steps ahead), in deadline order: protects every predicted expert
-    that is resident until its need, and returns the ones to fetch as (ring row, position, key, deadline), each key
-    once (its earliest need)."""
+    that is resident until its need, and returns the missing ones as (ring row, position, key, deadline,
+    confidence), each key once (its earliest need)."""
     e_count, p_count = cfg.n_experts, cfg.positions
-    candidates: list[tuple[int, int, int, int]] = []  # (ring row, position, key, deadline) in deadline order
+    candidates: list[tuple[int, int, int, int, float]] = []  # (ring row, position, key, deadline, conf), in order
     seen: set[int] = set()
-    for offset in range(cfg.ring):
-        ring_row = (dstep + offset) % cfg.ring
-        for q in range(cfg.main_positions):
-            if offset == 0 and q <= position:
-                continue
-            deadline = 2 * ((step + offset) * p_count + q)
-            conf = t.pred[ring_row, q].tolist()
-            for e, c in enumerate(conf):
-                if c <= 0 or c < cfg.min_confidence:
-                    continue
-                key = q * e_count + e
-                slot = t.slot_of[key]
-                if slot >= 0:
-                    t.protect[slot] = max(t.protect[slot], deadline)
-                elif t.inflight_of[key] == NO_ENTRY and key not in seen:
-                    seen.add(key)
-                    candidates.append((ring_row, q, key, deadline))
+    ring = t.pred[: cfg.ring, : cfg.main_positions]
+    predicted = (ring > 0) & (ring >= cfg.min_confidence)
+    # sparse: visit predicted cells only (nonzero and the mask's values share the row-major order)
+    cells = [(*cell, conf) for cell, conf in zip(predicted.nonzero().tolist(), ring[predicted].tolist())]
+    # deadline order: steps ahead (ring rows from the current one), then position, then expert
+    by_row: dict[int, list[tuple[int, int, int, float]]] = {}
+    for cell in cells:
+        by_row.setdefault(cell[0], []).append(cell)
+    ordered = [cell for offset in range(cfg.ring) for cell in by_row.get((dstep + offset) % cfg.ring, ())]
+    for ring_row, q, e, conf in ordered:
+        offset = (ring_row - dstep) % cfg.ring
+        if offset == 0 and q <= position:
+            continue
+        deadline = 2 * ((step + offset) * p_count + q)
+        key = q * e_count + e
+        slot = t.slot_of[key]
+        if slot >= 0:
+            t.protect[slot] = max(t.protect[slot], deadline)
+        elif t.inflight_of[key] == NO_ENTRY and key not in seen:
+            seen.add(key)
+            candidates.append((ring_row, q, key, deadline, conf))
     return candidates
 
 
 def _reserve(t: _Lists, cfg: ResidencyConfig, position: int, now: int, step_base: int, step: int,
              dstep: int) -> None:
-    """Prefetch reservation: fills for the window's missing experts whose need is within the lead, within the
+    """Prefetch reservation: fills for the window's missing experts whose need is within the lead and whose
+    confidence reaches the fill cut (`fill_confidence`: a fill costs link bytes, protection none), within the
     per-target budget and the cap on fills in flight, victims permitting. The whole window still protects its
     resident experts. Why a lead: a fill holds its slot from its reservation to its need, and its victim is picked
     from what is known at the reservation. The oracle on a random 26-MoE-layer model at 12 % cached (CPU counts,
@@ -311,8 +333,8 @@ def _reserve(t: _Lists, cfg: ResidencyConfig, position: int, now: int, step_base
     candidates = _window(t, cfg, position, step, dstep)
     per_row: dict[tuple[int, int], int] = {}
     chosen = []
-    for ring_row, q, key, deadline in candidates:
-        if deadline - now > cfg.lead_clock:
+    for ring_row, q, key, deadline, conf in candidates:
+        if deadline - now > cfg.lead_clock or conf < cfg.fill_cut:
             continue
         used = t.fills_for[ring_row][q] + per_row.get((ring_row, q), 0)
         if used < cfg.budget_per_target:
@@ -361,6 +383,7 @@ def step_start(st: TableState, cfg: ResidencyConfig, decode: bool, next_use: tor
     t = _Lists(st)
     step = int(st.step[0]) + 1
     st.step.fill_(step)
+    st.demand.zero_()
     if decode:
         st.decode_step.add_(1)
     now = 2 * step * cfg.positions - 1

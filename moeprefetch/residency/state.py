@@ -49,12 +49,19 @@ class ResidencyConfig:
     max_inflight: int = 16  # fills reserved and not yet complete, at most
     budget_per_target: int = 9  # fills per (step, layer), at most
     min_confidence: float = 0.0  # predictions below this are neither fetched nor counted
+    fill_confidence: float = 0.0  # predictions below this are not fetched; they still protect what they name
     spare_recent: int = 1  # prefetches never evict an expert used within this many previous steps (misses may)
     prefetch_lead: int = 0  # fills only for needs at most this many MoE positions ahead of the plan (0: no limit)
     chunk_bytes: int = 1 << 16  # unit of a fill: claimed and copied by one program at a time
     policy: str = "lru"
     frequency_halflife: float = 8.0  # lrfu: a use counts half after this many steps (BENCHMARKS "LRFU")
     wait_late: bool = False  # a late prefetch: wait (bounded) for its fill instead of reading it from host again
+    fill_idle_link: bool = False  # fills for later steps pause while a layer reads missed experts from host
+
+    @property
+    def fill_cut(self) -> float:
+        """The confidence a prediction needs to be fetched (protecting needs only `min_confidence`)."""
+        return max(self.min_confidence, self.fill_confidence)
 
     @property
     def keys(self) -> int:
@@ -107,6 +114,7 @@ class TableState:
     step_base: torch.Tensor  # [1] int64 clock of the current step's start
     progress: torch.Tensor  # [1] int64 the main stream's latest plan point, read by fills
     decode_step: torch.Tensor  # [1] int64 index of the decode step (oracle traces, rings)
+    demand: torch.Tensor  # [1] int32 experts the current layer reads from host (`fill_idle_link`), 0 once read
     pred: torch.Tensor  # [R, P, E] fp32 prediction confidence per target (step mod R, position, expert)
     fills_for: torch.Tensor  # [R, P] int32 fills reserved per target
     counters: torch.Tensor  # [P, len(COUNTERS)] int64
@@ -129,7 +137,7 @@ class TableState:
             adm_key=full((admissions,), -1, i32), adm_slot=full((admissions,), -1, i32),
             victims=torch.arange(s, dtype=i32, device=device), cursor=full((1,), 0, i32),
             step=full((1,), 0, i64), step_base=full((1,), -1, i64), progress=full((1,), -1, i64),
-            decode_step=full((1,), 0, i64), pred=full((cfg.ring, cfg.positions, cfg.n_experts), 0.0, torch.float32),
+            decode_step=full((1,), 0, i64), demand=full((1,), 0, i32), pred=full((cfg.ring, cfg.positions, cfg.n_experts), 0.0, torch.float32),
             fills_for=full((cfg.ring, cfg.positions), 0, i32), counters=full((cfg.positions, len(COUNTERS)), 0, i64),
         )
 
