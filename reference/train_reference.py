@@ -1045,10 +1045,24 @@ def save_checkpoint(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+# Shapes beside the shipped reference model's (the ModelConfig defaults). "deep": the deep benchmark model of
+# issue 36, DeepSeek-V2-Lite's routing shape (26 MoE layers of 64 experts, top-6, 2 shared experts, 8 groups of which
+# 4 are kept) with a tiny hidden size, so that it trains in a few minutes on the H200 and weighs ~31 MB in bf16 (the
+# benchmark pads its experts to V2-Lite's 17.3 MB)
+PRESETS: dict[str, dict[str, Any]] = {
+    "reference": {},
+    "deep": dict(hidden_size=128, num_layers=27, intermediate_size=512, moe_intermediate_size=16,
+                 n_routed_experts=64, experts_per_tok=6, n_group=8, topk_group=4, n_shared_experts=2,
+                 max_size_mb=40.0),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
+    p.add_argument("--preset", choices=sorted(PRESETS), default="reference",
+                   help="model shape defaults (explicit shape options still override them)")
     io = p.add_argument_group("input/output")
     io.add_argument("--corpus", type=Path, required=True,
                     help="dir with train_ids.npy, heldout_ids.npy, tokenizer.json")
@@ -1146,7 +1160,10 @@ def checkpoint_size_bytes(model: ReferenceModel) -> int:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Train, save, and return the training log dict."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    preset = parser.parse_known_args(argv)[0].preset
+    parser.set_defaults(**PRESETS[preset])
+    args = parser.parse_args(argv)
     validate_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.manual_seed(args.seed)

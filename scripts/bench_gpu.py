@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from moeprefetch import MoEPrefetchEngine  # noqa: E402
 from moeprefetch.analysis import belady_bytes_per_token  # noqa: E402
 from moeprefetch.checkpoint import CheckpointReader  # noqa: E402
-from moeprefetch.options import LATE_PREFETCH, POLICIES, EngineConfig  # noqa: E402
+from moeprefetch.options import FILL_LINK, LATE_PREFETCH, POLICIES, EngineConfig  # noqa: E402
 
 logger = logging.getLogger("bench_gpu")
 GiB = 1024**3
@@ -444,6 +444,9 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
         "policy": engine.options.policy,
         "lrfu_halflife": engine.options.lrfu_halflife,
         "min_confidence": min_confidence,
+        "fill_confidence": engine.options.fill_confidence,
+        "fill_link": engine.options.fill_link,
+        "routing_trace": engine.options.routing_trace,
         "speculative": speculative,
         "expert_dtype": engine.options.expert_dtype,
         "runs": runs,
@@ -619,15 +622,18 @@ def prompts_for(path: Path, corpus: Path | None, vocab: int, count: int, length:
 def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torch.device, link: dict[str, float],
                    emit: Callable[[dict[str, Any]], None]) -> None:
     config = json.loads((path / "config.json").read_text())
-    prompts = prompts_for(path, args.corpus if name == "ref17" else None, config["vocab_size"], args.runs,
+    learned = name in ("ref17", "deep")  # trained checkpoints: held-out text as prompts, a share of experts cached
+    prompts = prompts_for(path, args.corpus if learned else None, config["vocab_size"], args.runs,
                           args.prompt_tokens, seed=1)
     common = dict(device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                   max_seq_len=args.max_seq_len, max_batch_size=1, progress=False)
+    if name == "v2lite_trace":  # every engine, all-resident too, routes decode steps from the trace
+        common["routing_trace"] = str(routing_trace_for(args, config))
     base = {"workload": name + (f"#{args.variant}" if args.variant else ""), "batch": 1,
             "prompt_tokens": [len(p) for p in prompts], "vram_budget_gib": args.budget_gib}
-    # ref17, and a cut of Qwen3-30B-A3B's layers, cache a share of their experts (--cache-fraction); the others get
-    # the budget
-    budget = args.budget_gib if name not in ("ref17", "qwen3_30b_layers") else None
+    # the trained models, and a cut of Qwen3-30B-A3B's layers, cache a share of their experts (--cache-fraction); the
+    # others get the budget
+    budget = args.budget_gib if not learned and name != "qwen3_30b_layers" else None
 
     # all-resident: the compute-only bound
     resident_ms = None
@@ -686,21 +692,26 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
           "store_fill_gbps": store.nbytes / max(store.load_seconds, 1e-9) / 1e9})
     cuts = [float(v) for v in str(args.min_confidence).split(",") if v]
 
-    def with_cuts(name: str) -> list[tuple[str, str, None, None, float]]:
+    def with_cuts(name: str) -> list[tuple]:
         """The predictor uncut, then at every confidence cut (the '@' rows)."""
         return [(name, name, None, None, 0.0)] + [(f"{name}@{cut}", name, None, None, cut) for cut in cuts]
 
     systems = [("none", "none", None, None, 0.0), *with_cuts("next_layer_gate"),
-               ("oracle", "oracle", None, args.oracle_lookahead, 0.0)]
+               ("oracle", "oracle", None, args.oracle_lookahead, 0.0), ("oracle_next", "oracle_next", None, None, 0.0)]
     if engine.has_mtp:
-        systems += [*with_cuts("mtp"), *with_cuts("mtp+next_layer_gate"),
+        systems += [*with_cuts("mtp"), *with_cuts("mtp+next_layer_gate"), ("mtp_router", "mtp_router", None, None, 0.0),
                     ("mtp_router+next_layer_gate", "mtp_router+next_layer_gate", None, None, 0.0),
                     ("speculative_mtp", "none", "mtp", None, 0.0),
                     ("speculative_mtp+next_layer_gate", "next_layer_gate", "mtp", None, 0.0)]
         # MTP drafts chained 2 and 3 tokens ahead (issue 21)
         systems += [(f"{name}_la{k}", name, None, k, 0.0) for name in ("mtp", "mtp+next_layer_gate") for k in (2, 3)]
+    # every row's fill settings: the run's (--fill-confidence, --fill-link) unless the row's name says (~fill, ~idle)
+    systems = [(*s, args.fill_confidence, args.fill_link) for s in systems]
     if args.systems:
-        systems = [s for s in systems if s[0] in args.systems.split(",")]
+        known = {s[0]: s for s in systems}
+        # rows this model cannot run (MTP rows without an MTP layer, say) are left out, as in the default list
+        systems = [known.get(name) or modified_row(name, known) for name in args.systems.split(",")
+                   if name.split("~")[0] in known]
     # the same predictors with other prefetch leads ('~lead' rows) and cache policies ('~policy' rows, reactive too);
     # the engine's options change between calls
     leads = [int(v) for v in args.lead_rows.split(",") if v]
@@ -709,8 +720,9 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         [(f"{s[0]}~lead{lead}", *s[1:], lead, args.policy) for lead in leads for s in systems if s[1] != "none"] + \
         [(f"{s[0]}~{policy}", *s[1:], args.prefetch_lead, policy) for policy in policies for s in systems
          if s[1] != "oracle"]  # the oracle's victims are Belady's whatever the policy
-    for system, predictor, speculative, lookahead, min_confidence, lead, policy in planned:
-        engine.options = dataclasses.replace(engine.options, prefetch_lead=lead, policy=policy)
+    for system, predictor, speculative, lookahead, min_confidence, fill_confidence, fill_link, lead, policy in planned:
+        engine.options = dataclasses.replace(engine.options, prefetch_lead=lead, policy=policy,
+                                             fill_confidence=fill_confidence, fill_link=fill_link)
         try:
             row = run_row(engine, system, prompts, args.new_tokens, predictor=predictor, speculative=speculative,
                           runs=args.runs, lookahead=lookahead, min_confidence=min_confidence)
@@ -721,7 +733,8 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         except Exception as exc:
             emit({**base, "system": system, "failed": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc(limit=4)})
-    engine.options = dataclasses.replace(engine.options, prefetch_lead=args.prefetch_lead, policy=args.policy)
+    engine.options = dataclasses.replace(engine.options, prefetch_lead=args.prefetch_lead, policy=args.policy,
+                                         fill_confidence=args.fill_confidence, fill_link=args.fill_link)
     if args.profile:
         default = ("none", "oracle", "mtp+next_layer_gate" if engine.has_mtp else "next_layer_gate")
         for predictor in args.profile_predictors.split(",") if args.profile_predictors else default:
@@ -1144,6 +1157,36 @@ def _active_bytes(engine: MoEPrefetchEngine) -> int:
     return int(resident + experts)
 
 
+def routing_trace_for(args: argparse.Namespace, config: dict[str, Any]) -> Path:
+    """v2lite_trace's trace: the real one at full scale; a random one of the model's tiny shape otherwise."""
+    if args.scale == "full":
+        return args.routing_trace
+    from moeprefetch.traces import write_trace
+
+    layers = list(range(config["first_k_dense_replace"], config["num_hidden_layers"]))
+    g = torch.Generator().manual_seed(3)
+    experts = torch.stack([torch.stack([torch.randperm(config["n_routed_experts"], generator=g)[
+        : config["num_experts_per_tok"]] for _ in layers]) for _ in range(64)])
+    out = args.workdir / "tiny_trace.jsonl"
+    write_trace(out, layers, experts)
+    return out
+
+
+def modified_row(name: str, known: dict[str, tuple]) -> tuple:
+    """A row named '<row>~fillC~idle' (any of the modifiers, any order): the known row <row> with fill_confidence C
+    and/or fill_link='idle'."""
+    base, *mods = name.split("~")
+    system, predictor, speculative, lookahead, cut, fill_confidence, fill_link = known[base]
+    for mod in mods:
+        if mod == "idle":
+            fill_link = "idle"
+        elif mod.startswith("fill"):
+            fill_confidence = float(mod[4:])
+        else:
+            raise SystemExit(f"--systems: unknown modifier {mod!r} in {name!r} (fillC or idle)")
+    return (name, predictor, speculative, lookahead, cut, fill_confidence, fill_link)
+
+
 def load_offloaded(path: Path, options: dict[str, Any], cache_fraction: float) -> MoEPrefetchEngine:
     """An engine with `options` that offloads experts: when its `vram_budget` holds every expert (nothing would
     cross the link), it is loaded again with a fixed share (`cache_fraction`, at least 8) of the experts cached."""
@@ -1219,6 +1262,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", default="", help="a tag appended to every row's workload (settings runs)")
     parser.add_argument("--expert-dtypes", default="", help="also run offloaded rows with these expert formats, "
                         "e.g. fp8,int8")
+    parser.add_argument("--fill-confidence", type=float, default=EngineConfig.fill_confidence,
+                        help="engine option fill_confidence (rows named ~fillC override it)")
+    parser.add_argument("--fill-link", choices=FILL_LINK, default=EngineConfig.fill_link,
+                        help="engine option fill_link (rows named ~idle override it)")
+    parser.add_argument("--deep-checkpoint", type=Path, default=ROOT / ".device-data/deep",
+                        help="deep: the deep reference model (reference/train_reference.py --preset deep)")
+    parser.add_argument("--routing-trace", type=Path,
+                        default=ROOT / ".device-data/traces/nvmoe-dsv2lite-a.tokens.jsonl",
+                        help="v2lite_trace: the routing trace every decode step follows (../shared/traces)")
     args = parser.parse_args(argv)
     if unknown := [p for p in args.policy_rows.split(",") if p and p not in POLICIES]:
         parser.error(f"--policy-rows: unknown policies {unknown}; choose from {', '.join(POLICIES)}")
@@ -1256,11 +1308,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.workloads.split(","):
         start = time.perf_counter()
         try:
-            if name == "ref17":
-                path = write_padded_reference(ROOT / "moeprefetch/reference_model", args.workdir / "ref17",
+            if name in ("ref17", "deep"):
+                source = ROOT / "moeprefetch/reference_model" if name == "ref17" else args.deep_checkpoint
+                if not (source / "config.json").is_file():
+                    raise FileNotFoundError(f"{source} holds no checkpoint: train it with reference/"
+                                            f"train_reference.py --preset deep (scripts/device_pending.sh STAGE=deep)")
+                path = write_padded_reference(source, args.workdir / name,
                                               int(args.expert_mb * 1e6 if args.scale == "full" else 3e5))
-            elif name in ("v2lite", "v3layers", "qwen3_30b", "qwen3_30b_layers"):
-                shape = {"v2lite": V2LITE, "v3layers": V3LAYERS}.get(name, QWEN3_30B)
+            elif name in ("v2lite", "v2lite_trace", "v3layers", "qwen3_30b", "qwen3_30b_layers"):
+                shape = {"v2lite": V2LITE, "v2lite_trace": V2LITE, "v3layers": V3LAYERS}.get(name, QWEN3_30B)
                 if name == "qwen3_30b_layers":
                     shape = dict(shape, num_hidden_layers=args.qwen3_layers)
                 shape = tiny(shape) if args.scale == "tiny" else shape
@@ -1281,7 +1337,7 @@ def main(argv: list[str] | None = None) -> int:
             emit({"workload": name, "system": "setup", "failed": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc()})
         finally:
-            if name != "ref17":
+            if name != "ref17":  # the padded reference model is small enough to keep between calls
                 subprocess.run(["rm", "-rf", str(args.workdir / name)])
         logger.info("%s done in %.1f s", name, time.perf_counter() - start)
     return 0

@@ -14,7 +14,8 @@ from moeprefetch import MoEPrefetchEngine
 
 pytestmark = [gpu, pytest.mark.gpu]
 
-PREDICTORS = ("none", "mtp", "next_layer_gate", "oracle", "mtp+next_layer_gate", "mtp_router", "previous")
+PREDICTORS = ("none", "mtp", "next_layer_gate", "oracle", "mtp+next_layer_gate", "mtp_router", "previous",
+              "oracle_next")
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -85,6 +86,43 @@ def test_fills_racing_the_compute_never_expose_a_half_written_slot(checkpoint_fa
         stats = result.stats.to_dict()
         assert stats["fill_bytes"] > 0 and stats["prefetch_issued"] > 0
         assert not engine.residency.problems()
+
+
+def test_idle_link_fills_fill_cuts_and_forced_routing_keep_the_tokens_on_gpu(checkpoint_factory, tmp_path):
+    """Fills that yield the link to host reads (`fill_link="idle"`), a fill cut above the protection cut, the
+    one-token oracle, and decode routing forced from a trace (in the step's graph): tokens of every expert resident,
+    one synchronisation per token."""
+    from moeprefetch.traces import write_trace
+
+    path = checkpoint_factory("v3", max_position_embeddings=1024)
+    prompts = [[3, 4, 5], [7, 8]]
+    resident = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_seq_len=1024)
+    expected = resident.generate(prompts, max_new_tokens=200, stop_at_eos=False).sequences
+    moe, n, k = resident.args.moe_layers, resident.args.n_routed_experts, resident.args.num_experts_per_tok
+    g = torch.Generator().manual_seed(0)
+    write_trace(tmp_path / "t.jsonl", moe, torch.stack([torch.stack([torch.randperm(n, generator=g)[:k] for _ in moe])
+                                                        for _ in range(40)]))
+    resident.close()
+    engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, expert_cache_slots=4,
+                                               max_seq_len=1024, prefetch_budget=3.0, max_inflight_experts=8,
+                                               fill_link="idle", fill_confidence=0.3)
+    for predictor in ("oracle_next", "mtp+next_layer_gate", "oracle"):
+        result = engine.generate(prompts, max_new_tokens=200, stop_at_eos=False, predictor=predictor)
+        assert result.sequences == expected, predictor
+        stats = result.stats.to_dict()
+        assert stats["prefetch_issued"] > 0 and stats["syncs_per_token"] <= 1.0
+        assert not engine.residency.problems()
+    engine.close()
+    forced = []
+    for slots in (None, 3, 7):
+        options = dict(expert_cache_slots=slots, fill_link="idle") if slots else {}
+        engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_seq_len=1024,
+                                                   routing_trace=str(tmp_path / "t.jsonl"), **options)
+        forced.append(engine.generate(prompts, max_new_tokens=60, stop_at_eos=False,
+                                      predictor="oracle_next" if slots else "none").sequences)
+        assert all(step.captured for step in engine._steps.values())
+        engine.close()
+    assert forced[0] == forced[1] == forced[2]
 
 
 def test_gpu_matches_cpu_in_fp32(checkpoint_factory):
