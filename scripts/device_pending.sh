@@ -12,7 +12,8 @@
 # GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU,
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
 # Usage: STAGE=qwen3|serve|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
-#   timelines_v2lite|distributed [LIMIT=seconds] bash scripts/device_pending.sh OUT_DIR [bench options]
+#   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace [LIMIT=seconds] \
+#   bash scripts/device_pending.sh OUT_DIR [bench options]
 # Triton's compile cache travels between calls of a session (a cold cache cost the tests stage its whole 450 s
 # this session): a call restores .devcache/triton_cache.tgz.part* when present (copy the parts that the last call
 # returned there and carry .devcache), and returns the cache in 15 MB parts (files back are 16 MiB at most).
@@ -24,7 +25,8 @@ export TRITON_CACHE_DIR=$PWD/.devcache/triton
 if [ ! -d "$TRITON_CACHE_DIR" ] && ls .devcache/triton_cache.tgz.part* > /dev/null 2>&1; then
   cat .devcache/triton_cache.tgz.part* | tar xzf - -C .devcache
 fi
-save_cache() { [ -d "$TRITON_CACHE_DIR" ] && tar czf - -C .devcache triton | split -b 15M - "$out/triton_cache.tgz.part"; }
+# NO_CACHE=1: keep the cache on the (warm) machine only, when the call returns other large files
+save_cache() { [ -z "${NO_CACHE:-}" ] && [ -d "$TRITON_CACHE_DIR" ] && tar czf - -C .devcache triton | split -b 15M - "$out/triton_cache.tgz.part"; }
 trap save_cache EXIT
 filter() { grep -v -E "Warning:|warnings.warn" | grep -E '^\{|bench_gpu|bench_serve|Error|error|passed|failed' | cut -c1-300; }
 case "${STAGE:-tests}" in
@@ -97,6 +99,30 @@ case "${STAGE:-tests}" in
     timeout 330 python3 scripts/bench_gpu.py --out "$out/bench_batches.json" --workloads v2lite --decode-compute \
       --profile --systems all_resident_b1,all_resident_b4,all_resident_b8,all_resident_b16 --prefill-lengths "" \
       "$@" 2>&1 | filter ;;
+  deep_train)
+    # issue 36's deep benchmark model (reference/train_reference.py --preset deep: 26 MoE layers of 64 experts top-6,
+    # 2 shared, an MTP layer), trained on the project's corpus (.device-data/corpus_min: train/held-out ids and the
+    # tokenizer, carried) and returned in 15 MB parts; it stays in .device-data/deep for the next call while the
+    # machine is warm. Then the GPU tests of this session's decode-path changes.
+    nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current --format=csv,noheader
+    timeout 260 python3 reference/train_reference.py --preset deep --corpus .device-data/corpus_min \
+      --out .device-data/deep --device cuda --batch-size 128 --seq-len 512 --train-tokens 200e6 \
+      --time-budget-s "${TRAIN_S:-150}" --log-every 50 --no-progress 2>&1 | grep -E "parameters|step [0-9]*0 |saved|Error"
+    cp .device-data/deep/training_log.json "$out/deep_training_log.json" 2>/dev/null
+    tar -C .device-data -cf - deep | split -b 15M - "$out/deep.tar.part-"
+    timeout 280 python3 -m pytest tests/test_gpu.py -k "cache_sizes or idle_link or synchronises" -q \
+      -p no:cacheprovider --tb=short --durations=5 2>&1 | grep -v -E "Warning:|warnings.warn"
+    timeout 60 python3 reference/evaluate_reference.py --checkpoint .device-data/deep --corpus .device-data/corpus_min \
+      --device cuda --max-tokens 100000 2>&1 | tail -3
+    cp .device-data/deep/eval.json "$out/deep_eval.json" 2>/dev/null ;;
+  deep_bench)
+    # issue 36's rows on the deep model, experts padded to 17.3 MB, at --cache-fraction (bench options follow)
+    timeout "${LIMIT:-560}" python3 scripts/bench_gpu.py --out "$out/bench_deep.json" --workloads deep --runs 1 \
+      "$@" 2>&1 | filter ;;
+  v2lite_trace)
+    # issue 36's V2-Lite-shape rows with the real V2-Lite routing trace forced (.device-data/traces, carried)
+    timeout "${LIMIT:-560}" python3 scripts/bench_gpu.py --out "$out/bench_v2lite_trace.json" --workloads v2lite_trace \
+      --runs 1 "$@" 2>&1 | filter ;;
   distributed)
     timeout 150 python3 -m pytest tests/test_distributed.py -q -p no:cacheprovider --tb=short -k gpus 2>&1 | tail -5
     timeout 200 torchrun --nproc-per-node 1 scripts/bench_distributed.py --out "$out/distributed_1gpu.json" \
