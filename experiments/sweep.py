@@ -56,7 +56,9 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         prefetch_budget=float(cfg.predictor.prefetch_budget), max_inflight_experts=cfg.predictor.max_inflight_experts,
         draft_experts=cfg.predictor.get("draft_experts", "cached"),
         spare_recent=int(cfg.predictor.get("spare_recent", 1)),
-        prefetch_lead=int(cfg.predictor.get("prefetch_lead", EngineConfig.prefetch_lead)), cuda_graphs=bool(cfg.device.cuda_graphs),
+        prefetch_lead=int(cfg.predictor.get("prefetch_lead", EngineConfig.prefetch_lead)),
+        fill_confidence=float(cfg.predictor.get("fill_confidence", EngineConfig.fill_confidence)),
+        fill_link=str(cfg.predictor.get("fill_link", EngineConfig.fill_link)), cuda_graphs=bool(cfg.device.cuda_graphs),
         max_batch_size=int(cfg.workload.batch), progress=False)
 
 
@@ -107,6 +109,8 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
         "draft_experts": cfg.predictor.get("draft_experts", "cached"),
         "spare_recent": int(cfg.predictor.get("spare_recent", 1)),
         "prefetch_lead": int(cfg.predictor.get("prefetch_lead", EngineConfig.prefetch_lead)),
+        "fill_confidence": float(cfg.predictor.get("fill_confidence", EngineConfig.fill_confidence)),
+        "fill_link": str(cfg.predictor.get("fill_link", EngineConfig.fill_link)),
         "lookahead": int(cfg.lookahead),
         "speculative": cfg.speculative,
         "batch": int(cfg.workload.batch),

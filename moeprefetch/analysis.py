@@ -56,62 +56,43 @@ def record_routing(engine: "MoEPrefetchEngine", prompt: list[int], new_tokens: i
     return RoutingTrace(uses, first_decode, result.stats.decode_tokens)
 
 
-def belady_misses(uses: list[ExpertKey], slots: int, count_from: int = 0) -> int:
-    """Misses of Belady's optimal replacement over a sequence of uses, counting from index `count_from`."""
+def _next_uses(uses: list[ExpertKey]) -> list[float]:
+    """For each use, the index of the same key's next use (inf: never again)."""
     next_use: list[float] = [0.0] * len(uses)
     last: dict[ExpertKey, float] = {}
     for index in range(len(uses) - 1, -1, -1):
         next_use[index] = last.get(uses[index], math.inf)
         last[uses[index]] = index
+    return next_use
+
+
+def belady_misses(uses: list[ExpertKey], slots: int, count_from: int = 0, bypass: bool = False) -> int:
+    """Misses of Belady's optimal replacement over a sequence of uses, counting from index `count_from`. With
+    `bypass`, a miss may also be read without admission (as the expert kernel reads it in place): it displaces the
+    resident needed farthest ahead only if it is itself needed sooner."""
+    next_use = _next_uses(uses)
     resident: dict[ExpertKey, float] = {}
-    heap: list[tuple[float, ExpertKey]] = []
+    heap: list[tuple[float, ExpertKey]] = []  # (-next use, key), with stale entries dropped lazily
     misses = 0
     for index, key in enumerate(uses):
         upcoming = next_use[index]
-        if key in resident:
-            resident[key] = upcoming
-            heapq.heappush(heap, (-upcoming, key))
-            continue
-        if index >= count_from:
-            misses += 1
-        if len(resident) >= slots:
-            while True:
-                neg, victim = heapq.heappop(heap)
-                if resident.get(victim) == -neg:
-                    del resident[victim]
-                    break
+        if key not in resident:
+            misses += index >= count_from
+            if len(resident) >= slots:
+                while resident.get(heap[0][1]) != -heap[0][0]:
+                    heapq.heappop(heap)
+                if bypass and -heap[0][0] <= upcoming:  # every resident is needed sooner: read in place
+                    continue
+                del resident[heapq.heappop(heap)[1]]
         resident[key] = upcoming
         heapq.heappush(heap, (-upcoming, key))
     return misses
 
 
 def belady_bypass_misses(steps: list[list[ExpertKey]], slots: int) -> int:
-    """The fewest misses any cache of `slots` can have over per-step uses when a miss may also be read without
-    admission (as the expert kernel reads it in place): Belady's rule over the step's uses in order, where a missed
-    expert displaces the resident needed farthest ahead only if it is itself needed sooner. A floor for every policy
-    and predictor of the residency."""
-    uses = [key for step in steps for key in step]
-    next_use: list[float] = [0.0] * len(uses)
-    last: dict[ExpertKey, float] = {}
-    for index in range(len(uses) - 1, -1, -1):
-        next_use[index] = last.get(uses[index], math.inf)
-        last[uses[index]] = index
-    resident: dict[ExpertKey, float] = {}
-    heap: list[tuple[float, ExpertKey]] = []
-    misses = 0
-    for index, key in enumerate(uses):
-        upcoming = next_use[index]
-        if key not in resident:
-            misses += 1
-            if len(resident) >= slots:
-                while resident.get(heap[0][1]) != -heap[0][0]:  # drop stale heap entries
-                    heapq.heappop(heap)
-                if -heap[0][0] <= upcoming:  # every resident is needed sooner: read in place, keep them
-                    continue
-                del resident[heapq.heappop(heap)[1]]
-        resident[key] = upcoming
-        heapq.heappush(heap, (-upcoming, key))
-    return misses
+    """The fewest misses any cache of `slots` can have over per-step uses when misses may bypass the cache: a floor
+    for every policy and predictor of the residency."""
+    return belady_misses([key for step in steps for key in step], slots, bypass=True)
 
 
 def ahead_misses(steps: list[list[ExpertKey]], slots: int, ahead: int) -> int:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .build import predictor_spec
+from .predictors import default_lookahead
 from .decode import DecodeStep
 from .errors import RequestError
 from .sampling import RowSampler, SamplingParams, sample
@@ -55,7 +56,8 @@ class ContinuousBatch:
     def __init__(self, engine: "MoEPrefetchEngine", predictor: str | None = None,
                  min_confidence: float | None = None):
         options = engine.options
-        spec = predictor_spec(predictor or options.predictor, options.lookahead, engine.has_mtp)
+        name = predictor or options.predictor
+        spec = predictor_spec(name, default_lookahead(name, options.lookahead), engine.has_mtp)
         if spec.oracle:
             raise RequestError("the oracle predictor needs a recorded run of the same request; it cannot serve")
         if engine.residency.group is not None:

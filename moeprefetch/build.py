@@ -24,7 +24,7 @@ from .kernels.gqa_attention import GQADecode
 from .kernels.grouped import grouped_mm_usable
 from .planner import MemoryPlan, parse_bytes, plan_memory
 from .options import EngineConfig, check_positive_int
-from .predictors import MTP_PREDICTORS, PredictorSpec
+from .predictors import MTP_PREDICTORS, PredictorSpec, default_lookahead
 from .residency import Residency, prefill_staging_rows
 from .runner import KVCaches
 from .distributed import ProcessGroup, local_device
@@ -226,9 +226,11 @@ def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev
 def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device: torch.device,
                     dtype: torch.dtype) -> EngineOptions:
     """The options as the engine uses them, resolved against the checkpoint."""
-    # measured best recall, precision and hit rate of the predictors (BENCHMARKS.md, experiments/results)
-    predictor = config.predictor or ("mtp+next_layer_gate" if has_mtp else "next_layer_gate")
-    predictor_spec(predictor, config.lookahead, has_mtp)
+    # reactive fetching by default: on the H200 no real predictor has yet been faster than it offloaded (the deep
+    # model with learned routing, ref17, V2-Lite; BENCHMARKS "Prediction that pays"); predictors are chosen per call
+    predictor = config.predictor or "none"
+    predictor_spec(predictor, config.lookahead if config.predictor else default_lookahead(predictor, config.lookahead),
+                   has_mtp)
     seq_len = config.max_seq_len or min(args.max_position_embeddings, 4096)
     if seq_len > args.max_position_embeddings:
         raise RequestError(

@@ -43,8 +43,8 @@ class EngineConfig:
                                      "chunks)")
     hot_set: Sequence[tuple[int, int]] | None = _opt(None, "the static policy's pinned (layer, expert) pairs")
     # prediction and prefetching (defaults that generate() may override per call)
-    predictor: str | None = _opt(None, "prefetch predictor (default mtp+next_layer_gate, or next_layer_gate "
-                                       "without an MTP layer)")
+    predictor: str | None = _opt(None, "prefetch predictor (default none: reactive fetching, the fastest measured "
+                                       "offloaded; e.g. next_layer_gate, mtp, mtp+next_layer_gate, oracle_next)")
     lookahead: int = _opt(1, "MoE layers ahead for next_layer_gate, decode steps ahead for oracle, tokens ahead for "
                              "MTP drafts: how far predictions reach (their fills wait for prefetch_lead)")
     prefetch_budget: float = _opt(1.5, "prefetches per (step, layer), as a multiple of top-k")

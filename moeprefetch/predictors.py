@@ -59,6 +59,16 @@ def parse_predictor(spec: str) -> list[str]:
     return names
 
 
+def default_lookahead(spec: str, engine_lookahead: int) -> int:
+    """The lookahead a call takes from the engine's options: that one where the predictor reads it, else 1 (an
+    engine's lookahead=3 is for its MTP or gate predictors; a call with predictor 'none' must still work)."""
+    try:
+        names = parse_predictor(spec)
+    except ValueError:
+        return engine_lookahead  # the spec's own error is reported where it is parsed
+    return engine_lookahead if any(n in _LOOKAHEAD_IS_DEPTH + MTP_PREDICTORS for n in names) else 1
+
+
 @dataclass(frozen=True)
 class PredictorSpec:
     """A parsed predictor (or combination) with its lookahead: which device signals a decode step must produce."""

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .build import EngineOptions, predictor_spec
+from .predictors import default_lookahead
 from .options import check_fraction, check_positive_int
 from .config import ModelArgs
 from .errors import RequestError
@@ -37,8 +38,9 @@ def build_request(args: ModelArgs, tokenizer: Any, options: EngineOptions, path:
         seed = int(torch.randint(0, 2**62, ()).item())
     sampling = SamplingParams(temperature, top_k, top_p, seed)
     sampling.validate()
-    spec = predictor_spec(predictor if predictor is not None else options.predictor,
-                          options.lookahead if lookahead is None else lookahead, has_mtp)
+    name = predictor if predictor is not None else options.predictor
+    spec = predictor_spec(name, default_lookahead(name, options.lookahead) if lookahead is None else lookahead,
+                          has_mtp)
     if speculative not in SPECULATIVE_MODES:
         raise RequestError(f"speculative must be None or 'mtp', got {speculative!r}")
     if speculative == "mtp" and not has_mtp:

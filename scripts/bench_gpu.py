@@ -1315,7 +1315,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if name in ("ref17", "deep"):
                 source = ROOT / "moeprefetch/reference_model" if name == "ref17" else args.deep_checkpoint
-                if not (source / "config.json").is_file():
+                if not (source / "model.safetensors.index.json").is_file():
                     raise FileNotFoundError(f"{source} holds no checkpoint: train it with reference/"
                                             f"train_reference.py --preset deep (scripts/device_pending.sh STAGE=deep)")
                 path = write_padded_reference(source, args.workdir / name,

@@ -29,6 +29,12 @@ fi
 save_cache() { [ -z "${NO_CACHE:-}" ] && [ -d "$TRITON_CACHE_DIR" ] && tar czf - -C .devcache triton | split -b 15M - "$out/triton_cache.tgz.part"; }
 trap save_cache EXIT
 filter() { grep -v -E "Warning:|warnings.warn" | grep -E '^\{|bench_gpu|bench_serve|Error|error|passed|failed' | cut -c1-300; }
+train_deep() {  # the deep benchmark model into .device-data/deep (TRAIN_S seconds of training)
+  timeout 260 python3 reference/train_reference.py --preset deep --corpus .device-data/corpus_min \
+    --out .device-data/deep --device cuda --batch-size 128 --seq-len 512 --train-tokens 200e6 \
+    --time-budget-s "${TRAIN_S:-150}" --log-every 50 --no-progress 2>&1 | grep -E "parameters|step [0-9]*0 |saved|Error"
+  cp .device-data/deep/training_log.json "$out/deep_training_log.json" 2>/dev/null
+}
 case "${STAGE:-tests}" in
   qwen3)
     timeout 560 python3 scripts/bench_gpu.py --out "$out/bench_qwen3.json" --workloads qwen3_30b \
@@ -101,14 +107,11 @@ case "${STAGE:-tests}" in
       "$@" 2>&1 | filter ;;
   deep_train)
     # issue 36's deep benchmark model (reference/train_reference.py --preset deep: 26 MoE layers of 64 experts top-6,
-    # 2 shared, an MTP layer), trained on the project's corpus (.device-data/corpus_min: train/held-out ids and the
-    # tokenizer, carried) and returned in 15 MB parts; it stays in .device-data/deep for the next call while the
-    # machine is warm. Then the GPU tests of this session's decode-path changes.
+    # 2 shared, an MTP layer) trained on the project's corpus (.device-data/corpus_min: train/held-out ids and the
+    # tokenizer, carried) into .device-data/deep, returned in 15 MB parts (it stays there for the next call while the
+    # machine is warm; reference/deep_model keeps the measured one's card), then the GPU tests of issue 36's paths
     nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current --format=csv,noheader
-    timeout 260 python3 reference/train_reference.py --preset deep --corpus .device-data/corpus_min \
-      --out .device-data/deep --device cuda --batch-size 128 --seq-len 512 --train-tokens 200e6 \
-      --time-budget-s "${TRAIN_S:-150}" --log-every 50 --no-progress 2>&1 | grep -E "parameters|step [0-9]*0 |saved|Error"
-    cp .device-data/deep/training_log.json "$out/deep_training_log.json" 2>/dev/null
+    train_deep
     tar -C .device-data -cf - deep | split -b 15M - "$out/deep.tar.part-"
     timeout 280 python3 -m pytest tests/test_gpu.py -k "cache_sizes or idle_link or synchronises" -q \
       -p no:cacheprovider --tb=short --durations=5 2>&1 | grep -v -E "Warning:|warnings.warn"
@@ -116,7 +119,9 @@ case "${STAGE:-tests}" in
       --device cuda --max-tokens 100000 2>&1 | tail -3
     cp .device-data/deep/eval.json "$out/deep_eval.json" 2>/dev/null ;;
   deep_bench)
-    # issue 36's rows on the deep model, experts padded to 17.3 MB, at --cache-fraction (bench options follow)
+    # issue 36's rows on the deep model, experts padded to 17.3 MB, at --cache-fraction (bench options follow); the
+    # model is trained first when .device-data/deep holds none (carry .device-data/corpus_min then)
+    [ -f .device-data/deep/model.safetensors.index.json ] || train_deep
     timeout "${LIMIT:-560}" python3 scripts/bench_gpu.py --out "$out/bench_deep.json" --workloads deep --runs 1 \
       "$@" 2>&1 | filter ;;
   v2lite_trace)

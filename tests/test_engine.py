@@ -167,7 +167,7 @@ def test_single_file_checkpoint(checkpoint_factory):
 def test_checkpoint_without_mtp_says_so(checkpoint_factory):
     engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3", with_mtp=False), progress=False)
     assert not engine.has_mtp
-    assert engine.options.predictor == "next_layer_gate"
+    assert engine.options.predictor == "none"  # the default, MTP layer or not
     with pytest.raises(RequestError, match="MTP"):
         engine.forward([[1, 2, 3]], return_mtp=True)
     with pytest.raises(RequestError, match="MTP"):

@@ -57,7 +57,7 @@ def test_glm_mtp_predictors_and_speculation_keep_the_tokens(checkpoint_factory, 
     the all-resident tokens; the first drafts agree with the MTP head over the uncached forward."""
     path = checkpoint_factory(variant)
     resident = MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=64)
-    assert resident.has_mtp and resident.options.predictor == "mtp+next_layer_gate"
+    assert resident.has_mtp and resident.options.predictor == "none"  # reactive by default
     expected = resident.generate(PROMPTS, max_new_tokens=10, stop_at_eos=False, predictor="none").sequences
     assert resident.generate(PROMPTS, max_new_tokens=10, stop_at_eos=False, speculative="mtp").sequences == expected
     _, mtp_logits = resident.forward([PROMPTS[0]], return_mtp=True)
@@ -74,7 +74,7 @@ def test_glm_mtp_predictors_and_speculation_keep_the_tokens(checkpoint_factory, 
 
 def test_mtp_predictors_and_speculation_need_an_mtp_layer(checkpoint_factory):
     engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("qwen3"), progress=False, max_seq_len=64)
-    assert engine.options.predictor == "next_layer_gate"  # the default without an MTP layer
+    assert engine.options.predictor == "none"  # the default, with an MTP layer or without
     with pytest.raises(RequestError, match="needs an MTP layer"):
         engine.generate(PROMPTS, max_new_tokens=2, predictor="mtp")
     assert engine.generate(PROMPTS, max_new_tokens=2).sequences  # still usable

@@ -105,7 +105,7 @@ def test_idle_link_fills_fill_cuts_and_forced_routing_keep_the_tokens_on_gpu(che
     resident.close()
     engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, expert_cache_slots=4,
                                                max_seq_len=1024, prefetch_budget=3.0, max_inflight_experts=8,
-                                               fill_link="idle", fill_confidence=0.3)
+                                               fill_link="idle", fill_confidence=0.3, spare_recent=0)
     for predictor in ("oracle_next", "mtp+next_layer_gate", "oracle"):
         result = engine.generate(prompts, max_new_tokens=200, stop_at_eos=False, predictor=predictor)
         assert result.sequences == expected, predictor
@@ -118,11 +118,12 @@ def test_idle_link_fills_fill_cuts_and_forced_routing_keep_the_tokens_on_gpu(che
         options = dict(expert_cache_slots=slots, fill_link="idle") if slots else {}
         engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_seq_len=1024,
                                                    routing_trace=str(tmp_path / "t.jsonl"), **options)
-        forced.append(engine.generate(prompts, max_new_tokens=60, stop_at_eos=False,
-                                      predictor="oracle_next" if slots else "none").sequences)
+        for predictor in ("oracle_next", "oracle") if slots else ("none",):  # the oracle: see BENCHMARKS (a mismatch)
+            forced.append(engine.generate(prompts, max_new_tokens=60, stop_at_eos=False,
+                                          predictor=predictor).sequences)
         assert all(step.captured for step in engine._steps.values())
         engine.close()
-    assert forced[0] == forced[1] == forced[2]
+    assert all(f == forced[0] for f in forced)
 
 
 def test_gpu_matches_cpu_in_fp32(checkpoint_factory):

@@ -14,7 +14,7 @@ from moeprefetch.runner import KVCaches
 def test_a_prefill_window_computes_the_bits_of_its_chunks_one_by_one(checkpoint_factory, slots):
     """A window runs its chunks layer by layer together (each chunk's kernels keep their shapes): the same hidden
     states, bit for bit, as the chunks one at a time; offloaded, each used expert crosses once per window instead of
-    once per chunk; the MTP head's window as well (the default predictor drafts with it)."""
+    once per chunk; the MTP head's window as well (the MTP predictor drafts with it)."""
     import dataclasses
 
     path = checkpoint_factory("v3_groups_qlora_yarn")
@@ -41,10 +41,10 @@ def test_a_prefill_window_computes_the_bits_of_its_chunks_one_by_one(checkpoint_
         res.end_call()
     assert all(torch.equal(a, b) for a, b in zip(*hidden))
 
-    windowed = engine.generate([prompt], max_new_tokens=6, stop_at_eos=False)
+    windowed = engine.generate([prompt], max_new_tokens=6, stop_at_eos=False, predictor="mtp+next_layer_gate")
     engine.options = dataclasses.replace(engine.options, prefill_window=4)  # one chunk per window: as before
     engine.reset_expert_cache()
-    chunked = engine.generate([prompt], max_new_tokens=6, stop_at_eos=False)
+    chunked = engine.generate([prompt], max_new_tokens=6, stop_at_eos=False, predictor="mtp+next_layer_gate")
     assert windowed.sequences == chunked.sequences
     moved = [r.stats.to_dict()["prefill_bytes_h2d"] for r in (windowed, chunked)]
     assert (moved[0] < moved[1]) if slots else (moved == [0, 0])

@@ -380,3 +380,25 @@ def test_evaluate_dense_and_sparse_agree(checkpoint: Path, corpus: Path, ev: Mod
         results[impl] = ev.evaluate_heads(model, windows, 4, torch.device("cpu"), None)
     assert results["dense"][0]["main_loss"] == pytest.approx(results["sparse"][0]["main_loss"], abs=1e-5)
     assert torch.equal(results["dense"][1], results["sparse"][1])
+
+
+def test_the_deep_preset_builds_the_benchmark_shape_and_keeps_tokens_offloaded(tr: ModuleType, corpus: Path,
+                                                                                tmp_path: Path) -> None:
+    """--preset deep (issue 36's benchmark model, trained on the H200): 26 MoE layers of 64 experts top-6, 2 shared,
+    an MTP layer; explicit options still override the preset; the checkpoint loads in the engine, whose greedy
+    tokens at 30 % cached with the MTP predictor are the all-resident ones."""
+    from moeprefetch import MoEPrefetchEngine
+
+    tr.main(["--preset", "deep", "--corpus", str(corpus), "--out", str(tmp_path), "--device", "cpu",
+             "--max-steps", "1", "--batch-size", "2", "--seq-len", "32", "--eval-every", "0", "--no-progress",
+             "--kv-lora-rank", "32"])
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["first_k_dense_replace"], cfg["n_routed_experts"],
+            cfg["num_experts_per_tok"], cfg["n_shared_experts"], cfg["n_group"], cfg["topk_group"],
+            cfg["hidden_size"], cfg["kv_lora_rank"]) == (27, 1, 64, 6, 2, 8, 4, 128, 32)
+    resident = MoEPrefetchEngine.from_pretrained(tmp_path, progress=False, max_seq_len=64)
+    assert len(resident.args.moe_layers) == 26 and resident.has_mtp
+    expected = resident.generate([[5, 6, 7]], max_new_tokens=8, stop_at_eos=False).sequences
+    offloaded = MoEPrefetchEngine.from_pretrained(tmp_path, progress=False, max_seq_len=64, expert_cache_fraction=0.3)
+    result = offloaded.generate([[5, 6, 7]], max_new_tokens=8, stop_at_eos=False, predictor="mtp+next_layer_gate")
+    assert result.sequences == expected and result.stats.to_dict()["prefetch_issued"] > 0
