@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import io
 import json
 import logging
@@ -49,7 +48,8 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-confidence", type=float, default=None, help=EngineConfig.help("min_confidence"))
     parser.add_argument("--fill-confidence", type=float, default=defaults.fill_confidence,
                         help=EngineConfig.help("fill_confidence"))
-    parser.add_argument("--fill-link", choices=FILL_LINK, default=defaults.fill_link, help=EngineConfig.help("fill_link"))
+    parser.add_argument("--fill-link", choices=FILL_LINK, default=defaults.fill_link,
+                        help=EngineConfig.help("fill_link"))
     parser.add_argument("--routing-trace", default=None, help=EngineConfig.help("routing_trace"))
     parser.add_argument("--prefetch-budget", type=float, default=defaults.prefetch_budget,
                         help=EngineConfig.help("prefetch_budget"))
@@ -112,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     rpl = sub.add_parser("replay", parents=[common], help="replay a routing trace through the residency's own "
                          "victim code (CPU): hits, misses and bytes per token, Belady's floor, k-tokens-ahead lines")
     rpl.add_argument("trace", help="a routing trace (JSON lines of [layer, expert] pairs per token, as in "
-                     "../shared/traces or written by scripts/record_trace.py)")
+                     "../shared/traces, or a checkpoint's own from scripts/record_trace.py)")
     rpl.add_argument("--slots", type=int, required=True, help="expert cache slots (across all layers)")
     rpl.add_argument("--policy", default="lru,lrfu", help="cache policies, comma list (lrfu, lru, lfu, static)")
     rpl.add_argument("--predictor", default="none,oracle_next",
@@ -287,7 +287,7 @@ def _report(ns: argparse.Namespace) -> int:
 
 
 def _replay(ns: argparse.Namespace) -> int:
-    from .replay import ReplaySetup, floors, replay, result_rows
+    from .replay import floors, replay, result_rows, setups
     from .traces import load_trace
 
     if ns.json:
@@ -303,9 +303,8 @@ def _replay(ns: argparse.Namespace) -> int:
         raise MoEPrefetchError(f"--ahead must be a comma list of token counts, got {ns.ahead!r}") from None
     if ns.expert_mb <= 0:
         raise MoEPrefetchError(f"--expert-mb must be positive, got {ns.expert_mb}")
-    base = ReplaySetup(slots=ns.slots, halflife=ns.lrfu_halflife, expert_bytes=int(ns.expert_mb * 1e6))
-    runs = [dataclasses.replace(base, policy=p.strip(), predictor=q.strip(), fills=ns.fills and q.strip() != "none")
-            for p in ns.policy.split(",") for q in ns.predictor.split(",")]
+    runs = setups(ns.slots, ns.policy.split(","), ns.predictor.split(","), ns.fills, halflife=ns.lrfu_halflife,
+                  expert_bytes=int(ns.expert_mb * 1e6))
     for setup in runs:  # every setup checked before the first (slow) replay
         setup.check(trace)
     print(f"{trace.source}: {trace.tokens} tokens, {len(trace.layers)} MoE layers x {trace.n_experts} experts, "

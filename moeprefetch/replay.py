@@ -206,7 +206,8 @@ def result_rows(results: list[ReplayResult], bounds: Floors | None, uses: int) -
     if bounds is not None:
         expert_bytes = results[0].setup.expert_bytes if results else V2LITE_EXPERT_BYTES
         lines = [("reference LRU", bounds.lru_misses)]
-        lines += [(f"reference LRU, {a} token{'s' * (a > 1)} ahead protected", m) for a, m in bounds.ahead_misses.items()]
+        lines += [(f"reference LRU, {a} token{'s' * (a > 1)} ahead protected", m)
+                  for a, m in bounds.ahead_misses.items()]
         lines += [("Belady", bounds.belady_misses), ("Belady with bypass (floor)", bounds.belady_bypass_misses)]
         for label, misses in lines:
             rows.append({"row": label, "hit_rate": 1 - misses / uses, "misses_per_token": misses / bounds.tokens,
@@ -216,8 +217,10 @@ def result_rows(results: list[ReplayResult], bounds: Floors | None, uses: int) -
 
 
 def setups(slots: int, policies: list[str], predictors: list[str], fills: bool, **common) -> list[ReplaySetup]:
+    """Every (policy, predictor) pair, fills on where asked and there is a predictor."""
     base = ReplaySetup(slots=slots, **common)
-    return [replace(base, policy=p, predictor=q, fills=fills and q != "none") for p in policies for q in predictors]
+    return [replace(base, policy=p.strip(), predictor=q.strip(), fills=fills and q.strip() != "none")
+            for p in policies for q in predictors]
 
 
 __all__ = ["Floors", "ReplayResult", "ReplaySetup", "floors", "replay", "result_rows", "setups",

@@ -303,7 +303,8 @@ if HAS_TRITON:
                  prefetched_at, pinned, inflight_of, e_state, e_key, e_slot, e_deadline, e_made, e_next, e_done,
                  e_ready, victims, cursor_ptr, fills_for, counters, scratch, scratch_e, S, BUDGET, MAX_INFLIGHT,
                  MIN_CONF, FILL_CONF, SPARE, LEAD, R, P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr,
-                 E_PAD: tl.constexpr, M: tl.constexpr, ROWS_PAD: tl.constexpr, RB: tl.constexpr, WIN: tl.constexpr, NC: tl.constexpr):
+                 E_PAD: tl.constexpr, M: tl.constexpr, ROWS_PAD: tl.constexpr, RB: tl.constexpr, WIN: tl.constexpr,
+                 NC: tl.constexpr):
         """Fills for the window's missing predicted experts: rank within a target (its budget), then across targets
         in deadline order (the cap in flight, free entries, victims). Two passes over the window's blocks: count
         the wanted fills, pop that many victims (at most), then hand them out in deadline order. A block's wants do
