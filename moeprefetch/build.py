@@ -164,7 +164,14 @@ def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev
     has_mtp = _has_mtp(args, reader)
     options = resolve_options(config, args, has_mtp, dev, torch_dtype)
     block = (args.quant.block_rows, args.quant.block_cols) if args.quant else (128, 128)
-    fmt = ExpertFormat.build(args.hidden_size, args.moe_intermediate_size, torch_dtype, config.expert_dtype, block)
+    try:
+        fmt = ExpertFormat.build(args.hidden_size, args.moe_intermediate_size, torch_dtype, config.expert_dtype, block,
+                                 group_size=config.int4_group_size, symmetric=config.int4_symmetric)
+    except ValueError as exc:  # e.g. int4 with an odd hidden size
+        raise RequestError(str(exc)) from None
+    if fmt.quantized:
+        logger.info("routed experts as %s: %.2f MB a record (%.2f MB of it scales)", fmt.describe(),
+                    fmt.record_bytes / 1e6, fmt.scale_bytes / 1e6)
     expert_layers = list(args.moe_layers) + ([args.mtp_layer_index] if has_mtp else [])
     placement = None
     if group is not None:

@@ -65,6 +65,9 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-window", type=int, default=None, help=EngineConfig.help("prefill_window"))
     parser.add_argument("--max-batch-size", type=int, default=None, help=EngineConfig.help("max_batch_size"))
     parser.add_argument("--expert-dtype", choices=EXPERT_DTYPES, default=None, help=EngineConfig.help("expert_dtype"))
+    parser.add_argument("--int4-group-size", type=int, default=None, help=EngineConfig.help("int4_group_size"))
+    parser.add_argument("--int4-symmetric", action="store_true", default=None,
+                        help=EngineConfig.help("int4_symmetric"))
     parser.add_argument("--distributed", action="store_true",
                         help=EngineConfig.help("distributed") + " (torchrun --nproc-per-node N -m moeprefetch ...)")
 
@@ -218,7 +221,7 @@ def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
                                   distributed=ns.distributed, fill_confidence=ns.fill_confidence,
                                   fill_link=ns.fill_link, routing_trace=ns.routing_trace)
     for name in ("max_seq_len", "prefill_chunk", "prefill_window", "predictor", "lookahead", "min_confidence",
-                 "max_batch_size", "expert_dtype"):
+                 "max_batch_size", "expert_dtype", "int4_group_size", "int4_symmetric"):
         if getattr(ns, name, None) is not None:
             kwargs[name] = getattr(ns, name)
     if ns.vram_budget:

@@ -18,12 +18,15 @@ from .checkpoint import FLOAT_DTYPES, CheckpointReader
 from .config import ModelArgs
 from .errors import CheckpointError
 from .families import family_of
-from .quant import FP8_DTYPE, dequantize_blocks, quantize_fp8_blocks, quantize_int8_blocks, scale_grid_shape
+from .quant import (FP8_DTYPE, dequantize_blocks, dequantize_int4_groups, quantize_fp8_blocks, quantize_int4_groups,
+                    quantize_int8_blocks, scale_grid_shape)
 
 logger = logging.getLogger(__name__)
 
 ALIGN = 64  # byte alignment of each region inside a record (and of the record stride)
-EXPERT_DTYPES = ("model", "fp8", "int8")  # "model" = the engine's compute dtype
+EXPERT_DTYPES = ("model", "fp8", "int8", "int4")  # "model" = the engine's compute dtype
+INT4_GROUP_SIZE = 128  # inputs per 4-bit scale group by default (experiments/results: quality against bytes)
+METADATA_SUFFIXES = ("_scale", "_zero")  # regions that describe a payload region
 
 
 def _align(n: int) -> int:
@@ -46,27 +49,43 @@ class Region:
 
 @dataclass(frozen=True)
 class ExpertFormat:
-    """Byte layout of one packed expert: payload regions and, when quantised, their block scales."""
+    """Byte layout of one packed expert: payload regions and, when quantised, their scales (and 4-bit zero points).
+
+    8-bit formats scale 2-D blocks (`block`, DeepSeek-V3's layout); 4-bit ones scale groups of `block[1]` inputs of
+    one row (block = (1, group)), with codes packed two to a byte along the inputs (quant.py)."""
 
     hidden: int
     intermediate: int
-    payload_dtype: torch.dtype  # compute dtype, float8_e4m3fn or int8
+    payload_dtype: torch.dtype  # compute dtype, float8_e4m3fn, int8, or uint8 (packed 4-bit codes)
     compute_dtype: torch.dtype
     block: tuple[int, int] | None  # quantisation block, None for unquantised
     regions: dict[str, Region]
     record_bytes: int
+    bits: int = 16  # bits per weight of the payload (4 for packed codes)
+    zero_points: bool = False  # 4-bit asymmetric groups carry a zero point per group
 
     @property
     def quantized(self) -> bool:
         return self.block is not None
 
     @property
+    def int4(self) -> bool:
+        return self.bits == 4
+
+    @property
     def payload_bytes(self) -> int:
-        return sum(r.nbytes for name, r in self.regions.items() if not name.endswith("_scale"))
+        return sum(r.nbytes for name, r in self.regions.items() if not name.endswith(METADATA_SUFFIXES))
 
     @property
     def scale_bytes(self) -> int:
-        return sum(r.nbytes for name, r in self.regions.items() if name.endswith("_scale"))
+        """Bytes of the scales and zero points of one record."""
+        return sum(r.nbytes for name, r in self.regions.items() if name.endswith(METADATA_SUFFIXES))
+
+    def describe(self) -> str:
+        if self.int4:
+            kind = "asymmetric" if self.zero_points else "symmetric"
+            return f"int4 ({kind}, groups of {self.block[1]} inputs)"  # type: ignore[index]
+        return {torch.float8_e4m3fn: "fp8", torch.int8: "int8"}.get(self.payload_dtype, str(self.payload_dtype))
 
     @staticmethod
     def build(
@@ -75,9 +94,14 @@ class ExpertFormat:
         compute_dtype: torch.dtype,
         expert_dtype: str = "model",
         block: tuple[int, int] = (128, 128),
+        group_size: int = INT4_GROUP_SIZE,
+        symmetric: bool = False,
     ) -> "ExpertFormat":
+        """`block` scales the 8-bit formats; `group_size` and `symmetric` shape the 4-bit one."""
         if expert_dtype not in EXPERT_DTYPES:
             raise ValueError(f"expert_dtype must be one of {EXPERT_DTYPES}, got {expert_dtype!r}")
+        if expert_dtype == "int4":
+            return ExpertFormat._build_int4(hidden, intermediate, compute_dtype, group_size, symmetric)
         payload_dtype = {"model": compute_dtype, "fp8": FP8_DTYPE, "int8": torch.int8}[expert_dtype]
         quant_block = None if expert_dtype == "model" else block
         regions: dict[str, Region] = {}
@@ -94,7 +118,30 @@ class ExpertFormat:
                 grid = scale_grid_shape(*regions[name].shape, quant_block)
                 regions[f"{name}_scale"] = Region(offset, torch.float32, grid)
                 offset = _align(offset + regions[f"{name}_scale"].nbytes)
-        return ExpertFormat(hidden, intermediate, payload_dtype, compute_dtype, quant_block, regions, _align(offset))
+        bits = 8 * torch.tensor([], dtype=payload_dtype).element_size()
+        return ExpertFormat(hidden, intermediate, payload_dtype, compute_dtype, quant_block, regions, _align(offset),
+                            bits=bits)
+
+    @staticmethod
+    def _build_int4(hidden: int, intermediate: int, compute_dtype: torch.dtype, group: int,
+                    symmetric: bool) -> "ExpertFormat":
+        if hidden % 2 or intermediate % 2:
+            raise ValueError(f"int4 experts pack two inputs to a byte: hidden ({hidden}) and moe intermediate "
+                             f"({intermediate}) sizes must be even")
+        if group < 2 or group % 2:
+            raise ValueError(f"the int4 group size must be an even number of inputs >= 2, got {group}")
+        shapes = {"gate": (intermediate, hidden), "up": (intermediate, hidden), "down": (hidden, intermediate)}
+        regions: dict[str, Region] = {}
+        offset = 0
+        for name, (rows, cols) in shapes.items():
+            regions[name] = Region(offset, torch.uint8, (rows, cols // 2))
+            offset = _align(offset + regions[name].nbytes)
+        for suffix in ("_scale",) + (() if symmetric else ("_zero",)):
+            for name, (rows, cols) in shapes.items():
+                regions[name + suffix] = Region(offset, torch.float32, (rows, -(-cols // group)))
+                offset = _align(offset + regions[name + suffix].nbytes)
+        return ExpertFormat(hidden, intermediate, torch.uint8, compute_dtype, (1, group), regions, _align(offset),
+                            bits=4, zero_points=not symmetric)
 
     # ---- views ----------------------------------------------------------------------------------------------------
     def view(self, records: torch.Tensor, name: str) -> torch.Tensor:
@@ -114,7 +161,10 @@ class ExpertFormat:
         """Write one expert (float tensors [I,H], [I,H], [H,I]) into `out` (uint8 [record_bytes]), quantising if needed."""
         record = out.view(1, -1)
         for name, tensor in (("gate", gate), ("up", up), ("down", down)):
-            if self.block is None:
+            if self.int4:
+                packed, scale, zero = quantize_int4_groups(tensor, self.block[1], symmetric=not self.zero_points)
+                self.write_int4(record, name, packed, scale, zero)
+            elif self.block is None:
                 self.view(record, name)[0].copy_(tensor.to(self.payload_dtype))
             else:
                 quantize = quantize_fp8_blocks if self.payload_dtype == FP8_DTYPE else quantize_int8_blocks
@@ -129,10 +179,27 @@ class ExpertFormat:
             self.view(record, name)[0].copy_(payload.view(self.payload_dtype))
             self.view(record, f"{name}_scale")[0].copy_(scale)
 
+    def write_int4(self, record: torch.Tensor, name: str, packed: torch.Tensor, scale: torch.Tensor,
+                   zero: torch.Tensor | None) -> None:
+        """Write one projection's packed codes, scales and zero points (None: symmetric) into record [1, bytes]."""
+        if (zero is None) == self.zero_points:
+            raise ValueError(f"this int4 format is {'a' if self.zero_points else ''}symmetric: zero points "
+                             f"{'missing' if zero is None else 'given'} for {name}")
+        self.view(record, name)[0].copy_(packed)
+        self.view(record, f"{name}_scale")[0].copy_(scale)
+        if zero is not None:
+            self.view(record, f"{name}_zero")[0].copy_(zero)
+
     def dequantize(self, records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """records uint8 [n, record_bytes] -> (gate_up [n, 2I, H], down [n, H, I]) in the compute dtype."""
         if self.block is None:
             return self.gate_up_view(records), self.view(records, "down")
+        if self.int4:
+            parts = {name: dequantize_int4_groups(
+                self.view(records, name), self.view(records, f"{name}_scale"),
+                self.view(records, f"{name}_zero") if self.zero_points else None, self.block[1], self.compute_dtype)
+                for name in ("gate", "up", "down")}
+            return torch.cat((parts["gate"], parts["up"]), dim=1), parts["down"]
         parts = {}
         for name in ("gate", "up", "down"):
             payload = self.view(records, name)  # [n, M, N]

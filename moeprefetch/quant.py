@@ -59,3 +59,69 @@ def quantize_int8_blocks(weight: torch.Tensor, block: tuple[int, int] = (128, 12
     full = expand_block_scales(scale, *weight.shape, block)
     payload = torch.round(weight.float() / full).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return payload, scale
+
+
+# ---- 4-bit groups ---------------------------------------------------------------------------------------------------
+# Layout of a 4-bit weight [M, N] (N = the input features, the reduction dimension): codes 0..15 packed two to a byte
+# along N (element 2j in the low nibble of byte j, 2j+1 in the high one), uint8 [M, N/2]; one fp32 scale per row and
+# group of `group` consecutive inputs, [M, ceil(N/group)]; when asymmetric also one fp32 zero point per group (an
+# integer value, as GPTQ and compressed-tensors store them), symmetric codes have zero point 8. The weight is
+#     W[m, n] = (code[m, n] - zero[m, n // group]) * scale[m, n // group]
+# which is exact in fp32 for the (code - zero) part, so a kernel and this reference compute the same bits.
+
+INT4_SYMMETRIC_ZERO = 8.0
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., N] in 0..15 (N even) -> uint8 [..., N/2], element 2j in the low nibble."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"4-bit rows need an even number of elements, got {codes.shape[-1]}")
+    pairs = codes.to(torch.uint8).unflatten(-1, (-1, 2))
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., N/2] -> uint8 codes [..., N]."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+
+
+def _group_view(weight: torch.Tensor, group: int) -> torch.Tensor:
+    """[M, N] fp32 -> [M, ceil(N/group), group], the ragged last group padded by repeating its last column (so the
+    padding changes neither its min, its max nor its absolute maximum)."""
+    rows, cols = weight.shape
+    groups = -(-cols // group)
+    pad = groups * group - cols
+    if pad:
+        weight = torch.cat((weight, weight[:, -1:].expand(rows, pad)), dim=1)
+    return weight.view(rows, groups, group)
+
+
+def quantize_int4_groups(weight: torch.Tensor, group: int = 128, symmetric: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest 4-bit groups: weight [M, N] -> (packed uint8 [M, N/2], fp32 scales [M, G], fp32 zero points
+    [M, G] or None when symmetric). Asymmetric groups span [min, max] with 16 levels (an integer zero point);
+    symmetric ones span [-amax, amax] with codes -7..7 around 8."""
+    rows, cols = weight.shape
+    grouped = _group_view(weight.float(), group)
+    if symmetric:
+        scale = (grouped.abs().amax(dim=2) / 7.0).clamp(min=1e-12)
+        zero = None
+        codes = torch.round(grouped / scale[..., None]).clamp(-8, 7) + INT4_SYMMETRIC_ZERO
+    else:
+        low = grouped.amin(dim=2).clamp(max=0.0)  # the range includes 0, so a zero weight stays exactly zero
+        high = grouped.amax(dim=2).clamp(min=0.0)
+        scale = ((high - low) / 15.0).clamp(min=1e-12)
+        zero = torch.round(-low / scale).clamp(0, 15)
+        codes = (torch.round(grouped / scale[..., None]) + zero[..., None]).clamp(0, 15)
+    codes = codes.flatten(1)[:, :cols].to(torch.uint8)
+    return pack_nibbles(codes), scale, zero
+
+
+def dequantize_int4_groups(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int,
+                           out_dtype: torch.dtype) -> torch.Tensor:
+    """packed uint8 [..., M, N/2] with scales (and zero points) [..., M, G] -> out_dtype [..., M, N], in fp32."""
+    codes = unpack_nibbles(packed).float()
+    cols = codes.shape[-1]
+    full_scale = scale.float().repeat_interleave(group, dim=-1)[..., :cols]
+    full_zero = INT4_SYMMETRIC_ZERO if zero is None else zero.float().repeat_interleave(group, dim=-1)[..., :cols]
+    return ((codes - full_zero) * full_scale).to(out_dtype)

@@ -83,6 +83,11 @@ class RecordLayout:
     down_s: int = 0
     block_rows: int = 1
     block_cols: int = 1
+    int4: bool = False  # payload regions hold 4-bit codes, two to a byte along the inputs
+    zero_points: bool = False  # and per-group zero points (fp32 elements from the record's start)
+    gate_z: int = 0
+    up_z: int = 0
+    down_z: int = 0
 
     @staticmethod
     def of(fmt: ExpertFormat) -> "RecordLayout":
@@ -93,9 +98,17 @@ class RecordLayout:
                     down_w=regions["down"].offset // w, quantized=fmt.quantized)
         if not fmt.quantized:
             return RecordLayout(**base)
+        zeros = {f"{name}_z": regions[f"{name}_zero"].offset // 4 for name in ("gate", "up", "down")} \
+            if fmt.zero_points else {}
         return RecordLayout(**base, rec_s=fmt.record_bytes // 4, gate_s=regions["gate_scale"].offset // 4,
                             up_s=regions["up_scale"].offset // 4, down_s=regions["down_scale"].offset // 4,
-                            block_rows=fmt.block[0], block_cols=fmt.block[1])
+                            block_rows=fmt.block[0], block_cols=fmt.block[1], int4=fmt.int4,
+                            zero_points=fmt.zero_points, **zeros)
+
+    def quant_args(self) -> dict:
+        """The kernels' constexprs that say how a record's weights are stored."""
+        return dict(REC_S=max(self.rec_s, 1), BR=self.block_rows, BC=self.block_cols, QUANT=self.quantized,
+                    INT4=self.int4, ZERO=self.zero_points)
 
 
 def row_pad(rows: int) -> int:
@@ -182,13 +195,18 @@ if HAS_TRITON:
         return out
 
     @triton.jit
-    def _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, region_w, region_s, offs_r, offs_c,
-                          mask, ROW_LEN: tl.constexpr, SCOLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                          QUANT: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    def _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, region_w, region_s, region_z, offs_r,
+                          offs_c, mask, ROW_LEN: tl.constexpr, SCOLS: tl.constexpr, BR: tl.constexpr,
+                          BC: tl.constexpr, QUANT: tl.constexpr, INT4: tl.constexpr, ZERO: tl.constexpr,
+                          OUT_DTYPE: tl.constexpr):
         """One [rows, cols] tile of a weight region: from the source record, copied into the admission slot when
-        `admit`, dequantised with its block scales, in the compute dtype."""
-        offs = offs_r[:, None] * ROW_LEN + offs_c[None, :]
-        raw = tl.load(w_ptr + src_w + region_w + offs, mask=mask, other=0.0)
+        `admit`, dequantised with its scales (4-bit: W = (code - zero) * scale, quant.py), in the compute dtype."""
+        if INT4:  # byte j of a row holds inputs 2j (low nibble) and 2j+1: each byte is read by both its inputs
+            offs = offs_r[:, None] * (ROW_LEN // 2) + offs_c[None, :] // 2
+            raw = tl.load(w_ptr + src_w + region_w + offs, mask=mask, other=0)
+        else:
+            offs = offs_r[:, None] * ROW_LEN + offs_c[None, :]
+            raw = tl.load(w_ptr + src_w + region_w + offs, mask=mask, other=0.0)
         if admit:
             tl.store(w_ptr + dst_w + region_w + offs, raw, mask=mask)
         if QUANT:
@@ -196,7 +214,17 @@ if HAS_TRITON:
             scale = tl.load(s_ptr + src_s + region_s + s_offs, mask=mask, other=0.0)
             if admit:
                 tl.store(s_ptr + dst_s + region_s + s_offs, scale, mask=mask)
-            tile = (raw.to(tl.float32) * scale).to(OUT_DTYPE)
+            if INT4:
+                code = ((raw.to(tl.int32) >> ((offs_c[None, :] & 1) * 4)) & 15).to(tl.float32)
+                if ZERO:
+                    zero = tl.load(s_ptr + src_s + region_z + s_offs, mask=mask, other=0.0)
+                    if admit:
+                        tl.store(s_ptr + dst_s + region_z + s_offs, zero, mask=mask)
+                else:
+                    zero = 8.0  # quant.INT4_SYMMETRIC_ZERO
+                tile = ((code - zero) * scale).to(OUT_DTYPE)
+            else:
+                tile = (raw.to(tl.float32) * scale).to(OUT_DTYPE)
         else:
             tile = raw.to(OUT_DTYPE)
         return tile
@@ -225,8 +253,9 @@ if HAS_TRITON:
     def _gate_up_kernel(x_ptr, assign_ptr, u_key_ptr, u_slot_ptr, u_dst_ptr, w_ptr, s_ptr, delta_ptr, mid_ptr, n_rows,
                         H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, REC_W: tl.constexpr,
                         GATE_W: tl.constexpr, UP_W: tl.constexpr, REC_S: tl.constexpr, GATE_S: tl.constexpr,
-                        UP_S: tl.constexpr, SCOLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-                        QUANT: tl.constexpr, ACT: tl.constexpr, N_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                        UP_S: tl.constexpr, GATE_Z: tl.constexpr, UP_Z: tl.constexpr, SCOLS: tl.constexpr,
+                        BR: tl.constexpr, BC: tl.constexpr, QUANT: tl.constexpr, INT4: tl.constexpr,
+                        ZERO: tl.constexpr, ACT: tl.constexpr, N_PAD: tl.constexpr, K_PAD: tl.constexpr,
                         BI: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
                         FMA: tl.constexpr, SWAP: tl.constexpr):
         """mid[u, r, i-tile] = act(x_r . gate_u) * (x_r . up_u) for the rows r of expert u."""
@@ -245,10 +274,10 @@ if HAS_TRITON:
             xt = tl.load(x_ptr + rows[:, None] * H + rk[None, :], mask=row_on[:, None] & (rk[None, :] < H),
                          other=0.0)
             mask = (ri[:, None] < I) & (rk[None, :] < H)
-            g = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, GATE_W, GATE_S, ri, rk, mask,
-                                  H, SCOLS, BR, BC, QUANT, x_ptr.dtype.element_ty)
-            up = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, UP_W, UP_S, ri, rk, mask,
-                                   H, SCOLS, BR, BC, QUANT, x_ptr.dtype.element_ty)
+            g = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, GATE_W, GATE_S, GATE_Z, ri, rk,
+                                  mask, H, SCOLS, BR, BC, QUANT, INT4, ZERO, x_ptr.dtype.element_ty)
+            up = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, UP_W, UP_S, UP_Z, ri, rk,
+                                   mask, H, SCOLS, BR, BC, QUANT, INT4, ZERO, x_ptr.dtype.element_ty)
             acc_g = _acc_add(acc_g, xt, g, FMA, IEEE, DOT_F32, SWAP)
             acc_u = _acc_add(acc_u, xt, up, FMA, IEEE, DOT_F32, SWAP)
         mid = (activate(_acc_total(acc_g, FMA, SWAP), ACT) * _acc_total(acc_u, FMA, SWAP)).to(mid_ptr.dtype.element_ty)
@@ -258,8 +287,9 @@ if HAS_TRITON:
     @triton.jit
     def _down_kernel(mid_ptr, assign_ptr, u_key_ptr, u_slot_ptr, u_dst_ptr, w_ptr, s_ptr, delta_ptr, y_ptr, n_rows,
                      H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, REC_W: tl.constexpr,
-                     DOWN_W: tl.constexpr, REC_S: tl.constexpr, DOWN_S: tl.constexpr, SCOLS: tl.constexpr,
-                     BR: tl.constexpr, BC: tl.constexpr, QUANT: tl.constexpr, N_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                     DOWN_W: tl.constexpr, REC_S: tl.constexpr, DOWN_S: tl.constexpr, DOWN_Z: tl.constexpr,
+                     SCOLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, QUANT: tl.constexpr,
+                     INT4: tl.constexpr, ZERO: tl.constexpr, N_PAD: tl.constexpr, K_PAD: tl.constexpr,
                      BH: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
                      FMA: tl.constexpr, SWAP: tl.constexpr):
         """y[u, r, h-tile] = mid[u, r] . down_u[h-tile] (fp32) for the rows r of expert u."""
@@ -277,8 +307,8 @@ if HAS_TRITON:
             m = tl.load(mid_ptr + (u * N_PAD + rows[:, None]) * I + rk[None, :],
                         mask=row_on[:, None] & (rk[None, :] < I), other=0.0)
             mask = (rh[:, None] < H) & (rk[None, :] < I)
-            d = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, DOWN_W, DOWN_S, rh, rk, mask,
-                                  I, SCOLS, BR, BC, QUANT, mid_ptr.dtype.element_ty)
+            d = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, DOWN_W, DOWN_S, DOWN_Z, rh, rk,
+                                  mask, I, SCOLS, BR, BC, QUANT, INT4, ZERO, mid_ptr.dtype.element_ty)
             acc = _acc_add(acc, m, d, FMA, IEEE, DOT_F32, SWAP)
         out = y_ptr + (u * N_PAD + rows[:, None]) * H + rh[None, :]
         tl.store(out, _acc_total(acc, FMA, SWAP), mask=row_on[:, None] & (rh[None, :] < H))
@@ -380,16 +410,15 @@ class RoutedExperts:
         ieee = x.dtype == torch.float32
         common = dict(assign_ptr=assign, u_key_ptr=u_key, u_slot_ptr=u_slot, u_dst_ptr=u_dst, w_ptr=self._w,
                       s_ptr=self._s, delta_ptr=self._delta, n_rows=n, H=lay.hidden, I=lay.intermediate, TOPK=k,
-                      REC_W=lay.rec_w, REC_S=max(lay.rec_s, 1), BR=lay.block_rows, BC=lay.block_cols,
-                      QUANT=lay.quantized, N_PAD=n_pad, K_PAD=max(2, 1 << (k - 1).bit_length()), BK=t.block_k,
+                      REC_W=lay.rec_w, **lay.quant_args(), N_PAD=n_pad, K_PAD=max(2, 1 << (k - 1).bit_length()), BK=t.block_k,
                       IEEE=ieee, DOT_F32=INTERPRET and not ieee, FMA=gemv, SWAP=bool(t.weights_first) and not gemv)
         shape = dict(num_warps=t.num_warps, num_stages=t.num_stages)
         return [
             Launch(_gate_up_kernel, (u_count, triton.cdiv(lay.intermediate, t.block_i)), **shape, x_ptr=x,
                    mid_ptr=self._mid, GATE_W=lay.gate_w, UP_W=lay.up_w, GATE_S=lay.gate_s, UP_S=lay.up_s,
-                   SCOLS=triton.cdiv(lay.hidden, lay.block_cols), ACT=self.act_code, BI=t.block_i, **common),
+                   GATE_Z=lay.gate_z, UP_Z=lay.up_z, SCOLS=triton.cdiv(lay.hidden, lay.block_cols), ACT=self.act_code, BI=t.block_i, **common),
             Launch(_down_kernel, (u_count, triton.cdiv(lay.hidden, t.block_h)), **shape, mid_ptr=self._mid,
-                   y_ptr=self._y, DOWN_W=lay.down_w, DOWN_S=lay.down_s,
+                   y_ptr=self._y, DOWN_W=lay.down_w, DOWN_S=lay.down_s, DOWN_Z=lay.down_z,
                    SCOLS=triton.cdiv(lay.intermediate, lay.block_cols), BH=t.block_h, **common),
         ]
 

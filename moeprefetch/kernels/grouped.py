@@ -152,7 +152,8 @@ if HAS_TRITON:
     def _grouped_gate_up_kernel(x_ptr, pair_token_ptr, blocks_ptr, u_key_ptr, u_slot_ptr, w_ptr, s_ptr, delta_ptr,
                                 mid_ptr, H: tl.constexpr, I: tl.constexpr, REC_W: tl.constexpr, GATE_W: tl.constexpr,
                                 UP_W: tl.constexpr, REC_S: tl.constexpr, GATE_S: tl.constexpr, UP_S: tl.constexpr,
-                                SCOLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, QUANT: tl.constexpr,
+                                GATE_Z: tl.constexpr, UP_Z: tl.constexpr, SCOLS: tl.constexpr, BR: tl.constexpr,
+                                BC: tl.constexpr, QUANT: tl.constexpr, INT4: tl.constexpr, ZERO: tl.constexpr,
                                 ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                                 IEEE: tl.constexpr, DOT_F32: tl.constexpr):
         """mid[pair, n-tile] = act(x_token . gate_u) * (x_token . up_u) for the pairs of one block."""
@@ -170,10 +171,10 @@ if HAS_TRITON:
             rk = k0 + tl.arange(0, BK)
             xt = tl.load(x_ptr + tokens[:, None] * H + rk[None, :], mask=on[:, None] & (rk[None, :] < H), other=0.0)
             mask = (rn[:, None] < I) & (rk[None, :] < H)
-            g = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, False, GATE_W, GATE_S, rn, rk, mask, H,
-                                  SCOLS, BR, BC, QUANT, x_ptr.dtype.element_ty)
-            up = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, False, UP_W, UP_S, rn, rk, mask, H,
-                                   SCOLS, BR, BC, QUANT, x_ptr.dtype.element_ty)
+            g = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, False, GATE_W, GATE_S, GATE_Z, rn, rk,
+                                  mask, H, SCOLS, BR, BC, QUANT, INT4, ZERO, x_ptr.dtype.element_ty)
+            up = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, False, UP_W, UP_S, UP_Z, rn, rk,
+                                   mask, H, SCOLS, BR, BC, QUANT, INT4, ZERO, x_ptr.dtype.element_ty)
             acc_g += dot(xt, tl.trans(g), IEEE, DOT_F32)
             acc_u += dot(xt, tl.trans(up), IEEE, DOT_F32)
         mid = (activate(acc_g, ACT) * acc_u).to(mid_ptr.dtype.element_ty)
@@ -182,8 +183,9 @@ if HAS_TRITON:
     @triton.jit
     def _grouped_down_kernel(mid_ptr, blocks_ptr, u_key_ptr, u_slot_ptr, w_ptr, s_ptr, delta_ptr, y_ptr,
                              H: tl.constexpr, I: tl.constexpr, REC_W: tl.constexpr, DOWN_W: tl.constexpr,
-                             REC_S: tl.constexpr, DOWN_S: tl.constexpr, SCOLS: tl.constexpr, BR: tl.constexpr,
-                             BC: tl.constexpr, QUANT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                             REC_S: tl.constexpr, DOWN_S: tl.constexpr, DOWN_Z: tl.constexpr, SCOLS: tl.constexpr,
+                             BR: tl.constexpr, BC: tl.constexpr, QUANT: tl.constexpr, INT4: tl.constexpr,
+                             ZERO: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                              BK: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
         """y[pair, n-tile] = mid[pair] . down_u[n-tile] (fp32) for the pairs of one block."""
         u, pairs, on = _block_rows(blocks_ptr, tl.program_id(0), BM)
@@ -198,8 +200,8 @@ if HAS_TRITON:
             rk = k0 + tl.arange(0, BK)
             m = tl.load(mid_ptr + rows[:, None] * I + rk[None, :], mask=on[:, None] & (rk[None, :] < I), other=0.0)
             mask = (rn[:, None] < H) & (rk[None, :] < I)
-            d = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, False, DOWN_W, DOWN_S, rn, rk, mask, I,
-                                  SCOLS, BR, BC, QUANT, mid_ptr.dtype.element_ty)
+            d = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, False, DOWN_W, DOWN_S, DOWN_Z, rn, rk,
+                                  mask, I, SCOLS, BR, BC, QUANT, INT4, ZERO, mid_ptr.dtype.element_ty)
             acc += dot(m, tl.trans(d), IEEE, DOT_F32)
         tl.store(y_ptr + rows[:, None] * H + rn[None, :], acc, mask=on[:, None] & (rn[None, :] < H))
 
@@ -256,16 +258,15 @@ class GroupedExperts:
         lay, t = self.layout, tiles
         ieee = x.dtype == torch.float32
         common = dict(blocks_ptr=blocks, u_key_ptr=u_key, u_slot_ptr=u_slot, w_ptr=self._w, s_ptr=self._s,
-                      delta_ptr=self._delta, H=lay.hidden, I=lay.intermediate, REC_W=lay.rec_w,
-                      REC_S=max(lay.rec_s, 1), BR=lay.block_rows, BC=lay.block_cols, QUANT=lay.quantized,
+                      delta_ptr=self._delta, H=lay.hidden, I=lay.intermediate, REC_W=lay.rec_w, **lay.quant_args(),
                       BM=t.block_m, BN=t.block_n, BK=t.block_k, IEEE=ieee, DOT_F32=INTERPRET and not ieee)
         shape = dict(num_warps=t.num_warps, num_stages=t.num_stages)
         n_blocks = blocks.shape[0]
         return [
             Launch(_grouped_gate_up_kernel, (n_blocks, triton.cdiv(lay.intermediate, t.block_n)), **shape, x_ptr=x,
                    pair_token_ptr=pair_token, mid_ptr=mid, GATE_W=lay.gate_w, UP_W=lay.up_w, GATE_S=lay.gate_s,
-                   UP_S=lay.up_s, SCOLS=triton.cdiv(lay.hidden, lay.block_cols), ACT=self.act_code, **common),
+                   UP_S=lay.up_s, GATE_Z=lay.gate_z, UP_Z=lay.up_z, SCOLS=triton.cdiv(lay.hidden, lay.block_cols), ACT=self.act_code, **common),
             Launch(_grouped_down_kernel, (n_blocks, triton.cdiv(lay.hidden, t.block_n)), **shape, mid_ptr=mid,
-                   y_ptr=y, DOWN_W=lay.down_w, DOWN_S=lay.down_s,
+                   y_ptr=y, DOWN_W=lay.down_w, DOWN_S=lay.down_s, DOWN_Z=lay.down_z,
                    SCOLS=triton.cdiv(lay.intermediate, lay.block_cols), **common),
         ]

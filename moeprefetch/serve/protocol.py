@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import time
@@ -12,17 +13,60 @@ from typing import Any
 from ..sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4
+SEED_LIMIT = 2**62  # the sampler hashes a seed's low 62 bits: a larger seed would silently repeat a smaller one
+# the chat prompt of a tokenizer without a chat template (the shipped reference model has none)
+FALLBACK_CHAT_LINE = "{role}: {content}\n"
+FALLBACK_CHAT_END = "assistant:"
+
+# OpenAI parameters this server cannot honour, each with the values that ask for nothing (those pass); any other
+# value is refused with a 400 naming it, so that no client believes it got what it asked for. Why not honoured:
+# logprobs, the batch's prefill samples the first token without keeping its logits; logit_bias and the penalties,
+# the decode step's sampler (captured once for every row) has no per-row hook for them; the rest are features the
+# engine does not have (suffix insertion, best_of ranking, tool calls, constrained output, audio).
+NOT_HONOURED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "suffix": (None, ""), "best_of": (None, 1),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
+}
 
 
 class APIError(Exception):
     """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | int | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.code = status if code is None else code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request may ask of this server, known when it starts."""
+
+    model: str  # the model id clients send
+    context: int  # the engine's max_seq_len: prompt, new tokens and `reserve` must fit in it
+    reserve: int = 2  # positions the decode step writes beyond the prompt and the new tokens (shadow, drafts)
+    max_token_chars: int | None = None  # the longest vocabulary entry: no token covers more characters
+    default_max_tokens: int = 256
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        # every token covers at most max_token_chars characters, so a longer text cannot fit the context whatever
+        # it tokenises to: refused before the tokenizer spends seconds on it
+        return None if self.max_token_chars is None else self.context * self.max_token_chars
+
+    def check_chars(self, chars: int, param: str) -> None:
+        limit = self.max_prompt_chars
+        if limit is not None and chars > limit:
+            raise APIError(400, f"the {param} is {chars} characters long, more than this server's context of "
+                                f"max_seq_len={self.context} tokens can hold", param)
 
 
 @dataclass
@@ -37,6 +81,7 @@ class Job:
     stream: bool
     ignore_eos: bool = False  # an extension (as vLLM's): generate max_tokens whatever the model ends with
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage and no choices
+    echo: str = ""  # completions' echo: the prompt's text, sent before the completion
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -44,6 +89,46 @@ class Job:
         if not self.id:
             prefix = "chatcmpl" if self.kind == "chat.completion" else "cmpl"
             self.id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def decode_body(raw: bytes) -> Any:
+    """The request body's bytes -> its JSON value (400 for what is not JSON, or nests too deep to parse)."""
+    try:
+        text = raw.decode("utf-8")  # strict: UTF-8-encoded surrogates are refused here too
+    except UnicodeDecodeError:
+        raise APIError(400, "the request body is not valid UTF-8 text") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise APIError(400, "the request body is not valid JSON") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests JSON arrays or objects too deeply to parse") from None
+
+
+def _text(value: str, param: str) -> str:
+    """A string the tokenizer can take: JSON's \\ud800 escapes can smuggle lone surrogates, which are not text."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"{param} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is "
+                            "not valid Unicode text", param) from None
+    return value
+
+
+def _same(value: Any, allowed: Any) -> bool:
+    if allowed is None or isinstance(allowed, bool):
+        return value is allowed
+    if isinstance(allowed, (int, float)):  # 0 and 0.0 alike, but not false
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == allowed
+    return type(value) is type(allowed) and value == allowed
+
+
+def refuse_not_honoured(body: dict[str, Any], extra: tuple[str, ...] = ()) -> None:
+    """400 for a parameter this server would otherwise silently ignore (`NOT_HONOURED`; `extra`: refused unless
+    absent, null or false)."""
+    for name, allowed in (*NOT_HONOURED.items(), *((n, (None, False)) for n in extra)):
+        if name in body and not any(_same(body[name], a) for a in allowed):
+            raise APIError(400, f"{name} is not supported by this server; leave it out", name)
 
 
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
@@ -57,12 +142,14 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
     return float(value)
 
 
-def _integer(body: dict[str, Any], name: str, default: int | None, low: int) -> int | None:
+def _integer(body: dict[str, Any], name: str, default: int | None, low: int, high: int | None = None) -> int | None:
     value = body.get(name, default)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise APIError(400, f"{name} must be an integer >= {low}, got {value!r}", name)
+    if high is not None and value >= high:
+        raise APIError(400, f"{name} must be an integer in [{low}, {high}), got {value!r}", name)
     return value
 
 
@@ -74,17 +161,26 @@ def _stop(body: dict[str, Any]) -> list[str]:
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) \
             or len(stops) > MAX_STOP_STRINGS:
         raise APIError(400, f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them", "stop")
-    return stops
+    return [_text(s, "stop") for s in stops]
 
 
-def parse_common(body: Any, served_model: str, default_max_tokens: int) -> dict[str, Any]:
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise APIError(400, f"{name} must be true or false, got {value!r}", name)
+    return value
+
+
+def parse_common(body: Any, limits: Limits) -> dict[str, Any]:
     """The parameters completions and chat completions share."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = body.get("model")
-    if model is not None and model != served_model:
-        raise APIError(404, f"model {model!r} is not served here; this server serves {served_model!r}", "model",
-                       "not_found_error")
+    if model is not None and model != limits.model:
+        raise APIError(404, f"model {model!r} is not served here; this server serves {limits.model!r}", "model",
+                       "not_found_error", code="model_not_found")
     n = _integer(body, "n", 1, 1)
     if n != 1:
         raise APIError(400, "only n=1 is supported", "n")
@@ -93,14 +189,11 @@ def parse_common(body: Any, served_model: str, default_max_tokens: int) -> dict[
     if top_p == 0.0:
         raise APIError(400, "top_p must be greater than 0", "top_p")
     top_k = _integer(body, "top_k", 0, 0)
-    seed = _integer(body, "seed", None, -(2**63))
+    seed = _integer(body, "seed", None, 0, SEED_LIMIT)
     max_tokens = _integer(body, "max_tokens", None, 1)
     if max_tokens is None:
-        max_tokens = _integer(body, "max_completion_tokens", default_max_tokens, 1)
-    stream, ignore_eos = body.get("stream", False), body.get("ignore_eos", False)
-    for name, value in (("stream", stream), ("ignore_eos", ignore_eos)):
-        if not isinstance(value, bool):
-            raise APIError(400, f"{name} must be true or false, got {value!r}", name)
+        max_tokens = _integer(body, "max_completion_tokens", limits.default_max_tokens, 1)
+    stream, ignore_eos = _flag(body, "stream"), _flag(body, "ignore_eos")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise APIError(400, "stream_options must be an object like {\"include_usage\": true}", "stream_options")
@@ -111,37 +204,84 @@ def parse_common(body: Any, served_model: str, default_max_tokens: int) -> dict[
                 sampling=SamplingParams(temperature=temperature, top_k=top_k or 0, top_p=top_p, seed=seed))
 
 
-def parse_completion(body: Any, tokenizer, served_model: str, default_max_tokens: int) -> Job:
-    common = parse_common(body, served_model, default_max_tokens)
+def _job(kind: str, ids: list[int], common: dict[str, Any], limits: Limits, param: str, **extra: Any) -> Job:
+    """The job, its max_tokens clamped to the room the prompt leaves in the context (400 when it leaves none)."""
+    room = limits.context - limits.reserve - len(ids)
+    if room < 1:
+        raise APIError(400, f"the {param} has {len(ids)} tokens, which leaves no room for new tokens in this "
+                            f"server's context of max_seq_len={limits.context}", param)
+    common["max_tokens"] = min(common["max_tokens"], room)
+    return Job(kind=kind, prompt_ids=ids, **common, **extra)
+
+
+def parse_completion(body: Any, tokenizer, limits: Limits) -> Job:
+    common = parse_common(body, limits)
+    refuse_not_honoured(body)
+    echo = _flag(body, "echo")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
+        _text(prompt, "prompt")
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids", "prompt")
-        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        limits.check_chars(len(prompt), "prompt")
+        ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
     else:
         raise APIError(400, "prompt must be a non-empty string or a non-empty list of token ids (one prompt)", "prompt")
-    return Job(kind="text_completion", prompt_ids=ids, **common)
+    if echo and not isinstance(prompt, str) and tokenizer is None:
+        raise APIError(400, "echo needs a tokenizer to turn the prompt's token ids into text", "echo")
+    text = (prompt if isinstance(prompt, str) else tokenizer.decode(ids, skip_special_tokens=True)) if echo else ""
+    return _job("text_completion", ids, common, limits, "prompt", echo=text)
 
 
-def parse_chat(body: Any, tokenizer, served_model: str, default_max_tokens: int) -> Job:
-    common = parse_common(body, served_model, default_max_tokens)
-    messages = body.get("messages")
+def _content(content: Any, index: int) -> str:
+    """A message's content: a string, or a list of text parts (joined by newlines, as vLLM does)."""
+    param = f"messages[{index}].content"
+    if isinstance(content, str):
+        return _text(content, param)
+    if not isinstance(content, list) or not content:
+        raise APIError(400, f"{param} must be a string or a non-empty list of {{\"type\": \"text\", \"text\": ...}} "
+                            "parts", param)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise APIError(400, f"{param}[{j}] is a {kind!r} part; this model takes only text parts "
+                                "({\"type\": \"text\", \"text\": ...})", param)
+        texts.append(_text(part["text"], f"{param}[{j}].text"))
+    return "\n".join(texts)
+
+
+def _messages(messages: Any) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
-        raise APIError(400, "messages must be a non-empty list of {role, content} objects with string content",
-                       "messages")
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
-    try:
-        ids = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
-                                            add_generation_prompt=True, tokenize=True)
-    except Exception as exc:  # a template can reject roles or orders
-        raise APIError(400, f"the chat template rejected these messages: {exc}", "messages") from None
-    if hasattr(ids, "keys"):  # a BatchEncoding, from tokenizers that return one
-        ids = ids["input_ids"]
-    return Job(kind="chat.completion", prompt_ids=list(ids), **common)
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    return [{"role": _text(m["role"], f"messages[{i}].role"), "content": _content(m.get("content"), i)}
+            for i, m in enumerate(messages)]
+
+
+def fallback_chat_prompt(messages: list[dict[str, str]]) -> str:
+    """The chat prompt of a tokenizer without a template: one "role: content" line per message, then "assistant:"."""
+    return "".join(FALLBACK_CHAT_LINE.format(**m) for m in messages) + FALLBACK_CHAT_END
+
+
+def parse_chat(body: Any, tokenizer, limits: Limits) -> Job:
+    common = parse_common(body, limits)
+    refuse_not_honoured(body, extra=("echo",))  # echo is a completions parameter; chat has none
+    messages = _messages(body.get("messages"))
+    if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids", "messages")
+    limits.check_chars(sum(len(m["content"]) for m in messages), "messages")
+    if not getattr(tokenizer, "chat_template", None):
+        ids = tokenizer(fallback_chat_prompt(messages), add_special_tokens=True)["input_ids"]
+    else:
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # a template can reject roles or orders
+            raise APIError(400, f"the chat template rejected these messages: {exc}", "messages") from None
+        if hasattr(ids, "keys"):  # a BatchEncoding, from tokenizers that return one
+            ids = ids["input_ids"]
+    return _job("chat.completion", list(ids), common, limits, "messages")
