@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from moeprefetch import MoEPrefetchEngine  # noqa: E402
 from moeprefetch.analysis import belady_bytes_per_token  # noqa: E402
 from moeprefetch.checkpoint import CheckpointReader  # noqa: E402
+from moeprefetch.experts import EXPERT_DTYPES  # noqa: E402
 from moeprefetch.options import FILL_LINK, LATE_PREFETCH, POLICIES, EngineConfig  # noqa: E402
 
 logger = logging.getLogger("bench_gpu")
@@ -128,6 +129,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["host_ram_gib"] = int(open("/proc/meminfo").readline().split()[1]) / 1024**2
     except OSError:
         pass
+    env.update(host_memory_bandwidth())
     try:
         env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                            cwd=ROOT).stdout.strip() or None
@@ -418,6 +420,30 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     return dict(policy=args.policy, lrfu_halflife=args.lrfu_halflife, prefetch_lead=args.prefetch_lead)
 
 
+def format_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The expert format of every engine of a run (all-resident too): --expert-dtype and its int4 settings."""
+    return dict(expert_dtype=args.expert_dtype, int4_group_size=args.int4_group_size,
+                int4_symmetric=args.int4_symmetric)
+
+
+def host_memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, Any]:
+    """The host's memory bandwidth as a multi-threaded copy of `nbytes` (torch's CPU copy splits it over every
+    thread), median of `repeats`: read + write bytes per second, so a CPU-side expert path can be judged against
+    the link."""
+    threads = torch.get_num_threads()
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    return {"host_copy_gbps": nbytes / seconds / 1e9, "host_copy_read_write_gbps": 2 * nbytes / seconds / 1e9,
+            "host_copy_threads": threads, "host_copy_bytes": nbytes}
+
+
 def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], new_tokens: int, *,
             predictor: str = "none", speculative: str | None = None, runs: int = 3,
             lookahead: int | None = None, min_confidence: float = 0.0, batch: int = 1) -> dict[str, Any]:
@@ -631,10 +657,12 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
     prompts = prompts_for(path, args.corpus if learned else None, config["vocab_size"], args.runs,
                           args.prompt_tokens, seed=1)
     common = dict(device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                  max_seq_len=args.max_seq_len, max_batch_size=1, progress=False)
+                  max_seq_len=args.max_seq_len, max_batch_size=1, progress=False, **format_settings(args))
     if name == "v2lite_trace":  # every engine, all-resident too, routes decode steps from the trace
         common["routing_trace"] = str(routing_trace_for(args, config))
-    base = {"workload": name + (f"#{args.variant}" if args.variant else ""), "batch": 1,
+    dtype_tag = "" if args.expert_dtype == "model" else f"@{args.expert_dtype}"
+    base = {"workload": name + dtype_tag + (f"#{args.variant}" if args.variant else ""), "batch": 1,
+            **format_settings(args),
             "prompt_tokens": [len(p) for p in prompts], "vram_budget_gib": args.budget_gib}
     # the trained models, and a cut of Qwen3-30B-A3B's layers, cache a share of their experts (--cache-fraction); the
     # others get the budget
@@ -683,10 +711,25 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
     else:
         offload_kwargs["expert_cache_slots"] = max(int(round(args.cache_fraction * total_experts)), 8) \
             if total_experts else 40
+    def resident_at_budget(engine: MoEPrefetchEngine) -> None:
+        """The budget holds every expert (int4 at 12 GiB, say): that engine's row, as the budget's answer."""
+        row = run_row(engine, "resident_at_budget", prompts, args.new_tokens, runs=args.runs)
+        row.update(cache_fraction=1.0, expert_bytes=engine.residency.expert_bytes, plan=engine.plan.describe(),
+                   peak_vram_gib=torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else None)
+        if reference_sequences is not None:
+            row["same_tokens_as_all_resident"] = row["sequences"] == reference_sequences
+        emit({**base, **row})
+
     try:
-        engine = load_offloaded(path, offload_kwargs, args.cache_fraction)
+        # only resident rows asked for: a budget that holds every expert needs no offloaded engine after its row
+        resident_only = bool(args.systems) and set(args.systems.split(",")) <= {"all_resident", "resident_at_budget"}
+        engine = load_offloaded(path, offload_kwargs, args.cache_fraction,
+                                when_resident=resident_at_budget if budget is not None else None,
+                                reload=not resident_only)
     except Exception as exc:
         emit({**base, "system": "offload_load", "failed": f"{type(exc).__name__}: {exc}"})
+        return
+    if engine is None:
         return
     store = engine.residency.store
     fraction = engine.residency.n_slots / engine.plan.total_experts
@@ -770,7 +813,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
     for expert_dtype in args.expert_dtypes.split(",") if args.expert_dtypes else []:
         # compressed experts on the wire: same budget / slot count, fewer bytes per expert
         try:
-            quantized = MoEPrefetchEngine.from_pretrained(path, **offload_kwargs, expert_dtype=expert_dtype)
+            quantized = MoEPrefetchEngine.from_pretrained(path, **{**offload_kwargs, "expert_dtype": expert_dtype})
             best = "mtp+next_layer_gate" if quantized.has_mtp else "next_layer_gate"
             for predictor in ("none", best):
                 row = run_row(quantized, f"{predictor}@{expert_dtype}", prompts, args.new_tokens, predictor=predictor,
@@ -1192,12 +1235,20 @@ def modified_row(name: str, known: dict[str, tuple]) -> tuple:
     return (name, predictor, speculative, lookahead, cut, fill_confidence, fill_link)
 
 
-def load_offloaded(path: Path, options: dict[str, Any], cache_fraction: float) -> MoEPrefetchEngine:
+def load_offloaded(path: Path, options: dict[str, Any], cache_fraction: float,
+                   when_resident: Callable[[MoEPrefetchEngine], None] | None = None,
+                   reload: bool = True) -> MoEPrefetchEngine | None:
     """An engine with `options` that offloads experts: when its `vram_budget` holds every expert (nothing would
-    cross the link), it is loaded again with a fixed share (`cache_fraction`, at least 8) of the experts cached."""
+    cross the link), `when_resident` measures that engine, and it is loaded again with a fixed share
+    (`cache_fraction`, at least 8) of the experts cached (None without `reload`)."""
     engine = MoEPrefetchEngine.from_pretrained(path, **options)
     if engine.residency.store is not None:
         return engine
+    if when_resident is not None:
+        when_resident(engine)
+    if not reload:
+        engine.close()
+        return None
     slots = max(int(round(cache_fraction * engine.plan.total_experts)), 8)
     engine.close()
     rest = {k: v for k, v in options.items() if k != "vram_budget"}
@@ -1267,6 +1318,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", default="", help="a tag appended to every row's workload (settings runs)")
     parser.add_argument("--expert-dtypes", default="", help="also run offloaded rows with these expert formats, "
                         "e.g. fp8,int8")
+    parser.add_argument("--keep-checkpoints", action="store_true",
+                        help="keep (and reuse) the random-weight checkpoints in --workdir for the next run")
+    parser.add_argument("--expert-dtype", choices=EXPERT_DTYPES, default="model",
+                        help="every engine's expert format (rows' workload gets '@dtype'): model, fp8, int8, int4")
+    parser.add_argument("--int4-group-size", type=int, default=EngineConfig.int4_group_size)
+    parser.add_argument("--int4-symmetric", action="store_true")
     parser.add_argument("--fill-confidence", type=float, default=EngineConfig.fill_confidence,
                         help="engine option fill_confidence (rows named ~fillC override it)")
     parser.add_argument("--fill-link", choices=FILL_LINK, default=EngineConfig.fill_link,
@@ -1326,7 +1383,9 @@ def main(argv: list[str] | None = None) -> int:
                     shape = dict(shape, num_hidden_layers=args.qwen3_layers)
                 shape = tiny(shape) if args.scale == "tiny" else shape
                 # the whole Qwen3-30B-A3B only fits the GPU machine's disk as its published FP8 release does
-                path = write_random_checkpoint(args.workdir / name, shape, device, fp8_experts=name == "qwen3_30b")
+                path = args.workdir / name
+                if not (args.keep_checkpoints and (path / "model.safetensors.index.json").is_file()):
+                    path = write_random_checkpoint(path, shape, device, fp8_experts=name == "qwen3_30b")
             else:
                 raise ValueError(f"unknown workload {name}")
             logger.info("%s checkpoint ready in %.1f s", name, time.perf_counter() - start)
@@ -1342,7 +1401,7 @@ def main(argv: list[str] | None = None) -> int:
             emit({"workload": name, "system": "setup", "failed": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc()})
         finally:
-            if name not in ("ref17", "deep"):  # padded trained models are kept for the next run (and call)
+            if name not in ("ref17", "deep") and not args.keep_checkpoints:  # trained models are kept for the next run
                 subprocess.run(["rm", "-rf", str(args.workdir / name)])
         logger.info("%s done in %.1f s", name, time.perf_counter() - start)
     return 0

@@ -12,7 +12,7 @@
 # GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU,
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
 # Usage: STAGE=qwen3|serve|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
-#   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace [LIMIT=seconds] \
+#   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace|int4_tests|int4_bench [LIMIT=seconds] \
 #   bash scripts/device_pending.sh OUT_DIR [bench options]
 # Triton's compile cache travels between calls of a session (a cold cache cost the tests stage its whole 450 s
 # this session): a call restores .devcache/triton_cache.tgz.part* when present (copy the parts that the last call
@@ -128,6 +128,26 @@ case "${STAGE:-tests}" in
     # issue 36's V2-Lite-shape rows with the real V2-Lite routing trace forced (.device-data/traces, carried)
     timeout "${LIMIT:-560}" python3 scripts/bench_gpu.py --out "$out/bench_v2lite_trace.json" --workloads v2lite_trace \
       --runs 1 "$@" 2>&1 | filter ;;
+  int4_tests)
+    # issue 37: the 4-bit expert kernels compiled for the H200 against their float64 references (decode and grouped
+    # prefill), then the engine's tokens within int4 across cache sizes and predictors, GPU against CPU
+    # dequantisation, and issue 36's idle-link / forced-routing test
+    timeout 250 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider --tb=short \
+      -k "routed_experts_match or grouped_prefill_experts_match or host_read_gives" 2>&1 | grep -v -E "Warning:|warn"
+    timeout 300 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider --tb=short --durations=5 \
+      -k "int4 or dequantisation or idle_link" 2>&1 | grep -v -E "Warning:|warnings.warn" ;;
+  int4_bench)
+    # issue 37's rows, V2-Lite shape (one random checkpoint kept between the runs): int4 at 12 GiB (every expert
+    # resident) and at 4 GiB offloaded (reactive, the one-token oracle, the oracle, Belady's floor); FP8 at 12 GiB
+    # (reactive against the oracles: the FP8 prefetch path); bf16 reactive at 12 GiB, the baseline
+    run() { timeout "${LIMIT:-140}" python3 scripts/bench_gpu.py --out "$out/bench_int4.json" --workloads v2lite \
+      --runs 1 --keep-checkpoints "$@" 2>&1 | filter; }
+    timeout 100 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider --tb=short \
+      -k "routed_experts_match or grouped_prefill_experts_match" 2>&1 | tail -2
+    run --expert-dtype int4 --budget-gib 12 --systems resident_at_budget "$@"
+    LIMIT=${LIMIT2:-170} run --expert-dtype int4 --budget-gib 4 --systems all_resident,none,oracle_next,oracle "$@"
+    [ -n "${FP8_SYSTEMS:-}" ] && run --expert-dtype fp8 --budget-gib 12 --systems "$FP8_SYSTEMS" "$@"
+    [ -n "${WITH_BF16:-}" ] && run --budget-gib 12 --systems all_resident,none "$@" ;;
   distributed)
     timeout 150 python3 -m pytest tests/test_distributed.py -q -p no:cacheprovider --tb=short -k gpus 2>&1 | tail -5
     timeout 200 torchrun --nproc-per-node 1 scripts/bench_distributed.py --out "$out/distributed_1gpu.json" \

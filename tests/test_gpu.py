@@ -154,7 +154,7 @@ def test_cuda_graphs_change_nothing(checkpoint_factory):
         assert runs[0] == runs[1] == runs[2] == runs[3]
 
 
-@pytest.mark.parametrize("expert_dtype", ["fp8", "int8"])
+@pytest.mark.parametrize("expert_dtype", ["fp8", "int8", "int4"])
 def test_dequantisation_on_the_gpu_matches_the_cpu(checkpoint_factory, expert_dtype):
     """Compressed experts travel as FP8/int8 and are dequantised inside the expert kernel; the result matches the
     CPU's dequantisation of the same bytes, and host RAM holds the compact records."""
@@ -169,6 +169,27 @@ def test_dequantisation_on_the_gpu_matches_the_cpu(checkpoint_factory, expert_dt
     stats = cuda.memory_stats()
     assert stats["host_pinned_bytes"] == stats["host_expert_bytes"]
     assert cuda.residency.expert_bytes < 0.3 * 3 * 64 * 32 * 4  # about a quarter of the fp32 record
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_experts_keep_their_tokens_at_every_cache_size_on_gpu(checkpoint_factory, symmetric):
+    """Within the int4 format on the GPU (compiled kernels, graphs, zero-copy reads of packed records, admissions,
+    fills), cache sizes, policies and predictors change speed, never tokens."""
+    path = checkpoint_factory("v3")
+    prompts = [[3, 4, 5, 6], [9, 10]]
+    options = dict(device="cuda", dtype=torch.bfloat16, expert_dtype="int4", int4_group_size=16,
+                   int4_symmetric=symmetric)
+    with MoEPrefetchEngine.from_pretrained(path, **options) as reference:
+        expected = reference.generate(prompts, max_new_tokens=16, stop_at_eos=False).sequences
+        logits = reference.forward([[3, 4, 5, 6]])
+        total = reference.plan.total_experts
+    for slots in (2, 5, total // 2):
+        with MoEPrefetchEngine.from_pretrained(path, expert_cache_slots=slots, **options) as engine:
+            for predictor in ("none", "next_layer_gate", "mtp+next_layer_gate", "oracle"):
+                result = engine.generate(prompts, max_new_tokens=16, stop_at_eos=False, predictor=predictor)
+                assert result.sequences == expected, (slots, predictor)
+                assert not engine.residency.problems()
+            assert torch.equal(engine.forward([[3, 4, 5, 6]]), logits)
 
 
 def test_close_gives_device_memory_back(checkpoint_factory):

@@ -312,9 +312,12 @@ def test_kernels_compile_for_hopper():
                           env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if "shared_bytes" in line]
-    from moeprefetch.kernels.compile_check import example_launches
+    from moeprefetch.kernels.compile_check import INT4_LAUNCHES, example_launches
 
-    assert len(lines) == 2 * len(example_launches())  # every launch, with bf16 and with fp8 experts
+    readers = [name for name in example_launches() if name.startswith(INT4_LAUNCHES)]
+    assert len(readers) == 10
+    # every launch with bf16 and with fp8 experts, and those reading expert records with int4 experts
+    assert len(lines) == 2 * len(example_launches()) + len(readers)
     assert len(lines) >= 32
     for line in lines:
         shared = int(line.rsplit("'shared_bytes':", 1)[1].strip(" }"))

@@ -202,6 +202,9 @@ PLAN_SHAPES = {  # (MoE layers, experts, slots at 12 GiB, top-k)
     "qwen3_30b": (48, 128, 897, 8), "deepseek_v3": (58, 256, 136, 8), "v2_lite": (26, 64, 568, 6)}
 
 
+INT4_LAUNCHES = ("gate_up", "down", "grouped_gate_up", "grouped_down")  # name prefixes of the expert-record readers
+
+
 def compile_all(arch: int = 90, **shape: Any) -> dict[str, Any]:
     return {name: compile_for(launch.kernel, launch.args, arch, launch.num_warps, launch.num_stages)
             for name, launch in example_launches(**shape).items()}
@@ -220,3 +223,8 @@ if __name__ == "__main__" and HAS_TRITON:  # pragma: no cover - a developer's re
     for dtype in ("model", "fp8"):
         for name, compiled in compile_all(expert_dtype=dtype).items():
             print(dtype, name, resources(compiled))
+    # int4: the launches that read expert records (the others do not depend on the format)
+    for name, launch in example_launches(expert_dtype="int4").items():
+        if name.startswith(INT4_LAUNCHES):
+            compiled = compile_for(launch.kernel, launch.args, 90, launch.num_warps, launch.num_stages)
+            print("int4", name, resources(compiled))

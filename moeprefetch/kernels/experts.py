@@ -196,38 +196,58 @@ if HAS_TRITON:
 
     @triton.jit
     def _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, region_w, region_s, region_z, offs_r,
-                          offs_c, mask, ROW_LEN: tl.constexpr, SCOLS: tl.constexpr, BR: tl.constexpr,
+                          rows_on, k0, ROW_LEN: tl.constexpr, SCOLS: tl.constexpr, BR: tl.constexpr,
                           BC: tl.constexpr, QUANT: tl.constexpr, INT4: tl.constexpr, ZERO: tl.constexpr,
-                          OUT_DTYPE: tl.constexpr):
-        """One [rows, cols] tile of a weight region: from the source record, copied into the admission slot when
-        `admit`, dequantised with its scales (4-bit: W = (code - zero) * scale, quant.py), in the compute dtype."""
-        if INT4:  # byte j of a row holds inputs 2j (low nibble) and 2j+1: each byte is read by both its inputs
-            offs = offs_r[:, None] * (ROW_LEN // 2) + offs_c[None, :] // 2
-            raw = tl.load(w_ptr + src_w + region_w + offs, mask=mask, other=0)
+                          BK: tl.constexpr, OUT_DTYPE: tl.constexpr):
+        """The [rows, BK] tile of inputs k0..k0+BK of a weight region: from the source record, copied into the
+        admission slot when `admit`, dequantised with its scales, in the compute dtype."""
+        if INT4:
+            tile = _load_int4_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, region_w, region_s, region_z,
+                                   offs_r, rows_on, k0, ROW_LEN, SCOLS, BC, ZERO, BK, OUT_DTYPE)
         else:
+            offs_c = k0 + tl.arange(0, BK)
+            mask = rows_on[:, None] & (offs_c[None, :] < ROW_LEN)
             offs = offs_r[:, None] * ROW_LEN + offs_c[None, :]
             raw = tl.load(w_ptr + src_w + region_w + offs, mask=mask, other=0.0)
+            if admit:
+                tl.store(w_ptr + dst_w + region_w + offs, raw, mask=mask)
+            if QUANT:
+                s_offs = (offs_r[:, None] // BR) * SCOLS + offs_c[None, :] // BC
+                scale = tl.load(s_ptr + src_s + region_s + s_offs, mask=mask, other=0.0)
+                if admit:
+                    tl.store(s_ptr + dst_s + region_s + s_offs, scale, mask=mask)
+                tile = (raw.to(tl.float32) * scale).to(OUT_DTYPE)
+            else:
+                tile = raw.to(OUT_DTYPE)
+        return tile
+
+    @triton.jit
+    def _load_int4_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, region_w, region_s, region_z, offs_r,
+                        rows_on, k0, ROW_LEN: tl.constexpr, SCOLS: tl.constexpr, BC: tl.constexpr,
+                        ZERO: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr):
+        """A 4-bit tile: BK/2 contiguous bytes per row, read as vectors (a zero-copy read over PCIe moves whole
+        requests; byte-wise loads of the same bytes ran at a third of the link's rate on the H200), each byte's two
+        inputs dequantised as W = (code - zero) * scale (quant.py) and interleaved back into input order."""
+        cb = k0 // 2 + tl.arange(0, BK // 2)  # byte columns: byte c holds inputs 2c (low nibble) and 2c + 1
+        mask = rows_on[:, None] & (cb[None, :] < ROW_LEN // 2)
+        offs = offs_r[:, None] * (ROW_LEN // 2) + cb[None, :]
+        raw = tl.load(w_ptr + src_w + region_w + offs, mask=mask, other=0)
         if admit:
             tl.store(w_ptr + dst_w + region_w + offs, raw, mask=mask)
-        if QUANT:
-            s_offs = (offs_r[:, None] // BR) * SCOLS + offs_c[None, :] // BC
-            scale = tl.load(s_ptr + src_s + region_s + s_offs, mask=mask, other=0.0)
+        s_offs = offs_r[:, None] * SCOLS + (2 * cb[None, :]) // BC  # a group is even: both inputs share it
+        scale = tl.load(s_ptr + src_s + region_s + s_offs, mask=mask, other=0.0)
+        if admit:
+            tl.store(s_ptr + dst_s + region_s + s_offs, scale, mask=mask)
+        if ZERO:
+            zero = tl.load(s_ptr + src_s + region_z + s_offs, mask=mask, other=0.0)
             if admit:
-                tl.store(s_ptr + dst_s + region_s + s_offs, scale, mask=mask)
-            if INT4:
-                code = ((raw.to(tl.int32) >> ((offs_c[None, :] & 1) * 4)) & 15).to(tl.float32)
-                if ZERO:
-                    zero = tl.load(s_ptr + src_s + region_z + s_offs, mask=mask, other=0.0)
-                    if admit:
-                        tl.store(s_ptr + dst_s + region_z + s_offs, zero, mask=mask)
-                else:
-                    zero = 8.0  # quant.INT4_SYMMETRIC_ZERO
-                tile = ((code - zero) * scale).to(OUT_DTYPE)
-            else:
-                tile = (raw.to(tl.float32) * scale).to(OUT_DTYPE)
+                tl.store(s_ptr + dst_s + region_z + s_offs, zero, mask=mask)
         else:
-            tile = raw.to(OUT_DTYPE)
-        return tile
+            zero = 8.0  # quant.INT4_SYMMETRIC_ZERO
+        byte = raw.to(tl.int32)
+        low = (((byte & 15).to(tl.float32) - zero) * scale).to(OUT_DTYPE)
+        high = (((byte >> 4).to(tl.float32) - zero) * scale).to(OUT_DTYPE)
+        return tl.reshape(tl.join(low, high), (low.shape[0], BK))
 
     @triton.jit
     def _record_bases(u, u_key_ptr, u_slot_ptr, u_dst_ptr, delta_ptr, REC_W: tl.constexpr, REC_S: tl.constexpr):
@@ -273,11 +293,10 @@ if HAS_TRITON:
             rk = k0 + tl.arange(0, BK)
             xt = tl.load(x_ptr + rows[:, None] * H + rk[None, :], mask=row_on[:, None] & (rk[None, :] < H),
                          other=0.0)
-            mask = (ri[:, None] < I) & (rk[None, :] < H)
-            g = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, GATE_W, GATE_S, GATE_Z, ri, rk,
-                                  mask, H, SCOLS, BR, BC, QUANT, INT4, ZERO, x_ptr.dtype.element_ty)
-            up = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, UP_W, UP_S, UP_Z, ri, rk,
-                                   mask, H, SCOLS, BR, BC, QUANT, INT4, ZERO, x_ptr.dtype.element_ty)
+            g = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, GATE_W, GATE_S, GATE_Z, ri,
+                                  ri < I, k0, H, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, x_ptr.dtype.element_ty)
+            up = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, UP_W, UP_S, UP_Z, ri,
+                                   ri < I, k0, H, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, x_ptr.dtype.element_ty)
             acc_g = _acc_add(acc_g, xt, g, FMA, IEEE, DOT_F32, SWAP)
             acc_u = _acc_add(acc_u, xt, up, FMA, IEEE, DOT_F32, SWAP)
         mid = (activate(_acc_total(acc_g, FMA, SWAP), ACT) * _acc_total(acc_u, FMA, SWAP)).to(mid_ptr.dtype.element_ty)
@@ -306,9 +325,8 @@ if HAS_TRITON:
             rk = k0 + tl.arange(0, BK)
             m = tl.load(mid_ptr + (u * N_PAD + rows[:, None]) * I + rk[None, :],
                         mask=row_on[:, None] & (rk[None, :] < I), other=0.0)
-            mask = (rh[:, None] < H) & (rk[None, :] < I)
-            d = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, DOWN_W, DOWN_S, DOWN_Z, rh, rk,
-                                  mask, I, SCOLS, BR, BC, QUANT, INT4, ZERO, mid_ptr.dtype.element_ty)
+            d = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, DOWN_W, DOWN_S, DOWN_Z, rh,
+                                  rh < H, k0, I, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, mid_ptr.dtype.element_ty)
             acc = _acc_add(acc, m, d, FMA, IEEE, DOT_F32, SWAP)
         out = y_ptr + (u * N_PAD + rows[:, None]) * H + rh[None, :]
         tl.store(out, _acc_total(acc, FMA, SWAP), mask=row_on[:, None] & (rh[None, :] < H))

@@ -170,11 +170,10 @@ if HAS_TRITON:
         for k0 in range(0, H, BK):
             rk = k0 + tl.arange(0, BK)
             xt = tl.load(x_ptr + tokens[:, None] * H + rk[None, :], mask=on[:, None] & (rk[None, :] < H), other=0.0)
-            mask = (rn[:, None] < I) & (rk[None, :] < H)
-            g = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, False, GATE_W, GATE_S, GATE_Z, rn, rk,
-                                  mask, H, SCOLS, BR, BC, QUANT, INT4, ZERO, x_ptr.dtype.element_ty)
-            up = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, False, UP_W, UP_S, UP_Z, rn, rk,
-                                   mask, H, SCOLS, BR, BC, QUANT, INT4, ZERO, x_ptr.dtype.element_ty)
+            g = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, False, GATE_W, GATE_S, GATE_Z, rn,
+                                  rn < I, k0, H, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, x_ptr.dtype.element_ty)
+            up = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, False, UP_W, UP_S, UP_Z, rn,
+                                   rn < I, k0, H, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, x_ptr.dtype.element_ty)
             acc_g += dot(xt, tl.trans(g), IEEE, DOT_F32)
             acc_u += dot(xt, tl.trans(up), IEEE, DOT_F32)
         mid = (activate(acc_g, ACT) * acc_u).to(mid_ptr.dtype.element_ty)
@@ -199,9 +198,8 @@ if HAS_TRITON:
         for k0 in range(0, I, BK):
             rk = k0 + tl.arange(0, BK)
             m = tl.load(mid_ptr + rows[:, None] * I + rk[None, :], mask=on[:, None] & (rk[None, :] < I), other=0.0)
-            mask = (rn[:, None] < H) & (rk[None, :] < I)
-            d = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, False, DOWN_W, DOWN_S, DOWN_Z, rn, rk,
-                                  mask, I, SCOLS, BR, BC, QUANT, INT4, ZERO, mid_ptr.dtype.element_ty)
+            d = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, False, DOWN_W, DOWN_S, DOWN_Z, rn,
+                                  rn < H, k0, I, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, mid_ptr.dtype.element_ty)
             acc += dot(m, tl.trans(d), IEEE, DOT_F32)
         tl.store(y_ptr + rows[:, None] * H + rn[None, :], acc, mask=on[:, None] & (rn[None, :] < H))
 
