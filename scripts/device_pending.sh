@@ -142,10 +142,10 @@ case "${STAGE:-tests}" in
     # (reactive against the oracles: the FP8 prefetch path); bf16 reactive at 12 GiB, the baseline
     run() { timeout "${LIMIT:-140}" python3 scripts/bench_gpu.py --out "$out/bench_int4.json" --workloads v2lite \
       --runs 1 --keep-checkpoints "$@" 2>&1 | filter; }
-    timeout 100 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider --tb=short \
-      -k "routed_experts_match or grouped_prefill_experts_match" 2>&1 | tail -2
+    [ -n "${WITH_TESTS:-}" ] && timeout 100 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider \
+      --tb=short -k "routed_experts_match or grouped_prefill_experts_match" 2>&1 | tail -2
     run --expert-dtype int4 --budget-gib 12 --systems resident_at_budget "$@"
-    LIMIT=${LIMIT2:-170} run --expert-dtype int4 --budget-gib 4 --systems all_resident,none,oracle_next,oracle "$@"
+    LIMIT=${LIMIT2:-170} run --expert-dtype int4 --budget-gib 4 --systems "${INT4_SYSTEMS:-all_resident,none,oracle_next,oracle}" "$@"
     [ -n "${FP8_SYSTEMS:-}" ] && run --expert-dtype fp8 --budget-gib 12 --systems "$FP8_SYSTEMS" "$@"
     [ -n "${WITH_BF16:-}" ] && run --budget-gib 12 --systems all_resident,none "$@" ;;
   distributed)

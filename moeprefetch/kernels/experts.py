@@ -198,17 +198,23 @@ if HAS_TRITON:
     def _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, region_w, region_s, region_z, offs_r,
                           rows_on, k0, ROW_LEN: tl.constexpr, SCOLS: tl.constexpr, BR: tl.constexpr,
                           BC: tl.constexpr, QUANT: tl.constexpr, INT4: tl.constexpr, ZERO: tl.constexpr,
-                          BK: tl.constexpr, OUT_DTYPE: tl.constexpr):
+                          BK: tl.constexpr, OUT_DTYPE: tl.constexpr, INT4_VECTORS: tl.constexpr = True):
         """The [rows, BK] tile of inputs k0..k0+BK of a weight region: from the source record, copied into the
-        admission slot when `admit`, dequantised with its scales, in the compute dtype."""
-        if INT4:
+        admission slot when `admit`, dequantised with its scales, in the compute dtype. 4-bit tiles are read as
+        byte vectors (`INT4_VECTORS`: decode) or byte by byte (prefill's grouped tl.dot kernels: Triton 3.6's
+        dot-operand pass fails on the interleaved vector tile there; the bytes come from VRAM or staging rows)."""
+        if INT4 and INT4_VECTORS:
             tile = _load_int4_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, region_w, region_s, region_z,
                                    offs_r, rows_on, k0, ROW_LEN, SCOLS, BC, ZERO, BK, OUT_DTYPE)
         else:
             offs_c = k0 + tl.arange(0, BK)
             mask = rows_on[:, None] & (offs_c[None, :] < ROW_LEN)
-            offs = offs_r[:, None] * ROW_LEN + offs_c[None, :]
-            raw = tl.load(w_ptr + src_w + region_w + offs, mask=mask, other=0.0)
+            if INT4:  # byte c of a row holds inputs 2c (low nibble) and 2c + 1: each byte is read by both
+                offs = offs_r[:, None] * (ROW_LEN // 2) + offs_c[None, :] // 2
+                raw = tl.load(w_ptr + src_w + region_w + offs, mask=mask, other=0)
+            else:
+                offs = offs_r[:, None] * ROW_LEN + offs_c[None, :]
+                raw = tl.load(w_ptr + src_w + region_w + offs, mask=mask, other=0.0)
             if admit:
                 tl.store(w_ptr + dst_w + region_w + offs, raw, mask=mask)
             if QUANT:
@@ -216,7 +222,17 @@ if HAS_TRITON:
                 scale = tl.load(s_ptr + src_s + region_s + s_offs, mask=mask, other=0.0)
                 if admit:
                     tl.store(s_ptr + dst_s + region_s + s_offs, scale, mask=mask)
-                tile = (raw.to(tl.float32) * scale).to(OUT_DTYPE)
+                if INT4:
+                    code = ((raw.to(tl.int32) >> ((offs_c[None, :] & 1) * 4)) & 15).to(tl.float32)
+                    if ZERO:
+                        zero = tl.load(s_ptr + src_s + region_z + s_offs, mask=mask, other=0.0)
+                        if admit:
+                            tl.store(s_ptr + dst_s + region_z + s_offs, zero, mask=mask)
+                    else:
+                        zero = 8.0  # quant.INT4_SYMMETRIC_ZERO
+                    tile = ((code - zero) * scale).to(OUT_DTYPE)
+                else:
+                    tile = (raw.to(tl.float32) * scale).to(OUT_DTYPE)
             else:
                 tile = raw.to(OUT_DTYPE)
         return tile

@@ -171,9 +171,9 @@ if HAS_TRITON:
             rk = k0 + tl.arange(0, BK)
             xt = tl.load(x_ptr + tokens[:, None] * H + rk[None, :], mask=on[:, None] & (rk[None, :] < H), other=0.0)
             g = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, False, GATE_W, GATE_S, GATE_Z, rn,
-                                  rn < I, k0, H, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, x_ptr.dtype.element_ty)
+                                  rn < I, k0, H, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, x_ptr.dtype.element_ty, False)
             up = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, False, UP_W, UP_S, UP_Z, rn,
-                                   rn < I, k0, H, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, x_ptr.dtype.element_ty)
+                                   rn < I, k0, H, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, x_ptr.dtype.element_ty, False)
             acc_g += dot(xt, tl.trans(g), IEEE, DOT_F32)
             acc_u += dot(xt, tl.trans(up), IEEE, DOT_F32)
         mid = (activate(acc_g, ACT) * acc_u).to(mid_ptr.dtype.element_ty)
@@ -199,7 +199,7 @@ if HAS_TRITON:
             rk = k0 + tl.arange(0, BK)
             m = tl.load(mid_ptr + rows[:, None] * I + rk[None, :], mask=on[:, None] & (rk[None, :] < I), other=0.0)
             d = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, False, DOWN_W, DOWN_S, DOWN_Z, rn,
-                                  rn < H, k0, I, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, mid_ptr.dtype.element_ty)
+                                  rn < H, k0, I, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, mid_ptr.dtype.element_ty, False)
             acc += dot(m, tl.trans(d), IEEE, DOT_F32)
         tl.store(y_ptr + rows[:, None] * H + rn[None, :], acc, mask=on[:, None] & (rn[None, :] < H))
 
