@@ -104,7 +104,17 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch (then 429)")
     srv.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     srv.add_argument("--drain-seconds", type=float, default=30.0,
-                        help="on Ctrl-C or SIGTERM, how long requests in flight may finish")
+                        help="on Ctrl-C or SIGTERM, how long requests in flight may finish (a second signal cuts "
+                             "them short); the rest get 503")
+    srv.add_argument("--api-key", default=os.environ.get("MOEPREFETCH_API_KEY") or None,
+                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOEPREFETCH_API_KEY, which, unlike "
+                          "the command line, other users cannot see; none: open)")
+    srv.add_argument("--allowed-hosts", default=None,
+                     help="comma list of Host header names answered, or '*' (default: loopback names when bound to "
+                          "a loopback address, else any)")
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (then 413)")
+    srv.add_argument("--body-timeout", type=float, default=30.0,
+                     help="seconds a request body may take to arrive (then 408)")
     _engine_arguments(srv)
 
     rep = sub.add_parser("report", parents=[common],
@@ -241,14 +251,24 @@ def _serve(ns: argparse.Namespace) -> int:
         import uvicorn
 
         from .serve.app import build_app
+        from .serve.guards import default_allowed_hosts
+        from .serve.lifecycle import DrainingServer
     except ImportError:
         raise MoEPrefetchError("serving needs the optional extra: pip install -e \".[serve]\"") from None
     from .engine import MoEPrefetchEngine
     from .options import EngineConfig
 
-    for name, value, low in (("--port", ns.port, 1), ("--max-queue", ns.max_queue, 1), ("--max-tokens", ns.max_tokens, 1)):
+    for name, value, low in (("--port", ns.port, 1), ("--max-queue", ns.max_queue, 1),
+                             ("--max-tokens", ns.max_tokens, 1), ("--max-body-bytes", ns.max_body_bytes, 1)):
         if value < low or (name == "--port" and value > 65535):
             raise MoEPrefetchError(f"{name} {value} is out of range")
+    for name, value in (("--drain-seconds", ns.drain_seconds), ("--body-timeout", ns.body_timeout)):
+        if not value >= 0 or (name == "--body-timeout" and value == 0):
+            raise MoEPrefetchError(f"{name} must be a positive number of seconds, got {value}")
+    hosts = default_allowed_hosts(ns.host) if ns.allowed_hosts is None else \
+        [h.strip() for h in ns.allowed_hosts.split(",") if h.strip()]
+    if hosts == []:
+        raise MoEPrefetchError("--allowed-hosts names no host: give names, or '*' for any")
     kwargs = _engine_kwargs(ns)
     if kwargs["distributed"]:
         raise MoEPrefetchError("serve runs in one process: --distributed is for generate (the ranks would need one "
@@ -256,15 +276,23 @@ def _serve(ns: argparse.Namespace) -> int:
     kwargs.setdefault("max_batch_size", 8)
     engine = MoEPrefetchEngine.from_pretrained(ns.path, config=EngineConfig.from_mapping(kwargs))
     name = ns.model_name or Path(ns.path).resolve().name
-    app = build_app(engine, name, ns.predictor, ns.max_queue, ns.drain_seconds, ns.max_tokens)
-    print(f"serving {name} on http://{ns.host}:{ns.port}/v1 (batch {engine.options.max_batch_size})", flush=True)
-    # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal to the handler it found: a no-op one, so that a
-    # drained shutdown ends here and exits 0
+    app = build_app(engine, name, ns.predictor, ns.max_queue, ns.drain_seconds, ns.max_tokens, api_key=ns.api_key,
+                    allowed_hosts=hosts, max_body_bytes=ns.max_body_bytes, body_timeout=ns.body_timeout)
+    print(f"serving {name} on http://{ns.host}:{ns.port}/v1 (batch {engine.options.max_batch_size}"
+          f"{', API key required' if ns.api_key else ''})", flush=True)
+    # uvicorn re-raises the signals it handled to the handlers it found when it stops: no-op ones, so that the
+    # shutdown (drained, or cut by a second signal) ends here
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(app, host=ns.host, port=ns.port, log_level="info" if ns.verbose else "warning",
-                timeout_graceful_shutdown=max(int(ns.drain_seconds), 1))
+    # the drain runs before uvicorn's own shutdown (DrainingServer): uvicorn then waits only for the answers
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level="info" if ns.verbose else "warning",
+                            timeout_graceful_shutdown=5)
+    server = DrainingServer(config, app.state.server)
+    server.run()
     engine.close()
+    if server.force_exit:
+        print("stopped: a second signal cut the requests in flight", flush=True)
+        return EXIT_INTERRUPTED
     print("drained and stopped", flush=True)
     return 0
 

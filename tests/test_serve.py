@@ -1,11 +1,16 @@
 """serve/: a live server on localhost (uvicorn in a thread, or `moeprefetch serve` in a process) driven by the
 official `openai` client: answers equal `engine.generate`, streaming equals non-streaming, concurrent clients get
 their single-request answers, bad requests get OpenAI-style errors, disconnects free rows, a full queue answers 429,
-an engine error fails one request only, a bounded load test loses nothing, SIGTERM drains."""
+an engine error fails one request only, a bounded load test loses nothing, SIGTERM drains. Issue 40: body limits,
+tokenisation off the event loop, the drain's cut answered, a second signal exits cleanly, JSON 404/405, deep JSON and
+lone surrogates, the chat fallback template, parameters refused by name, API keys, Host and Content-Type checks,
+Retry-After, 503 while draining, aborted and stalled uploads, queued clients gone, max_tokens clamped, seed range."""
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
 import os
 import shutil
 import signal
@@ -50,16 +55,28 @@ def model_dir(checkpoint_factory, tiny_tokenizer_dir, tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def plain_model_dir(checkpoint_factory, tiny_tokenizer_dir) -> Path:
+    """The same checkpoint and tokenizer without a chat template (as the shipped reference model)."""
+    path = checkpoint_factory("v3", tokenizer_from=tiny_tokenizer_dir)
+    assert "chat_template" not in json.loads((path / "tokenizer_config.json").read_text())
+    return path
+
+
 class LiveServer:
-    def __init__(self, path: Path, max_batch_size: int = 4, max_queue: int = 32, name: str = "tiny"):
+    def __init__(self, path: Path, max_batch_size: int = 4, max_queue: int = 32, name: str = "tiny",
+                 drain_seconds: float = 2.0, **options):
         import uvicorn
 
         from moeprefetch.serve.app import build_app
+        from moeprefetch.serve.lifecycle import DrainingServer
 
         self.engine = MoEPrefetchEngine.from_pretrained(path, max_batch_size=max_batch_size, **ENGINE)
-        self.app = build_app(self.engine, name, max_queue=max_queue, drain_seconds=2.0, default_max_tokens=16)
+        self.app = build_app(self.engine, name, max_queue=max_queue, drain_seconds=drain_seconds,
+                             default_max_tokens=16, **options)
         self.port = _free_port()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = DrainingServer(config, self.app.state.server)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -126,22 +143,13 @@ def test_streaming_equals_non_streaming_for_completions_and_chat(live):
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat.choices[0].message.content
 
 
-def test_chat_applies_the_template_and_a_model_without_one_is_a_clear_400(live, reference):
-    from moeprefetch.serve.protocol import APIError, parse_chat
-
+def test_chat_applies_the_template(live, reference):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick"}]
     chat = live.client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
     templated = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     templated = templated["input_ids"] if hasattr(templated, "keys") else templated
     assert chat.usage.prompt_tokens == len(templated)
     assert chat.choices[0].message.content == _alone(reference, list(templated), 8)[0]
-
-    class NoTemplate:
-        chat_template = None
-
-    with pytest.raises(APIError) as err:
-        parse_chat({"messages": messages}, NoTemplate(), "tiny", 16)
-    assert err.value.status == 400 and "no chat template" in err.value.message
 
 
 def test_concurrent_clients_each_get_their_single_request_answer(live, reference):
@@ -169,7 +177,6 @@ def test_bad_requests_get_openai_style_errors(live):
         (dict(model="tiny", prompt="x", top_p=1.5), 400, "top_p"),
         (dict(model="tiny", prompt="x", stop=["a"] * 9), 400, "stop"),
         (dict(model="tiny", prompt=[3, 99999]), 400, None),
-        (dict(model="tiny", prompt="x", max_tokens=10**6), 400, None),
         (dict(model="other", prompt="x"), 404, "model"),
         (dict(model="tiny", prompt="x", ignore_eos="yes"), 400, "ignore_eos"),
     ]
@@ -178,7 +185,8 @@ def test_bad_requests_get_openai_style_errors(live):
         assert response.status_code == status, (body, response.text)
         error = response.json()["error"]
         assert error["message"] and error["type"] and (param is None or error["param"] == param)
-    response = httpx.post(live.url + "/v1/completions", content=b"{not json", timeout=30)
+    response = httpx.post(live.url + "/v1/completions", content=b"{not json", timeout=30,
+                          headers={"Content-Type": "application/json"})
     assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
     response = httpx.post(live.url + "/v1/chat/completions", json={"model": "tiny", "messages": []}, timeout=30)
     assert response.status_code == 400
@@ -323,6 +331,7 @@ def test_a_full_queue_answers_429_and_loses_nothing_else(model_dir):
         assert 429 in codes and set(codes) <= {200, 429}
         rejected = [r for r in responses if r.status_code == 429]
         assert all(r.json()["error"]["type"] == "rate_limit_error" for r in rejected)
+        assert all(r.headers["retry-after"] == "1" for r in rejected)
         assert all(r.json()["choices"][0]["text"] is not None for r in responses if r.status_code == 200)
     finally:
         server.close()
@@ -352,24 +361,32 @@ def test_bounded_load_loses_no_request(live, capsys):
               f"{sum(tokens) / elapsed:.1f} tokens/s")
 
 
-def test_sigterm_drains_requests_in_flight_then_exits(model_dir):
+def _cli_server(model_dir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """`moeprefetch serve` in a process, once its /health answers."""
     port = _free_port()
     command = [sys.executable, "-m", "moeprefetch", "serve", str(model_dir), "--port", str(port), "--cache-slots", "6",
-               "--max-batch-size", "2", "--max-seq-len", "256", "--drain-seconds", "20", "--model-name", "tiny"]
+               "--max-batch-size", "2", "--max-seq-len", "256", "--model-name", "tiny", *extra]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        if process.poll() is not None:
+            raise AssertionError(process.stderr.read())
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError("the server did not come up")
+        time.sleep(0.2)
+
+
+def test_sigterm_drains_requests_in_flight_then_exits(model_dir):
+    process, url = _cli_server(model_dir, "--drain-seconds", "20")
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.stderr.read()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
         result: dict = {}
 
         def long_request():
@@ -410,3 +427,526 @@ def test_an_engine_thread_that_dies_fails_its_requests_and_refuses_new_ones(mode
         assert httpx.get(server.url + "/health", timeout=30).status_code == 503
     finally:
         server.close()
+
+
+# ---- issue 40: limits, errors, shutdown, parameters, access ---------------------------------------------------------
+API_KEY = "sekrit-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def guarded(plain_model_dir):
+    """A server with an API key, a 64 KiB body limit, a 1 s body timeout and loopback Host names only, over the model
+    without a chat template."""
+    from moeprefetch.serve.guards import default_allowed_hosts
+
+    server = LiveServer(plain_model_dir, name="guarded", api_key=API_KEY, max_body_bytes=64 * 1024, body_timeout=1.0,
+                        allowed_hosts=default_allowed_hosts("127.0.0.1"))
+    server.client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    yield server
+    server.close()
+
+
+def _error_of(response, status: int, param: str | None = "any") -> dict:
+    """The OpenAI-shaped JSON error of a response with this status (and this param, unless "any")."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json"), response.headers
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["type"]
+    assert param == "any" or error["param"] == param, error
+    return error
+
+
+def _wait_for(condition, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+def _slow_steps(monkeypatch, scheduler, seconds: float) -> None:
+    """Decode steps of at least `seconds`: requests outlast what the test does meanwhile on any machine."""
+    batch = scheduler.batch
+    step = batch.step
+    monkeypatch.setattr(batch, "step", lambda: (time.sleep(seconds), step())[1])
+
+
+def _raw_head(path: str, length: int, port: int, extra: str = "") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n{extra}\r\n").encode()
+
+
+def _read_reply(sock: socket.socket) -> bytes:
+    """A raw HTTP reply: until its body has all come (by Content-Length) or the server closed the connection."""
+    reply = b""
+    while True:
+        head, sep, body = reply.partition(b"\r\n\r\n")
+        lengths = [line.split(b":")[1] for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")]
+        if sep and lengths and len(body) >= int(lengths[0]):
+            return reply
+        try:
+            data = sock.recv(65536)
+        except ConnectionResetError:
+            return reply
+        if not data:
+            return reply
+        reply += data
+
+
+def test_a_body_over_the_limit_is_a_413_json_error(guarded):
+    big = {"model": "guarded", "prompt": "x" * 70_000}
+    error = _error_of(httpx.post(guarded.url + "/v1/completions", json=big, headers=AUTH, timeout=30), 413, None)
+    assert "65536 bytes" in error["message"] and "--max-body-bytes" in error["message"]
+    # no Content-Length (chunked): refused as the bytes pass the limit
+    chunked = b"".join(b"1000\r\n" + b" " * 4096 + b"\r\n" for _ in range(20)) + b"0\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", guarded.port), timeout=10) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
+                     "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode() + chunked)
+        reply = _read_reply(sock)
+    assert reply.startswith(b"HTTP/1.1 413") and b'"request_too_large"' in reply
+    assert httpx.get(guarded.url + "/health", timeout=30).status_code == 200
+
+
+def test_a_long_prompt_is_refused_early_off_the_event_loop_and_streams_go_on(live, monkeypatch):
+    server = live.app.state.server
+    threads, parse = [], server._parse
+    monkeypatch.setattr(server, "_parse", lambda raw, p: (threads.append(threading.current_thread().name),
+                                                           parse(raw, p))[1])
+    _slow_steps(monkeypatch, live.scheduler, 0.01)
+    gaps: list[float] = []
+
+    def stream():
+        with httpx.stream("POST", live.url + "/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 120, "temperature": 0,
+                                "ignore_eos": True, "stream": True}) as response:
+            last = time.perf_counter()
+            for _ in response.iter_lines():
+                gaps.append(time.perf_counter() - last)
+                last = time.perf_counter()
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    _wait_for(lambda: live.scheduler.snapshot()["active"] == 1)
+    huge = "the quick brown fox " * 45_000  # 900,000 characters, under the 1 MiB body limit
+    for _ in range(4):
+        response = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": huge}, timeout=30)
+        error = _error_of(response, 400, "prompt")
+        assert "900000 characters" in error["message"] and "max_seq_len=256" in error["message"]
+    streaming.join(timeout=60)
+    assert len(gaps) > 100 and max(gaps[1:]) < 1.0  # no chunk of the stream waited on the long prompts
+    # within the character bound but over the context in tokens: tokenised (in a worker), then refused by its limit
+    response = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": "the quick fox " * 300},
+                          timeout=30)
+    error = _error_of(response, 400, "prompt")
+    assert "no room" in error["message"] and "max_seq_len=256" in error["message"]
+    assert len(threads) == 6 and all(name.startswith("moeprefetch-parse") for name in threads)  # with the stream
+
+
+def test_a_prompt_that_cannot_fit_is_refused_without_tokenising(caplog):
+    from types import SimpleNamespace
+
+    from moeprefetch.serve.app import Server
+    from moeprefetch.serve.protocol import APIError, Limits, parse_chat, parse_completion
+
+    class Untouchable:
+        chat_template = None
+
+        def __call__(self, *args, **kwargs):
+            raise AssertionError("the tokenizer ran")
+
+        def get_vocab(self):
+            return {"a": 0, "abcd": 1}
+
+    limits = Limits(model="m", context=64, max_token_chars=4)
+    assert limits.max_prompt_chars == 256
+    for parse, body, param in ((parse_completion, {"prompt": "y" * 257}, "prompt"),
+                               (parse_chat, {"messages": [{"role": "user", "content": "y" * 200},
+                                                          {"role": "user", "content": "y" * 57}]}, "messages")):
+        with pytest.raises(APIError) as err:
+            parse(body, Untouchable(), limits)
+        assert (err.value.status, err.value.param) == (400, param) and "max_seq_len=64" in err.value.message
+    # the server reads the bound from the vocabulary, and says when chat falls back to the role lines
+    engine = SimpleNamespace(tokenizer=Untouchable(), options=SimpleNamespace(max_seq_len=64))
+    scheduler = SimpleNamespace(batch=SimpleNamespace(spec=SimpleNamespace(chain=1)))
+    with caplog.at_level(logging.WARNING, logger="moeprefetch.serve.app"):
+        server = Server(engine, "m", scheduler)
+    server.workers.shutdown()
+    assert server.limits.max_token_chars == 4 and server.limits.reserve == 2
+    assert any("no chat template" in r.getMessage() and "assistant:" in r.getMessage() for r in caplog.records)
+
+
+def test_requests_cut_by_the_drain_get_a_503_json_or_an_error_event_then_done(plain_model_dir, monkeypatch):
+    server = LiveServer(plain_model_dir, max_batch_size=2, name="draining", drain_seconds=0.5)
+    try:
+        _slow_steps(monkeypatch, server.scheduler, 0.02)  # 200 tokens take 4 s: longer than the drain
+        body = {"model": "draining", "prompt": [3, 4, 5], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+        results: dict = {}
+
+        def plain():
+            results["plain"] = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+
+        def stream():
+            with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
+                              timeout=60) as response:
+                results["stream"] = (response.status_code, [line for line in response.iter_lines() if line])
+
+        clients = [threading.Thread(target=plain), threading.Thread(target=stream)]
+        for client in clients:
+            client.start()
+        _wait_for(lambda: server.scheduler.snapshot()["active"] == 2)
+        server.server.handle_exit(signal.SIGTERM, None)  # what uvicorn does on the signal
+        _wait_for(lambda: server.app.state.server.draining)
+        # while draining the listener still answers: a 503 JSON error, not a refused connection
+        late = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        _error_of(late, 503, None)
+        assert late.headers["retry-after"] == "1"
+        assert httpx.get(server.url + "/health", timeout=30).json()["status"] == "draining"
+        for client in clients:
+            client.join(timeout=30)
+        error = _error_of(results["plain"], 503, None)
+        assert "shut down before this request finished" in error["message"]
+        status, lines = results["stream"]
+        assert status == 200 and lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["error"]["code"] == 503
+        assert len(lines) > 3  # tokens had streamed before the cut
+        server.thread.join(timeout=30)
+        assert not server.thread.is_alive()
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("signals", [(signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGTERM)],
+                         ids=["sigint-twice", "sigterm-twice"])
+def test_a_second_signal_exits_cleanly_with_requests_in_flight(model_dir, signals):
+    process, url = _cli_server(model_dir, "--drain-seconds", "30")
+    answers: list = []
+
+    def ask(i):
+        response = httpx.post(url + "/v1/completions", timeout=60,
+                              json={"model": "tiny", "prompt": [3, 4, 5 + i], "max_tokens": 240, "temperature": 0,
+                                    "ignore_eos": True})
+        answers.append((response.status_code, response.json()))
+
+    try:
+        clients = [threading.Thread(target=ask, args=(i,)) for i in range(6)]  # three waves through two rows
+        for client in clients:
+            client.start()
+        _wait_for(lambda: 'moeprefetch_active_requests{model="tiny"} 2' in httpx.get(url + "/metrics", timeout=5).text)
+        process.send_signal(signals[0])
+        time.sleep(0.3)
+        process.send_signal(signals[1])
+        code = process.wait(timeout=60)
+        stderr = process.stderr.read()
+        for client in clients:
+            client.join(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert code == 130, stderr  # the CLI's "interrupted", not an abort (134, -6)
+    assert "terminate called" not in stderr and "Traceback" not in stderr, stderr
+    assert len(answers) == 6 and {status for status, _ in answers} <= {200, 503}
+    cut = [body for status, body in answers if status == 503]
+    assert cut and all("shut down" in body["error"]["message"] for body in cut)
+
+
+def test_unknown_paths_and_wrong_methods_are_openai_json_errors(live):
+    error = _error_of(httpx.get(live.url + "/nope", timeout=30), 404)
+    assert "/nope" in error["message"] and "/v1" in error["message"]
+    response = httpx.get(live.url + "/v1/completions", timeout=30)
+    error = _error_of(response, 405)
+    assert response.headers["allow"] == "POST" and "POST" in error["message"]
+    _error_of(httpx.delete(live.url + "/v1/models", timeout=30), 405)
+    card = live.client.models.retrieve("tiny")
+    assert (card.id, card.object, card.owned_by) == ("tiny", "model", "moeprefetch")
+    error = _error_of(httpx.get(live.url + "/v1/models/other", timeout=30), 404, "model")
+    assert error["code"] == "model_not_found" and "'other'" in error["message"]
+    with pytest.raises(openai.NotFoundError):
+        live.client.models.retrieve("org/other")
+
+
+def test_deep_json_and_lone_surrogates_are_one_sentence_400s(live):
+    headers = {"Content-Type": "application/json"}
+
+    def post(raw: bytes, path: str = "/v1/completions"):
+        return httpx.post(live.url + path, content=raw, headers=headers, timeout=30)
+
+    error = _error_of(post(b"[" * 100_000 + b"]" * 100_000), 400, None)
+    assert "too deeply" in error["message"]
+    error = _error_of(post(b'{"model": "tiny", "prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"), 400, None)
+    assert "too deeply" in error["message"]
+    for raw, path, param in [
+        (b'{"model": "tiny", "prompt": "a\\ud800b"}', "/v1/completions", "prompt"),
+        (b'{"model": "tiny", "prompt": "x", "stop": "\\udfff"}', "/v1/completions", "stop"),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', "/v1/chat/completions",
+         "messages[0].content"),
+    ]:
+        error = _error_of(post(raw, path), 400, param)
+        assert "lone UTF-16 surrogate" in error["message"]
+    error = _error_of(post(b'{"model": "tiny", "prompt": "\xed\xa0\x80"}'), 400, None)  # a surrogate as UTF-8 bytes
+    assert "UTF-8" in error["message"]
+    pair = post(b'{"model": "tiny", "prompt": "\\ud83d\\ude00 fox", "max_tokens": 2}')  # a valid pair: an emoji
+    assert pair.status_code == 200 and pair.json()["usage"]["completion_tokens"] >= 1
+    assert httpx.get(live.url + "/health", timeout=30).json()["status"] == "ok"
+
+
+def test_chat_without_a_template_uses_role_lines_and_joins_text_parts(guarded, reference):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick"}]
+    chat = guarded.client.chat.completions.create(model="guarded", messages=messages, max_tokens=8, temperature=0)
+    ids = reference.tokenizer("system: be brief\nuser: the quick\nassistant:")["input_ids"]
+    assert chat.usage.prompt_tokens == len(ids)
+    assert chat.choices[0].message.content == _alone(reference, ids, 8)[0]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "the"}, {"type": "text", "text": "quick"}]}]
+    via_parts = guarded.client.chat.completions.create(model="guarded", messages=parts, max_tokens=6, temperature=0)
+    joined = guarded.client.chat.completions.create(model="guarded", messages=[{"role": "user", "content":
+                                                                                "the\nquick"}],
+                                                    max_tokens=6, temperature=0)
+    assert via_parts.usage.prompt_tokens == joined.usage.prompt_tokens
+    assert via_parts.choices[0].message.content == joined.choices[0].message.content
+    image = [{"role": "user", "content": [{"type": "text", "text": "what is this"},
+                                          {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    response = httpx.post(guarded.url + "/v1/chat/completions", headers=AUTH, timeout=30,
+                          json={"model": "guarded", "messages": image})
+    error = _error_of(response, 400, "messages[0].content")
+    assert "'image_url' part" in error["message"]
+
+
+def test_parameters_the_server_cannot_honour_are_refused_by_name(live):
+    refused = {"logprobs": 2, "top_logprobs": 3, "logit_bias": {"5": 10}, "presence_penalty": 0.5,
+               "frequency_penalty": -1, "suffix": " the end", "best_of": 3, "response_format": {"type": "json_object"},
+               "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}
+    for name, value in refused.items():
+        response = httpx.post(live.url + "/v1/completions", timeout=30,
+                              json={"model": "tiny", "prompt": "x", name: value})
+        assert name in _error_of(response, 400, name)["message"]
+    for name, value in (("logprobs", True), ("echo", True), ("presence_penalty", 1)):
+        response = httpx.post(live.url + "/v1/chat/completions", timeout=30,
+                              json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], name: value})
+        _error_of(response, 400, name)
+    # the values that ask for nothing pass
+    noops = {"logprobs": None, "presence_penalty": 0, "frequency_penalty": 0.0, "best_of": 1, "logit_bias": {},
+             "response_format": {"type": "text"}, "suffix": None, "tools": [], "tool_choice": "none"}
+    response = httpx.post(live.url + "/v1/completions", timeout=30,
+                          json={"model": "tiny", "prompt": "x", "max_tokens": 2, **noops})
+    assert response.status_code == 200, response.text
+    response = httpx.post(live.url + "/v1/chat/completions", timeout=30,
+                          json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                "logprobs": False})
+    assert response.status_code == 200, response.text
+
+
+def test_echo_returns_the_prompt_before_the_completion(live, reference):
+    prompt = PROMPTS[0]
+    answer = live.client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, echo=True)
+    assert answer.choices[0].text == prompt + _alone(reference, prompt, 6)[0]
+    assert answer.usage.completion_tokens == _alone(reference, prompt, 6)[1]
+    streamed = live.client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, echo=True,
+                                              stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == answer.choices[0].text
+    ids = live.client.completions.create(model="tiny", prompt=[3, 4, 5], max_tokens=3, temperature=0, echo=True)
+    prefix = reference.tokenizer.decode([3, 4, 5], skip_special_tokens=True)
+    assert ids.choices[0].text == prefix + _alone(reference, [3, 4, 5], 3)[0]
+
+
+def test_an_api_key_is_required_on_v1_and_compared_in_constant_time(guarded, monkeypatch):
+    from moeprefetch.serve import guards
+
+    compared, real = [], guards.hmac.compare_digest
+    monkeypatch.setattr(guards.hmac, "compare_digest", lambda a, b: (compared.append((a, b)), real(a, b))[1])
+    body = {"model": "guarded", "prompt": "x", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        response = httpx.post(guarded.url + "/v1/completions", json=body, headers=headers, timeout=30)
+        assert _error_of(response, 401, None)["code"] == "invalid_api_key"
+        assert response.headers["www-authenticate"] == "Bearer"
+    assert (b"wrong", API_KEY.encode()) in compared
+    _error_of(httpx.get(guarded.url + "/v1/models", timeout=30), 401, None)
+    _error_of(httpx.get(guarded.url + "/v1/nothing-here", timeout=30), 401, None)  # no route is told before the key
+    assert httpx.post(guarded.url + "/v1/completions", json=body, headers=AUTH, timeout=30).status_code == 200
+    assert httpx.get(guarded.url + "/health", timeout=30).status_code == 200  # health and metrics stay open
+    assert httpx.get(guarded.url + "/metrics", timeout=30).status_code == 200
+    wrong = openai.OpenAI(base_url=guarded.url + "/v1", api_key="wrong", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    assert [m.id for m in guarded.client.models.list().data] == ["guarded"]
+
+
+def test_serve_options_and_the_api_key_from_the_environment(monkeypatch):
+    from moeprefetch.cli import _parser, main
+    from moeprefetch.serve.guards import default_allowed_hosts
+
+    monkeypatch.setenv("MOEPREFETCH_API_KEY", "from-env")
+    assert _parser().parse_args(["serve"]).api_key == "from-env"
+    assert _parser().parse_args(["serve", "--api-key", "given"]).api_key == "given"
+    monkeypatch.delenv("MOEPREFETCH_API_KEY")
+    ns = _parser().parse_args(["serve"])
+    assert (ns.api_key, ns.max_body_bytes, ns.body_timeout, ns.allowed_hosts) == (None, 1 << 20, 30.0, None)
+    assert default_allowed_hosts("127.0.0.1") == default_allowed_hosts("::1") == ["localhost", "127.0.0.1", "::1"]
+    assert default_allowed_hosts("0.0.0.0") is None and default_allowed_hosts("example.org") is None
+    assert main(["serve", "--max-body-bytes", "0"]) == 2  # refused before the model loads
+    assert main(["serve", "--body-timeout", "0"]) == 2
+    assert main(["serve", "--allowed-hosts", " , "]) == 2
+
+
+def test_foreign_host_headers_and_non_json_bodies_are_refused(guarded):
+    response = httpx.get(guarded.url + "/health", headers={"Host": "attacker.example"}, timeout=30)
+    assert _error_of(response, 400, None)["code"] == "invalid_host"
+    response = httpx.get(guarded.url + "/v1/models", headers={**AUTH, "Host": f"localhost:{guarded.port}"}, timeout=30)
+    assert response.status_code == 200
+    raw = json.dumps({"model": "guarded", "prompt": "x", "max_tokens": 2}).encode()
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {**AUTH, **({"Content-Type": content_type} if content_type else {})}
+        response = httpx.post(guarded.url + "/v1/completions", content=raw, headers=headers, timeout=30)
+        assert "application/json" in _error_of(response, 415, None)["message"]
+    response = httpx.post(guarded.url + "/v1/completions", content=raw, timeout=30,
+                          headers={**AUTH, "Content-Type": "application/json; charset=utf-8"})
+    assert response.status_code == 200
+
+
+def test_an_aborted_upload_logs_one_line(live, caplog):
+    uvicorn_errors = logging.getLogger("uvicorn.error")  # uvicorn's loggers do not reach the root logger
+    uvicorn_errors.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO):
+            with socket.create_connection(("127.0.0.1", live.port), timeout=10) as sock:
+                sock.sendall(_raw_head("/v1/completions", 1000, live.port) + b'{"model": "tiny", "prompt": ')
+                time.sleep(0.2)
+            _wait_for(lambda: any("went away" in r.getMessage() for r in caplog.records), 10)
+            time.sleep(0.2)
+    finally:
+        uvicorn_errors.removeHandler(caplog.handler)
+    lines = [r for r in caplog.records if "went away" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].exc_info is None and "/v1/completions" in lines[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert httpx.get(live.url + "/health", timeout=30).json()["status"] == "ok"
+
+
+def test_a_half_sent_body_times_out_with_a_408(guarded):
+    with socket.create_connection(("127.0.0.1", guarded.port), timeout=10) as sock:
+        sock.sendall(_raw_head("/v1/completions", 100, guarded.port, f"Authorization: Bearer {API_KEY}\r\n")
+                     + b'{"prompt"')
+        started = time.monotonic()
+        reply = _read_reply(sock)
+        elapsed = time.monotonic() - started
+    assert reply.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in reply
+    assert 0.8 < elapsed < 5  # the 1 s body timeout, not the client's 10 s
+    assert httpx.get(guarded.url + "/health", timeout=30).status_code == 200
+
+
+def test_queued_streams_whose_client_left_are_never_prefilled(plain_model_dir, monkeypatch):
+    server = LiveServer(plain_model_dir, max_batch_size=1, name="single")
+    try:
+        batch, admitted = server.scheduler.batch, []
+        admit = batch.admit
+        monkeypatch.setattr(batch, "admit", lambda prompt, *a, **k: (admitted.append(list(prompt)),
+                                                                     admit(prompt, *a, **k))[1])
+        _slow_steps(monkeypatch, server.scheduler, 0.01)
+        body = {"model": "single", "prompt": [3, 4, 5], "max_tokens": 150, "temperature": 0, "ignore_eos": True}
+        long = threading.Thread(target=httpx.post, args=(server.url + "/v1/completions",),
+                                kwargs=dict(json=body, timeout=60))
+        long.start()
+        _wait_for(lambda: server.scheduler.snapshot()["active"] == 1)
+        sockets = []
+        for i in range(3):
+            raw = json.dumps({**body, "prompt": [7, 8, 9 + i], "stream": True}).encode()
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            sock.sendall(_raw_head("/v1/completions", len(raw), server.port) + raw)
+            sockets.append(sock)
+        _wait_for(lambda: server.scheduler.snapshot()["queue_depth"] == 3)
+        for sock in sockets:
+            sock.close()
+        _wait_for(lambda: server.scheduler.snapshot()["requests"]["cancelled"] == 3)
+        assert server.scheduler.snapshot()["active"] == 1  # the long request still runs
+        long.join(timeout=60)
+        state = server.scheduler.snapshot()
+        assert admitted == [[3, 4, 5]] and state["prompt_tokens"] == 3 and state["queue_depth"] == 0
+    finally:
+        server.close()
+
+
+def test_max_tokens_is_clamped_to_the_context_and_a_full_prompt_is_a_400(live):
+    limits = live.app.state.server.limits
+    assert (limits.context, limits.reserve) == (256, 2)
+    prompt = [3, 4, 5] * 60  # 180 tokens
+    response = httpx.post(live.url + "/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": prompt, "max_tokens": 10**6, "temperature": 0,
+                                "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 256 - 2 - 180
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+    response = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": [3] * 254}, timeout=30)
+    error = _error_of(response, 400, "prompt")
+    assert "254 tokens" in error["message"] and "max_seq_len=256" in error["message"]
+
+
+def test_seeds_outside_the_samplers_range_are_refused(live):
+    for seed in (2**62, -1, 2**63):
+        response = httpx.post(live.url + "/v1/completions", timeout=30,
+                              json={"model": "tiny", "prompt": "x", "seed": seed})
+        assert str(2**62) in _error_of(response, 400, "seed")["message"]
+    body = {"model": "tiny", "prompt": "the quick", "seed": 2**62 - 1, "temperature": 1.5, "max_tokens": 8}
+    texts = [httpx.post(live.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+             for _ in range(2)]
+    assert texts[0] == texts[1]
+
+
+def test_64_concurrent_requests_are_each_answered(live):
+    """Every request is completed, or refused with 429/503 and a JSON body: none is lost or answered in text."""
+    def ask(i):
+        stream = i % 4 == 0
+        response = httpx.post(live.url + "/v1/completions", timeout=120,
+                              json={"model": "tiny", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 8,
+                                    "temperature": 0, "stream": stream})
+        return stream, response
+
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(ask, range(64)))
+    completed = 0
+    for stream, response in results:
+        if response.status_code != 200:
+            assert _error_of(response, response.status_code)["type"] in ("rate_limit_error", "server_error")
+            assert response.status_code in (429, 503) and response.headers["retry-after"] == "1"
+        elif stream:
+            lines = [line for line in response.text.splitlines() if line]
+            assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"]
+            completed += 1
+        else:
+            assert response.json()["choices"][0]["finish_reason"] in ("length", "stop")
+            completed += 1
+    assert completed >= 32  # a refusal means the queue held 32, and those were all served
+    assert live.scheduler.snapshot()["active"] == 0
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident size from /proc")
+def test_a_disconnect_storm_leaves_the_server_healthy_and_memory_flat(live, monkeypatch):
+    from moeprefetch.serve.scheduler import Handle
+
+    _slow_steps(monkeypatch, live.scheduler, 0.005)  # 200 tokens outlast the client's first chunk
+    body = {"model": "tiny", "max_tokens": 200, "temperature": 0.7, "ignore_eos": True, "stream": True}
+
+    def drop(i):
+        with httpx.stream("POST", live.url + "/v1/completions", json={**body, "prompt": PROMPTS[i % 8]},
+                          timeout=60) as response:
+            assert response.status_code == 200
+            next(response.iter_lines())  # one chunk, then the client leaves mid-stream
+
+    def storm():
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(drop, range(32)))
+        _wait_for(lambda: (lambda s: s["active"] == 0 and s["queue_depth"] == 0)(live.scheduler.snapshot()), 60)
+
+    before = live.scheduler.snapshot()["requests"]["cancelled"]
+    storm()
+    gc.collect()
+    rss = _rss_bytes()
+    storm()
+    storm()
+    gc.collect()
+    assert _rss_bytes() - rss < 32 * 2**20  # two more storms of 32 leave the process no larger
+    assert live.scheduler.snapshot()["requests"]["cancelled"] - before == 96
+    assert sum(type(o) is Handle for o in gc.get_objects()) == 0  # nothing holds the dropped requests
+    assert httpx.get(live.url + "/health", timeout=30).json() == {"status": "ok", "active": 0, "queue_depth": 0}
+    assert live.client.completions.create(model="tiny", prompt="x", max_tokens=3, temperature=0).choices

@@ -1,5 +1,7 @@
 """The HTTP side: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, /health, Prometheus /metrics, and
-server-sent events for streaming. Handlers validate, submit a `Handle` to the scheduler and relay its events."""
+server-sent events for streaming. Handlers read and check the body (`guards`), parse it into a `Job` in a worker
+thread, submit a `Handle` to the scheduler and relay its events. Every error, a route's 404 and 405 included, is an
+OpenAI-style JSON body."""
 
 from __future__ import annotations
 
@@ -8,21 +10,37 @@ import contextlib
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .protocol import APIError, Job, parse_chat, parse_completion
+from .guards import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, ErrorResponse, Guard, read_body
+from .protocol import FALLBACK_CHAT_END, FALLBACK_CHAT_LINE, APIError, Job, Limits, decode_body, parse_chat, \
+    parse_completion
 from .scheduler import Handle, Scheduler
 
 logger = logging.getLogger(__name__)
 
+PARSE_WORKERS = 2  # threads that decode JSON and tokenise prompts, off the event loop
 
-def _error(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+
+@dataclass(frozen=True)
+class Settings:
+    """The HTTP side's options (`moeprefetch serve --help` says what each does)."""
+
+    drain_seconds: float = 30.0
+    api_key: str | None = None
+    allowed_hosts: tuple[str, ...] | None = None  # None: any Host header
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
 
 
 def _choice(job: Job, text: str, reason: str | None, delta: bool) -> dict[str, Any]:
@@ -38,26 +56,53 @@ def _object(job: Job, chunk: bool) -> str:
     return "text_completion"
 
 
+def limits_of(engine, scheduler: Scheduler, model_name: str, default_max_tokens: int) -> Limits:
+    """What requests may ask of this engine: its context, the positions a decode step adds, the longest token."""
+    tokenizer, longest = engine.tokenizer, None
+    if tokenizer is not None and hasattr(tokenizer, "get_vocab"):
+        longest = max(map(len, tokenizer.get_vocab()), default=None)
+    return Limits(model=model_name, context=engine.options.max_seq_len,
+                  reserve=1 + max(1, scheduler.batch.spec.chain),  # as the engine's own check counts them
+                  max_token_chars=longest, default_max_tokens=default_max_tokens)
+
+
 class Server:
     """The application's state: one engine behind one scheduler."""
 
-    def __init__(self, engine, model_name: str, scheduler: Scheduler, default_max_tokens: int = 256):
+    def __init__(self, engine, model_name: str, scheduler: Scheduler, default_max_tokens: int = 256,
+                 settings: Settings | None = None):
         self.engine = engine
         self.model_name = model_name
         self.scheduler = scheduler
-        self.default_max_tokens = default_max_tokens
+        self.settings = settings or Settings()
+        self.limits = limits_of(engine, scheduler, model_name, default_max_tokens)
         self.created = int(time.time())
+        self.draining = False  # set when a shutdown begins: new /v1 requests get 503
+        self.workers = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="moeprefetch-parse")
+        tokenizer = engine.tokenizer
+        if tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+            logger.warning("the tokenizer has no chat template: /v1/chat/completions renders messages as %r lines "
+                           "ending in %r", FALLBACK_CHAT_LINE.strip(), FALLBACK_CHAT_END)
 
     # ---- routes ------------------------------------------------------------------------------------------------------
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "moeprefetch"}
+
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                                          "created": self.created, "owned_by": "moeprefetch"}]})
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model_id"]
+        if name != self.model_name:
+            raise APIError(404, f"model {name!r} is not served here; this server serves {self.model_name!r}",
+                           "model", code="model_not_found")
+        return JSONResponse(self._card())
 
     async def health(self, request: Request) -> Response:
         state = self.scheduler.snapshot()
-        ok = state["alive"]
-        return JSONResponse({"status": "ok" if ok else "unavailable", "active": state["active"],
-                             "queue_depth": state["queue_depth"]}, status_code=200 if ok else 503)
+        status = "draining" if self.draining else "ok" if state["alive"] else "unavailable"
+        return JSONResponse({"status": status, "active": state["active"], "queue_depth": state["queue_depth"]},
+                            status_code=200 if status == "ok" else 503)
 
     async def metrics(self, request: Request) -> Response:
         return PlainTextResponse(prometheus_text(self.scheduler.snapshot(), self.model_name),
@@ -70,52 +115,60 @@ class Server:
         return await self._generate(request, parse_chat)
 
     # ---- the generation routes ---------------------------------------------------------------------------------------
+    def _parse(self, raw: bytes, parse) -> Job:
+        return parse(decode_body(raw), self.engine.tokenizer, self.limits)
+
     async def _generate(self, request: Request, parse) -> Response:
+        raw = await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout)
+        if raw is None:  # the client left during its upload: nobody reads an answer
+            return Response(status_code=400)
+        loop = asyncio.get_running_loop()
+        # JSON decoding and tokenisation off the event loop: a long prompt must not stall every stream
+        job = await loop.run_in_executor(self.workers, self._parse, raw, parse)
+        handle = Handle(job=job, loop=loop, events=asyncio.Queue())
+        self.scheduler.submit(handle)
+        # watched from now on: a queued request whose client left is dropped before its prefill
+        watcher = asyncio.create_task(self._watch_disconnect(request, handle))
+        streaming = False
         try:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise APIError(400, "the request body is not valid JSON") from None
-            job = parse(body, self.engine.tokenizer, self.model_name, self.default_max_tokens)
-            handle = Handle(job=job, loop=asyncio.get_running_loop(), events=asyncio.Queue())
-            self.scheduler.submit(handle)
-        except APIError as exc:
-            return _error(exc)
-        if job.stream:
-            # the first event decides the status: a request that fails before its first token gets its HTTP error
-            first = await handle.events.get()
-            if first[0] == "error":
-                handle.cancelled = True
-                return _error(first[1])
+            if not job.stream:
+                return await self._collect(handle)
+            first = await handle.events.get()  # the first event decides the status
+            if first[0] == "error":  # a request that fails before its first token gets its HTTP error
+                raise first[1]
+            streaming = True
+            # the background task runs even when the client leaves before the stream's first chunk
             return StreamingResponse(self._stream(handle, first), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await self._collect(request, handle)
-
-    async def _collect(self, request: Request, handle: Handle) -> Response:
-        job, text = handle.job, []
-
-        async def watch_disconnect() -> None:  # nothing cancels a plain endpoint when its client leaves
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            handle.cancelled = True
-
-        watcher = asyncio.create_task(watch_disconnect())
-        try:
-            while True:
-                event = await handle.events.get()
-                if event[0] == "text":
-                    text.append(event[1])
-                elif event[0] == "error":
-                    return _error(event[1])
-                else:
-                    _, reason, usage = event
-                    return JSONResponse({"id": job.id, "object": _object(job, False), "created": job.created,
-                                         "model": self.model_name,
-                                         "choices": [_choice(job, "".join(text), reason, delta=False)],
-                                         "usage": usage})
+                                     headers={"Cache-Control": "no-cache"},
+                                     background=BackgroundTask(self._release, handle))
         finally:
-            watcher.cancel()
-            handle.cancelled = True  # a client that went away frees its row at the next token boundary
+            watcher.cancel()  # a streaming response watches the client itself
+            if not streaming:
+                handle.cancelled = True  # a client that went away frees its row at the next token boundary
+
+    @staticmethod
+    async def _release(handle: Handle) -> None:
+        handle.cancelled = True
+
+    @staticmethod
+    async def _watch_disconnect(request: Request, handle: Handle) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        handle.cancelled = True
+
+    async def _collect(self, handle: Handle) -> Response:
+        job, text = handle.job, [handle.job.echo]
+        while True:
+            event = await handle.events.get()
+            if event[0] == "text":
+                text.append(event[1])
+            elif event[0] == "error":
+                raise event[1]
+            else:
+                _, reason, usage = event
+                return JSONResponse({"id": job.id, "object": _object(job, False), "created": job.created,
+                                     "model": self.model_name,
+                                     "choices": [_choice(job, "".join(text), reason, delta=False)], "usage": usage})
 
     async def _stream(self, handle: Handle, first: tuple) -> AsyncIterator[str]:
         job = handle.job
@@ -131,11 +184,13 @@ class Server:
                         "model": self.model_name,
                         "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
                 yield f"data: {json.dumps(role)}\n\n"
+            if job.echo:
+                yield chunk(job.echo, None)
             event = first
             while True:
                 if event[0] == "text":  # one chunk per token, even when its text is held back or empty
                     yield chunk(event[1], None)
-                elif event[0] == "error":  # after the stream began: an error event, as OpenAI's API sends
+                elif event[0] == "error":  # after the stream began (a shutdown's cut too): an error event
                     yield f"data: {json.dumps(event[1].body())}\n\n"
                     break
                 else:
@@ -149,6 +204,32 @@ class Server:
             yield "data: [DONE]\n\n"
         finally:
             handle.cancelled = True
+
+
+# ---- errors as JSON ----------------------------------------------------------------------------------------------
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return ErrorResponse(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 (no such route) and 405 (wrong method), in OpenAI's error shape."""
+    assert isinstance(exc, HTTPException)
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        message = f"there is no route {where}; the API lives under /v1 (/v1/completions, /v1/chat/completions, " \
+                  "/v1/models)"
+    elif exc.status_code == 405:
+        message = f"{where} is not allowed; this path takes {(exc.headers or {}).get('Allow', 'other methods')}"
+    else:
+        message = f"{where}: {exc.detail}"
+    return ErrorResponse(APIError(exc.status_code, message, headers=dict(exc.headers or {})))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    """A bug's 500 (Starlette logs its traceback after this answer)."""
+    return ErrorResponse(APIError(500, f"the server failed on this request: {type(exc).__name__}: {exc}",
+                                  kind="server_error"))
 
 
 def prometheus_text(state: dict[str, Any], model: str) -> str:
@@ -177,23 +258,33 @@ def prometheus_text(state: dict[str, Any], model: str) -> str:
 
 
 def build_app(engine, model_name: str, predictor: str | None = None, max_queue: int = 64,
-              drain_seconds: float = 30.0, default_max_tokens: int = 256) -> Starlette:
-    """The application over a loaded engine; the scheduler starts now and drains on shutdown."""
+              drain_seconds: float = 30.0, default_max_tokens: int = 256, *, api_key: str | None = None,
+              allowed_hosts: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              body_timeout: float = DEFAULT_BODY_TIMEOUT) -> Starlette:
+    """The application over a loaded engine; the scheduler starts now and drains on shutdown (a `DrainingServer`
+    drains it earlier, while the listeners still answer 503)."""
     scheduler = Scheduler(engine, predictor, max_queue)
-    server = Server(engine, model_name, scheduler, default_max_tokens)
+    settings = Settings(drain_seconds, api_key, tuple(allowed_hosts) if allowed_hosts is not None else None,
+                        max_body_bytes, body_timeout)
+    server = Server(engine, model_name, scheduler, default_max_tokens, settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        # uvicorn has already waited for the requests in flight (timeout_graceful_shutdown); the rest is cancelled
+        server.draining = True
         await asyncio.get_running_loop().run_in_executor(None, scheduler.stop, drain_seconds)
+        server.workers.shutdown(wait=False, cancel_futures=True)
 
     app = Starlette(routes=[
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics, methods=["GET"]),
-    ], lifespan=lifespan)
+    ], middleware=[Middleware(Guard, api_key=api_key, allowed_hosts=settings.allowed_hosts,
+                              draining=lambda: server.draining)],
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _server_error},
+        lifespan=lifespan)
     app.state.server = server
     return app

@@ -23,13 +23,13 @@ FALLBACK_CHAT_END = "assistant:"
 # logprobs, the batch's prefill samples the first token without keeping its logits; logit_bias and the penalties,
 # the decode step's sampler (captured once for every row) has no per-row hook for them; the rest are features the
 # engine does not have (suffix insertion, best_of ranking, tool calls, constrained output, audio).
-NOT_HONOURED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "suffix": (None, ""), "best_of": (None, 1),
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
-    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
-}
+NOT_HONOURED: tuple[tuple[str, tuple[Any, ...]], ...] = (
+    ("logprobs", (None, False)), ("top_logprobs", (None, 0)), ("logit_bias", (None, {})),
+    ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)), ("suffix", (None, "")), ("best_of", (None, 1)),
+    ("tools", (None, [])), ("tool_choice", (None, "none", "auto")), ("functions", (None, [])),
+    ("function_call", (None, "none", "auto")), ("response_format", (None, {"type": "text"})),
+    ("modalities", (None, ["text"])), ("audio", (None,)), ("prediction", (None,)),
+)
 
 
 class APIError(Exception):
@@ -126,7 +126,7 @@ def _same(value: Any, allowed: Any) -> bool:
 def refuse_not_honoured(body: dict[str, Any], extra: tuple[str, ...] = ()) -> None:
     """400 for a parameter this server would otherwise silently ignore (`NOT_HONOURED`; `extra`: refused unless
     absent, null or false)."""
-    for name, allowed in (*NOT_HONOURED.items(), *((n, (None, False)) for n in extra)):
+    for name, allowed in (*NOT_HONOURED, *((n, (None, False)) for n in extra)):
         if name in body and not any(_same(body[name], a) for a in allowed):
             raise APIError(400, f"{name} is not supported by this server; leave it out", name)
 
@@ -146,10 +146,9 @@ def _integer(body: dict[str, Any], name: str, default: int | None, low: int, hig
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise APIError(400, f"{name} must be an integer >= {low}, got {value!r}", name)
-    if high is not None and value >= high:
-        raise APIError(400, f"{name} must be an integer in [{low}, {high}), got {value!r}", name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value >= high):
+        wanted = f">= {low}" if high is None else f"in [{low}, {high})"
+        raise APIError(400, f"{name} must be an integer {wanted}, got {value!r}", name)
     return value
 
 

@@ -28,6 +28,7 @@ from .protocol import APIError, Job
 logger = logging.getLogger(__name__)
 
 METRICS_EVERY_STEPS = 32  # the residency's counters are read (a device sync) this often, and when idle
+RETRY_AFTER_SECONDS = 1  # what a 429 or a draining 503 tells the client to wait
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Handle:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     cancelled: bool = False  # set by the handler (client gone); read by the scheduler at a token boundary
+    cut: APIError | None = None  # set with `cancelled` by a shutdown: what the client hears instead of "closed"
     row: int | None = None
     tokens: list[int] = field(default_factory=list)
     text: TextStream | None = None
@@ -73,6 +75,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stopping = False
         self._admitting: list[Handle] = []  # taken off the queue, not yet in a row
+        self._cut = threading.Event()  # set by `cut()`: a draining `stop()` stops waiting
         self._thread = threading.Thread(target=self._run, name="moeprefetch-scheduler", daemon=True)
         self._thread.start()
 
@@ -82,11 +85,12 @@ class Scheduler:
         with self._cond:
             if self._stopping or not self._thread.is_alive():
                 raise APIError(503, "the server is shutting down or its engine thread has stopped",
-                               kind="server_error")
+                               kind="server_error", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+            self._drop_cancelled_queue()  # clients gone while they waited do not hold places
             if len(self.queue) >= self.max_queue:
                 self.counters.requests["rejected"] += 1
                 raise APIError(429, f"the request queue is full ({self.max_queue} waiting); retry later",
-                               kind="rate_limit_error")
+                               kind="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
             try:
                 self.batch.check(handle.job.prompt_ids, handle.job.max_tokens)
             except MoEPrefetchError as exc:  # too long, ids outside the vocabulary: this request fails now
@@ -102,25 +106,34 @@ class Scheduler:
                     "experts": dict(self.counters.experts), "max_batch_size": self.batch.rows}
 
     def stop(self, drain_seconds: float) -> None:
-        """Refuse new requests, let those in flight finish for up to `drain_seconds`, cancel the rest, stop."""
+        """Refuse new requests, let those in flight finish for up to `drain_seconds` (or until `cut()`), answer the
+        rest 503 and stop the thread. Calling it again is harmless."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
         deadline = time.monotonic() + drain_seconds
-        while time.monotonic() < deadline and self._thread.is_alive():
+        while time.monotonic() < deadline and self._thread.is_alive() and not self._cut.is_set():
             with self._cond:
                 if not self.queue and not self.rows and not self._admitting:
                     break
-            time.sleep(0.02)
+            self._cut.wait(0.02)
+        error = APIError(503, "the server shut down before this request finished", kind="server_error",
+                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         with self._cond:
             left = list(self.queue) + list(self._admitting) + list(self.rows.values())
-            for handle in left:
+            for handle in left:  # the cut first: the scheduler thread, dropping a cancelled row, sends it too
+                handle.cut = error
                 handle.cancelled = True
             self._cond.notify()
-        for handle in left:  # whoever still waits hears why
-            handle.send(("error", APIError(503, "the server shut down before this request finished",
-                                           kind="server_error")))
+        for handle in left:  # whoever still waits hears why (a second error event is ignored)
+            handle.send(("error", error))
         self._thread.join(timeout=10.0)
+        if self._thread.is_alive():
+            logger.warning("the scheduler thread did not stop within 10 s (a long prefill?)")
+
+    def cut(self) -> None:
+        """Stop a draining `stop()` from waiting: what is still in flight is answered 503 now (a second signal)."""
+        self._cut.set()
 
     # ---- the scheduler thread --------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -146,6 +159,7 @@ class Scheduler:
                     self._cond.wait(timeout=1.0)
                 if self._stopping and not self.queue and not self.rows:
                     return
+                self._drop_cancelled_queue()  # a queued client that left is never prefilled
                 while self.queue and len(self.rows) + len(self._admitting) < self.batch.rows:
                     self._admitting.append(self.queue.popleft())
             while self._admitting:
@@ -266,9 +280,18 @@ class Scheduler:
             self._release(handle)
             self._cancelled(handle)
 
+    def _drop_cancelled_queue(self) -> None:
+        """Under the lock: queued requests whose client left leave the queue unprefilled."""
+        if any(h.cancelled for h in self.queue):
+            gone = [h for h in self.queue if h.cancelled]
+            self.queue = deque(h for h in self.queue if not h.cancelled)
+            for handle in gone:
+                handle.send(("error", handle.cut or APIError(499, "the client closed the request", kind="cancelled")))
+                self.counters.requests["cancelled"] += 1
+
     def _cancelled(self, handle: Handle) -> None:
-        """A request whose client left: its handler (still waiting, for a plain request) ends too."""
-        handle.send(("error", APIError(499, "the client closed the request", kind="cancelled")))
+        """A request whose client left (or that a shutdown cut): its handler, if still waiting, ends too."""
+        handle.send(("error", handle.cut or APIError(499, "the client closed the request", kind="cancelled")))
         self._finish_counts("cancelled")
 
     def _finish_counts(self, outcome: str) -> None:

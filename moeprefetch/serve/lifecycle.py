@@ -1,0 +1,46 @@
+"""uvicorn's server with the engine's drain put first: on Ctrl-C or SIGTERM the listeners stay open (new requests
+get a 503 JSON error, not a refused connection) while the requests in flight finish for `drain_seconds`; those still
+running then are answered 503 (a plain request) or an error event and `data: [DONE]` (a stream), and only then does
+uvicorn's own shutdown close the connections. A second signal cuts the drain short the same way, joins the
+scheduler thread and exits (the CLI's code 130): the engine thread is never left running into interpreter exit,
+which aborted the process ('terminate called without an active exception')."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import uvicorn
+
+from .app import Server
+
+logger = logging.getLogger(__name__)
+
+ANSWER_GRACE_SECONDS = 2.0  # after the drain: for the handlers of cut requests to send their 503s and [DONE]s
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, server: Server):
+        super().__init__(config)
+        self.app_server = server
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.should_exit:  # a second signal, SIGINT or SIGTERM: stop waiting for the requests in flight
+            logger.warning("second signal: cutting the requests in flight")
+            self.force_exit = True
+            self.app_server.scheduler.cut()
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        server = self.app_server
+        server.draining = True
+        loop = asyncio.get_running_loop()
+        logger.info("draining: requests in flight may finish for %g s", server.settings.drain_seconds)
+        await loop.run_in_executor(None, server.scheduler.stop, server.settings.drain_seconds)
+        deadline = loop.time() + ANSWER_GRACE_SECONDS
+        while self.server_state.tasks and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        await super().shutdown(sockets)
+        if self.force_exit:  # uvicorn skips the app's shutdown then; it is quick now that the scheduler stopped
+            await self.lifespan.shutdown()
