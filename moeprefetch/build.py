@@ -17,7 +17,8 @@ import torch
 from .checkpoint import CheckpointReader
 from .config import ModelArgs, load_model_args
 from .errors import CheckpointError, RequestError, ResourceError
-from .experts import CheckpointExperts, ExpertFormat
+from .experts import INT4_GROUP_SIZE, CheckpointExperts, ExpertFormat
+from .int4_checkpoints import Int4Tensors, present_int4_weights
 from .kernels import kernels_usable
 from .kernels.attention import MLADecode
 from .kernels.gqa_attention import GQADecode
@@ -159,7 +160,9 @@ def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev
            torch_dtype: torch.dtype, group: ProcessGroup | None) -> "MoEPrefetchEngine":
     budget_bytes = parse_bytes(config.vram_budget) if config.vram_budget is not None else None
     args = load_model_args(path)
+    config = resolve_expert_format(config, args)
     reader = CheckpointReader(path)
+    int4 = present_int4_weights(reader, args.int4) if args.int4 is not None else None
     tokenizer = _load_tokenizer(path)
     has_mtp = _has_mtp(args, reader)
     options = resolve_options(config, args, has_mtp, dev, torch_dtype)
@@ -224,10 +227,26 @@ def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev
                                     args.num_experts_per_tok, router_shape(args), dev)
     start = time.perf_counter()
     weights, streamer, residency = _load(reader, args, options, plan, fmt, expert_layers, block, hot,
-                                         config.pin_memory, staging, placement, group)
+                                         config.pin_memory, staging, placement, group, int4)
     reader.close()
+    if int4 is not None:
+        int4.reader.close()
     logger.info("loaded %s in %.1f s", path, time.perf_counter() - start)
     return cls(path, args, weights, residency, tokenizer, options, plan, streamer, forced)
+
+
+def resolve_expert_format(config: EngineConfig, args: ModelArgs) -> EngineConfig:
+    """The expert format's options made concrete: a 4-bit checkpoint keeps its experts 4-bit, in its own groups
+    (verbatim), unless the options say otherwise; any other checkpoint's experts default to the compute dtype."""
+    checkpoint = args.int4
+    expert_dtype = config.expert_dtype or ("int4" if checkpoint is not None else "model")
+    group = config.int4_group_size
+    if group is None:  # per-channel checkpoints (group 0) have no single group size: the default one
+        group = checkpoint.group_size if checkpoint is not None and checkpoint.group_size > 0 else INT4_GROUP_SIZE
+    symmetric = config.int4_symmetric
+    if symmetric is None:
+        symmetric = checkpoint.symmetric if checkpoint is not None else False
+    return dataclasses.replace(config, expert_dtype=expert_dtype, int4_group_size=group, int4_symmetric=symmetric)
 
 
 def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device: torch.device,
@@ -261,7 +280,7 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
 
 def _load(reader: CheckpointReader, args: ModelArgs, options: EngineOptions, plan: MemoryPlan, fmt: ExpertFormat,
           expert_layers: list[int], block: tuple[int, int], hot: list[ExpertKey], pin_memory: bool, staging_rows: int,
-          placement: ExpertPlacement | None, group: ProcessGroup | None):
+          placement: ExpertPlacement | None, group: ProcessGroup | None, int4: Int4Tensors | None = None):
     """Weights to the device (or the streaming ring), experts to the host store or the pool, the residency table."""
     dev, torch_dtype, policy, progress = options.device, options.dtype, options.policy, options.progress
     weights = load_model_weights(reader, args, torch_dtype, dev, progress, frozenset(plan.streamed_layers),
@@ -272,7 +291,7 @@ def _load(reader: CheckpointReader, args: ModelArgs, options: EngineOptions, pla
                                  pin=pin_memory and dev.type == "cuda")
         for i, layer in zip(plan.streamed_layers, streamer.layers):
             weights.layers[i] = layer
-    experts = CheckpointExperts(reader, args, block)
+    experts = CheckpointExperts(reader, args, block, int4)
 
     position = {layer: i for i, layer in enumerate(expert_layers)}
     n_experts = placement.local if placement is not None else args.n_routed_experts

@@ -12,6 +12,7 @@ import logging
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 
@@ -136,6 +137,9 @@ class CheckpointReader:
         self.path = Path(path)
         self.tensors: dict[str, TensorInfo] = {}
         self._handles: dict[Path, object] = {}
+        # pre-quantised weights shown decoded (`substitute`): their stored tensors, and how to decode each
+        self._encoded: dict[str, TensorInfo] = {}
+        self._decoders: dict[str, Callable[[], torch.Tensor]] = {}
         files = self._weight_files()
         index_map = self._index_map()
         headers = {f: read_safetensors_header(f) for f in files}
@@ -197,10 +201,20 @@ class CheckpointReader:
         return name in self.tensors
 
     def info(self, name: str) -> TensorInfo:
-        try:
-            return self.tensors[name]
-        except KeyError:
-            raise CheckpointError(f"tensor {name!r} is missing from checkpoint {self.path}") from None
+        info = self.tensors.get(name) or self._encoded.get(name)
+        if info is None:
+            raise CheckpointError(f"tensor {name!r} is missing from checkpoint {self.path}")
+        return info
+
+    def substitute(self, name: str, shape: tuple[int, ...], stored: Sequence[str],
+                   decode: Callable[[], torch.Tensor]) -> None:
+        """Show `name` as an fp32 tensor of `shape` that `decode()` produces (a pre-quantised weight, dequantised), in
+        place of the `stored` tensors that encode it: every reader of plain weights then loads it unchanged. The
+        stored tensors leave the listing (`tensors`, `in`) but stay readable by name."""
+        infos = [self.tensors.pop(n) for n in stored]
+        self._encoded.update({i.name: i for i in infos})
+        self.tensors[name] = TensorInfo(name, infos[0].file, "F32", tuple(shape), -1, sum(i.nbytes for i in infos))
+        self._decoders[name] = decode
 
     def _handle(self, file: Path):
         handle = self._handles.get(file)
@@ -215,7 +229,9 @@ class CheckpointReader:
         return handle
 
     def read(self, name: str) -> torch.Tensor:
-        """One tensor, on the CPU, in its stored dtype."""
+        """One tensor, on the CPU, in its stored dtype (a substituted one decoded, in fp32)."""
+        if name in self._decoders:
+            return self._decoders[name]()
         info = self.info(name)
         try:
             return self._handle(info.file).get_tensor(name)
@@ -226,6 +242,8 @@ class CheckpointReader:
 
     def read_slice(self, name: str, index: int) -> torch.Tensor:
         """`tensor[index]` of a stacked tensor (fused experts) without reading the rest."""
+        if name in self._decoders:
+            return self._decoders[name]()[index]
         info = self.info(name)
         try:
             return self._handle(info.file).get_slice(name)[index]

@@ -16,6 +16,7 @@ from typing import Any
 
 from .errors import CheckpointError
 from .families import FAMILIES, SUPPORTED_MODEL_TYPES, family_of
+from .int4_checkpoints import Int4CheckpointArgs, parse_int4_config
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class ModelArgs:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     quant: QuantArgs | None = None
+    int4: Int4CheckpointArgs | None = None  # a 4-bit weight-only checkpoint (GPTQ, compressed-tensors)
     # grouped-query attention (families.py: "gqa"); for those, the MLA fields above hold head_dim as the rotary and
     # value size and 0 for the latent ranks
     num_key_value_heads: int = 0
@@ -187,11 +189,12 @@ def _rope_args(hf_config: Any, raw: dict[str, Any]) -> RopeArgs:
 
 def _quant_args(raw: dict[str, Any]) -> QuantArgs | None:
     qc = raw.get("quantization_config")
-    if not qc:
+    if not qc or parse_int4_config(qc) is not None:  # 4-bit checkpoints: `int4`, int4_checkpoints.py
         return None
     method = qc.get("quant_method", "fp8")
     if method != "fp8":
-        raise CheckpointError(f"quantization method {method!r} is not supported (supported: fp8 block quantisation)")
+        raise CheckpointError(f"quantization method {method!r} is not supported (supported: fp8 block quantisation, "
+                              f"4-bit compressed-tensors pack-quantized and GPTQ)")
     fmt = qc.get("fmt", "e4m3")
     if fmt not in ("e4m3", "float8_e4m3fn"):
         raise CheckpointError(f"FP8 format {fmt!r} is not supported (supported: e4m3)")
@@ -248,7 +251,7 @@ def _common_fields(raw: dict[str, Any], get, hf: Any, eps: float) -> dict[str, A
                 tie_word_embeddings=bool(get("tie_word_embeddings", False)),
                 attention_bias=bool(get("attention_bias", False)), bos_token_id=get("bos_token_id", None),
                 eos_token_ids=tuple(int(e) for e in eos_ids), pad_token_id=get("pad_token_id", None),
-                quant=_quant_args(raw), extra={k: v for k, v in raw.items() if k not in ("architectures",)})
+                quant=_quant_args(raw), int4=parse_int4_config(raw.get("quantization_config") or None), extra={k: v for k, v in raw.items() if k not in ("architectures",)})
 
 
 def _router_fields(n_experts: int, top_k: int, n_group: int, topk_group: int, group_limited: bool

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +18,11 @@ from .checkpoint import FLOAT_DTYPES, CheckpointReader
 from .config import ModelArgs
 from .errors import CheckpointError
 from .families import family_of
-from .quant import (FP8_DTYPE, dequantize_blocks, dequantize_int4_groups, quantize_fp8_blocks, quantize_int4_groups,
-                    quantize_int8_blocks, scale_grid_shape)
+from .quant import (FP8_DTYPE, dequantize_blocks, dequantize_int4_groups, pack_nibbles, quantize_fp8_blocks,
+                    quantize_int4_groups, quantize_int8_blocks, scale_grid_shape)
+
+if TYPE_CHECKING:
+    from .int4_checkpoints import Int4Tensors
 
 logger = logging.getLogger(__name__)
 
@@ -216,10 +219,13 @@ class ExpertFormat:
 class CheckpointExperts:
     """Reads routed expert (layer, e) from per-expert or fused checkpoint tensors, validated against the config."""
 
-    def __init__(self, reader: CheckpointReader, args: ModelArgs, block: tuple[int, int]):
+    def __init__(self, reader: CheckpointReader, args: ModelArgs, block: tuple[int, int],
+                 int4: "Int4Tensors | None" = None):
         self.reader = reader
         self.args = args
         self.block = block
+        self.int4 = int4  # a 4-bit checkpoint's codes, for int4 records that keep them verbatim
+        self._requantised_noted = False
         family = family_of(args)
         self.prefix = f"{family.moe_prefix}.experts"
         self.projections = dict(zip(("gate_proj", "up_proj", "down_proj"), family.expert_projections))
@@ -318,8 +324,34 @@ class CheckpointExperts:
         """Read and pack one expert into `out` (uint8 [record_bytes])."""
         if fmt.quantized and fmt.payload_dtype == FP8_DTYPE and fmt.block == self.block and self.is_fp8(layer):
             fmt.pack_quantized(self.read_fp8(layer, expert), out)  # keep the checkpoint's own FP8 bytes
-        else:
+        elif not (fmt.int4 and self._pack_int4_verbatim(fmt, layer, expert, out)):
             fmt.pack(*self.read_float(layer, expert), out)
+
+    def _pack_int4_verbatim(self, fmt: ExpertFormat, layer: int, expert: int, out: torch.Tensor) -> bool:
+        """A 4-bit checkpoint's codes, scales and zero points as they are, when its groups are the format's (same
+        scale grid, same symmetry): no requantisation. False (and one log line) when they differ."""
+        if self.int4 is None or self._is_fused(layer):
+            return False
+        bases = {short: self._name(layer, expert, proj).removesuffix(".weight")
+                 for proj, short in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down"))}
+        if not all(self.int4.is_quantized(base) for base in bases.values()):
+            return False
+        parts = {short: self.int4.read_parts(base) for short, base in bases.items()}
+        record = out.view(1, -1)
+        fits = all((p.zero is None) == (not fmt.zero_points)
+                   and tuple(p.scale.shape) == tuple(fmt.view(record, f"{short}_scale").shape[1:])
+                   and (p.group == fmt.block[1] or p.scale.shape[1] == 1)  # type: ignore[index]
+                   for short, p in parts.items())
+        if not fits:
+            if not self._requantised_noted:
+                self._requantised_noted = True
+                logger.info("the checkpoint's 4-bit groups (%s, groups of %d) differ from the engine's %s: routed "
+                            "experts are dequantised and quantised again", "symmetric" if self.int4.args.symmetric
+                            else "asymmetric", parts["gate"].group, fmt.describe())
+            return False
+        for short, p in parts.items():
+            fmt.write_int4(record, short, pack_nibbles(p.q), p.scale, p.zero)
+        return True
 
 
 # ---- expert math --------------------------------------------------------------------------------------------------

@@ -72,12 +72,16 @@ class EngineConfig:
     prefill_window: int | None = _opt(None, "prompt tokens whose chunks run each layer together, so an offloaded "
                                             "expert crosses once per window (default 8192 on CUDA, 2048 on the "
                                             "CPU; whole chunks; shorter windows need less memory)")
-    expert_dtype: str = _opt("model", "expert records on the wire and in the cache: model (the compute dtype), fp8, "
-                                      "int8, or int4 (4-bit groups, dequantised inside the expert kernels)")
-    int4_group_size: int = _opt(INT4_GROUP_SIZE, "int4: inputs per scale group (an even number; smaller groups are "
-                                                 "more exact and carry more scale bytes)")
-    int4_symmetric: bool = _opt(False, "int4: symmetric groups (a scale each) instead of asymmetric ones (a scale and "
-                                       "a zero point each)")
+    expert_dtype: str | None = _opt(None, "expert records on the wire and in the cache: model (the compute dtype), "
+                                          "fp8, int8, or int4 (4-bit groups, dequantised inside the expert kernels); "
+                                          "default: int4 for a 4-bit checkpoint (GPTQ, compressed-tensors), else "
+                                          "model")
+    int4_group_size: int | None = _opt(None, f"int4: inputs per scale group, an even number (default: a 4-bit "
+                                             f"checkpoint's own, else {INT4_GROUP_SIZE}; smaller groups are more exact "
+                                             f"and carry more scale bytes)")
+    int4_symmetric: bool | None = _opt(None, "int4: symmetric groups (a scale each) instead of asymmetric ones (a "
+                                             "scale and a zero point each); default: a 4-bit checkpoint's own, else "
+                                             "asymmetric")
     # mechanics
     pin_memory: bool = _opt(True, "page-lock the host expert store")
     cuda_graphs: bool = _opt(True, "capture each decode step as one CUDA graph")
@@ -133,12 +137,13 @@ class EngineConfig:
         halflife = self.lrfu_halflife
         if not isinstance(halflife, (int, float)) or isinstance(halflife, bool) or not 0 < halflife <= 1e6:
             raise RequestError(f"lrfu_halflife must be a number of steps above 0 and at most 1e6, got {halflife!r}")
-        if self.expert_dtype not in EXPERT_DTYPES:
+        if self.expert_dtype is not None and self.expert_dtype not in EXPERT_DTYPES:
             raise RequestError(f"expert_dtype must be one of {', '.join(EXPERT_DTYPES)}, got {self.expert_dtype!r}")
         group = self.int4_group_size
-        if not isinstance(group, int) or isinstance(group, bool) or group < 2 or group % 2 or group > 1 << 16:
+        if group is not None and (not isinstance(group, int) or isinstance(group, bool) or group < 2 or group % 2
+                                  or group > 1 << 16):
             raise RequestError(f"int4_group_size must be an even number of inputs from 2 to 65536, got {group!r}")
-        if not isinstance(self.int4_symmetric, bool):
+        if self.int4_symmetric is not None and not isinstance(self.int4_symmetric, bool):
             raise RequestError(f"int4_symmetric must be True or False, got {self.int4_symmetric!r}")
         for name in ("max_batch_size", "stream_ahead", "lookahead"):
             check_positive_int(name, getattr(self, name))
