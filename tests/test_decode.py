@@ -42,6 +42,7 @@ def check_invariants(stats: dict, expert_bytes: int) -> None:
     assert stats["syncs_per_token"] <= 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["lru", "lrfu", "lfu", "static"])
 def test_every_cache_size_policy_and_predictor_gives_identical_tokens(reference, policy):
     path, prompts, expected, logits, total = reference

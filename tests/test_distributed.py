@@ -186,6 +186,7 @@ def test_two_ranks_on_the_reference_model_with_mtp_prefetch(tmp_path):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_torchrun_launch_prints_once_and_exits_cleanly(checkpoint_factory):
     """`torchrun --nproc-per-node 2 -m moeprefetch generate ... --distributed`: rank 0 alone prints the answer."""
     import subprocess

@@ -49,6 +49,7 @@ def test_prompts_are_held_out_text():
     assert "held-out" in card.lower()
 
 
+@pytest.mark.slow
 def test_tiny_sweep_end_to_end(tmp_path, checkpoint_factory, tiny_tokenizer_dir):
     model = checkpoint_factory("v3", tokenizer_from=str(tiny_tokenizer_dir))
     sweep_dir = tmp_path / "sweep"

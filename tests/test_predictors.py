@@ -63,6 +63,7 @@ def test_lead_tracker_counts_each_leads_guesses_against_the_step_that_uses_them(
     assert tracker.read(3) == [(0, 0, 0)] * 3 and not tracker.pred.any()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("predictor", ["mtp", "mtp_router", "mtp+next_layer_gate"])
 def test_chained_mtp_drafts_change_no_token_and_report_recall_by_lead(checkpoint_factory, predictor):
     """lookahead 1, 2, 3 at two cache sizes and batches of one and two: the tokens of `none`; the by-lead lists have

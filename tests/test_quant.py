@@ -234,6 +234,7 @@ def test_int4_experts_need_even_sizes():
         ExpertFormat.build(96, 41, torch.float32, "int4")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant,symmetric", [("v3", False), ("qwen3", True), ("mixtral", False)])
 def test_int4_experts_give_the_same_tokens_at_every_cache_size(checkpoint_factory, variant, symmetric):
     """Within the int4 format, a cache of any size (and a predictor) changes speed, never tokens; the records are

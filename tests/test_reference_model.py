@@ -51,6 +51,7 @@ def test_logits_match_transformers(engine):
     assert (engine.forward(ids) - expected).abs().max().item() <= 1e-4
 
 
+@pytest.mark.slow
 def test_greedy_generation_is_deterministic_and_fluent_enough(engine):
     prompt = "The kernel's memory manager"
     first = engine.generate(prompt, max_new_tokens=24)
@@ -60,6 +61,7 @@ def test_greedy_generation_is_deterministic_and_fluent_enough(engine):
     assert len(words) >= 8 and "kernel" in words + re.findall(r"[a-z]+", prompt.lower())
 
 
+@pytest.mark.slow
 def test_routing_and_mtp_are_learned(engine):
     """Random weights route and draft at random; the trained model's MTP head agrees with greedy decoding far more
     often than chance (1/8192), and held-out text routes over every expert (no dead experts)."""
