@@ -1,5 +1,6 @@
 """Command line: `moeprefetch generate [PATH] --prompt ...`, `moeprefetch serve [PATH]` (the OpenAI HTTP API),
-`moeprefetch report RESULTS`, `moeprefetch replay TRACE --slots N`, `moeprefetch info PATH`.
+`moeprefetch report RESULTS`, `moeprefetch replay TRACE --slots N`, `moeprefetch info PATH`,
+`moeprefetch train-predictor PATH --text FILE --out predictor.safetensors` (learned_predictor.py).
 
 Errors the engine raises on bad input are printed as one line (no traceback) with a non-zero exit status.
 """
@@ -137,6 +138,19 @@ def _parser() -> argparse.ArgumentParser:
     rpl.add_argument("--expert-mb", type=float, default=17.3015, help="bytes of one expert, in MB (bytes per token)")
     rpl.add_argument("--tokens", type=int, default=None, help="replay only the first N tokens")
     rpl.add_argument("--json", default=None, help="also write the rows here")
+
+    trn = sub.add_parser("train-predictor", parents=[common], help="train a learned routing predictor from the "
+                         "checkpoint's own routing over text (CPU is enough for small models)")
+    trn.add_argument("path", help="checkpoint directory")
+    trn.add_argument("--text", nargs="+", required=True, help="UTF-8 text files to record routing over")
+    trn.add_argument("--out", required=True, help="the predictor file to write (.safetensors)")
+    trn.add_argument("--leads", type=int, default=1, help="tokens ahead to predict (t+1 .. t+leads)")
+    trn.add_argument("--steps", type=int, default=1500, help="optimizer steps")
+    trn.add_argument("--device", default="cpu")
+    trn.add_argument("--eval-share", type=float, default=0.1, help="share of the text's windows held out")
+    trn.add_argument("--max-tokens", type=int, default=1 << 20, help="tokens of text recorded at most")
+    trn.add_argument("--no-resume", action="store_true", help="start afresh even if a resume state exists")
+    trn.add_argument("--json", default=None, help="also write the evaluation here")
 
     info = sub.add_parser("info", parents=[common], help="describe a checkpoint: architecture, experts, memory")
     info.add_argument("path", nargs="?", default=str(REFERENCE_MODEL))
@@ -355,6 +369,27 @@ def _replay(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _train_predictor(ns: argparse.Namespace) -> int:
+    from .learned_predictor import TrainSettings, format_table, train_predictor
+
+    if ns.json:
+        _check_writable(Path(ns.json), "--json")
+    for text in ns.text:
+        if not Path(text).is_file():
+            raise MoEPrefetchError(f"--text {text} is not a file")
+    if not Path(ns.path).is_dir():
+        raise MoEPrefetchError(f"checkpoint {ns.path} is not a directory")
+    settings = TrainSettings(leads=ns.leads, steps=ns.steps, eval_share=ns.eval_share, max_tokens=ns.max_tokens)
+    result = train_predictor(ns.path, [Path(t) for t in ns.text], ns.out, device=ns.device, settings=settings,
+                             progress=True, resume=not ns.no_resume)
+    print(format_table(result))
+    print(f"wrote {result['out']} ({result['params']} parameters, rank {result['rank']}; steps "
+          f"{result['start_step']}..{result['steps']})")
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
 def _info(ns: argparse.Namespace) -> int:
     from .checkpoint import CheckpointReader
     from .config import load_model_args
@@ -383,7 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if ns.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     if not ns.verbose:
         logging.getLogger("transformers").setLevel(logging.ERROR)
-    handlers = {"generate": _generate, "report": _report, "info": _info, "serve": _serve, "replay": _replay}
+    handlers = {"generate": _generate, "report": _report, "info": _info, "serve": _serve, "replay": _replay,
+                "train-predictor": _train_predictor}
     try:
         return handlers[ns.command](ns)
     except MoEPrefetchError as exc:

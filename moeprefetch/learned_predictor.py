@@ -1,0 +1,409 @@
+"""A learned routing predictor: a tiny head that, at decode step t, guesses every MoE layer's experts for tokens
+t+1 .. t+leads, trained offline from the checkpoint's own teacher-forced routing (`routing_record.py`).
+
+Inputs are what a decode step already holds when it ends: the final hidden state of token t *after* the final norm
+(decode.py's `hidden`, the lm_head's input) and, when the checkpoint has one, the MTP block's output for the draft
+(its input is token t+1, sampled at step t). The head is a shared low-rank projection, a GELU, and one linear to
+leads x L x E logits: fixed shapes and pure tensor ops, so a decode graph can capture it.
+
+Saved as safetensors with a JSON config in the metadata, including the checkpoint's fingerprint (config.json and the
+routers' bytes): a predictor never steers the prefetches of routers it did not learn.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from .errors import CheckpointError, RequestError
+from .routing_record import RoutingRecord, checkpoint_fingerprint
+
+if TYPE_CHECKING:
+    from .engine import MoEPrefetchEngine
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "moeprefetch.learned_predictor/1"
+MAX_RANK = 256
+# the head may take at most this share of the checkpoint's non-expert bytes (it sits in VRAM next to them)
+BYTE_SHARE = 0.05
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    hidden_size: int
+    layers: tuple[int, ...]  # the main MoE layer ids, in the order of the logits' L axis
+    n_experts: int
+    top_k: int
+    leads: int = 1
+    rank: int = MAX_RANK
+    use_mtp: bool = False
+    fingerprint: str = ""
+    hidden_input: str = "final hidden after the final norm"
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, **asdict(self)})
+
+    @staticmethod
+    def from_json(text: str) -> "HeadConfig":
+        data = json.loads(text)
+        if data.pop("format", None) != FORMAT:
+            raise CheckpointError(f"this file is not a {FORMAT} predictor")
+        data["layers"] = tuple(data["layers"])
+        return HeadConfig(**data)
+
+
+def fitting_rank(in_features: int, outputs: int, budget_bytes: int, bytes_per_param: int = 4) -> int:
+    """The largest power-of-two rank <= MAX_RANK whose head fits `budget_bytes` (at least 8: a head that small is
+    still far below any checkpoint's non-expert bytes)."""
+    rank = MAX_RANK
+    while rank > 8 and (in_features * rank + rank + rank * outputs + outputs) * bytes_per_param > budget_bytes:
+        rank //= 2
+    return rank
+
+
+class RoutingHead(torch.nn.Module):
+    """hidden [B, H] (and the MTP output [B, H]) -> logits [B, leads, L, E] over the experts of tokens t+1..t+leads."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = config
+        inputs = config.hidden_size * (2 if config.use_mtp else 1)
+        self.down = torch.nn.Linear(inputs, config.rank)
+        self.up = torch.nn.Linear(config.rank, config.leads * len(config.layers) * config.n_experts)
+
+    def forward(self, hidden: torch.Tensor, mtp_hidden: torch.Tensor | None = None) -> torch.Tensor:
+        c = self.config
+        x = hidden.to(self.down.weight.dtype)
+        if c.use_mtp:
+            if mtp_hidden is None:
+                raise RequestError("this predictor was trained on the MTP output and needs mtp_hidden")
+            # the MTP output is un-normed (its head norms it): a weightless RMS norm puts both on one scale
+            m = mtp_hidden.to(x.dtype)
+            x = torch.cat((x, m * torch.rsqrt(m.pow(2).mean(-1, keepdim=True) + 1e-6)), -1)
+        logits = self.up(F.gelu(self.down(x)))
+        return logits.view(-1, c.leads, len(c.layers), c.n_experts)
+
+    def predict(self, hidden: torch.Tensor, mtp_hidden: torch.Tensor | None = None, k: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-k expert ids [B, leads, L, k], their sigmoid probabilities [B, leads, L, k] in (0, 1])."""
+        logits = self.forward(hidden, mtp_hidden)
+        top = logits.topk(k or self.config.top_k, dim=-1)
+        # clamp: a very negative logit's sigmoid underflows to 0, which the prediction ring reads as "no guess"
+        return top.indices, torch.sigmoid(top.values).clamp(min=1e-6)
+
+
+# ---- samples ------------------------------------------------------------------------------------------------------
+
+
+def sample_index(record: RoutingRecord, leads: int) -> torch.Tensor:
+    """Tokens t whose targets t+1..t+leads lie in the same window (and so do their MTP inputs)."""
+    n = record.tokens
+    t = torch.arange(n)
+    last = torch.clamp(t + leads, max=n - 1)
+    return t[(t + leads < n) & (record.window[last] == record.window)]
+
+
+def targets(record: RoutingRecord, index: torch.Tensor, leads: int, n_experts: int) -> torch.Tensor:
+    """Multi-hot [S, leads, L, E] float: the experts each layer of token t+j used, j = 1..leads."""
+    ids = torch.stack([record.ids[index + j] for j in range(1, leads + 1)], 1)  # [S, leads, L, k]
+    out = torch.zeros(*ids.shape[:-1], n_experts)
+    return out.scatter_(-1, ids, 1.0)
+
+
+def split_windows(record: RoutingRecord, index: torch.Tensor, eval_share: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, held-out) samples, split by window (the last `eval_share` of windows): neighbouring tokens of one
+    window share their context, so a token-level split would leak."""
+    windows = int(record.window.max()) + 1
+    held = max(1, round(windows * eval_share))
+    if held >= windows:
+        raise RequestError(f"the text makes {windows} window(s): too few to hold out {eval_share:.0%} for "
+                           f"evaluation; give more text")
+    cut = windows - held
+    mine = record.window[index]
+    return index[mine < cut], index[mine >= cut]
+
+
+# ---- metrics ------------------------------------------------------------------------------------------------------
+
+
+def _set_metrics(guess: torch.Tensor, truth: torch.Tensor) -> tuple[list[float], list[float]]:
+    """guess [S, L, g], truth [S, L, k] ids -> per-layer (recall, precision) lists."""
+    hits = (guess[..., :, None] == truth[..., None, :]).any(-1).sum(-1).float()  # [S, L]
+    recall = (hits / truth.shape[-1]).mean(0)
+    precision = (hits / guess.shape[-1]).mean(0)
+    return recall.tolist(), precision.tolist()
+
+
+def _row(name: str, lead: int, k: int, guess: torch.Tensor, truth: torch.Tensor) -> dict[str, Any]:
+    recall, precision = _set_metrics(guess, truth)
+    return {"predictor": name, "lead": lead, "guesses": k, "recall": sum(recall) / len(recall),
+            "precision": sum(precision) / len(precision), "recall_per_layer": recall,
+            "precision_per_layer": precision}
+
+
+@torch.no_grad()
+def evaluate(head: RoutingHead, record: RoutingRecord, index: torch.Tensor, batch: int = 8192) -> dict[str, Any]:
+    """Recall and precision of the head's top-k and top-2k guesses per layer and lead on tokens `index`, next to
+    the baselines on the same tokens: `previous` (token t's routing as the guess for t+1, t+j), `mtp_router` (each
+    main router on the MTP output, for t+1, top-k and top-2k by its selection scores) when recorded, and chance."""
+    c = head.config
+    head.eval()
+    k = c.top_k
+    logits = torch.cat([head(record.hidden[i], None if record.mtp_hidden is None else record.mtp_hidden[i])
+                        for i in index.split(batch)])
+    rows: list[dict[str, Any]] = []
+    for lead in range(1, c.leads + 1):
+        truth = record.ids[index + lead]
+        ranked = logits[:, lead - 1].topk(min(2 * k, c.n_experts), dim=-1).indices
+        rows.append(_row("learned", lead, k, ranked[..., :k], truth))
+        rows.append(_row("learned", lead, ranked.shape[-1], ranked, truth))
+        rows.append(_row("previous", lead, k, record.ids[index], truth))
+        if record.mtp_router is not None and lead == 1:
+            rows.append(_row("mtp_router", lead, k, record.mtp_router[index][..., :k], truth))
+            rows.append(_row("mtp_router", lead, record.mtp_router.shape[-1], record.mtp_router[index], truth))
+        rows.append({"predictor": "chance", "lead": lead, "guesses": k, "recall": k / c.n_experts,
+                     "precision": k / c.n_experts})
+    return {"tokens": int(index.numel()), "layers": list(c.layers), "experts": c.n_experts, "top_k": k,
+            "mtp_router": "recorded" if record.mtp_router is not None else
+            "skipped: the checkpoint has no MTP layer", "rows": rows}
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The evaluation as a text table (one line per predictor, lead and guess count)."""
+    layers = result["layers"]
+    head = f"{'predictor':12s} {'lead':>4s} {'guesses':>7s} {'recall':>7s} {'precision':>9s}  recall per layer " \
+           f"{layers}"
+    lines = [f"held-out tokens: {result['tokens']}, top-{result['top_k']} of {result['experts']} experts", head]
+    for row in result["rows"]:
+        per = " ".join(f"{v:.3f}" for v in row.get("recall_per_layer", []))
+        lines.append(f"{row['predictor']:12s} {row['lead']:4d} {row['guesses']:7d} {row['recall']:7.3f} "
+                     f"{row['precision']:9.3f}  {per}")
+    return "\n".join(lines)
+
+
+# ---- saving and loading -------------------------------------------------------------------------------------------
+
+
+def save_predictor(head: RoutingHead, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+    from safetensors.torch import save_file
+
+    metadata = {"config": head.config.to_json()}
+    if extra:
+        metadata["training"] = json.dumps(extra)
+    save_file({k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}, str(path), metadata)
+
+
+def load_predictor(path: str | Path, engine_or_checkpoint: "MoEPrefetchEngine | str | Path") -> RoutingHead:
+    """A saved predictor, refused unless it was trained on this checkpoint's routers."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise RequestError(f"predictor {path} is not a file")
+    with safe_open(str(path), "pt") as handle:
+        metadata = handle.metadata() or {}
+        if "config" not in metadata:
+            raise CheckpointError(f"{path} holds no predictor config in its metadata")
+        config = HeadConfig.from_json(metadata["config"])
+        state = {name: handle.get_tensor(name) for name in handle.keys()}
+    checkpoint = getattr(engine_or_checkpoint, "path", engine_or_checkpoint)
+    if checkpoint_fingerprint(checkpoint) != config.fingerprint:
+        raise CheckpointError(f"predictor {path} was trained on another checkpoint (its fingerprint differs from "
+                              f"{checkpoint}'s config and routers)")
+    head = RoutingHead(config)
+    head.load_state_dict(state)
+    return head.eval()
+
+
+# ---- training -----------------------------------------------------------------------------------------------------
+
+MIN_WINDOW = 16  # shorter windows teach little: most of their tokens sit at the start of a context
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    leads: int = 1
+    steps: int = 1500
+    batch: int = 2048
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    window: int = 512
+    eval_share: float = 0.1
+    max_tokens: int = 1 << 20  # of training text (recording runs the whole model over every token)
+    seed: int = 0
+    save_every: int = 250
+    use_mtp: bool = True  # feed the MTP output too, when the checkpoint has an MTP layer
+
+
+def _token_stream(engine: "MoEPrefetchEngine", texts_or_ids: Any, max_tokens: int) -> list[int]:
+    """Text files (Path), texts (str) or token ids (ints, an array or a tensor) -> one token stream, at most
+    `max_tokens` long."""
+    if isinstance(texts_or_ids, torch.Tensor) or hasattr(texts_or_ids, "dtype"):
+        return [int(t) for t in list(texts_or_ids[:max_tokens])]
+    items = list(texts_or_ids)
+    if items and all(isinstance(t, int) for t in items):
+        return items[:max_tokens]
+    if engine.tokenizer is None:
+        raise RequestError("training on text needs the checkpoint's tokenizer, and this checkpoint has none; give "
+                           "token ids instead")
+    stream: list[int] = []
+    for item in items:
+        if isinstance(item, Path):
+            if not item.is_file():
+                raise RequestError(f"text file {item} does not exist")
+            with item.open(encoding="utf-8", errors="replace") as handle:
+                item = handle.read(max(0, max_tokens - len(stream)) * 8)  # ~4 characters per token, twice over
+        stream += list(engine.tokenizer(item, add_special_tokens=False)["input_ids"])
+        if len(stream) >= max_tokens:
+            break
+    return stream[:max_tokens]
+
+
+def _windows(stream: list[int], window: int, leads: int) -> list[list[int]]:
+    """Consecutive windows (a short tail is dropped when it could not hold a sample)."""
+    chunks = [stream[i:i + window] for i in range(0, len(stream), window)]
+    return [c for c in chunks if len(c) >= max(MIN_WINDOW, leads + 2)]
+
+
+def _check_inputs(checkpoint: Path, out_path: Path, settings: TrainSettings) -> None:
+    from .config import load_model_args
+
+    if not out_path.parent.is_dir():
+        raise RequestError(f"the predictor cannot be written to {out_path}: directory {out_path.parent} does not "
+                           f"exist")
+    if not 1 <= settings.leads <= 8:
+        raise RequestError(f"leads must lie in 1..8, got {settings.leads}")
+    if settings.steps < 0 or not 0 < settings.eval_share < 1:
+        raise RequestError("steps must be >= 0 and eval_share must lie in (0, 1)")
+    if not load_model_args(checkpoint).moe_layers:
+        raise CheckpointError(f"checkpoint {checkpoint} has no MoE layers: there is no routing to predict")
+
+
+def _record(engine: "MoEPrefetchEngine", stream: list[int], settings: TrainSettings, progress: bool,
+            what: str) -> RoutingRecord:
+    from .routing_record import record_routing
+
+    window = min(settings.window, engine.args.max_position_embeddings)
+    windows = _windows(stream, window, settings.leads)
+    if len(windows) < (1 if what == "held-out" else 2):
+        raise RequestError(f"the {what} text is too short to train on: {len(stream)} tokens make {len(windows)} "
+                           f"window(s) of >= {max(MIN_WINDOW, settings.leads + 2)} tokens")
+    logger.info("recording routing of %d %s tokens in %d windows", sum(map(len, windows)), what, len(windows))
+    return record_routing(engine, windows, progress=progress)
+
+
+def _resume_path(out_path: Path) -> Path:
+    return out_path.with_name(out_path.name + ".resume.pt")
+
+
+def _fit(head: RoutingHead, record: RoutingRecord, train: torch.Tensor, settings: TrainSettings, out_path: Path,
+         resume: bool, progress: bool) -> int:
+    """AdamW on BCE over the multi-hot expert sets, from the resume state next to `out_path` if there is one ->
+    the step it started from. Batches are drawn by a generator seeded per step, so a resumed run draws what an
+    uninterrupted one would."""
+    from tqdm.auto import tqdm
+
+    opt = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(
+        0.05, 1 - s / max(settings.steps, 1)))  # warm-up, then linear decay
+    state_path, start = _resume_path(out_path), 0
+    if resume and state_path.is_file():
+        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        if state["config"] != head.config.to_json():
+            raise RequestError(f"resume state {state_path} belongs to another predictor setup; delete it or train "
+                               f"with resume=False")
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        start = state["step"]
+        logger.info("resuming training at step %d of %d", start, settings.steps)
+    c = head.config
+    head.train()
+    bar = tqdm(range(start, settings.steps), desc="training predictor", unit="step", disable=not progress,
+               initial=start, total=settings.steps, leave=False)
+    for step in bar:
+        gen = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
+        pick = train[torch.randint(train.numel(), (min(settings.batch, train.numel()),), generator=gen)]
+        logits = head(record.hidden[pick], None if record.mtp_hidden is None else record.mtp_hidden[pick])
+        loss = F.binary_cross_entropy_with_logits(logits, targets(record, pick, c.leads, c.n_experts))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
+        if (step + 1) % settings.save_every == 0 or step + 1 == settings.steps:
+            torch.save({"config": c.to_json(), "head": head.state_dict(), "opt": opt.state_dict(),
+                        "sched": sched.state_dict(), "step": step + 1}, state_path)
+    head.eval()
+    return start
+
+
+def _head_config(engine: "MoEPrefetchEngine", settings: TrainSettings, use_mtp: bool) -> HeadConfig:
+    from .weights import weights_nbytes
+
+    args = engine.args
+    layers = tuple(lw.index for lw in engine.weights.layers if lw.router is not None)
+    # the checkpoint's non-expert bytes as stored (bf16 for most), whatever dtype the engine computes in
+    non_expert = weights_nbytes(engine.weights) // engine.weights.embed.element_size() * 2
+    outputs = settings.leads * len(layers) * args.n_routed_experts
+    rank = fitting_rank(args.hidden_size * (2 if use_mtp else 1), outputs, int(BYTE_SHARE * non_expert))
+    return HeadConfig(hidden_size=args.hidden_size, layers=layers, n_experts=args.n_routed_experts,
+                      top_k=args.num_experts_per_tok, leads=settings.leads, rank=rank, use_mtp=use_mtp,
+                      fingerprint=checkpoint_fingerprint(engine.path))
+
+
+def train_predictor(checkpoint: str | Path, texts_or_ids: Any, out_path: str | Path, leads: int = 1,
+                    steps: int = 1500, device: str = "cpu", progress: bool = True, resume: bool = True,
+                    eval_ids: Any = None, settings: TrainSettings | None = None,
+                    engine: "MoEPrefetchEngine | None" = None) -> dict[str, Any]:
+    """Record the checkpoint's routing over the text, train a `RoutingHead`, evaluate it on held-out windows (the
+    last `eval_share` of the text, or `eval_ids` when given) and save it to `out_path` -> the evaluation and
+    training facts. `settings`, when given, replaces `leads` and `steps`; `device` is where the checkpoint runs to
+    record (the head itself is small enough to train on the CPU); `engine` reuses a loaded engine of `checkpoint`.
+    With `resume`, a resume state next to `out_path` (`<out>.resume.pt`, written every `save_every` steps) continues
+    at its step; recording is deterministic, so a resumed run sees the same samples."""
+    import time
+
+    checkpoint, out_path = Path(checkpoint), Path(out_path)
+    settings = settings or TrainSettings(leads=leads, steps=steps)
+    _check_inputs(checkpoint, out_path, settings)
+    began = time.monotonic()
+    owned = engine is None
+    if engine is None:
+        from .engine import MoEPrefetchEngine
+
+        engine = MoEPrefetchEngine.from_pretrained(checkpoint, device=device, dtype="float32",
+                                                   max_batch_size=1)
+    try:
+        stream = _token_stream(engine, texts_or_ids, settings.max_tokens)
+        record = _record(engine, stream, settings, progress, "training")
+        index = sample_index(record, settings.leads)
+        if eval_ids is None:
+            train, held = split_windows(record, index, settings.eval_share)
+            held_record = record
+        else:
+            train = index
+            held_record = _record(engine, _token_stream(engine, eval_ids, settings.max_tokens), settings, progress,
+                                  "held-out")
+            held = sample_index(held_record, settings.leads)
+        if not settings.use_mtp:  # the head sees the final hidden state only (mtp_router stays a baseline)
+            record.mtp_hidden = held_record.mtp_hidden = None
+        head = RoutingHead(_head_config(engine, settings, record.mtp_hidden is not None))
+    finally:
+        if owned:
+            engine.close()
+    recorded = time.monotonic()
+    start = _fit(head, record, train, settings, out_path, resume, progress)
+    result = evaluate(head, held_record, held)
+    facts = {"train_samples": int(train.numel()), "start_step": start, "steps": settings.steps,
+             "params": sum(p.numel() for p in head.parameters()), "rank": head.config.rank,
+             "record_seconds": round(recorded - began, 1), "train_seconds": round(time.monotonic() - recorded, 1)}
+    save_predictor(head, out_path, {**facts, "heldout_tokens": result["tokens"]})
+    return {**result, **facts, "out": str(out_path)}

@@ -1,0 +1,184 @@
+"""The learned routing predictor: recording, training against baselines, saving, fingerprints, resuming, the CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeprefetch import MoEPrefetchEngine
+from moeprefetch.cli import main
+from moeprefetch.errors import CheckpointError, RequestError
+from moeprefetch.learned_predictor import (HeadConfig, RoutingHead, TrainSettings, load_predictor, sample_index,
+                                           train_predictor)
+from moeprefetch.model import route
+from moeprefetch.routing_record import checkpoint_fingerprint, record_routing
+
+from conftest import ROOT, hf_model
+
+REFERENCE = ROOT / "moeprefetch" / "reference_model"
+# in-repo English and code text, near the reference model's corpus (kernel and Python documentation)
+TEXT_FILES = [REFERENCE / "README.md", ROOT / "moeprefetch" / "predictors.py", ROOT / "moeprefetch" / "model.py",
+              ROOT / "moeprefetch" / "runner.py", ROOT / "moeprefetch" / "decode.py"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # the heads and windows are tiny: on a loaded 2-core runner, two OpenMP threads made each small GEMM ~16 ms
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def reference_engine(one_thread):
+    engine = MoEPrefetchEngine.from_pretrained(REFERENCE, device="cpu", dtype="float32", progress=False)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, reference_engine, one_thread):
+    out = tmp_path_factory.mktemp("predictor") / "predictor.safetensors"
+    settings = TrainSettings(leads=2, steps=200, window=256, max_tokens=6000, eval_share=0.2)
+    result = train_predictor(REFERENCE, TEXT_FILES, out, settings=settings, progress=False,
+                             engine=reference_engine)
+    return out, result
+
+
+def test_recorded_routing_is_the_routers_choice_on_transformers_hidden_states(checkpoint_factory):
+    """Independent of the engine's forward: transformers' inputs to each MoE block, through the same routers."""
+    path = checkpoint_factory("v3")
+    engine = MoEPrefetchEngine.from_pretrained(path, device="cpu", dtype="float32", progress=False)
+    ids = [[(7 * i + 3) % 256 for i in range(40)], [(11 * i + 5) % 256 for i in range(24)]]
+    record = record_routing(engine, ids)
+    model = hf_model(path)
+    captured: dict[int, list[torch.Tensor]] = {}
+    hooks = [layer.mlp.register_forward_pre_hook(lambda m, a, i=i: captured.setdefault(i, []).append(a[0]))
+             for i, layer in enumerate(model.model.layers) if i in engine.args.moe_layers]
+    with torch.no_grad():
+        hf_hidden = [model.model(torch.tensor([w])).last_hidden_state[0] for w in ids]
+    for hook in hooks:
+        hook.remove()
+    layers = [lw for lw in engine.weights.layers if lw.router is not None]
+    assert record.ids.shape == (64, len(layers), engine.args.num_experts_per_tok)
+    for p, lw in enumerate(layers):
+        expected = torch.cat([route(engine.args, lw.router, x[0]).ids for x in captured[lw.index]])
+        assert torch.equal(record.ids[:, p].sort(-1).values, expected.sort(-1).values)
+    torch.testing.assert_close(record.hidden, torch.cat(hf_hidden), atol=2e-4, rtol=2e-4)
+    assert record.window.tolist() == [0] * 40 + [1] * 24
+    engine.close()
+
+
+def test_recorded_hidden_states_give_the_engines_logits(reference_engine):
+    ids = list(range(100, 164))
+    record = record_routing(reference_engine, [ids])
+    logits, mtp_logits = reference_engine.forward([ids], return_mtp=True)
+    runner = reference_engine.runner
+    torch.testing.assert_close(runner.logits(record.hidden), logits[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(runner.mtp_logits(record.mtp_hidden[:-1]), mtp_logits[0], atol=1e-4, rtol=1e-4)
+    assert torch.count_nonzero(record.mtp_hidden[-1]) == 0  # the window's last token has no next token
+    # the experts every layer used in the window, as the residency counted them
+    before = reference_engine.routing_profile
+    record_routing(reference_engine, [ids])
+    after = reference_engine.routing_profile
+    used = {key for key in after if after[key] > before.get(key, 0)}
+    layers = [lw.index for lw in reference_engine.weights.layers if lw.router is not None]
+    recorded = {(layers[p], int(e)) for p in range(len(layers)) for e in record.ids[:, p].unique()}
+    assert {key for key in used if key[0] in layers} == recorded
+
+
+def test_training_beats_previous_and_chance(trained):
+    _, result = trained
+    rows = {(r["predictor"], r["lead"], r["guesses"]): r for r in result["rows"]}
+    learned, previous, chance = rows[("learned", 1, 4)], rows[("previous", 1, 4)], rows[("chance", 1, 4)]
+    assert learned["recall"] > previous["recall"] + 0.1
+    assert learned["recall"] > 2.5 * chance["recall"]
+    assert rows[("learned", 2, 4)]["recall"] > rows[("previous", 2, 4)]["recall"]
+    assert rows[("learned", 1, 8)]["recall"] > learned["recall"]  # more guesses find more
+    assert len(learned["recall_per_layer"]) == 4 and result["mtp_router"] == "recorded"
+    assert result["tokens"] > 500 and result["start_step"] == 0
+
+
+def test_save_load_round_trip_and_predict(trained):
+    out, _ = trained
+    head = load_predictor(out, REFERENCE)
+    assert head.config.leads == 2 and head.config.layers == (1, 2, 3, 4) and head.config.use_mtp
+    hidden, mtp = torch.randn(3, 256), torch.randn(3, 256)
+    ids, conf = head.predict(hidden, mtp)
+    assert ids.shape == conf.shape == (3, 2, 4, 4)
+    assert bool(((conf > 0) & (conf <= 1)).all())
+    again = load_predictor(out, REFERENCE)
+    assert torch.equal(again(hidden, mtp), head(hidden, mtp))
+    # the head's bytes stay within 5 % of the checkpoint's non-expert bytes
+    assert sum(p.numel() for p in head.parameters()) * 4 <= 0.05 * 8.4e6 * 2
+
+
+def test_a_predictor_of_another_checkpoint_is_refused(trained, checkpoint_factory, tmp_path):
+    out, _ = trained
+    with pytest.raises(CheckpointError, match="another checkpoint"):
+        load_predictor(out, checkpoint_factory("v3"))
+    changed = tmp_path / "changed"
+    shutil.copytree(REFERENCE, changed)
+    config = json.loads((changed / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-5
+    (changed / "config.json").write_text(json.dumps(config))
+    assert checkpoint_fingerprint(changed) != checkpoint_fingerprint(REFERENCE)
+
+
+def test_resume_continues_the_step_count(reference_engine, tmp_path):
+    out = tmp_path / "p.safetensors"
+    settings = TrainSettings(steps=20, window=128, max_tokens=1200, save_every=10)
+    first = train_predictor(REFERENCE, TEXT_FILES, out, settings=settings, progress=False, engine=reference_engine)
+    assert first["start_step"] == 0
+    state = torch.load(out.with_name(out.name + ".resume.pt"), weights_only=False)
+    assert state["step"] == 20
+    longer = TrainSettings(steps=35, window=128, max_tokens=1200, save_every=10)
+    second = train_predictor(REFERENCE, TEXT_FILES, out, settings=longer, progress=False, engine=reference_engine)
+    assert second["start_step"] == 20 and second["steps"] == 35
+    assert torch.load(out.with_name(out.name + ".resume.pt"), weights_only=False)["step"] == 35
+    fresh = train_predictor(REFERENCE, TEXT_FILES, out, settings=longer, progress=False, resume=False,
+                            engine=reference_engine)
+    assert fresh["start_step"] == 0
+
+
+def test_bad_inputs_are_one_sentence_errors(reference_engine, checkpoint_factory, tmp_path):
+    with pytest.raises(RequestError, match="does not exist"):
+        train_predictor(REFERENCE, TEXT_FILES, tmp_path / "missing" / "p.safetensors", engine=reference_engine)
+    with pytest.raises(RequestError, match="too short"):
+        train_predictor(REFERENCE, ["a few words"], tmp_path / "p.safetensors", engine=reference_engine,
+                        progress=False)
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    config = json.loads((checkpoint_factory("v3") / "config.json").read_text())
+    config["first_k_dense_replace"] = config["num_hidden_layers"]
+    (dense / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="no MoE layers"):
+        train_predictor(dense, ["text"], tmp_path / "p.safetensors")
+
+
+def test_samples_stay_inside_their_window():
+    from moeprefetch.routing_record import RoutingRecord
+
+    record = RoutingRecord(hidden=torch.zeros(7, 4), mtp_hidden=None, ids=torch.zeros(7, 1, 1, dtype=torch.long),
+                           window=torch.tensor([0, 0, 0, 1, 1, 1, 1]), mtp_router=None)
+    assert sample_index(record, 1).tolist() == [0, 1, 3, 4, 5]
+    assert sample_index(record, 2).tolist() == [0, 3, 4]
+
+
+def test_head_needs_the_mtp_output_it_was_trained_on():
+    head = RoutingHead(HeadConfig(hidden_size=8, layers=(1, 2), n_experts=6, top_k=2, rank=4, use_mtp=True))
+    assert head(torch.randn(2, 8), torch.randn(2, 8)).shape == (2, 1, 2, 6)
+    with pytest.raises(RequestError, match="mtp_hidden"):
+        head(torch.randn(2, 8))
+
+
+def test_cli_exits_2_on_a_missing_text_file(tmp_path, capsys):
+    code = main(["train-predictor", str(REFERENCE), "--text", str(tmp_path / "none.txt"), "--out",
+                 str(tmp_path / "p.safetensors")])
+    assert code == 2
+    assert "is not a file" in capsys.readouterr().err
