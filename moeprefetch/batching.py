@@ -57,7 +57,8 @@ class ContinuousBatch:
                  min_confidence: float | None = None):
         options = engine.options
         name = predictor or options.predictor
-        spec = predictor_spec(name, default_lookahead(name, options.lookahead), engine.has_mtp)
+        spec = predictor_spec(name, default_lookahead(name, options.lookahead), engine.has_mtp,
+                              engine.runner.learned_config)
         if spec.oracle:
             raise RequestError("the oracle predictor needs a recorded run of the same request; it cannot serve")
         if engine.residency.group is not None:

@@ -19,6 +19,7 @@ from .config import ModelArgs, load_model_args
 from .errors import CheckpointError, RequestError, ResourceError
 from .experts import INT4_GROUP_SIZE, CheckpointExperts, ExpertFormat
 from .int4_checkpoints import Int4Tensors, present_int4_weights
+from .learned_predictor import HeadConfig, RoutingHead, load_predictor
 from .kernels import kernels_usable
 from .kernels.attention import MLADecode
 from .kernels.gqa_attention import GQADecode
@@ -101,8 +102,9 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise RequestError(f"dtype {dtype!r} is not supported; use float32, bfloat16 or float16")
 
 
-def predictor_spec(spec: str, lookahead: int, has_mtp: bool) -> PredictorSpec:
-    """Parse and check a predictor against the model (one clear sentence when it cannot work)."""
+def predictor_spec(spec: str, lookahead: int, has_mtp: bool, learned: HeadConfig | None = None) -> PredictorSpec:
+    """Parse and check a predictor against the model and the engine's learned head, if any (one clear sentence
+    when it cannot work)."""
     check_positive_int("lookahead", lookahead)
     try:
         parsed = PredictorSpec.parse(spec, lookahead)
@@ -110,6 +112,16 @@ def predictor_spec(spec: str, lookahead: int, has_mtp: bool) -> PredictorSpec:
         raise RequestError(str(exc)) from None
     if any(n in MTP_PREDICTORS for n in parsed.names) and not has_mtp:
         raise RequestError(f"predictor {spec!r} needs an MTP layer, and this checkpoint has none")
+    if parsed.learned:
+        if learned is None:
+            raise RequestError("predictor 'learned' needs a trained routing head: load the engine with "
+                               "predictor_path= (moeprefetch train-predictor writes one)")
+        if lookahead > learned.leads:
+            raise RequestError(f"lookahead={lookahead} reaches further than the learned head's {learned.leads} "
+                               f"token{'s' if learned.leads > 1 else ''} ahead")
+        if learned.use_mtp and not has_mtp:
+            raise RequestError("the learned head reads the MTP head's output, and this checkpoint has none")
+        parsed = dataclasses.replace(parsed, learned_mtp=learned.use_mtp)
     if parsed.ring > 9:
         raise RequestError(f"lookahead={lookahead} is too far: predictions reach at most 8 steps ahead")
     return parsed
@@ -165,7 +177,9 @@ def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev
     int4 = present_int4_weights(reader, args.int4) if args.int4 is not None else None
     tokenizer = _load_tokenizer(path)
     has_mtp = _has_mtp(args, reader)
-    options = resolve_options(config, args, has_mtp, dev, torch_dtype)
+    # before the weights load: a head of another checkpoint is one sentence, at once
+    head = load_predictor(config.predictor_path, path) if config.predictor_path is not None else None
+    options = resolve_options(config, args, has_mtp, dev, torch_dtype, head.config if head is not None else None)
     block = (args.quant.block_rows, args.quant.block_cols) if args.quant else (128, 128)
     try:
         fmt = ExpertFormat.build(args.hidden_size, args.moe_intermediate_size, torch_dtype, config.expert_dtype, block,
@@ -232,7 +246,10 @@ def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev
     if int4 is not None:
         int4.reader.close()
     logger.info("loaded %s in %.1f s", path, time.perf_counter() - start)
-    return cls(path, args, weights, residency, tokenizer, options, plan, streamer, forced)
+    engine = cls(path, args, weights, residency, tokenizer, options, plan, streamer, forced)
+    if head is not None:
+        engine.runner.learned_head = head.to(device=dev, dtype=torch_dtype).eval()
+    return engine
 
 
 def resolve_expert_format(config: EngineConfig, args: ModelArgs) -> EngineConfig:
@@ -250,13 +267,13 @@ def resolve_expert_format(config: EngineConfig, args: ModelArgs) -> EngineConfig
 
 
 def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device: torch.device,
-                    dtype: torch.dtype) -> EngineOptions:
+                    dtype: torch.dtype, learned: HeadConfig | None = None) -> EngineOptions:
     """The options as the engine uses them, resolved against the checkpoint."""
     # reactive fetching by default: on the H200 no real predictor has yet been faster than it offloaded (the deep
     # model with learned routing, ref17, V2-Lite; BENCHMARKS "Prediction that pays"); predictors are chosen per call
     predictor = config.predictor or "none"
     predictor_spec(predictor, config.lookahead if config.predictor else default_lookahead(predictor, config.lookahead),
-                   has_mtp)
+                   has_mtp, learned)
     seq_len = config.max_seq_len or min(args.max_position_embeddings, 4096)
     if seq_len > args.max_position_embeddings:
         raise RequestError(

@@ -45,6 +45,7 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help=EngineConfig.help("lrfu_halflife"))
     parser.add_argument("--predictor", default=None,
                         help=f"{', '.join(PREDICTOR_NAMES)}, or a combination such as mtp+next_layer_gate")
+    parser.add_argument("--predictor-path", default=None, help=EngineConfig.help("predictor_path"))
     parser.add_argument("--lookahead", type=int, default=None, help=EngineConfig.help("lookahead"))
     parser.add_argument("--min-confidence", type=float, default=None, help=EngineConfig.help("min_confidence"))
     parser.add_argument("--fill-confidence", type=float, default=defaults.fill_confidence,
@@ -245,7 +246,7 @@ def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
                                   distributed=ns.distributed, fill_confidence=ns.fill_confidence,
                                   fill_link=ns.fill_link, routing_trace=ns.routing_trace)
     for name in ("max_seq_len", "prefill_chunk", "prefill_window", "predictor", "lookahead", "min_confidence",
-                 "max_batch_size", "expert_dtype", "int4_group_size", "int4_symmetric"):
+                 "max_batch_size", "expert_dtype", "int4_group_size", "int4_symmetric", "predictor_path"):
         if getattr(ns, name, None) is not None:
             kwargs[name] = getattr(ns, name)
     if ns.vram_budget:

@@ -216,8 +216,9 @@ class DecodeStep:
             self.outputs[:, 1].copy_(second)
             mtp_tokens.append(second)
             mtp_hidden.append(draft_hidden)
-        if shape.run_mtp:
-            self._mtp(torch.stack(mtp_tokens, 1), torch.stack(mtp_hidden, 1), pos)
+        mtp_out = self._mtp(torch.stack(mtp_tokens, 1), torch.stack(mtp_hidden, 1), pos) if shape.run_mtp else None
+        if shape.spec.learned:
+            self._learned(hidden, mtp_out)
         if self.streamer is not None:
             self.streamer.join()
         if self.ring.leads is not None:  # this step's guesses of every lead meet the experts it used
@@ -276,13 +277,14 @@ class DecodeStep:
             conf = routing_confidence(routings[1].weights) * (live * self.draft_conf[:, None])
             ring.write(1, position, routings[1].ids, conf)
 
-    def _mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor) -> None:
+    def _mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The MTP head over (token after row, row's final hidden) pairs: drafts and their probabilities; with
         lookahead k > 1, the head chained k times (link j drafts from link j-1's output and draft), each link's
         output routed through the main routers as predictions j steps ahead (`predictors.py`)."""
         rows = tokens.shape[1]
         positions = pos[:, None] + torch.arange(1, rows + 1, device=pos.device)
         x = self._mtp_link(tokens, hidden, positions, chained=False)
+        first = x  # link 1's output [B, M, H], which the learned head reads
         probs, drafts = self.runner.mtp_logits(x).softmax(-1).max(-1)  # [B, M]
         self.outputs[:, 2:].copy_(drafts)
         self.probs.copy_(probs)
@@ -297,6 +299,18 @@ class DecodeStep:
             if lead < links:  # the next link's draft (the last link's would go unused: the head reads V x H)
                 probs, drafts = self.runner.mtp_logits(x).softmax(-1).max(-1)
                 reach = reach * probs[:, 0]
+        return first
+
+    def _learned(self, hidden: torch.Tensor, mtp_out: torch.Tensor | None) -> None:
+        """The learned routing head on the real rows' final hidden state (and link 1's MTP output, when it was
+        trained with it): its guesses for every main MoE layer 1..lookahead steps ahead, confidence its sigmoid."""
+        head = self.runner.learned_head
+        assert head is not None
+        ids, conf = head.predict(hidden, mtp_out[:, 0] if head.config.use_mtp and mtp_out is not None else None)
+        live = self.active.float()[:, None]
+        for lead in range(1, self.shape.spec.lookahead + 1):
+            for p, layer in enumerate(head.config.layers):
+                self.ring.write(lead, self.res.position[layer], ids[:, lead - 1, p], conf[:, lead - 1, p] * live)
 
     def _mtp_link(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                   chained: bool) -> torch.Tensor:

@@ -315,7 +315,7 @@ class MoEPrefetchEngine:
         self._check_idle()
         request = build_request(self.args, self.tokenizer, self.options, self.path, self.has_mtp, prompts,
                                 max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead, speculative,
-                                stop_at_eos, event_log, min_confidence)
+                                stop_at_eos, event_log, min_confidence, self.runner.learned_config)
         group = self.residency.group
         if group is not None and seed is None:  # every rank samples with rank 0's seed, or their tokens part
             request = replace(request, sampling=replace(request.sampling, seed=group.agree(request.sampling.seed)))

@@ -45,6 +45,8 @@ class EngineConfig:
     # prediction and prefetching (defaults that generate() may override per call)
     predictor: str | None = _opt(None, "prefetch predictor (default none: reactive fetching, the fastest measured "
                                        "offloaded; e.g. next_layer_gate, mtp, mtp+next_layer_gate, oracle_next)")
+    predictor_path: str | None = _opt(None, "a routing head trained by `moeprefetch train-predictor` on this "
+                                            "checkpoint, for predictor='learned'")
     lookahead: int = _opt(1, "MoE layers ahead for next_layer_gate, decode steps ahead for oracle, tokens ahead for "
                              "MTP drafts: how far predictions reach (their fills wait for prefetch_lead)")
     prefetch_budget: float = _opt(1.5, "prefetches per (step, layer), as a multiple of top-k")
@@ -130,6 +132,8 @@ class EngineConfig:
             raise RequestError(f"late_prefetch must be one of {', '.join(LATE_PREFETCH)}, got {self.late_prefetch!r}")
         if self.fill_link not in FILL_LINK:
             raise RequestError(f"fill_link must be one of {', '.join(FILL_LINK)}, got {self.fill_link!r}")
+        if self.predictor_path is not None and not isinstance(self.predictor_path, (str, Path)):
+            raise RequestError(f"predictor_path must be the path of a predictor file, got {self.predictor_path!r}")
         if self.routing_trace is not None and not isinstance(self.routing_trace, (str, Path)):
             raise RequestError(f"routing_trace must be the path of a trace file, got {self.routing_trace!r}")
         if self.policy not in POLICIES:

@@ -16,6 +16,7 @@ Each predictor declares the device signals it needs, and what `lookahead` means 
 | `mtp_router` | every main router on the MTP head's output, the head chained k times | (t+j, every layer), j = 1..k | k, the tokens ahead |
 | `oracle` | the routing recorded by an identical earlier run, and Belady's victims (the whole future) | (t .. t+d, every layer) | d, steps ahead |
 | `oracle_next` | the recorded routing of the next token only; the policy's victims | (t, t+1, every layer) | unused (must be 1) |
+| `learned` | a trained routing head (`learned_predictor.py`, `predictor_path=`) on the final hidden state and, when it was trained with it, the MTP head's output | (t+j, every layer), j = 1..k | k, the tokens ahead (at most the head's leads) |
 
 In a combination each component reads `lookahead` its own way (`mtp+next_layer_gate` with 2: drafts chained twice
 and gates two MoE layers ahead). Chained drafts: link 1 drafts token t+2 from the main hidden state (as the MTP head
@@ -35,10 +36,10 @@ from typing import Callable
 
 import torch
 
-PREDICTOR_NAMES = ("none", "previous", "next_layer_gate", "mtp", "mtp_router", "oracle", "oracle_next")
+PREDICTOR_NAMES = ("none", "previous", "next_layer_gate", "mtp", "mtp_router", "oracle", "oracle_next", "learned")
 MTP_PREDICTORS = ("mtp", "mtp_router")
 ORACLES = ("oracle", "oracle_next")  # predictors that replay a recorded run's routing
-_LOOKAHEAD_IS_DEPTH = ("next_layer_gate", "oracle")
+_LOOKAHEAD_IS_DEPTH = ("next_layer_gate", "oracle", "learned")
 
 
 def parse_predictor(spec: str) -> list[str]:
@@ -75,6 +76,7 @@ class PredictorSpec:
 
     names: tuple[str, ...]
     lookahead: int = 1
+    learned_mtp: bool = False  # the learned head reads the MTP head's output (the MTP head must run)
 
     @staticmethod
     def parse(spec: str, lookahead: int = 1) -> "PredictorSpec":
@@ -99,7 +101,11 @@ class PredictorSpec:
 
     @property
     def needs_mtp(self) -> bool:
-        return any(n in MTP_PREDICTORS for n in self.names)
+        return any(n in MTP_PREDICTORS for n in self.names) or (self.learned and self.learned_mtp)
+
+    @property
+    def learned(self) -> bool:
+        return "learned" in self.names
 
     @property
     def gate_depth(self) -> int:
@@ -129,19 +135,19 @@ class PredictorSpec:
     @property
     def chain(self) -> int:
         """Links of the MTP head run per step (drafts chained): the MTP predictors' lookahead, else 1."""
-        return self.lookahead if self.needs_mtp else 1
+        return self.lookahead if any(n in MTP_PREDICTORS for n in self.names) else 1
 
     @property
     def max_lead(self) -> int:
         """The most steps ahead a prediction is made (0: only this step's, as next_layer_gate's)."""
         leads = [1 if self.previous or self.needs_mtp else 0, self.chain if self.needs_mtp else 0,
-                 self.oracle_steps - 1 if self.oracle else 0]
+                 self.oracle_steps - 1 if self.oracle else 0, self.lookahead if self.learned else 0]
         return max(leads)
 
     @property
     def ring(self) -> int:
         """Decode steps of predictions the table must hold: this one and the ones predicted ahead."""
-        return max(self.oracle_steps, self.chain + 1, 2)
+        return max(self.oracle_steps, self.chain + 1, 2, self.lookahead + 1 if self.learned else 0)
 
     @property
     def active(self) -> bool:

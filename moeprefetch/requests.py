@@ -23,7 +23,7 @@ SPECULATIVE_MODES = (None, "mtp")
 def build_request(args: ModelArgs, tokenizer: Any, options: EngineOptions, path: Path, has_mtp: bool, prompts: Any,
                   max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, predictor: Any,
                   lookahead: Any, speculative: Any, stop_at_eos: bool, event_log: Any,
-                  min_confidence: Any = None) -> Request:
+                  min_confidence: Any = None, learned: Any = None) -> Request:
     """A generate/stream call's arguments, checked against the model and the engine's options."""
     if min_confidence is None:
         min_confidence = options.min_confidence
@@ -40,7 +40,7 @@ def build_request(args: ModelArgs, tokenizer: Any, options: EngineOptions, path:
     sampling.validate()
     name = predictor if predictor is not None else options.predictor
     spec = predictor_spec(name, default_lookahead(name, options.lookahead) if lookahead is None else lookahead,
-                          has_mtp)
+                          has_mtp, learned)
     if speculative not in SPECULATIVE_MODES:
         raise RequestError(f"speculative must be None or 'mtp', got {speculative!r}")
     if speculative == "mtp" and not has_mtp:

@@ -24,6 +24,7 @@ from .rope import RotaryEmbedding
 from .weights import LayerWeights, ModelWeights
 
 if TYPE_CHECKING:
+    from .learned_predictor import HeadConfig, RoutingHead
     from .streaming import LayerStreamer
     from .traces import ForcedRouting
 
@@ -93,6 +94,7 @@ class ModelRunner:
         self.residency = residency
         self.streamer = streamer
         self.forced_routing = forced_routing  # routing_trace (benchmarks only): decode steps route from a trace
+        self.learned_head: "RoutingHead | None" = None  # predictor='learned' (predictor_path=)
         self.device = device
         # an embedding table the plan left in host memory is read row by row over PCIe (kernels/gather.py)
         self.host_embed = (HostRows(weights.embed, device, kernels_usable(device.type) or INTERPRET,
@@ -119,6 +121,10 @@ class ModelRunner:
         mtp = self.weights.mtp
         assert mtp is not None
         return self.embed(tokens) if mtp.embed is None else F.embedding(tokens, mtp.embed)
+
+    @property
+    def learned_config(self) -> "HeadConfig | None":
+        return self.learned_head.config if self.learned_head is not None else None
 
     def logits(self, hidden_normed: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden_normed, self.weights.lm_head).float()

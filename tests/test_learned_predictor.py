@@ -182,3 +182,40 @@ def test_cli_exits_2_on_a_missing_text_file(tmp_path, capsys):
                  str(tmp_path / "p.safetensors")])
     assert code == 2
     assert "is not a file" in capsys.readouterr().err
+
+
+# ---- predictor="learned" in the engine ------------------------------------------------------------------------------
+
+
+def test_the_learned_predictor_changes_no_token_and_finds_the_next_tokens_experts(trained):
+    """predictor='learned' inside the decode step: its guesses (1 and 2 tokens ahead, from the final hidden state
+    and the MTP head's output) steer prefetches and protection, never tokens, at every cache size; its recall of the
+    next token's experts beats 'previous' on the same prompts."""
+    out, _ = trained
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    with MoEPrefetchEngine.from_pretrained(REFERENCE, progress=False) as resident:
+        expected = resident.generate(prompts, max_new_tokens=12, stop_at_eos=False).sequences
+    recalls = {}
+    for slots in (8, 40):
+        with MoEPrefetchEngine.from_pretrained(REFERENCE, progress=False, expert_cache_slots=slots,
+                                               predictor_path=str(out)) as engine:
+            for predictor, lookahead in (("learned", 1), ("learned", 2), ("learned+next_layer_gate", 1),
+                                         ("previous", 1)):
+                result = engine.generate(prompts, max_new_tokens=12, stop_at_eos=False, predictor=predictor,
+                                         lookahead=lookahead)
+                assert result.sequences == expected, (slots, predictor, lookahead)
+                recalls[(slots, predictor, lookahead)] = result.stats.to_dict()["prediction_recall"]
+            assert not engine.residency.problems()
+    assert recalls[(40, "learned", 1)] > recalls[(40, "previous", 1)]
+
+
+def test_the_learned_predictor_needs_its_head(trained, checkpoint_factory):
+    out, _ = trained
+    with MoEPrefetchEngine.from_pretrained(REFERENCE, progress=False, expert_cache_slots=8) as engine:
+        with pytest.raises(RequestError, match="predictor_path"):
+            engine.generate([[5, 6]], max_new_tokens=2, predictor="learned")
+    with MoEPrefetchEngine.from_pretrained(REFERENCE, progress=False, predictor_path=str(out)) as engine:
+        with pytest.raises(RequestError, match="further than the learned head"):
+            engine.generate([[5, 6]], max_new_tokens=2, predictor="learned", lookahead=3)
+    with pytest.raises(CheckpointError, match="another checkpoint"):
+        MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False, predictor_path=str(out))
