@@ -2,7 +2,7 @@
 held-out ids next to the `previous` and `mtp_router` baselines -> experiments/results/learned_predictor_reference.json.
 
 Needs .device-data/corpus (reference/build_corpus.py). Usage: python experiments/learned_predictor_reference.py
-[--train-tokens N] [--eval-tokens N] [--steps N] [--leads K] [--no-mtp --out FILE]
+[--train-tokens N] [--eval-tokens N] [--steps N] [--leads K] [--no-mtp --out FILE] [--head FILE]
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ def main() -> None:
     parser.add_argument("--leads", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (small GEMMs: 1 is fastest here)")
     parser.add_argument("--no-mtp", action="store_true", help="the head sees the final hidden state only")
+    parser.add_argument("--head", default="/tmp/learned_predictor_reference.safetensors",
+                        help="where the trained head goes (the shipped one: moeprefetch/reference_model/"
+                             "routing_head.safetensors)")
     parser.add_argument("--out", default=str(ROOT / "experiments" / "results" / "learned_predictor_reference.json"))
     ns = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
@@ -41,7 +44,7 @@ def main() -> None:
     settings = TrainSettings(leads=ns.leads, steps=ns.steps, max_tokens=max(ns.train_tokens, ns.eval_tokens),
                              use_mtp=not ns.no_mtp)
     began = time.monotonic()
-    out = Path("/tmp") / "learned_predictor_reference.safetensors"
+    out = Path(ns.head)
     result = train_predictor(ROOT / "moeprefetch" / "reference_model", torch.from_numpy(train), out,
                              settings=settings, eval_ids=torch.from_numpy(held), resume=False, progress=False)
     print(format_table(result))

@@ -219,3 +219,18 @@ def test_the_learned_predictor_needs_its_head(trained, checkpoint_factory):
             engine.generate([[5, 6]], max_new_tokens=2, predictor="learned", lookahead=3)
     with pytest.raises(CheckpointError, match="another checkpoint"):
         MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False, predictor_path=str(out))
+
+
+def test_the_shipped_reference_head_loads_and_beats_previous():
+    """The reference model's add-on (experiments/learned_predictor_reference.py trained it): it belongs to this
+    checkpoint, reads the MTP output, and in the engine finds more of the next token's experts than 'previous'."""
+    path = REFERENCE / "routing_head.safetensors"
+    head = load_predictor(path, REFERENCE)
+    assert head.config.use_mtp and head.config.leads == 2 and head.config.layers == (1, 2, 3, 4)
+    prompts = [[40, 41, 42, 43, 44, 45, 46, 47]]
+    with MoEPrefetchEngine.from_pretrained(REFERENCE, progress=False, expert_cache_slots=40,
+                                           predictor_path=str(path)) as engine:
+        learned = engine.generate(prompts, max_new_tokens=24, stop_at_eos=False, predictor="learned")
+        previous = engine.generate(prompts, max_new_tokens=24, stop_at_eos=False, predictor="previous")
+    assert learned.sequences == previous.sequences
+    assert learned.stats.to_dict()["prediction_recall"] > previous.stats.to_dict()["prediction_recall"]
