@@ -219,19 +219,13 @@ if HAS_TRITON:
                 tl.store(w_ptr + dst_w + region_w + offs, raw, mask=mask)
             if QUANT:
                 s_offs = (offs_r[:, None] // BR) * SCOLS + offs_c[None, :] // BC
-                scale = tl.load(s_ptr + src_s + region_s + s_offs, mask=mask, other=0.0)
-                if admit:
-                    tl.store(s_ptr + dst_s + region_s + s_offs, scale, mask=mask)
                 if INT4:
                     code = ((raw.to(tl.int32) >> ((offs_c[None, :] & 1) * 4)) & 15).to(tl.float32)
-                    if ZERO:
-                        zero = tl.load(s_ptr + src_s + region_z + s_offs, mask=mask, other=0.0)
-                        if admit:
-                            tl.store(s_ptr + dst_s + region_z + s_offs, zero, mask=mask)
-                    else:
-                        zero = 8.0  # quant.INT4_SYMMETRIC_ZERO
+                    scale, zero = _load_group_metadata(s_ptr, src_s, dst_s, admit, region_s, region_z, s_offs,
+                                                       mask, ZERO)
                     tile = ((code - zero) * scale).to(OUT_DTYPE)
                 else:
+                    scale = _load_metadata(s_ptr, src_s, dst_s, admit, region_s, s_offs, mask)
                     tile = (raw.to(tl.float32) * scale).to(OUT_DTYPE)
             else:
                 tile = raw.to(OUT_DTYPE)
@@ -251,19 +245,29 @@ if HAS_TRITON:
         if admit:
             tl.store(w_ptr + dst_w + region_w + offs, raw, mask=mask)
         s_offs = offs_r[:, None] * SCOLS + (2 * cb[None, :]) // BC  # a group is even: both inputs share it
-        scale = tl.load(s_ptr + src_s + region_s + s_offs, mask=mask, other=0.0)
-        if admit:
-            tl.store(s_ptr + dst_s + region_s + s_offs, scale, mask=mask)
-        if ZERO:
-            zero = tl.load(s_ptr + src_s + region_z + s_offs, mask=mask, other=0.0)
-            if admit:
-                tl.store(s_ptr + dst_s + region_z + s_offs, zero, mask=mask)
-        else:
-            zero = 8.0  # quant.INT4_SYMMETRIC_ZERO
+        scale, zero = _load_group_metadata(s_ptr, src_s, dst_s, admit, region_s, region_z, s_offs, mask, ZERO)
         byte = raw.to(tl.int32)
         low = (((byte & 15).to(tl.float32) - zero) * scale).to(OUT_DTYPE)
         high = (((byte >> 4).to(tl.float32) - zero) * scale).to(OUT_DTYPE)
         return tl.reshape(tl.join(low, high), (low.shape[0], BK))
+
+    @triton.jit
+    def _load_metadata(s_ptr, src_s, dst_s, admit, region, s_offs, mask):
+        """One fp32 metadata tile (scales or zero points) of the source record, copied into the admission slot."""
+        values = tl.load(s_ptr + src_s + region + s_offs, mask=mask, other=0.0)
+        if admit:
+            tl.store(s_ptr + dst_s + region + s_offs, values, mask=mask)
+        return values
+
+    @triton.jit
+    def _load_group_metadata(s_ptr, src_s, dst_s, admit, region_s, region_z, s_offs, mask, ZERO: tl.constexpr):
+        """A 4-bit tile's scales and zero points (8 for symmetric groups: quant.INT4_SYMMETRIC_ZERO)."""
+        scale = _load_metadata(s_ptr, src_s, dst_s, admit, region_s, s_offs, mask)
+        if ZERO:
+            zero = _load_metadata(s_ptr, src_s, dst_s, admit, region_z, s_offs, mask)
+        else:
+            zero = 8.0
+        return scale, zero
 
     @triton.jit
     def _record_bases(u, u_key_ptr, u_slot_ptr, u_dst_ptr, delta_ptr, REC_W: tl.constexpr, REC_S: tl.constexpr):
