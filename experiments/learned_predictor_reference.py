@@ -1,8 +1,10 @@
-"""Learned routing predictor on the shipped reference model (CPU): train on the corpus' training ids, evaluate on its
-held-out ids next to the `previous` and `mtp_router` baselines -> experiments/results/learned_predictor_reference.json.
+"""Learned routing predictor on a checkpoint trained on the project's corpus (the shipped reference model by default,
+on the CPU; the deep benchmark model on the H200): train on the corpus' training ids, evaluate on its held-out ids
+next to the `previous` and `mtp_router` baselines -> experiments/results/learned_predictor_reference.json.
 
 Needs .device-data/corpus (reference/build_corpus.py). Usage: python experiments/learned_predictor_reference.py
-[--train-tokens N] [--eval-tokens N] [--steps N] [--leads K] [--no-mtp --out FILE] [--head FILE]
+[--checkpoint DIR --device cuda] [--train-tokens N] [--eval-tokens N] [--steps N] [--leads K] [--no-mtp --out FILE]
+[--head FILE]
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--corpus", default=str(ROOT / ".device-data" / "corpus"))
+    parser.add_argument("--checkpoint", default=str(ROOT / "moeprefetch" / "reference_model"),
+                        help="the checkpoint whose routing is learned (default: the shipped reference model)")
+    parser.add_argument("--device", default="cpu", help="where the checkpoint runs while its routing is recorded")
     parser.add_argument("--train-tokens", type=int, default=600_000)
     parser.add_argument("--eval-tokens", type=int, default=160_000)
     parser.add_argument("--steps", type=int, default=3000)
@@ -45,12 +50,12 @@ def main() -> None:
                              use_mtp=not ns.no_mtp)
     began = time.monotonic()
     out = Path(ns.head)
-    result = train_predictor(ROOT / "moeprefetch" / "reference_model", torch.from_numpy(train), out,
-                             settings=settings, eval_ids=torch.from_numpy(held), resume=False, progress=False)
+    result = train_predictor(ns.checkpoint, torch.from_numpy(train), out, settings=settings, device=ns.device,
+                             eval_ids=torch.from_numpy(held), resume=False, progress=False)
     print(format_table(result))
     result.update({"seconds": round(time.monotonic() - began, 1), "train_tokens": int(train.size),
                    "eval_tokens_given": int(held.size), "settings": vars(settings) if hasattr(settings, "__dict__")
-                   else str(settings), "device": "cpu", "threads": ns.threads, "cpu": platform.processor(),
+                   else str(settings), "checkpoint": ns.checkpoint, "device": ns.device, "threads": ns.threads, "cpu": platform.processor(),
                    "torch": torch.__version__, "train_source": "train_ids.npy head",
                    "eval_source": "heldout_ids.npy head", "head_inputs": "final hidden" if ns.no_mtp else
                    "final hidden + MTP output",

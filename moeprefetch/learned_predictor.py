@@ -59,7 +59,7 @@ class HeadConfig:
         return HeadConfig(**data)
 
 
-def fitting_rank(in_features: int, outputs: int, budget_bytes: int, bytes_per_param: int = 4) -> int:
+def fitting_rank(in_features: int, outputs: int, budget_bytes: int, bytes_per_param: int = 2) -> int:
     """The largest power-of-two rank <= MAX_RANK whose head fits `budget_bytes` (at least 8: a head that small is
     still far below any checkpoint's non-expert bytes)."""
     rank = MAX_RANK
@@ -197,7 +197,9 @@ def save_predictor(head: RoutingHead, path: str | Path, extra: dict[str, Any] | 
     metadata = {"config": head.config.to_json()}
     if extra:
         metadata["training"] = json.dumps(extra)
-    save_file({k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}, str(path), metadata)
+    # bf16 as stored and as the engine holds it on the GPU: the byte share (`fitting_rank`) counts 2 bytes a parameter
+    save_file({k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in head.state_dict().items()}, str(path),
+              metadata)
 
 
 def load_predictor(path: str | Path, engine_or_checkpoint: "MoEPrefetchEngine | str | Path") -> RoutingHead:

@@ -660,6 +660,8 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
                   max_seq_len=args.max_seq_len, max_batch_size=1, progress=False, **format_settings(args))
     if name == "v2lite_trace":  # every engine, all-resident too, routes decode steps from the trace
         common["routing_trace"] = str(routing_trace_for(args, config))
+    if head := learned_head_for(name, path, args):
+        common["predictor_path"] = str(head)
     dtype_tag = "" if args.expert_dtype == "model" else f"@{args.expert_dtype}"
     base = {"workload": name + dtype_tag + (f"#{args.variant}" if args.variant else ""), "batch": 1,
             **format_settings(args),
@@ -690,6 +692,12 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
             if args.profile:
                 emit({**base, "system": "all_resident_mtp_timeline",
                       **timeline(engine, prompts[0], args.new_tokens, "mtp")})
+        if engine.runner.learned_head is not None and (not args.systems or
+                                                       "all_resident_learned" in args.systems.split(",")):
+            # the learned head's own cost (and link 1 of the MTP head, when the head reads it) at no link bytes
+            head = run_row(engine, "all_resident_learned", prompts, args.new_tokens, predictor="learned",
+                           runs=args.runs)
+            emit({**base, **head, "vram_budget_gib": None, "cache_fraction": 1.0})
         if args.profile:
             emit({**base, "system": "all_resident_timeline", **timeline(engine, prompts[0], args.new_tokens, "none")})
         engine.close()
@@ -753,6 +761,11 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
                     ("speculative_mtp+next_layer_gate", "next_layer_gate", "mtp", None, 0.0)]
         # MTP drafts chained 2 and 3 tokens ahead (issue 21)
         systems += [(f"{name}_la{k}", name, None, k, 0.0) for name in ("mtp", "mtp+next_layer_gate") for k in (2, 3)]
+    if engine.runner.learned_head is not None:  # a trained routing head (issue 38): 1..its leads tokens ahead
+        leads = engine.runner.learned_head.config.leads
+        systems += [("learned", "learned", None, 1, 0.0), ("learned+next_layer_gate", "learned+next_layer_gate",
+                                                            None, 1, 0.0)]
+        systems += [(f"learned_la{k}", "learned", None, k, 0.0) for k in range(2, leads + 1)]
     # every row's fill settings: the run's (--fill-confidence, --fill-link) unless the row's name says (~fill, ~idle)
     systems = [(*s, args.fill_confidence, args.fill_link) for s in systems]
     if args.systems:
@@ -1220,6 +1233,30 @@ def routing_trace_for(args: argparse.Namespace, config: dict[str, Any]) -> Path:
     return out
 
 
+def learned_head_for(name: str, path: Path, args: argparse.Namespace) -> Path | None:
+    """The routing head of a workload's engines (issue 38), or None: --predictor-path, else the trained models' own
+    (the shipped reference head; `routing_head.safetensors` beside the deep model). A head trained on the unpadded
+    model is keyed to the padded copy the bench runs: padding changes the config's expert width but no router and no
+    computed value (`write_padded_reference`), so the head predicts the same routing."""
+    from moeprefetch.learned_predictor import load_predictor, save_predictor
+    from moeprefetch.routing_record import checkpoint_fingerprint
+
+    sources = {"ref17": ROOT / "moeprefetch/reference_model", "deep": args.deep_checkpoint}
+    if args.predictor_path is not None:
+        head_path = args.predictor_path
+    elif name in sources and (sources[name] / "routing_head.safetensors").is_file():
+        head_path = sources[name] / "routing_head.safetensors"
+    else:
+        return None
+    if name not in sources:
+        return head_path
+    head = load_predictor(head_path, sources[name])  # refused unless it was trained on the source's routers
+    head.config = dataclasses.replace(head.config, fingerprint=checkpoint_fingerprint(path))
+    out = path / "routing_head.safetensors"
+    save_predictor(head, out, {"keyed_from": str(head_path), "source": str(sources[name])})
+    return out
+
+
 def modified_row(name: str, known: dict[str, tuple]) -> tuple:
     """A row named '<row>~fillC~idle' (any of the modifiers, any order): the known row <row> with fill_confidence C
     and/or fill_link='idle'."""
@@ -1330,6 +1367,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="engine option fill_link (rows named ~idle override it)")
     parser.add_argument("--deep-checkpoint", type=Path, default=ROOT / ".device-data/deep",
                         help="deep: the deep reference model (reference/train_reference.py --preset deep)")
+    parser.add_argument("--predictor-path", type=Path, default=None,
+                        help="a routing head for the 'learned' rows (default: ref17's shipped head, the deep model's "
+                             "routing_head.safetensors when present)")
     parser.add_argument("--routing-trace", type=Path,
                         default=ROOT / ".device-data/traces/nvmoe-dsv2lite-a.tokens.jsonl",
                         help="v2lite_trace: the routing trace every decode step follows (../shared/traces)")

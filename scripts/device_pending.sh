@@ -12,7 +12,8 @@
 # GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU,
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
 # Usage: STAGE=qwen3|serve|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
-#   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace|int4_tests|int4_bench [LIMIT=seconds] \
+#   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace|int4_tests|int4_bench|learned_deep \
+#   [LIMIT=seconds] \
 #   bash scripts/device_pending.sh OUT_DIR [bench options]
 # Triton's compile cache travels between calls of a session (a cold cache cost the tests stage its whole 450 s
 # this session): a call restores .devcache/triton_cache.tgz.part* when present (copy the parts that the last call
@@ -118,6 +119,19 @@ case "${STAGE:-tests}" in
     timeout 60 python3 reference/evaluate_reference.py --checkpoint .device-data/deep --corpus .device-data/corpus_min \
       --device cuda --max-tokens 100000 2>&1 | tail -3
     cp .device-data/deep/eval.json "$out/deep_eval.json" 2>/dev/null ;;
+  learned_deep)
+    # issue 38 on the deep model: train it (150 s) when .device-data/deep holds none, record its routing over 600k
+    # training tokens on the GPU and train its routing head (HEAD_LEADS tokens ahead) next to it, evaluated on 160k
+    # held-out tokens; the learned predictor's GPU tests; the model and head come back in 15 MB parts
+    nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current --format=csv,noheader
+    [ -f .device-data/deep/model.safetensors.index.json ] || train_deep
+    timeout 240 python3 experiments/learned_predictor_reference.py --checkpoint .device-data/deep --device cuda \
+      --corpus .device-data/corpus_min --leads "${HEAD_LEADS:-2}" --steps "${HEAD_STEPS:-3000}" --threads 8 \
+      --head .device-data/deep/routing_head.safetensors --out "$out/learned_predictor_deep.json" 2>&1 | \
+      grep -v -E "Warning:|warnings.warn" | tail -14
+    tar -C .device-data -cf - deep | split -b 15M - "$out/deep.tar.part-"
+    timeout 150 python3 -m pytest tests/test_learned_predictor.py -q -p no:cacheprovider --tb=short \
+      -k "changes_no_token or shipped" 2>&1 | grep -v -E "Warning:|warnings.warn" | tail -5 ;;
   deep_bench)
     # issue 36's rows on the deep model, experts padded to 17.3 MB, at --cache-fraction (bench options follow); the
     # model is trained first when .device-data/deep holds none (carry .device-data/corpus_min then)

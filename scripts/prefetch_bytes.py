@@ -61,14 +61,14 @@ def model_and_prompts(name: str, count: int, workdir: Path) -> tuple[Path, list[
 
 
 def measure(engine: MoEPrefetchEngine, prompts: list[list[int]], new_tokens: int, predictor: str,
-            min_confidence: float = 0.0) -> dict[str, Any]:
+            min_confidence: float = 0.0, lookahead: int | None = None) -> dict[str, Any]:
     """Experts moved (fills and zero-copy reads) and misses per decode token, over every prompt."""
     moved = misses = wasted = issued = 0.0
     tokens = 0
     for prompt in prompts:
         engine.reset_expert_cache(forget_routing=True)  # LFU and LRFU learn each prompt's routing from scratch
         stats = engine.generate([prompt], max_new_tokens=new_tokens, predictor=predictor, stop_at_eos=False,
-                                min_confidence=min_confidence).stats.to_dict()
+                                min_confidence=min_confidence, lookahead=lookahead).stats.to_dict()
         steps = stats["decode_steps"]
         moved += stats["decode_bytes_h2d_per_token"] / stats["expert_bytes"] * steps
         misses += stats["decode_misses_per_token"] * steps
@@ -101,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma list; NAME@CUT for a confidence cut (min_confidence)")
     parser.add_argument("--policies", default="lrfu", help="cache policies (comma list of lru, lrfu, lfu; "
                         "lrfu:H for a half-life of H steps)")
+    parser.add_argument("--predictor-path", default=None, help="a trained routing head, for the 'learned' rows")
+    parser.add_argument("--fill-confidence", type=float, default=EngineConfig.fill_confidence,
+                        help="engine option fill_confidence: weaker predictions only protect")
+    parser.add_argument("--lookahead", type=int, default=None, help="tokens (or layers) ahead the predictions reach")
     parser.add_argument("--out", type=Path, default=None, help="append the rows to this JSON file")
     args = parser.parse_args(argv)
     unknown = [s for s in args.policies.split(",") if s.partition(":")[0] not in POLICIES]
@@ -109,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with tempfile.TemporaryDirectory() as tmp:
         path, prompts = model_and_prompts(args.model, args.prompts, Path(tmp))
-        engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=args.slots)
+        engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=args.slots,
+                                                   predictor_path=args.predictor_path,
+                                                   fill_confidence=args.fill_confidence)
         traces = [record_routing(engine, prompt, args.new_tokens) for prompt in prompts]
         tokens = sum(trace.decode_tokens for trace in traces)
         belady = sum(belady_misses(t.uses, engine.residency.n_slots, t.first_decode) for t in traces) / tokens
@@ -122,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
             engine.options = dataclasses.replace(engine.options, prefetch_lead=lead, policy=policy,
                                                  lrfu_halflife=halflife)
             row = {**base, "policy": policy, "lrfu_halflife": halflife, "system": system, "prefetch_lead": lead,
-                   **measure(engine, prompts, args.new_tokens, predictor, float(cut or 0.0))}
+                   "fill_confidence": args.fill_confidence, "lookahead": args.lookahead,
+                   **measure(engine, prompts, args.new_tokens, predictor, float(cut or 0.0),
+                              None if predictor in ("none", "oracle_next") else args.lookahead)}
             rows.append(row)
             logger.info("%s (%s, half-life %g) lead %d: %.2f experts/token, %.2f misses/token", system, policy,
                         halflife, lead, row["experts_per_token"], row["misses_per_token"])

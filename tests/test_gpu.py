@@ -5,6 +5,7 @@ half-written slot; closing an engine gives its memory back."""
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -417,3 +418,29 @@ def test_a_request_in_a_continuous_batch_gets_its_tokens_whoever_joins(checkpoin
         assert together == alone, (slots, predictor)
         assert not engine.residency.problems()
         engine.close()
+
+
+def test_the_learned_predictor_keeps_the_tokens_in_graphs():
+    """predictor='learned' (the shipped reference head, 1 and 2 tokens ahead, alone and with the gate) captured in
+    the step graphs: the all-resident tokens at every cache size, one synchronisation per token, and recall above
+    'previous'."""
+    reference = Path(__file__).resolve().parents[1] / "moeprefetch" / "reference_model"
+    head = reference / "routing_head.safetensors"
+    prompts = [[40, 41, 42, 43, 44, 45, 46, 47]]
+    with MoEPrefetchEngine.from_pretrained(reference, device="cuda", dtype=torch.bfloat16) as resident:
+        expected = resident.generate(prompts, max_new_tokens=24, stop_at_eos=False).sequences
+    for slots in (8, 40, 120):
+        with MoEPrefetchEngine.from_pretrained(reference, device="cuda", dtype=torch.bfloat16,
+                                               expert_cache_slots=slots, predictor_path=str(head)) as engine:
+            recall = {}
+            for predictor, lookahead in (("learned", 1), ("learned", 2), ("learned+next_layer_gate", 1),
+                                         ("previous", 1)):
+                result = engine.generate(prompts, max_new_tokens=24, stop_at_eos=False, predictor=predictor,
+                                         lookahead=lookahead)
+                assert result.sequences == expected, (slots, predictor, lookahead)
+                stats = result.stats.to_dict()
+                assert stats["syncs_per_token"] <= 1.0
+                recall[(predictor, lookahead)] = stats["prediction_recall"]
+                assert not engine.residency.problems()
+            assert all(step.captured for step in engine._steps.values())
+            assert recall[("learned", 1)] > recall[("previous", 1)]
