@@ -104,6 +104,10 @@ class DecodeStep:
         self.rows = torch.arange(b, device=dev)
         self.buffers = PlanBuffers(self.res.max_rows, self.res.max_experts, self.args.num_experts_per_tok, h, dev,
                                    step_rows=2 * b)
+        head = runner.learned_head  # its layers' keys in the table, for the reuse map (made before any capture)
+        self._learned_keys = None if head is None else torch.tensor(
+            [self.res.position[layer] * self.res.cfg.n_experts + e for layer in head.config.layers
+             for e in range(head.config.n_experts)], dtype=torch.int64, device=dev)
         self.ring = PredictionRing(self.res.st.pred, self.res.st.decode_step, shape.spec.ring,
                                    self.res.leads if shape.spec.max_lead else None, self.res.cfg.min_confidence,
                                    self.res.local_ids if self.res.local_of is not None else None)
@@ -306,11 +310,14 @@ class DecodeStep:
         trained with it): its guesses for every main MoE layer 1..lookahead steps ahead, confidence its sigmoid."""
         head = self.runner.learned_head
         assert head is not None
-        ids, conf = head.predict(hidden, mtp_out[:, 0] if head.config.use_mtp and mtp_out is not None else None)
+        ids, conf, soon = head.predict(hidden, mtp_out[:, 0] if head.config.use_mtp and mtp_out is not None else None)
         live = self.active.float()[:, None]
         for lead in range(1, self.shape.spec.lookahead + 1):
             for p, layer in enumerate(head.config.layers):
                 self.ring.write(lead, self.res.position[layer], ids[:, lead - 1, p], conf[:, lead - 1, p] * live)
+        if self.res.local_of is None:  # the next step's victims by predicted reuse (one rank's keys are its own)
+            soon = (soon * live[:, :, None]).amax(0)  # [L, E]: an expert any live row may need
+            self.res.st.reuse.index_copy_(0, self._learned_keys, soon.reshape(-1))
 
     def _mtp_link(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                   chained: bool) -> torch.Tensor:

@@ -91,12 +91,14 @@ class RoutingHead(torch.nn.Module):
         return logits.view(-1, c.leads, len(c.layers), c.n_experts)
 
     def predict(self, hidden: torch.Tensor, mtp_hidden: torch.Tensor | None = None, k: int | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(top-k expert ids [B, leads, L, k], their sigmoid probabilities [B, leads, L, k] in (0, 1])."""
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(top-k expert ids [B, leads, L, k], their sigmoid probabilities [B, leads, L, k] in (0, 1], and every
+        expert's probability of being needed by one of the next two tokens [B, L, E])."""
         logits = self.forward(hidden, mtp_hidden)
         top = logits.topk(k or self.config.top_k, dim=-1)
+        soon = 1 - (1 - torch.sigmoid(logits[:, :2].float())).prod(1)
         # clamp: a very negative logit's sigmoid underflows to 0, which the prediction ring reads as "no guess"
-        return top.indices, torch.sigmoid(top.values).clamp(min=1e-6)
+        return top.indices, torch.sigmoid(top.values).clamp(min=1e-6), soon
 
 
 # ---- samples ------------------------------------------------------------------------------------------------------

@@ -57,6 +57,9 @@ class EngineConfig:
     fill_link: str = _opt("shared", "shared: prefetch fills and a layer's reads of missed experts share the link; "
                                     "idle: fills for later layers wait while a layer reads experts from host, so "
                                     "they use only link time that would idle")
+    reuse_weight: float = _opt(0.9, "predictor='learned': victims by w x the head's probability that the expert is "
+                                     "needed by the next two tokens + (1 - w) x the policy's rank (0: the policy "
+                                     "alone)")
     spare_recent: int = _opt(1, "prefetches never evict an expert used in the last N steps (0: any victim; lrfu, "
                                 "lru and static policies; the oracle uses Belady's victims)")
     prefetch_lead: int = _opt(0, "a prefetch is reserved at most this many MoE layers before its need (0: no limit, as "
@@ -164,6 +167,7 @@ class EngineConfig:
                 check_positive_int(name, getattr(self, name))
         check_fraction("min_confidence", self.min_confidence, upper_open=False)
         check_fraction("fill_confidence", self.fill_confidence, upper_open=False)
+        check_fraction("reuse_weight", self.reuse_weight, upper_open=False)
         budget = self.prefetch_budget
         if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not math.isfinite(budget) or budget < 0:
             raise RequestError(f"prefetch_budget must be a number >= 0 (a multiple of top-k), got {budget!r}")

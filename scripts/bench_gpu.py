@@ -477,6 +477,7 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
         "min_confidence": min_confidence,
         "fill_confidence": engine.options.fill_confidence,
         "fill_link": engine.options.fill_link,
+        "reuse_weight": engine.options.reuse_weight,
         "routing_trace": engine.options.routing_trace,
         "speculative": speculative,
         "expert_dtype": engine.options.expert_dtype,
@@ -766,8 +767,9 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         systems += [("learned", "learned", None, 1, 0.0), ("learned+next_layer_gate", "learned+next_layer_gate",
                                                             None, 1, 0.0)]
         systems += [(f"learned_la{k}", "learned", None, k, 0.0) for k in range(2, leads + 1)]
-    # every row's fill settings: the run's (--fill-confidence, --fill-link) unless the row's name says (~fill, ~idle)
-    systems = [(*s, args.fill_confidence, args.fill_link) for s in systems]
+    # every row's fill and victim settings: the run's (--fill-confidence, --fill-link, the engine's reuse_weight)
+    # unless the row's name says (~fill, ~idle, ~reuse)
+    systems = [(*s, args.fill_confidence, args.fill_link, engine.options.reuse_weight) for s in systems]
     if args.systems:
         known = {s[0]: s for s in systems}
         # rows this model cannot run (MTP rows without an MTP layer, say) are left out, as in the default list
@@ -781,9 +783,12 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         [(f"{s[0]}~lead{lead}", *s[1:], lead, args.policy) for lead in leads for s in systems if s[1] != "none"] + \
         [(f"{s[0]}~{policy}", *s[1:], args.prefetch_lead, policy) for policy in policies for s in systems
          if s[1] != "oracle"]  # the oracle's victims are Belady's whatever the policy
-    for system, predictor, speculative, lookahead, min_confidence, fill_confidence, fill_link, lead, policy in planned:
+    reuse_default = engine.options.reuse_weight
+    for (system, predictor, speculative, lookahead, min_confidence, fill_confidence, fill_link, reuse_weight, lead,
+         policy) in planned:
         engine.options = dataclasses.replace(engine.options, prefetch_lead=lead, policy=policy,
-                                             fill_confidence=fill_confidence, fill_link=fill_link)
+                                             fill_confidence=fill_confidence, fill_link=fill_link,
+                                             reuse_weight=reuse_weight)
         try:
             row = run_row(engine, system, prompts, args.new_tokens, predictor=predictor, speculative=speculative,
                           runs=args.runs, lookahead=lookahead, min_confidence=min_confidence)
@@ -795,7 +800,8 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
             emit({**base, "system": system, "failed": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc(limit=4)})
     engine.options = dataclasses.replace(engine.options, prefetch_lead=args.prefetch_lead, policy=args.policy,
-                                         fill_confidence=args.fill_confidence, fill_link=args.fill_link)
+                                         fill_confidence=args.fill_confidence, fill_link=args.fill_link,
+                                         reuse_weight=reuse_default)
     if args.profile:
         default = ("none", "oracle", "mtp+next_layer_gate" if engine.has_mtp else "next_layer_gate")
         for predictor in args.profile_predictors.split(",") if args.profile_predictors else default:
@@ -1258,18 +1264,20 @@ def learned_head_for(name: str, path: Path, args: argparse.Namespace) -> Path | 
 
 
 def modified_row(name: str, known: dict[str, tuple]) -> tuple:
-    """A row named '<row>~fillC~idle' (any of the modifiers, any order): the known row <row> with fill_confidence C
-    and/or fill_link='idle'."""
+    """A row named '<row>~fillC~idle~reuseW' (any of the modifiers, any order): the known row <row> with
+    fill_confidence C, fill_link='idle' and/or reuse_weight W."""
     base, *mods = name.split("~")
-    system, predictor, speculative, lookahead, cut, fill_confidence, fill_link = known[base]
+    system, predictor, speculative, lookahead, cut, fill_confidence, fill_link, reuse_weight = known[base]
     for mod in mods:
         if mod == "idle":
             fill_link = "idle"
         elif mod.startswith("fill"):
             fill_confidence = float(mod[4:])
+        elif mod.startswith("reuse"):
+            reuse_weight = float(mod[5:])
         else:
-            raise SystemExit(f"--systems: unknown modifier {mod!r} in {name!r} (fillC or idle)")
-    return (name, predictor, speculative, lookahead, cut, fill_confidence, fill_link)
+            raise SystemExit(f"--systems: unknown modifier {mod!r} in {name!r} (fillC, idle or reuseW)")
+    return (name, predictor, speculative, lookahead, cut, fill_confidence, fill_link, reuse_weight)
 
 
 def load_offloaded(path: Path, options: dict[str, Any], cache_fraction: float,

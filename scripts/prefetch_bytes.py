@@ -102,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", default="lrfu", help="cache policies (comma list of lru, lrfu, lfu; "
                         "lrfu:H for a half-life of H steps)")
     parser.add_argument("--predictor-path", default=None, help="a trained routing head, for the 'learned' rows")
+    parser.add_argument("--reuse-weight", type=float, default=EngineConfig.reuse_weight,
+                        help="engine option reuse_weight (learned rows: victims by predicted reuse)")
+    parser.add_argument("--heldout-ids", type=Path, default=None,
+                        help="prompts from this token-id file (.npy, e.g. the corpus' heldout_ids.npy), 64 each")
     parser.add_argument("--fill-confidence", type=float, default=EngineConfig.fill_confidence,
                         help="engine option fill_confidence: weaker predictions only protect")
     parser.add_argument("--lookahead", type=int, default=None, help="tokens (or layers) ahead the predictions reach")
@@ -113,9 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with tempfile.TemporaryDirectory() as tmp:
         path, prompts = model_and_prompts(args.model, args.prompts, Path(tmp))
+        if args.heldout_ids is not None:  # a trained checkpoint's own held-out text, 64 tokens a prompt
+            import numpy as np
+
+            held = np.load(args.heldout_ids).astype(np.int64).tolist()
+            prompts = [held[i * 1000:i * 1000 + 64] for i in range(args.prompts)]
         engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=args.slots,
                                                    predictor_path=args.predictor_path,
-                                                   fill_confidence=args.fill_confidence)
+                                                   fill_confidence=args.fill_confidence,
+                                                   reuse_weight=args.reuse_weight)
         traces = [record_routing(engine, prompt, args.new_tokens) for prompt in prompts]
         tokens = sum(trace.decode_tokens for trace in traces)
         belady = sum(belady_misses(t.uses, engine.residency.n_slots, t.first_decode) for t in traces) / tokens
@@ -129,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  lrfu_halflife=halflife)
             row = {**base, "policy": policy, "lrfu_halflife": halflife, "system": system, "prefetch_lead": lead,
                    "fill_confidence": args.fill_confidence, "lookahead": args.lookahead,
+                   "reuse_weight": args.reuse_weight,
                    **measure(engine, prompts, args.new_tokens, predictor, float(cut or 0.0),
                               None if predictor in ("none", "oracle_next") else args.lookahead)}
             rows.append(row)

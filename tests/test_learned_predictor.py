@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from moeprefetch import MoEPrefetchEngine
 from moeprefetch.cli import main
@@ -109,13 +110,18 @@ def test_save_load_round_trip_and_predict(trained):
     head = load_predictor(out, REFERENCE)
     assert head.config.leads == 2 and head.config.layers == (1, 2, 3, 4) and head.config.use_mtp
     hidden, mtp = torch.randn(3, 256), torch.randn(3, 256)
-    ids, conf = head.predict(hidden, mtp)
+    ids, conf, soon = head.predict(hidden, mtp)
     assert ids.shape == conf.shape == (3, 2, 4, 4)
     assert bool(((conf > 0) & (conf <= 1)).all())
+    # every expert's chance of being needed by one of the next two tokens, from the two leads' own probabilities
+    p = torch.sigmoid(head(hidden, mtp).double())
+    assert soon.shape == (3, 4, 32)
+    assert torch.allclose(soon.double(), p[:, 0] + p[:, 1] - p[:, 0] * p[:, 1], atol=1e-6)
     again = load_predictor(out, REFERENCE)
     assert torch.equal(again(hidden, mtp), head(hidden, mtp))
-    # the head's bytes stay within 5 % of the checkpoint's non-expert bytes
-    assert sum(p.numel() for p in head.parameters()) * 4 <= 0.05 * 8.4e6 * 2
+    # the head's bytes (bf16, as stored and held on the GPU) stay within 5 % of the checkpoint's non-expert bytes
+    assert {t.dtype for t in load_file(str(out)).values()} == {torch.bfloat16}
+    assert sum(p.numel() for p in head.parameters()) * 2 <= 0.05 * 8.4e6 * 2
 
 
 def test_a_predictor_of_another_checkpoint_is_refused(trained, checkpoint_factory, tmp_path):

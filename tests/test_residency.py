@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -349,6 +351,32 @@ def test_a_known_future_makes_the_victims_beladys():
     order = [held[s] for s in victim_order(t.st, t.cfg, future).tolist()]
     assert order[:2] == [4, 0] or order[:3] == [5, 4, 0]  # never-needed first, then the farthest need
     assert order.index(1) > order.index(0)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lrfu", "lfu"])
+def test_predicted_reuse_reorders_the_victims_and_no_prediction_keeps_the_policys(policy):
+    """reuse_weight w: victims by w x P(needed soon) + (1 - w) x the policy's rank, lowest first, checked against the
+    formula on random tables; with no predictions (reuse 0) the order is exactly the policy's."""
+    from moeprefetch.residency.plan import victim_order
+
+    g = torch.Generator().manual_seed(7)
+    for trial in range(20):
+        t = Table(slots=6, positions=3, experts=8, policy=policy)
+        for _ in range(4):  # a few steps of random uses fill the slots and the routing history
+            t.start()
+            for p in range(2):
+                t.plan(p, [torch.randperm(8, generator=g)[:2].tolist()])
+        t.start()
+        plain = victim_order(t.st, t.cfg).tolist()
+        weighted = dataclasses.replace(t.cfg, reuse_weight=0.7)
+        assert victim_order(t.st, weighted).tolist() == plain  # no predictions yet
+        t.st.reuse.copy_(torch.rand(t.cfg.keys, generator=g))
+        order = victim_order(t.st, weighted).tolist()
+        held = t.st.key_of.tolist()
+        rank = {slot: i for i, slot in enumerate(plain)}
+        score = {s: 0.7 * float(t.st.reuse[held[s]]) + 0.3 * rank[s] / 5 for s in range(6)}
+        expected = sorted(range(6), key=lambda s: (score[s], rank[s]))
+        assert order == expected, trial
 
 
 def test_prefill_staging_rows_fit_their_share_of_the_room():

@@ -448,10 +448,30 @@ def victim_order(st: TableState, cfg: ResidencyConfig, next_use: torch.Tensor | 
         order_key = (st.frequency[held] * 1024).long().clamp(max=(1 << 19) - 1) * (1 << 40) + last
     else:
         order_key = last
+    if next_use is None and cfg.reuse_weight > 0:
+        order_key = _blend_reuse(order_key, st.reuse[held], cfg.reuse_weight)
     order_key = torch.where(st.slot_state == FREE, torch.full_like(order_key, -FAR), order_key)
     blocked = (st.slot_state == FILLING) | ((st.key_of >= 0) & (st.pinned[held] > 0))
     order_key = torch.where(blocked, torch.full_like(order_key, FAR), order_key)
     return torch.sort(order_key, stable=True).indices.to(torch.int32)
+
+
+REUSE_LEVELS = 1 << 20  # the blended key's resolution (integer keys keep the sort exact on every device)
+
+
+def _blend_reuse(policy_key: torch.Tensor, reuse: torch.Tensor, weight: float) -> torch.Tensor:
+    """Victim keys from a predictor's reuse probabilities and the policy's order: w x P(needed soon) + (1 - w) x the
+    slot's rank in the policy's order (scaled to [0, 1]), lowest first. Ranks, not the policy's raw keys, so that one
+    weight means the same under LRU, LFU and LRFU. Without predictions (reuse 0 everywhere) the policy's order is
+    kept exactly. On the deep model's held-out text at 518 slots (experiments/learned_victims.py) w = 0.9 cut LRFU's
+    misses by 12.5 %, as far as protecting what the next token needs does."""
+    slots = policy_key.numel()
+    rank = torch.empty_like(policy_key)
+    rank[torch.sort(policy_key, stable=True).indices] = torch.arange(slots, device=policy_key.device,
+                                                                     dtype=policy_key.dtype)
+    score = weight * reuse.clamp(0, 1) + (1 - weight) * rank.float() / max(slots - 1, 1)
+    # ties (equal scores) keep the policy's order
+    return (score * REUSE_LEVELS).long() * slots + rank
 
 
 def step_end(st: TableState, cfg: ResidencyConfig) -> None:
@@ -487,4 +507,5 @@ def finish_call(st: TableState, cfg: ResidencyConfig) -> None:
     t.fills_for = [[0] * cfg.positions for _ in t.fills_for]
     t.write_back()
     st.pred.zero_()
+    st.reuse.zero_()
     st.order.fill_(-1)
