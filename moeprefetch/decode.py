@@ -104,7 +104,9 @@ class DecodeStep:
         self.rows = torch.arange(b, device=dev)
         self.buffers = PlanBuffers(self.res.max_rows, self.res.max_experts, self.args.num_experts_per_tok, h, dev,
                                    step_rows=2 * b)
-        head = runner.learned_head  # its layers' keys in the table, for the reuse map (made before any capture)
+        head = runner.learned_head  # its layers' positions and keys in the table (made before any capture)
+        self._learned_positions = None if head is None else torch.tensor(
+            [[self.res.position[layer]] for layer in head.config.layers], dtype=torch.int64, device=dev)
         self._learned_keys = None if head is None else torch.tensor(
             [self.res.position[layer] * self.res.cfg.n_experts + e for layer in head.config.layers
              for e in range(head.config.n_experts)], dtype=torch.int64, device=dev)
@@ -313,6 +315,9 @@ class DecodeStep:
         ids, conf, soon = head.predict(hidden, mtp_out[:, 0] if head.config.use_mtp and mtp_out is not None else None)
         live = self.active.float()[:, None]
         for lead in range(1, self.shape.spec.lookahead + 1):
+            if self.ring.local_ids is None:  # every layer in one write: 2 launches instead of 2 per layer
+                self.ring.write(lead, self._learned_positions, ids[:, lead - 1], conf[:, lead - 1] * live[:, :, None])
+                continue
             for p, layer in enumerate(head.config.layers):
                 self.ring.write(lead, self.res.position[layer], ids[:, lead - 1, p], conf[:, lead - 1, p] * live)
         if self.res.local_of is None:  # the next step's victims by predicted reuse (one rank's keys are its own)

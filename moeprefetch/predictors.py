@@ -188,7 +188,7 @@ class LeadTracker:
         positions, experts = self.pred.shape[2], self.pred.shape[3]
         kept = conf.reshape(-1).float()
         kept = kept * (kept >= min_confidence)
-        index = (row * positions + position) * experts + ids.reshape(-1).long()
+        index = ((row * positions + position) * experts + ids.long()).reshape(-1)
         self.pred[lead - 1].view(-1).scatter_reduce_(0, index, kept, reduce="amax")
 
     def record_rows(self, lead: int, row: torch.Tensor, recorded: torch.Tensor) -> None:
@@ -242,14 +242,15 @@ class PredictionRing:
         local = self.local_ids(position, ids)
         return local.clamp(min=0), local >= 0
 
-    def write(self, steps_ahead: int, position: int, ids: torch.Tensor, conf: torch.Tensor) -> None:
+    def write(self, steps_ahead: int, position: int | torch.Tensor, ids: torch.Tensor, conf: torch.Tensor) -> None:
         """ids/conf [N, k]: guesses for (decode step + steps_ahead, position); rows with conf 0 write nothing. Each
-        rank keeps the guesses of its own experts."""
+        rank keeps the guesses of its own experts. `position` may also be a device tensor that broadcasts against
+        ids (e.g. [L, 1] with ids [N, L, k]: every layer in one write; not under expert parallelism)."""
         ids, mine = self._mine(position, ids)
         if mine is not None:
             conf = conf * mine
         row = (self.decode_step + steps_ahead) % self.ring  # [1]
-        index = (row * self.positions + position) * self.experts + ids.reshape(-1).long()
+        index = ((row * self.positions + position) * self.experts + ids.long()).reshape(-1)
         self.flat.scatter_reduce_(0, index, conf.reshape(-1).float(), reduce="amax")
         if self.leads is not None and steps_ahead >= 1:
             self.leads.record(steps_ahead, (self.decode_step + steps_ahead) % self.leads.ring, position, ids, conf,

@@ -202,15 +202,20 @@ def test_the_learned_predictor_changes_no_token_and_finds_the_next_tokens_expert
     with MoEPrefetchEngine.from_pretrained(REFERENCE, progress=False) as resident:
         expected = resident.generate(prompts, max_new_tokens=12, stop_at_eos=False).sequences
     recalls = {}
-    for slots in (8, 40):
+    for slots, reuse in ((8, 0.9), (40, 0.0), (40, 0.9)):  # victims by predicted reuse, and by the policy alone
         with MoEPrefetchEngine.from_pretrained(REFERENCE, progress=False, expert_cache_slots=slots,
-                                               predictor_path=str(out)) as engine:
+                                               predictor_path=str(out), reuse_weight=reuse) as engine:
             for predictor, lookahead in (("learned", 1), ("learned", 2), ("learned+next_layer_gate", 1),
                                          ("previous", 1)):
                 result = engine.generate(prompts, max_new_tokens=12, stop_at_eos=False, predictor=predictor,
                                          lookahead=lookahead)
                 assert result.sequences == expected, (slots, predictor, lookahead)
                 recalls[(slots, predictor, lookahead)] = result.stats.to_dict()["prediction_recall"]
+            # the head's reuse map reaches the table during the call (read between tokens) and is cleared at its end
+            seen = []
+            engine.generate(prompts[:1], max_new_tokens=4, stop_at_eos=False, predictor="learned",
+                            callback=lambda _: seen.append(float(engine.residency.st.reuse.sum())))
+            assert max(seen) > 0 and float(engine.residency.st.reuse.sum()) == 0.0
             assert not engine.residency.problems()
     assert recalls[(40, "learned", 1)] > recalls[(40, "previous", 1)]
 

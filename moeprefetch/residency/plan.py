@@ -463,8 +463,9 @@ def _blend_reuse(policy_key: torch.Tensor, reuse: torch.Tensor, weight: float) -
     """Victim keys from a predictor's reuse probabilities and the policy's order: w x P(needed soon) + (1 - w) x the
     slot's rank in the policy's order (scaled to [0, 1]), lowest first. Ranks, not the policy's raw keys, so that one
     weight means the same under LRU, LFU and LRFU. Without predictions (reuse 0 everywhere) the policy's order is
-    kept exactly. On the deep model's held-out text at 518 slots (experiments/learned_victims.py) w = 0.9 cut LRFU's
-    misses by 12.5 %, as far as protecting what the next token needs does."""
+    kept exactly. On the deep model's held-out text at 518 slots (experiments/learned_victims.py, 8,192 tokens in
+    one warm cache) w = 0.9 cut LRFU's misses by 12.5 %, as far as protecting what the next token needs does; on the
+    bench's 64-token generation after a 64-token prompt it did not (BENCHMARKS), hence off by default."""
     slots = policy_key.numel()
     rank = torch.empty_like(policy_key)
     rank[torch.sort(policy_key, stable=True).indices] = torch.arange(slots, device=policy_key.device,
