@@ -55,7 +55,8 @@ def main() -> None:
     print(format_table(result))
     result.update({"seconds": round(time.monotonic() - began, 1), "train_tokens": int(train.size),
                    "eval_tokens_given": int(held.size), "settings": vars(settings) if hasattr(settings, "__dict__")
-                   else str(settings), "checkpoint": ns.checkpoint, "device": ns.device, "threads": ns.threads, "cpu": platform.processor(),
+                   else str(settings), "checkpoint": ns.checkpoint, "device": ns.device, "threads": ns.threads,
+                   "cpu": platform.processor(),
                    "torch": torch.__version__, "train_source": "train_ids.npy head",
                    "eval_source": "heldout_ids.npy head", "head_inputs": "final hidden" if ns.no_mtp else
                    "final hidden + MTP output",

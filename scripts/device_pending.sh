@@ -136,7 +136,7 @@ case "${STAGE:-tests}" in
     # issue 36's rows on the deep model, experts padded to 17.3 MB, at --cache-fraction (bench options follow); the
     # model is trained first when .device-data/deep holds none (carry .device-data/corpus_min then)
     [ -f .device-data/deep/model.safetensors.index.json ] || train_deep
-    timeout "${LIMIT:-560}" python3 scripts/bench_gpu.py --out "$out/bench_deep.json" --workloads deep --runs 1 \
+    timeout "${LIMIT:-560}" python3 scripts/bench_gpu.py --out "$out/bench_deep.json" --workloads deep --runs "${RUNS:-1}" \
       "$@" 2>&1 | filter ;;
   v2lite_trace)
     # issue 36's V2-Lite-shape rows with the real V2-Lite routing trace forced (.device-data/traces, carried)

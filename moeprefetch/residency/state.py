@@ -142,7 +142,8 @@ class TableState:
             victims=torch.arange(s, dtype=i32, device=device), cursor=full((1,), 0, i32),
             step=full((1,), 0, i64), step_base=full((1,), -1, i64), progress=full((1,), -1, i64),
             decode_step=full((1,), 0, i64), demand=full((1,), 0, i32),
-            pred=full((cfg.ring, cfg.positions, cfg.n_experts), 0.0, torch.float32), reuse=full((k,), 0.0, torch.float32),
+            pred=full((cfg.ring, cfg.positions, cfg.n_experts), 0.0, torch.float32),
+            reuse=full((k,), 0.0, torch.float32),
             fills_for=full((cfg.ring, cfg.positions), 0, i32), counters=full((cfg.positions, len(COUNTERS)), 0, i64),
         )
 
