@@ -61,6 +61,8 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         prefetch_lead=int(cfg.predictor.get("prefetch_lead", EngineConfig.prefetch_lead)),
         fill_confidence=float(cfg.predictor.get("fill_confidence", EngineConfig.fill_confidence)),
         fill_link=str(cfg.predictor.get("fill_link", EngineConfig.fill_link)), cuda_graphs=bool(cfg.device.cuda_graphs),
+        predictor_path=cfg.predictor.get("predictor_path", None),
+        reuse_weight=float(cfg.predictor.get("reuse_weight", EngineConfig.reuse_weight)),
         max_batch_size=int(cfg.workload.batch), progress=False)
 
 

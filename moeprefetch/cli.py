@@ -50,6 +50,8 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-confidence", type=float, default=None, help=EngineConfig.help("min_confidence"))
     parser.add_argument("--fill-confidence", type=float, default=defaults.fill_confidence,
                         help=EngineConfig.help("fill_confidence"))
+    parser.add_argument("--reuse-weight", type=float, default=defaults.reuse_weight,
+                        help=EngineConfig.help("reuse_weight"))
     parser.add_argument("--fill-link", choices=FILL_LINK, default=defaults.fill_link,
                         help=EngineConfig.help("fill_link"))
     parser.add_argument("--routing-trace", default=None, help=EngineConfig.help("routing_trace"))
@@ -244,7 +246,8 @@ def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
                                   draft_experts=ns.draft_experts, spare_recent=ns.spare_recent,
                                   prefetch_lead=ns.prefetch_lead, late_prefetch=ns.late_prefetch, progress=ns.verbose,
                                   distributed=ns.distributed, fill_confidence=ns.fill_confidence,
-                                  fill_link=ns.fill_link, routing_trace=ns.routing_trace)
+                                  fill_link=ns.fill_link, routing_trace=ns.routing_trace,
+                                  reuse_weight=ns.reuse_weight)
     for name in ("max_seq_len", "prefill_chunk", "prefill_window", "predictor", "lookahead", "min_confidence",
                  "max_batch_size", "expert_dtype", "int4_group_size", "int4_symmetric", "predictor_path"):
         if getattr(ns, name, None) is not None:
