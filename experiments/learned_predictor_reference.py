@@ -34,6 +34,9 @@ def main() -> None:
     parser.add_argument("--eval-tokens", type=int, default=160_000)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--leads", type=int, default=2)
+    parser.add_argument("--horizon", type=int, default=0, help="also learn 'needed within H tokens' (victims)")
+    parser.add_argument("--record-dtype", default=None, help="the dtype the routing is recorded in (default: the "
+                        "engine's on --device, bfloat16 on CUDA)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (small GEMMs: 1 is fastest here)")
     parser.add_argument("--no-mtp", action="store_true", help="the head sees the final hidden state only")
     parser.add_argument("--head", default="/tmp/learned_predictor_reference.safetensors",
@@ -47,7 +50,7 @@ def main() -> None:
     train = np.load(corpus / "train_ids.npy")[: ns.train_tokens].astype(np.int64)
     held = np.load(corpus / "heldout_ids.npy")[: ns.eval_tokens].astype(np.int64)
     settings = TrainSettings(leads=ns.leads, steps=ns.steps, max_tokens=max(ns.train_tokens, ns.eval_tokens),
-                             use_mtp=not ns.no_mtp)
+                             use_mtp=not ns.no_mtp, horizon=ns.horizon, record_dtype=ns.record_dtype)
     began = time.monotonic()
     out = Path(ns.head)
     result = train_predictor(ns.checkpoint, torch.from_numpy(train), out, settings=settings, device=ns.device,

@@ -14,6 +14,7 @@ victim is read in place), under each rule:
 | `lrfu+protect2k@c` | the same with the head's top-2k |
 | `reuse@w` | lowest w * P(needed by the rest of this token or the next) + (1 - w) * lrfu rank (both in [0, 1]) |
 | `reuse_step@w` | the same with P(needed by this token or the next), as a queue sorted at the token's start has it |
+| `reuse_soon@w` | the same with the head's own "needed soon" (`RoutingHead.predict`: its horizon block if it has one) |
 | `oracle_next` | lrfu, never an expert this token or the next needs (the one-token ceiling) |
 | `belady` | the expert needed farthest in the future |
 
@@ -42,20 +43,27 @@ ROOT = Path(__file__).resolve().parent.parent
 HALFLIFE = 8.0
 
 
-def recorded(checkpoint: Path, corpus: Path, tokens: int, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(ids [N, L, k], probabilities [N, leads, L, E] the head gave at each token, window [N])."""
+def recorded(checkpoint: Path, head_path: Path, corpus: Path, tokens: int, window: int, dtype: str
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(ids [N, L, k], probabilities [N, leads, L, E] the head gave at each token for the next tokens, its "needed
+    soon" probabilities [N, L, E] (`RoutingHead.predict`), window [N]), routing recorded in `dtype`."""
     held = np.load(corpus / "heldout_ids.npy")[:tokens].astype(np.int64).tolist()
     windows = [held[i:i + window] for i in range(0, len(held), window)]
-    with MoEPrefetchEngine.from_pretrained(checkpoint, dtype="float32", max_batch_size=1) as engine:
+    with MoEPrefetchEngine.from_pretrained(checkpoint, dtype=dtype, max_batch_size=1) as engine:
         record = record_routing(engine, windows, progress=True)
-    head = load_predictor(checkpoint / "routing_head.safetensors", checkpoint)
+    head = load_predictor(head_path, checkpoint)
+    leads, soon = [], []
     with torch.no_grad():
-        logits = torch.cat([head(h, None if m is None else m) for h, m in zip(
-            record.hidden.split(4096), [None] * 10**6 if record.mtp_hidden is None else record.mtp_hidden.split(4096))])
-    return record.ids.numpy(), torch.sigmoid(logits).numpy(), record.window.numpy()
+        for i in torch.arange(record.tokens).split(4096):
+            ids, _, s = head.predict(record.hidden[i], None if record.mtp_hidden is None else record.mtp_hidden[i])
+            leads.append(torch.sigmoid(head(record.hidden[i], None if record.mtp_hidden is None else
+                                            record.mtp_hidden[i])[:, : head.config.leads]))
+            soon.append(s)
+    return record.ids.numpy(), torch.cat(leads).numpy(), torch.cat(soon).numpy(), record.window.numpy()
 
 
-def replay(ids: np.ndarray, probs: np.ndarray, window: np.ndarray, slots: int, rule: str) -> dict:
+def replay(ids: np.ndarray, probs: np.ndarray, window: np.ndarray, slots: int, rule: str,
+           soon: np.ndarray | None = None) -> dict:
     """Misses per token of one rule over every token in order (one warm cache throughout)."""
     n, layers, k = ids.shape
     experts = probs.shape[-1]
@@ -83,6 +91,8 @@ def replay(ids: np.ndarray, probs: np.ndarray, window: np.ndarray, slots: int, r
         known = t > 0 and window[t - 1] == window[t]
         now_p = probs[t - 1, 0].ravel() if known else np.zeros(keys)
         next_p = probs[t - 1, 1].ravel() if known and probs.shape[1] > 1 else np.zeros(keys)
+        if name == "reuse_soon":  # the head's own "needed soon" (its horizon block, when it has one)
+            now_p, next_p = np.zeros(keys), (soon[t - 1].ravel() if known else np.zeros(keys))
         protect = np.zeros(keys, bool)
         if name in ("lrfu+protect", "lrfu+protect2k") and known:
             g = k if name == "lrfu+protect" else 2 * k
@@ -126,11 +136,11 @@ def _victim(name: str, arg: float, eligible: np.ndarray, last_use: np.ndarray, f
     if name == "lru":
         return int(idx[np.argmin(last_use[idx])])
     lrfu = freq[idx] * 1e6 + last_use[idx] * 1e-3  # frequency first, ties by recency
-    if name not in ("reuse", "reuse_step"):
+    if name not in ("reuse", "reuse_step", "reuse_soon"):
         return int(idx[np.argmin(lrfu)])
     # P(needed again soon): by a later layer of this token (reuse_step: any layer, as a queue sorted once per token
     # at its start sees it), or by the next token
-    later = layer_of[idx] > layer if name == "reuse" else np.ones(len(idx), bool)
+    later = layer_of[idx] > layer if name == "reuse" else np.ones(len(idx), bool)  # reuse_soon: now_p is 0
     reuse = 1 - (1 - np.where(later, now_p[idx], 0.0)) * (1 - next_p[idx])
     rank = np.argsort(np.argsort(lrfu)) / max(len(idx) - 1, 1)
     return int(idx[np.argmin(arg * reuse + (1 - arg) * rank)])
@@ -140,6 +150,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", type=Path, default=ROOT / ".device-data" / "deep")
     parser.add_argument("--corpus", type=Path, default=ROOT / ".device-data" / "corpus")
+    parser.add_argument("--head", type=Path, default=None, help="the routing head (default: the checkpoint's "
+                        "routing_head.safetensors)")
+    parser.add_argument("--dtype", default="float32", help="the compute dtype the routing is recorded in")
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--slots", type=int, default=518)
@@ -150,14 +163,16 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(2)
     began = time.monotonic()
-    ids, probs, window = recorded(ns.checkpoint, ns.corpus, ns.tokens, ns.window)
+    head = ns.head or ns.checkpoint / "routing_head.safetensors"
+    ids, probs, soon, window = recorded(ns.checkpoint, head, ns.corpus, ns.tokens, ns.window, ns.dtype)
     rows = []
     for rule in ns.rules.split(","):
-        row = replay(ids, probs, window, ns.slots, rule)
+        row = replay(ids, probs, window, ns.slots, rule, soon)
         rows.append(row)
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     out = ns.out or ROOT / "experiments" / "results" / f"learned_victims_{ns.checkpoint.name}.json"
-    out.write_text(json.dumps({"checkpoint": str(ns.checkpoint), "tokens": int(ids.shape[0]), "slots": ns.slots,
+    out.write_text(json.dumps({"checkpoint": str(ns.checkpoint), "head": str(head), "dtype": ns.dtype,
+                               "tokens": int(ids.shape[0]), "slots": ns.slots,
                                "keys": int(ids.shape[1] * probs.shape[-1]), "window": ns.window,
                                "lrfu_halflife": HALFLIFE, "seconds": round(time.monotonic() - began, 1),
                                "rows": rows}, indent=1))

@@ -148,6 +148,8 @@ def _parser() -> argparse.ArgumentParser:
     trn.add_argument("--text", nargs="+", required=True, help="UTF-8 text files to record routing over")
     trn.add_argument("--out", required=True, help="the predictor file to write (.safetensors)")
     trn.add_argument("--leads", type=int, default=1, help="tokens ahead to predict (t+1 .. t+leads)")
+    trn.add_argument("--horizon", type=int, default=0, help="also learn which experts any of the next H tokens "
+                     "need (victims by predicted reuse, reuse_weight; 0: none)")
     trn.add_argument("--steps", type=int, default=1500, help="optimizer steps")
     trn.add_argument("--device", default="cpu")
     trn.add_argument("--eval-share", type=float, default=0.1, help="share of the text's windows held out")
@@ -383,7 +385,8 @@ def _train_predictor(ns: argparse.Namespace) -> int:
             raise MoEPrefetchError(f"--text {text} is not a file")
     if not Path(ns.path).is_dir():
         raise MoEPrefetchError(f"checkpoint {ns.path} is not a directory")
-    settings = TrainSettings(leads=ns.leads, steps=ns.steps, eval_share=ns.eval_share, max_tokens=ns.max_tokens)
+    settings = TrainSettings(leads=ns.leads, steps=ns.steps, eval_share=ns.eval_share, max_tokens=ns.max_tokens,
+                             horizon=ns.horizon, record_dtype=ns.dtype)
     result = train_predictor(ns.path, [Path(t) for t in ns.text], ns.out, device=ns.device, settings=settings,
                              progress=True, resume=not ns.no_resume)
     print(format_table(result))

@@ -45,6 +45,9 @@ class HeadConfig:
     rank: int = MAX_RANK
     use_mtp: bool = False
     fingerprint: str = ""
+    # > 0: one more block of logits, each expert's chance of being needed by any of the next `horizon` tokens (what
+    # victims are ranked by, `reuse_weight`); 0: that chance comes from the leads' own probabilities
+    horizon: int = 0
     hidden_input: str = "final hidden after the final norm"
 
     def to_json(self) -> str:
@@ -69,14 +72,19 @@ def fitting_rank(in_features: int, outputs: int, budget_bytes: int, bytes_per_pa
 
 
 class RoutingHead(torch.nn.Module):
-    """hidden [B, H] (and the MTP output [B, H]) -> logits [B, leads, L, E] over the experts of tokens t+1..t+leads."""
+    """hidden [B, H] (and the MTP output [B, H]) -> logits [B, blocks, L, E]: blocks 0..leads-1 over the experts of
+    tokens t+1..t+leads, then (with a horizon) one over "needed by any of tokens t+1..t+horizon"."""
 
     def __init__(self, config: HeadConfig):
         super().__init__()
         self.config = config
         inputs = config.hidden_size * (2 if config.use_mtp else 1)
         self.down = torch.nn.Linear(inputs, config.rank)
-        self.up = torch.nn.Linear(config.rank, config.leads * len(config.layers) * config.n_experts)
+        self.up = torch.nn.Linear(config.rank, self.blocks * len(config.layers) * config.n_experts)
+
+    @property
+    def blocks(self) -> int:
+        return self.config.leads + (1 if self.config.horizon else 0)
 
     def forward(self, hidden: torch.Tensor, mtp_hidden: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
@@ -88,15 +96,20 @@ class RoutingHead(torch.nn.Module):
             m = mtp_hidden.to(x.dtype)
             x = torch.cat((x, m * torch.rsqrt(m.pow(2).mean(-1, keepdim=True) + 1e-6)), -1)
         logits = self.up(F.gelu(self.down(x)))
-        return logits.view(-1, c.leads, len(c.layers), c.n_experts)
+        return logits.view(-1, self.blocks, len(c.layers), c.n_experts)
 
     def predict(self, hidden: torch.Tensor, mtp_hidden: torch.Tensor | None = None, k: int | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(top-k expert ids [B, leads, L, k], their sigmoid probabilities [B, leads, L, k] in (0, 1], and every
-        expert's probability of being needed by one of the next two tokens [B, L, E])."""
-        logits = self.forward(hidden, mtp_hidden)
+        expert's probability of being needed soon [B, L, E]: by one of the next `horizon` tokens, from the horizon
+        block; without one, by one of the next two tokens, from the leads' probabilities)."""
+        everything = self.forward(hidden, mtp_hidden)
+        logits = everything[:, : self.config.leads]
         top = logits.topk(k or self.config.top_k, dim=-1)
-        soon = 1 - (1 - torch.sigmoid(logits[:, :2].float())).prod(1)
+        if self.config.horizon:
+            soon = torch.sigmoid(everything[:, -1].float())
+        else:
+            soon = 1 - (1 - torch.sigmoid(logits[:, :2].float())).prod(1)
         # clamp: a very negative logit's sigmoid underflows to 0, which the prediction ring reads as "no guess"
         return top.indices, torch.sigmoid(top.values).clamp(min=1e-6), soon
 
@@ -105,18 +118,23 @@ class RoutingHead(torch.nn.Module):
 
 
 def sample_index(record: RoutingRecord, leads: int) -> torch.Tensor:
-    """Tokens t whose targets t+1..t+leads lie in the same window (and so do their MTP inputs)."""
+    """Tokens t whose targets t+1..t+leads lie in the same window (and so do their MTP inputs); `leads` is the
+    farthest target, the horizon's too."""
     n = record.tokens
     t = torch.arange(n)
     last = torch.clamp(t + leads, max=n - 1)
     return t[(t + leads < n) & (record.window[last] == record.window)]
 
 
-def targets(record: RoutingRecord, index: torch.Tensor, leads: int, n_experts: int) -> torch.Tensor:
-    """Multi-hot [S, leads, L, E] float: the experts each layer of token t+j used, j = 1..leads."""
-    ids = torch.stack([record.ids[index + j] for j in range(1, leads + 1)], 1)  # [S, leads, L, k]
-    out = torch.zeros(*ids.shape[:-1], n_experts)
-    return out.scatter_(-1, ids, 1.0)
+def targets(record: RoutingRecord, index: torch.Tensor, leads: int, n_experts: int, horizon: int = 0) -> torch.Tensor:
+    """Multi-hot [S, leads, L, E] float: the experts each layer of token t+j used, j = 1..leads; with a horizon, one
+    more block [S, 1, L, E]: the experts used by any of tokens t+1..t+horizon."""
+    reach = max(leads, horizon)
+    ids = torch.stack([record.ids[index + j] for j in range(1, reach + 1)], 1)  # [S, reach, L, k]
+    hot = torch.zeros(*ids.shape[:-1], n_experts).scatter_(-1, ids, 1.0)
+    if not horizon:
+        return hot
+    return torch.cat((hot[:, :leads], hot[:, :horizon].amax(1, keepdim=True)), 1)
 
 
 def split_windows(record: RoutingRecord, index: torch.Tensor, eval_share: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,9 +190,23 @@ def evaluate(head: RoutingHead, record: RoutingRecord, index: torch.Tensor, batc
             rows.append(_row("mtp_router", lead, record.mtp_router.shape[-1], record.mtp_router[index], truth))
         rows.append({"predictor": "chance", "lead": lead, "guesses": k, "recall": k / c.n_experts,
                      "precision": k / c.n_experts})
-    return {"tokens": int(index.numel()), "layers": list(c.layers), "experts": c.n_experts, "top_k": k,
-            "mtp_router": "recorded" if record.mtp_router is not None else
-            "skipped: the checkpoint has no MTP layer", "rows": rows}
+    result = {"tokens": int(index.numel()), "layers": list(c.layers), "experts": c.n_experts, "top_k": k,
+              "mtp_router": "recorded" if record.mtp_router is not None else
+              "skipped: the checkpoint has no MTP layer", "rows": rows}
+    if c.horizon:
+        result["horizon"] = _horizon_metrics(logits[:, -1], targets(record, index, 1, c.n_experts, c.horizon)[:, -1],
+                                             c.horizon)
+    return result
+
+
+def _horizon_metrics(logits: torch.Tensor, truth: torch.Tensor, horizon: int) -> dict[str, Any]:
+    """The horizon block against the experts each layer really used within `horizon` tokens: precision and recall
+    of the guesses with p >= 0.5, and how many experts a layer needs in that time."""
+    guess = logits > 0
+    hits = (guess & (truth > 0)).sum().item()
+    return {"horizon": horizon, "needed_per_layer": truth.sum(-1).mean().item(),
+            "guessed_per_layer": guess.sum(-1).float().mean().item(),
+            "precision_at_half": hits / max(guess.sum().item(), 1), "recall_at_half": hits / max(truth.sum().item(), 1)}
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -187,6 +219,11 @@ def format_table(result: dict[str, Any]) -> str:
         per = " ".join(f"{v:.3f}" for v in row.get("recall_per_layer", []))
         lines.append(f"{row['predictor']:12s} {row['lead']:4d} {row['guesses']:7d} {row['recall']:7.3f} "
                      f"{row['precision']:9.3f}  {per}")
+    if "horizon" in result:
+        h = result["horizon"]
+        lines.append(f"needed within {h['horizon']} tokens: {h['needed_per_layer']:.1f} experts a layer; guessed at "
+                     f"p >= 0.5: {h['guessed_per_layer']:.1f}, precision {h['precision_at_half']:.3f}, recall "
+                     f"{h['recall_at_half']:.3f}")
     return "\n".join(lines)
 
 
@@ -244,6 +281,11 @@ class TrainSettings:
     seed: int = 0
     save_every: int = 250
     use_mtp: bool = True  # feed the MTP output too, when the checkpoint has an MTP layer
+    horizon: int = 0  # > 0: also learn "needed by any of the next `horizon` tokens" (victims' reuse)
+    # the compute dtype the routing is recorded in (default: the engine's on that device, bf16 on CUDA and fp32 on
+    # the CPU): the one decode runs in, since the deep model routes far less cacheably in bf16 than in fp32
+    # (BENCHMARKS "The learned predictor on the H200")
+    record_dtype: str | None = None
 
 
 def _token_stream(engine: "MoEPrefetchEngine", texts_or_ids: Any, max_tokens: int) -> list[int]:
@@ -284,6 +326,8 @@ def _check_inputs(checkpoint: Path, out_path: Path, settings: TrainSettings) -> 
                            f"exist")
     if not 1 <= settings.leads <= 8:
         raise RequestError(f"leads must lie in 1..8, got {settings.leads}")
+    if not 0 <= settings.horizon <= 64:
+        raise RequestError(f"horizon must lie in 0..64 tokens, got {settings.horizon}")
     if settings.steps < 0 or not 0 < settings.eval_share < 1:
         raise RequestError("steps must be >= 0 and eval_share must lie in (0, 1)")
     if not load_model_args(checkpoint).moe_layers:
@@ -295,7 +339,7 @@ def _record(engine: "MoEPrefetchEngine", stream: list[int], settings: TrainSetti
     from .routing_record import record_routing
 
     window = min(settings.window, engine.args.max_position_embeddings)
-    windows = _windows(stream, window, settings.leads)
+    windows = _windows(stream, window, max(settings.leads, settings.horizon))
     if len(windows) < (1 if what == "held-out" else 2):
         raise RequestError(f"the {what} text is too short to train on: {len(stream)} tokens make {len(windows)} "
                            f"window(s) of >= {max(MIN_WINDOW, settings.leads + 2)} tokens")
@@ -336,7 +380,7 @@ def _fit(head: RoutingHead, record: RoutingRecord, train: torch.Tensor, settings
         gen = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
         pick = train[torch.randint(train.numel(), (min(settings.batch, train.numel()),), generator=gen)]
         logits = head(record.hidden[pick], None if record.mtp_hidden is None else record.mtp_hidden[pick])
-        loss = F.binary_cross_entropy_with_logits(logits, targets(record, pick, c.leads, c.n_experts))
+        loss = F.binary_cross_entropy_with_logits(logits, targets(record, pick, c.leads, c.n_experts, c.horizon))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -356,10 +400,11 @@ def _head_config(engine: "MoEPrefetchEngine", settings: TrainSettings, use_mtp: 
     layers = tuple(lw.index for lw in engine.weights.layers if lw.router is not None)
     # the checkpoint's non-expert bytes as stored (bf16 for most), whatever dtype the engine computes in
     non_expert = weights_nbytes(engine.weights) // engine.weights.embed.element_size() * 2
-    outputs = settings.leads * len(layers) * args.n_routed_experts
+    outputs = (settings.leads + (1 if settings.horizon else 0)) * len(layers) * args.n_routed_experts
     rank = fitting_rank(args.hidden_size * (2 if use_mtp else 1), outputs, int(BYTE_SHARE * non_expert))
     return HeadConfig(hidden_size=args.hidden_size, layers=layers, n_experts=args.n_routed_experts,
                       top_k=args.num_experts_per_tok, leads=settings.leads, rank=rank, use_mtp=use_mtp,
+                      horizon=settings.horizon,
                       fingerprint=checkpoint_fingerprint(engine.path))
 
 
@@ -383,12 +428,14 @@ def train_predictor(checkpoint: str | Path, texts_or_ids: Any, out_path: str | P
     if engine is None:
         from .engine import MoEPrefetchEngine
 
-        engine = MoEPrefetchEngine.from_pretrained(checkpoint, device=device, dtype="float32",
+        dtype = settings.record_dtype or ("bfloat16" if str(device).startswith("cuda") else "float32")
+        engine = MoEPrefetchEngine.from_pretrained(checkpoint, device=device, dtype=dtype,
                                                    max_batch_size=1)
     try:
         stream = _token_stream(engine, texts_or_ids, settings.max_tokens)
         record = _record(engine, stream, settings, progress, "training")
-        index = sample_index(record, settings.leads)
+        reach = max(settings.leads, settings.horizon)
+        index = sample_index(record, reach)
         if eval_ids is None:
             train, held = split_windows(record, index, settings.eval_share)
             held_record = record
@@ -396,7 +443,7 @@ def train_predictor(checkpoint: str | Path, texts_or_ids: Any, out_path: str | P
             train = index
             held_record = _record(engine, _token_stream(engine, eval_ids, settings.max_tokens), settings, progress,
                                   "held-out")
-            held = sample_index(held_record, settings.leads)
+            held = sample_index(held_record, reach)
         if not settings.use_mtp:  # the head sees the final hidden state only (mtp_router stays a baseline)
             record.mtp_hidden = held_record.mtp_hidden = None
         head = RoutingHead(_head_config(engine, settings, record.mtp_hidden is not None))

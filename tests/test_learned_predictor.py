@@ -176,6 +176,35 @@ def test_samples_stay_inside_their_window():
     assert sample_index(record, 2).tolist() == [0, 3, 4]
 
 
+def test_the_horizon_block_learns_any_use_within_the_horizon():
+    """horizon H: one more block of targets, 1 where a layer used the expert at any of tokens t+1..t+H (checked
+    against a loop over random routing), and predict's 'needed soon' is that block's sigmoid."""
+    from moeprefetch.learned_predictor import targets
+    from moeprefetch.routing_record import RoutingRecord
+
+    g = torch.Generator().manual_seed(3)
+    n, layers, k, experts, horizon = 12, 2, 2, 6, 3
+    ids = torch.stack([torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(layers)])
+                       for _ in range(n)])
+    record = RoutingRecord(hidden=torch.zeros(n, 4), mtp_hidden=None, ids=ids, window=torch.zeros(n, dtype=torch.long),
+                           mtp_router=None)
+    index = sample_index(record, horizon)
+    out = targets(record, index, 2, experts, horizon)
+    assert out.shape == (index.numel(), 3, layers, experts)
+    for s, t in enumerate(index.tolist()):
+        for p in range(layers):
+            for e in range(experts):
+                assert out[s, 0, p, e] == float(e in ids[t + 1, p].tolist())
+                assert out[s, 2, p, e] == float(any(e in ids[t + j, p].tolist() for j in range(1, horizon + 1)))
+    head = RoutingHead(HeadConfig(hidden_size=4, layers=(1, 2), n_experts=experts, top_k=k, rank=8, leads=2,
+                                  horizon=horizon))
+    hidden = torch.randn(3, 4)
+    ids_, conf, soon = head.predict(hidden)
+    assert ids_.shape == (3, 2, layers, k)
+    assert torch.allclose(soon, torch.sigmoid(head(hidden)[:, 2]))
+    assert HeadConfig.from_json(head.config.to_json()) == head.config
+
+
 def test_head_needs_the_mtp_output_it_was_trained_on():
     head = RoutingHead(HeadConfig(hidden_size=8, layers=(1, 2), n_experts=6, top_k=2, rank=4, use_mtp=True))
     assert head(torch.randn(2, 8), torch.randn(2, 8)).shape == (2, 1, 2, 6)
