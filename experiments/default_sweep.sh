@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The committed default sweep: the reference model on the CPU, 3 cache sizes x 7 predictors (lookahead 1), plus the
 # look-ahead predictors at lookahead 2 and 4, the MTP ones chained to lookahead 2 and 3, and three predictors with a
-# confidence cut of 0.1; 8 held-out prompts x 32 new tokens per point; then its report. About eight minutes on 2
-# cores.
+# confidence cut of 0.1; 8 held-out prompts x 32 new tokens per point; then its report. About six and a half minutes
+# on 2 cores (the committed run: 54 points in 6 min 17 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=experiments/results/sweep_reference
