@@ -120,18 +120,21 @@ case "${STAGE:-tests}" in
       --device cuda --max-tokens 100000 2>&1 | tail -3
     cp .device-data/deep/eval.json "$out/deep_eval.json" 2>/dev/null ;;
   learned_deep)
-    # issue 38 on the deep model: train it (150 s) when .device-data/deep holds none, record its routing over 600k
-    # training tokens on the GPU and train its routing head (HEAD_LEADS tokens ahead) next to it, evaluated on 160k
-    # held-out tokens; the learned predictor's GPU tests; the model and head come back in 15 MB parts
+    # issue 38 on the deep model: train it (150 s) when .device-data/deep holds none, record its routing (bf16, as
+    # decode runs) over 600k training tokens on the GPU and train its routing head (HEAD_LEADS tokens ahead, a
+    # HEAD_HORIZON-token "needed soon" block for victims; HEAD_HIDDEN_ONLY=1: the final hidden state only, so decode
+    # runs no MTP link for it) next to it, evaluated on 160k held-out tokens; the learned predictor's GPU tests; the
+    # model and head come back in 15 MB parts. (The thirteenth session's call needed PYTHONPATH for the script.)
     nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current --format=csv,noheader
     [ -f .device-data/deep/model.safetensors.index.json ] || train_deep
-    timeout 240 python3 experiments/learned_predictor_reference.py --checkpoint .device-data/deep --device cuda \
-      --corpus .device-data/corpus_min --leads "${HEAD_LEADS:-2}" --steps "${HEAD_STEPS:-3000}" --threads 8 \
+    PYTHONPATH=$PWD timeout 300 python3 experiments/learned_predictor_reference.py --checkpoint .device-data/deep \
+      --device cuda --corpus .device-data/corpus_min --leads "${HEAD_LEADS:-2}" --horizon "${HEAD_HORIZON:-0}" \
+      --steps "${HEAD_STEPS:-3000}" --threads 8 ${HEAD_HIDDEN_ONLY:+--no-mtp} \
       --head .device-data/deep/routing_head.safetensors --out "$out/learned_predictor_deep.json" 2>&1 | \
       grep -v -E "Warning:|warnings.warn" | tail -14
     tar -C .device-data -cf - deep | split -b 15M - "$out/deep.tar.part-"
-    timeout 150 python3 -m pytest tests/test_learned_predictor.py -q -p no:cacheprovider --tb=short \
-      -k "changes_no_token or shipped" 2>&1 | grep -v -E "Warning:|warnings.warn" | tail -5 ;;
+    timeout 200 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider --tb=short -k learned 2>&1 | \
+      grep -v -E "Warning:|warnings.warn" | tail -5 ;;
   deep_bench)
     # issue 36's rows on the deep model, experts padded to 17.3 MB, at --cache-fraction (bench options follow); the
     # model is trained first when .device-data/deep holds none (carry .device-data/corpus_min then)
