@@ -115,8 +115,10 @@ def replay(ids: np.ndarray, probs: np.ndarray, window: np.ndarray, slots: int, r
                         cached[key] = True
                         count += 1
                     elif eligible.any():
-                        victim = _victim(name, arg, eligible, last_use, freq, now_p, next_p, layer_of, p,
-                                         next_need[t + 1] if next_need is not None else None)
+                        # Belady: a later layer of this token needs a key at t, before anything after it
+                        soonest = None if next_need is None else np.where((layer_of > p) & needed[t], t,
+                                                                          next_need[t + 1])
+                        victim = _victim(name, arg, eligible, last_use, freq, now_p, next_p, layer_of, p, soonest)
                         cached[victim] = False
                         cached[key] = True
                     else:

@@ -42,6 +42,12 @@ def _resolve(path: str) -> Path:
     return p if p.is_absolute() else ROOT / p
 
 
+def _predictor_path(cfg: DictConfig) -> str | None:
+    """The learned predictor's head (predictor.predictor_path), resolved like the model's path."""
+    path = cfg.predictor.get("predictor_path", None)
+    return str(_resolve(path)) if path else None
+
+
 def engine_config(cfg: DictConfig) -> EngineConfig:
     """The composed config groups as the engine's one option type (the API and the CLI build the same)."""
     device = cfg.device.name
@@ -61,7 +67,7 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         prefetch_lead=int(cfg.predictor.get("prefetch_lead", EngineConfig.prefetch_lead)),
         fill_confidence=float(cfg.predictor.get("fill_confidence", EngineConfig.fill_confidence)),
         fill_link=str(cfg.predictor.get("fill_link", EngineConfig.fill_link)), cuda_graphs=bool(cfg.device.cuda_graphs),
-        predictor_path=cfg.predictor.get("predictor_path", None),
+        predictor_path=_predictor_path(cfg),
         reuse_weight=float(cfg.predictor.get("reuse_weight", EngineConfig.reuse_weight)),
         max_batch_size=int(cfg.workload.batch), progress=False)
 
@@ -117,6 +123,8 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
         "prefetch_lead": int(cfg.predictor.get("prefetch_lead", EngineConfig.prefetch_lead)),
         "fill_confidence": float(cfg.predictor.get("fill_confidence", EngineConfig.fill_confidence)),
         "fill_link": str(cfg.predictor.get("fill_link", EngineConfig.fill_link)),
+        "reuse_weight": float(cfg.predictor.get("reuse_weight", EngineConfig.reuse_weight)),
+        "predictor_path": _predictor_path(cfg),
         "lookahead": int(cfg.lookahead),
         "speculative": cfg.speculative,
         "batch": int(cfg.workload.batch),

@@ -249,7 +249,8 @@ def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev
     logger.info("loaded %s in %.1f s", path, time.perf_counter() - start)
     engine = cls(path, args, weights, residency, tokenizer, options, plan, streamer, forced)
     if head is not None:
-        engine.runner.learned_head = head.to(device=dev, dtype=torch_dtype).eval()
+        # no autograd: the head's outputs go into the table's tensors, which would otherwise grow a graph every step
+        engine.runner.learned_head = head.to(device=dev, dtype=torch_dtype).eval().requires_grad_(False)
     return engine
 
 

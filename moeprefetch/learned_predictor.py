@@ -102,7 +102,8 @@ class RoutingHead(torch.nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(top-k expert ids [B, leads, L, k], their sigmoid probabilities [B, leads, L, k] in (0, 1], and every
         expert's probability of being needed soon [B, L, E]: by one of the next `horizon` tokens, from the horizon
-        block; without one, by one of the next two tokens, from the leads' probabilities)."""
+        block; without one, by one of the next two tokens (the next one for a one-lead head), from the leads'
+        probabilities)."""
         everything = self.forward(hidden, mtp_hidden)
         logits = everything[:, : self.config.leads]
         top = logits.topk(k or self.config.top_k, dim=-1)
@@ -201,7 +202,7 @@ def evaluate(head: RoutingHead, record: RoutingRecord, index: torch.Tensor, batc
 
 def _horizon_metrics(logits: torch.Tensor, truth: torch.Tensor, horizon: int) -> dict[str, Any]:
     """The horizon block against the experts each layer really used within `horizon` tokens: precision and recall
-    of the guesses with p >= 0.5, and how many experts a layer needs in that time."""
+    of the guesses with p > 0.5, and how many experts a layer needs in that time."""
     guess = logits > 0
     hits = (guess & (truth > 0)).sum().item()
     return {"horizon": horizon, "needed_per_layer": truth.sum(-1).mean().item(),
@@ -222,7 +223,7 @@ def format_table(result: dict[str, Any]) -> str:
     if "horizon" in result:
         h = result["horizon"]
         lines.append(f"needed within {h['horizon']} tokens: {h['needed_per_layer']:.1f} experts a layer; guessed at "
-                     f"p >= 0.5: {h['guessed_per_layer']:.1f}, precision {h['precision_at_half']:.3f}, recall "
+                     f"p > 0.5: {h['guessed_per_layer']:.1f}, precision {h['precision_at_half']:.3f}, recall "
                      f"{h['recall_at_half']:.3f}")
     return "\n".join(lines)
 
@@ -342,7 +343,7 @@ def _record(engine: "MoEPrefetchEngine", stream: list[int], settings: TrainSetti
     windows = _windows(stream, window, max(settings.leads, settings.horizon))
     if len(windows) < (1 if what == "held-out" else 2):
         raise RequestError(f"the {what} text is too short to train on: {len(stream)} tokens make {len(windows)} "
-                           f"window(s) of >= {max(MIN_WINDOW, settings.leads + 2)} tokens")
+                           f"window(s) of >= {max(MIN_WINDOW, max(settings.leads, settings.horizon) + 2)} tokens")
     logger.info("recording routing of %d %s tokens in %d windows", sum(map(len, windows)), what, len(windows))
     return record_routing(engine, windows, progress=progress)
 

@@ -58,9 +58,9 @@ class EngineConfig:
                                     "idle: fills for later layers wait while a layer reads experts from host, so "
                                     "they use only link time that would idle")
     reuse_weight: float = _opt(0.0, "predictor='learned': victims by w x the head's probability that the expert is "
-                                     "needed by the next two tokens + (1 - w) x the policy's rank (0, the default: "
-                                     "the policy alone; 0.9 cut misses on long held-out runs but not on the "
-                                     "bench's short ones, BENCHMARKS)")
+                                     "needed soon (the next two tokens, or its horizon) + (1 - w) x the policy's "
+                                     "rank (0, the default: the policy alone; 0.9 cut misses on long held-out runs "
+                                     "but not on the bench's short ones, BENCHMARKS)")
     spare_recent: int = _opt(1, "prefetches never evict an expert used in the last N steps (0: any victim; lrfu, "
                                 "lru and static policies; the oracle uses Belady's victims)")
     prefetch_lead: int = _opt(0, "a prefetch is reserved at most this many MoE layers before its need (0: no limit, as "

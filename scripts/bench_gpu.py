@@ -43,7 +43,7 @@ from moeprefetch import MoEPrefetchEngine  # noqa: E402
 from moeprefetch.analysis import belady_bytes_per_token  # noqa: E402
 from moeprefetch.checkpoint import CheckpointReader  # noqa: E402
 from moeprefetch.experts import EXPERT_DTYPES  # noqa: E402
-from moeprefetch.options import FILL_LINK, LATE_PREFETCH, POLICIES, EngineConfig  # noqa: E402
+from moeprefetch.options import FILL_LINK, LATE_PREFETCH, POLICIES, EngineConfig, check_fraction  # noqa: E402
 
 logger = logging.getLogger("bench_gpu")
 GiB = 1024**3
@@ -1244,6 +1244,7 @@ def learned_head_for(name: str, path: Path, args: argparse.Namespace) -> Path | 
     (the shipped reference head; `routing_head.safetensors` beside the deep model). A head trained on the unpadded
     model is keyed to the padded copy the bench runs: padding changes the config's expert width but no router and no
     computed value (`write_padded_reference`), so the head predicts the same routing."""
+    from moeprefetch.errors import CheckpointError
     from moeprefetch.learned_predictor import load_predictor, save_predictor
     from moeprefetch.routing_record import checkpoint_fingerprint
 
@@ -1254,9 +1255,13 @@ def learned_head_for(name: str, path: Path, args: argparse.Namespace) -> Path | 
         head_path = sources[name] / "routing_head.safetensors"
     else:
         return None
+    try:  # a head is some checkpoint's: the workloads of a run that are not its run without 'learned' rows
+        head = load_predictor(head_path, sources.get(name, path))
+    except CheckpointError:
+        logger.info("%s: the routing head %s belongs to another checkpoint; no learned rows", name, head_path)
+        return None
     if name not in sources:
         return head_path
-    head = load_predictor(head_path, sources[name])  # refused unless it was trained on the source's routers
     head.config = dataclasses.replace(head.config, fingerprint=checkpoint_fingerprint(path))
     out = path / "routing_head.safetensors"
     save_predictor(head, out, {"keyed_from": str(head_path), "source": str(sources[name])})
@@ -1275,6 +1280,7 @@ def modified_row(name: str, known: dict[str, tuple]) -> tuple:
             fill_confidence = float(mod[4:])
         elif mod.startswith("reuse"):
             reuse_weight = float(mod[5:])
+            check_fraction("reuse_weight", reuse_weight, upper_open=False)
         else:
             raise SystemExit(f"--systems: unknown modifier {mod!r} in {name!r} (fillC, idle or reuseW)")
     return (name, predictor, speculative, lookahead, cut, fill_confidence, fill_link, reuse_weight)

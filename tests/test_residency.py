@@ -360,22 +360,34 @@ def test_predicted_reuse_reorders_the_victims_and_no_prediction_keeps_the_policy
     from moeprefetch.residency.plan import victim_order
 
     g = torch.Generator().manual_seed(7)
-    for trial in range(20):
-        t = Table(slots=6, positions=3, experts=8, policy=policy)
-        for _ in range(4):  # a few steps of random uses fill the slots and the routing history
+    slots = 9
+    for trial in range(30):
+        t = Table(slots=slots, positions=3, experts=8, policy=policy)
+        for _ in range(1 + trial % 4):  # a few steps of random uses fill some slots and the routing history
             t.start()
             for p in range(2):
                 t.plan(p, [torch.randperm(8, generator=g)[:2].tolist()])
         t.start()
+        held = t.st.key_of.tolist()
+        filled = [s for s in range(slots) if held[s] >= 0]
+        if trial % 3 == 1 and len(filled) > 2:  # a slot being filled and a pinned key: never victims, last
+            t.st.slot_state[filled[0]] = FILLING
+            t.st.pinned[held[filled[1]]] = 1
         plain = victim_order(t.st, t.cfg).tolist()
         weighted = dataclasses.replace(t.cfg, reuse_weight=0.7)
         assert victim_order(t.st, weighted).tolist() == plain  # no predictions yet
         t.st.reuse.copy_(torch.rand(t.cfg.keys, generator=g))
         order = victim_order(t.st, weighted).tolist()
-        held = t.st.key_of.tolist()
-        rank = {slot: i for i, slot in enumerate(plain)}
-        score = {s: 0.7 * float(t.st.reuse[held[s]]) + 0.3 * rank[s] / 5 for s in range(6)}
-        expected = sorted(range(6), key=lambda s: (score[s], rank[s]))
+        # the policy's own order of every slot, before free slots go first and blocked ones last
+        raw = dataclasses.replace(t.st, slot_state=torch.full_like(t.st.slot_state, RESIDENT),
+                                  pinned=torch.zeros_like(t.st.pinned))
+        rank = {slot: i for i, slot in enumerate(victim_order(raw, t.cfg).tolist())}
+        free = [s for s in range(slots) if int(t.st.slot_state[s]) == 0]
+        blocked = [s for s in range(slots) if int(t.st.slot_state[s]) == FILLING
+                   or (held[s] >= 0 and int(t.st.pinned[held[s]]))]
+        rest = [s for s in range(slots) if s not in free and s not in blocked]
+        score = {s: 0.7 * float(t.st.reuse[held[s]]) + 0.3 * rank[s] / (slots - 1) for s in rest}
+        expected = free + sorted(rest, key=lambda s: (score[s], rank[s])) + blocked
         assert order == expected, trial
 
 

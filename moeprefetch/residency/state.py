@@ -57,7 +57,7 @@ class ResidencyConfig:
     frequency_halflife: float = 8.0  # lrfu: a use counts half after this many steps (BENCHMARKS "LRFU")
     wait_late: bool = False  # a late prefetch: wait (bounded) for its fill instead of reading it from host again
     fill_idle_link: bool = False  # fills for later steps pause while a layer reads missed experts from host
-    # victims by predicted reuse: w x P(needed by the next two tokens, `TableState.reuse`) + (1 - w) x the policy's
+    # victims by predicted reuse: w x P(needed soon, `TableState.reuse`) + (1 - w) x the policy's
     # rank, lowest first (0: the policy's order alone)
     reuse_weight: float = 0.0
 
@@ -119,7 +119,7 @@ class TableState:
     decode_step: torch.Tensor  # [1] int64 index of the decode step (oracle traces, rings)
     demand: torch.Tensor  # [1] int32 experts the current layer reads from host (`fill_idle_link`), 0 once read
     pred: torch.Tensor  # [R, P, E] fp32 prediction confidence per target (step mod R, position, expert)
-    reuse: torch.Tensor  # [K] fp32 a predictor's probability that the key is needed by the next two tokens (0: none)
+    reuse: torch.Tensor  # [K] fp32 a predictor's P(the key is needed soon) (`RoutingHead.predict`; 0: none)
     fills_for: torch.Tensor  # [R, P] int32 fills reserved per target
     counters: torch.Tensor  # [P, len(COUNTERS)] int64
 
