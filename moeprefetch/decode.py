@@ -46,6 +46,9 @@ class StepShape:
     reserve: bool  # predictions become prefetches (never with every expert resident)
     record: bool = False  # the routing is recorded into the table's trace (the oracle's first pass)
     draft_cached: bool = False  # the MTP head computes with the routed experts in VRAM only and never fetches one
+    # the MTP head's vocabulary head runs (drafts for speculation, the shadow row, chains and their accounting); off
+    # when only the learned head reads link 1's output (at V2-Lite's vocabulary, a 420 MB GEMV a step saved)
+    drafts: bool = True
 
     @property
     def extra(self) -> int:
@@ -142,8 +145,8 @@ class DecodeStep:
         return StepOutput(
             next_tokens=[row[0] for row in out],
             second_tokens=[row[1] for row in out] if self.shape.mode == "verify" else None,
-            drafts=[row[2 : 2 + m] for row in out] if self.shape.run_mtp else None,
-            draft_probs=self.probs_host.tolist() if self.shape.run_mtp else None,
+            drafts=[row[2 : 2 + m] for row in out] if self.shape.run_mtp and self.shape.drafts else None,
+            draft_probs=self.probs_host.tolist() if self.shape.run_mtp and self.shape.drafts else None,
         )
 
     def _run(self) -> None:
@@ -291,6 +294,8 @@ class DecodeStep:
         positions = pos[:, None] + torch.arange(1, rows + 1, device=pos.device)
         x = self._mtp_link(tokens, hidden, positions, chained=False)
         first = x  # link 1's output [B, M, H], which the learned head reads
+        if not self.shape.drafts:
+            return first
         probs, drafts = self.runner.mtp_logits(x).softmax(-1).max(-1)  # [B, M]
         self.outputs[:, 2:].copy_(drafts)
         self.probs.copy_(probs)

@@ -104,6 +104,11 @@ class PredictorSpec:
         return any(n in MTP_PREDICTORS for n in self.names) or (self.learned and self.learned_mtp)
 
     @property
+    def needs_drafts(self) -> bool:
+        """The MTP head's draft tokens are used (by an MTP predictor); the learned head reads only link 1's output."""
+        return any(n in MTP_PREDICTORS for n in self.names)
+
+    @property
     def learned(self) -> bool:
         return "learned" in self.names
 

@@ -91,6 +91,7 @@ class Session:
         self.spec = request.predictor
         self.speculative = request.speculative == "mtp"
         self.uses_mtp = engine.has_mtp and (self.speculative or self.spec.needs_mtp)
+        self.drafts = self.speculative or self.spec.needs_drafts
         # with every expert resident a shadow row predicts nothing worth fetching: skip its compute
         self.shadow = self.spec.shadow and not self.speculative and not self.res.preloaded
         self.trace = trace  # the oracle's recorded routing
@@ -189,7 +190,7 @@ class Session:
                 continue
             tokens = [next_tok[b]]
             accepted = False
-            if self.uses_mtp:
+            if self.uses_mtp and self.drafts:  # drafts exist (not when only the learned head reads the MTP head)
                 self.stats.mtp_drafts_checked += 1
                 self.stats.mtp_drafts_correct += int(drafts[b] == next_tok[b])
             if second is not None:
@@ -338,7 +339,8 @@ def step_shape(engine: "MoEPrefetchEngine", batch: int, spec: PredictorSpec, mod
                sampling: SamplingParams, record: bool = False) -> StepShape:
     """The decode step a call (or a continuous batch) runs: its rows, predictor signals and sampling paths."""
     res = engine.residency
-    return StepShape(batch=batch, mode=mode, spec=spec, run_mtp=uses_mtp, greedy=sampling.greedy,
+    return StepShape(batch=batch, mode=mode, spec=spec, run_mtp=uses_mtp,
+                     drafts=uses_mtp and (mode != "none" or spec.needs_drafts), greedy=sampling.greedy,
                      top_k=0 < sampling.top_k < engine.args.vocab_size, top_p=sampling.top_p < 1.0,
                      reserve=spec.active and not res.preloaded, record=record,
                      draft_cached=uses_mtp and not res.preloaded and engine.options.draft_experts == "cached")
