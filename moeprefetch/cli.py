@@ -236,12 +236,13 @@ def _run_generation(ns: argparse.Namespace, engine, prompts: list[Any], write_st
 
 def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig fields from the shared engine options."""
+    from .options import check_one_cache_size
+
     sizes = [flag for flag, given in (("--cache-slots", ns.cache_slots is not None),
                                       ("--cache-fraction", ns.cache_fraction is not None),
                                       ("--vram-budget", ns.vram_budget is not None), ("--all-resident", ns.all_resident))
              if given]
-    if len(sizes) > 1:
-        raise MoEPrefetchError(f"{' and '.join(sizes)} contradict each other: each decides the expert cache's size")
+    check_one_cache_size(sizes)
     dtype = ns.dtype or ("bfloat16" if ns.device.startswith("cuda") else "float32")
     kwargs: dict[str, Any] = dict(device=ns.device, dtype=dtype, policy=ns.policy, lrfu_halflife=ns.lrfu_halflife,
                                   prefetch_budget=ns.prefetch_budget,

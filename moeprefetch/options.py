@@ -172,10 +172,8 @@ class EngineConfig:
         budget = self.prefetch_budget
         if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not math.isfinite(budget) or budget < 0:
             raise RequestError(f"prefetch_budget must be a number >= 0 (a multiple of top-k), got {budget!r}")
-        sizes = [name for name in ("expert_cache_slots", "vram_budget", "expert_cache_fraction")
-                 if getattr(self, name) is not None]
-        if len(sizes) > 1:
-            raise RequestError(f"give one of {' or '.join(sizes)}, not both: each sizes the expert cache")
+        check_one_cache_size([name for name in ("expert_cache_slots", "vram_budget", "expert_cache_fraction")
+                              if getattr(self, name) is not None])
         if self.placement_profile is not None and not self.distributed:
             raise RequestError("placement_profile places experts over ranks: it needs distributed=True")
         if self.placement_profile is not None and not isinstance(self.placement_profile, Mapping):
@@ -185,6 +183,13 @@ class EngineConfig:
         if fraction is not None and (not isinstance(fraction, (int, float)) or isinstance(fraction, bool)
                                      or not 0 < fraction <= 1):
             raise RequestError(f"expert_cache_fraction must be a number in (0, 1], got {fraction!r}")
+
+
+def check_one_cache_size(given: Sequence[str]) -> None:
+    """The one rule for the settings that size the expert cache (options, CLI flags, the planner's inputs): at most
+    one of them may be given."""
+    if len(given) > 1:
+        raise RequestError(f"give one of {' or '.join(given)}, not both: each sizes the expert cache")
 
 
 def check_positive_int(name: str, value: Any) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import RequestError
+from .options import check_one_cache_size
 
 GiB = 1024**3
 _UNITS = {
@@ -145,8 +146,8 @@ def _plan_slots(request: PlanInputs) -> MemoryPlan:
     workspace_bytes, expert_record_bytes = request.workspace_bytes, request.expert_record_bytes
     total_experts, top_k, budget_bytes = request.total_experts, request.top_k, request.budget_bytes
     expert_cache_slots, stream_ahead = request.expert_cache_slots, request.stream_ahead
-    if expert_cache_slots is not None and budget_bytes is not None:
-        raise RequestError("give either expert_cache_slots or vram_budget, not both")
+    check_one_cache_size([name for name, value in (("expert_cache_slots", expert_cache_slots),
+                                                   ("vram_budget", budget_bytes)) if value is not None])
     if expert_cache_slots is not None:
         if not isinstance(expert_cache_slots, int) or isinstance(expert_cache_slots, bool):
             raise RequestError(f"expert_cache_slots must be an integer, got {expert_cache_slots!r}")

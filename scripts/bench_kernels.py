@@ -306,7 +306,8 @@ def main() -> int:
     big_d = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     ms = timed(lambda: big_d.copy_(big_h, non_blocking=True))
     rows["h2d_copy_engine_gbps"] = (256 << 20) / ms / 1e6
-    cfg = ResidencyConfig(positions=2, main_positions=1, n_experts=n_host, n_slots=32, record_bytes=rec, entries=64)
+    cfg = ResidencyConfig(positions=2, main_positions=1, n_experts=n_host, n_slots=32, record_bytes=rec, entries=64,
+                          wait_late=False)
     st = TableState.allocate(cfg, 16, dev)
     filler = Filler(st, cfg, pool, host, use_kernel=True)
 
@@ -365,7 +366,8 @@ def main() -> int:
     rows["host_read_equals_slot_read"] = float(torch.equal(via_vram, via_host))
 
     # ---- plan kernel: 27 V2-Lite layers in one graph ----
-    pcfg = ResidencyConfig(positions=27, main_positions=26, n_experts=64, n_slots=544, record_bytes=rec)
+    pcfg = ResidencyConfig(positions=27, main_positions=26, n_experts=64, n_slots=544, record_bytes=rec,
+                           wait_late=False)
     pst = TableState.allocate(pcfg, 96, dev)
     planner = Planner(pst, pcfg, 6, 16, 16, use_kernel=True)
     ids = torch.randint(0, 64, (1, 6), device=dev)

@@ -15,6 +15,7 @@ class Table:
     """A small table driven plan by plan: P positions (the last is the MTP layer), E experts, S slots, top-k 2."""
 
     def __init__(self, slots: int = 4, experts: int = 8, positions: int = 3, policy: str = "lru", **cfg):
+        cfg.setdefault("wait_late", False)  # these rules are the reference plans' own; a late expert is reread
         self.cfg = ResidencyConfig(positions=positions, main_positions=positions - 1, n_experts=experts,
                                    n_slots=slots, record_bytes=64, chunk_bytes=64, entries=16, policy=policy, **cfg)
         self.st = TableState.allocate(self.cfg, 16, torch.device("cpu"))

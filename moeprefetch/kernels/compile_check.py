@@ -72,7 +72,7 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
 
     fmt = ExpertFormat.build(hidden, intermediate, torch.bfloat16, expert_dtype)
     cfg = ResidencyConfig(positions=positions, main_positions=positions - 1, n_experts=experts, n_slots=slots,
-                          record_bytes=fmt.record_bytes)
+                          record_bytes=fmt.record_bytes, wait_late=False)  # the waiting plan: plan_launch
     u = 16 * top_k
     st = TableState.allocate(cfg, u, torch.device("cpu"))
     pool = torch.zeros(2, fmt.record_bytes, dtype=torch.uint8)

@@ -149,7 +149,7 @@ class Residency:
 
     # ---- configuration ----------------------------------------------------------------------------------------
     def configure(self, ring: int = 2, budget_per_target: int | None = None, max_inflight: int | None = None,
-                  min_confidence: float = 0.0, spare_recent: int | None = None, wait_late: bool = False,
+                  min_confidence: float = 0.0, spare_recent: int | None = None, wait_late: bool = True,
                   prefetch_lead: int = 0, policy: str | None = None,
                   frequency_halflife: float | None = None, fill_confidence: float = 0.0,
                   fill_idle_link: bool = False, reuse_weight: float = 0.0) -> None:

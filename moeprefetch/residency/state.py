@@ -53,9 +53,11 @@ class ResidencyConfig:
     spare_recent: int = 1  # prefetches never evict an expert used within this many previous steps (misses may)
     prefetch_lead: int = 0  # fills only for needs at most this many MoE positions ahead of the plan (0: no limit)
     chunk_bytes: int = 1 << 16  # unit of a fill: claimed and copied by one program at a time
-    policy: str = "lru"
+    # the engine's defaults (options.EngineConfig: lrfu, late_prefetch="wait"), so that a table built without them
+    # (tests, tools) behaves as an engine's does
+    policy: str = "lrfu"
     frequency_halflife: float = 8.0  # lrfu: a use counts half after this many steps (BENCHMARKS "LRFU")
-    wait_late: bool = False  # a late prefetch: wait (bounded) for its fill instead of reading it from host again
+    wait_late: bool = True  # a late prefetch: wait (bounded) for its fill instead of reading it from host again
     fill_idle_link: bool = False  # fills for later steps pause while a layer reads missed experts from host
     # victims by predicted reuse: w x P(needed soon, `TableState.reuse`) + (1 - w) x the policy's
     # rank, lowest first (0: the policy's order alone)
