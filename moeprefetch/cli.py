@@ -269,11 +269,11 @@ def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
 
 def _serve(ns: argparse.Namespace) -> int:
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  (the extra's presence, checked before the engine loads)
 
         from .serve.app import build_app
         from .serve.guards import default_allowed_hosts
-        from .serve.lifecycle import DrainingServer
+        from .serve.lifecycle import DrainingServer, server_config
     except ImportError:
         raise MoEPrefetchError("serving needs the optional extra: pip install -e \".[serve]\"") from None
     from .engine import MoEPrefetchEngine
@@ -306,8 +306,7 @@ def _serve(ns: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     # the drain runs before uvicorn's own shutdown (DrainingServer): uvicorn then waits only for the answers
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level="info" if ns.verbose else "warning",
-                            timeout_graceful_shutdown=5)
+    config = server_config(app, ns.host, ns.port, "info" if ns.verbose else "warning")
     server = DrainingServer(config, app.state.server)
     server.run()
     engine.close()

@@ -66,16 +66,14 @@ def plain_model_dir(checkpoint_factory, tiny_tokenizer_dir) -> Path:
 class LiveServer:
     def __init__(self, path: Path, max_batch_size: int = 4, max_queue: int = 32, name: str = "tiny",
                  drain_seconds: float = 2.0, **options):
-        import uvicorn
-
         from moeprefetch.serve.app import build_app
-        from moeprefetch.serve.lifecycle import DrainingServer
+        from moeprefetch.serve.lifecycle import DrainingServer, server_config
 
         self.engine = MoEPrefetchEngine.from_pretrained(path, max_batch_size=max_batch_size, **ENGINE)
         self.app = build_app(self.engine, name, max_queue=max_queue, drain_seconds=drain_seconds,
                              default_max_tokens=16, **options)
         self.port = _free_port()
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        config = server_config(self.app, "127.0.0.1", self.port)
         self.server = DrainingServer(config, self.app.state.server)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -18,6 +18,17 @@ from .app import Server
 logger = logging.getLogger(__name__)
 
 ANSWER_GRACE_SECONDS = 2.0  # after the drain: for the handlers of cut requests to send their 503s and [DONE]s
+# an idle keep-alive connection stays open this long. uvicorn's default (5 s) equals httpx's own idle expiry (the
+# OpenAI client's), so a pooled connection could be closed by the server just as the client reused it: "Server
+# disconnected without sending a response" under load (tests/test_serve.py's load test, once in six CI runs).
+# Longer than the clients' expiry, the client always closes first.
+KEEP_ALIVE_SECONDS = 75
+
+
+def server_config(app, host: str, port: int, log_level: str = "warning") -> uvicorn.Config:
+    """The uvicorn settings of `moeprefetch serve` (and of the tests' live server)."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                          timeout_keep_alive=KEEP_ALIVE_SECONDS)
 
 
 class DrainingServer(uvicorn.Server):
