@@ -50,6 +50,10 @@ class HeadConfig:
     horizon: int = 0
     hidden_input: str = "final hidden after the final norm"
 
+    @property
+    def blocks(self) -> int:
+        return logit_blocks(self.leads, self.horizon)
+
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **asdict(self)})
 
@@ -60,6 +64,11 @@ class HeadConfig:
             raise CheckpointError(f"this file is not a {FORMAT} predictor")
         data["layers"] = tuple(data["layers"])
         return HeadConfig(**data)
+
+
+def logit_blocks(leads: int, horizon: int) -> int:
+    """Blocks of logits a head puts out: one per lead, and one for its horizon if it has one."""
+    return leads + (1 if horizon else 0)
 
 
 def fitting_rank(in_features: int, outputs: int, budget_bytes: int, bytes_per_param: int = 2) -> int:
@@ -80,11 +89,7 @@ class RoutingHead(torch.nn.Module):
         self.config = config
         inputs = config.hidden_size * (2 if config.use_mtp else 1)
         self.down = torch.nn.Linear(inputs, config.rank)
-        self.up = torch.nn.Linear(config.rank, self.blocks * len(config.layers) * config.n_experts)
-
-    @property
-    def blocks(self) -> int:
-        return self.config.leads + (1 if self.config.horizon else 0)
+        self.up = torch.nn.Linear(config.rank, config.blocks * len(config.layers) * config.n_experts)
 
     def forward(self, hidden: torch.Tensor, mtp_hidden: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
@@ -96,7 +101,7 @@ class RoutingHead(torch.nn.Module):
             m = mtp_hidden.to(x.dtype)
             x = torch.cat((x, m * torch.rsqrt(m.pow(2).mean(-1, keepdim=True) + 1e-6)), -1)
         logits = self.up(F.gelu(self.down(x)))
-        return logits.view(-1, self.blocks, len(c.layers), c.n_experts)
+        return logits.view(-1, c.blocks, len(c.layers), c.n_experts)
 
     def predict(self, hidden: torch.Tensor, mtp_hidden: torch.Tensor | None = None, k: int | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,13 +134,16 @@ def sample_index(record: RoutingRecord, leads: int) -> torch.Tensor:
 
 def targets(record: RoutingRecord, index: torch.Tensor, leads: int, n_experts: int, horizon: int = 0) -> torch.Tensor:
     """Multi-hot [S, leads, L, E] float: the experts each layer of token t+j used, j = 1..leads; with a horizon, one
-    more block [S, 1, L, E]: the experts used by any of tokens t+1..t+horizon."""
-    reach = max(leads, horizon)
-    ids = torch.stack([record.ids[index + j] for j in range(1, reach + 1)], 1)  # [S, reach, L, k]
-    hot = torch.zeros(*ids.shape[:-1], n_experts).scatter_(-1, ids, 1.0)
-    if not horizon:
-        return hot
-    return torch.cat((hot[:, :leads], hot[:, :horizon].amax(1, keepdim=True)), 1)
+    more block [S, 1, L, E]: the experts used by any of tokens t+1..t+horizon (scattered token by token into one
+    block, so a long horizon costs no more memory than a short one)."""
+    out = torch.zeros(index.numel(), logit_blocks(leads, horizon), record.ids.shape[1], n_experts)
+    for j in range(1, max(leads, horizon) + 1):
+        ids = record.ids[index + j]  # [S, L, k]
+        if j <= leads:
+            out[:, j - 1].scatter_(-1, ids, 1.0)
+        if j <= horizon:
+            out[:, -1].scatter_(-1, ids, 1.0)
+    return out
 
 
 def split_windows(record: RoutingRecord, index: torch.Tensor, eval_share: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,19 +203,24 @@ def evaluate(head: RoutingHead, record: RoutingRecord, index: torch.Tensor, batc
               "mtp_router": "recorded" if record.mtp_router is not None else
               "skipped: the checkpoint has no MTP layer", "rows": rows}
     if c.horizon:
-        result["horizon"] = _horizon_metrics(logits[:, -1], targets(record, index, 1, c.n_experts, c.horizon)[:, -1],
-                                             c.horizon)
+        result["horizon"] = _horizon_metrics(logits[:, -1], record, index, c, batch)
     return result
 
 
-def _horizon_metrics(logits: torch.Tensor, truth: torch.Tensor, horizon: int) -> dict[str, Any]:
+def _horizon_metrics(logits: torch.Tensor, record: RoutingRecord, index: torch.Tensor, c: HeadConfig,
+                     batch: int) -> dict[str, Any]:
     """The horizon block against the experts each layer really used within `horizon` tokens: precision and recall
-    of the guesses with p > 0.5, and how many experts a layer needs in that time."""
-    guess = logits > 0
-    hits = (guess & (truth > 0)).sum().item()
-    return {"horizon": horizon, "needed_per_layer": truth.sum(-1).mean().item(),
-            "guessed_per_layer": guess.sum(-1).float().mean().item(),
-            "precision_at_half": hits / max(guess.sum().item(), 1), "recall_at_half": hits / max(truth.sum().item(), 1)}
+    of the guesses with p > 0.5, and how many experts a layer needs in that time (in batches of samples)."""
+    hits = guessed = needed = 0
+    for rows in torch.arange(index.numel()).split(batch):
+        truth = targets(record, index[rows], 1, c.n_experts, c.horizon)[:, -1] > 0
+        guess = logits[rows] > 0
+        hits += int((guess & truth).sum())
+        guessed += int(guess.sum())
+        needed += int(truth.sum())
+    cells = index.numel() * len(c.layers)
+    return {"horizon": c.horizon, "needed_per_layer": needed / cells, "guessed_per_layer": guessed / cells,
+            "precision_at_half": hits / max(guessed, 1), "recall_at_half": hits / max(needed, 1)}
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -284,8 +297,7 @@ class TrainSettings:
     use_mtp: bool = True  # feed the MTP output too, when the checkpoint has an MTP layer
     horizon: int = 0  # > 0: also learn "needed by any of the next `horizon` tokens" (victims' reuse)
     # the compute dtype the routing is recorded in (default: the engine's on that device, bf16 on CUDA and fp32 on
-    # the CPU): the one decode runs in, since the deep model routes far less cacheably in bf16 than in fp32
-    # (BENCHMARKS "The learned predictor on the H200")
+    # the CPU): the one decode runs in, whose routing of the same tokens differs slightly from fp32's
     record_dtype: str | None = None
 
 
@@ -401,7 +413,7 @@ def _head_config(engine: "MoEPrefetchEngine", settings: TrainSettings, use_mtp: 
     layers = tuple(lw.index for lw in engine.weights.layers if lw.router is not None)
     # the checkpoint's non-expert bytes as stored (bf16 for most), whatever dtype the engine computes in
     non_expert = weights_nbytes(engine.weights) // engine.weights.embed.element_size() * 2
-    outputs = (settings.leads + (1 if settings.horizon else 0)) * len(layers) * args.n_routed_experts
+    outputs = logit_blocks(settings.leads, settings.horizon) * len(layers) * args.n_routed_experts
     rank = fitting_rank(args.hidden_size * (2 if use_mtp else 1), outputs, int(BYTE_SHARE * non_expert))
     return HeadConfig(hidden_size=args.hidden_size, layers=layers, n_experts=args.n_routed_experts,
                       top_k=args.num_experts_per_tok, leads=settings.leads, rank=rank, use_mtp=use_mtp,

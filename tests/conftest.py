@@ -198,6 +198,11 @@ def hf_mtp_logits(mtp, main_model, ids: torch.Tensor) -> torch.Tensor:
         return mtp._project_to_logits(y)
 
 
+# (predictor, lookahead) pairs the learned predictor's token tests run, on the CPU and in the GPU's graphs, with the
+# baseline its recall must beat last
+LEARNED_ROWS = (("learned", 1), ("learned", 2), ("learned+next_layer_gate", 1), ("previous", 1))
+
+
 def cuda_available() -> bool:
     return torch.cuda.is_available()
 

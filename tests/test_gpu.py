@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import gpu, serve_in_turn
+from conftest import LEARNED_ROWS, gpu, serve_in_turn
 from moeprefetch import MoEPrefetchEngine
 
 pytestmark = [gpu, pytest.mark.gpu]
@@ -434,8 +434,7 @@ def test_the_learned_predictor_keeps_the_tokens_in_graphs():
                                                expert_cache_slots=slots, predictor_path=str(head),
                                                reuse_weight=reuse) as engine:
             recall = {}
-            for predictor, lookahead in (("learned", 1), ("learned", 2), ("learned+next_layer_gate", 1),
-                                         ("previous", 1)):
+            for predictor, lookahead in LEARNED_ROWS:
                 result = engine.generate(prompts, max_new_tokens=24, stop_at_eos=False, predictor=predictor,
                                          lookahead=lookahead)
                 assert result.sequences == expected, (slots, predictor, lookahead)

@@ -18,7 +18,7 @@ from moeprefetch.learned_predictor import (HeadConfig, RoutingHead, TrainSetting
 from moeprefetch.model import route
 from moeprefetch.routing_record import checkpoint_fingerprint, record_routing
 
-from conftest import ROOT, hf_model
+from conftest import LEARNED_ROWS, ROOT, hf_model
 
 REFERENCE = ROOT / "moeprefetch" / "reference_model"
 # in-repo English and code text, near the reference model's corpus (kernel and Python documentation)
@@ -234,8 +234,7 @@ def test_the_learned_predictor_changes_no_token_and_finds_the_next_tokens_expert
     for slots, reuse in ((8, 0.9), (40, 0.0), (40, 0.9)):  # victims by predicted reuse, and by the policy alone
         with MoEPrefetchEngine.from_pretrained(REFERENCE, progress=False, expert_cache_slots=slots,
                                                predictor_path=str(out), reuse_weight=reuse) as engine:
-            for predictor, lookahead in (("learned", 1), ("learned", 2), ("learned+next_layer_gate", 1),
-                                         ("previous", 1)):
+            for predictor, lookahead in LEARNED_ROWS:
                 result = engine.generate(prompts, max_new_tokens=12, stop_at_eos=False, predictor=predictor,
                                          lookahead=lookahead)
                 assert result.sequences == expected, (slots, predictor, lookahead)
