@@ -478,6 +478,8 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
         "fill_confidence": engine.options.fill_confidence,
         "fill_link": engine.options.fill_link,
         "reuse_weight": engine.options.reuse_weight,
+        "spare_recent": engine.options.spare_recent,
+        "max_inflight_experts": engine.options.max_inflight_experts,
         "routing_trace": engine.options.routing_trace,
         "speculative": speculative,
         "expert_dtype": engine.options.expert_dtype,
@@ -714,6 +716,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
     # offloaded: one engine (one store fill), every predictor on the same prompts and budget
     offload_kwargs = dict(common, max_inflight_experts=args.max_inflight, draft_experts=args.draft_experts,
                           spare_recent=args.spare_recent, late_prefetch=args.late_prefetch,
+                          fill_confidence=args.fill_confidence, fill_link=args.fill_link,
                           **engine_settings(args))
     if budget is not None:
         offload_kwargs["vram_budget"] = f"{budget}GiB"
@@ -767,28 +770,25 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         systems += [("learned", "learned", None, 1, 0.0), ("learned+next_layer_gate", "learned+next_layer_gate",
                                                             None, 1, 0.0)]
         systems += [(f"learned_la{k}", "learned", None, k, 0.0) for k in range(2, leads + 1)]
-    # every row's fill and victim settings: the run's (--fill-confidence, --fill-link, the engine's reuse_weight)
-    # unless the row's name says (~fill, ~idle, ~reuse)
-    systems = [(*s, args.fill_confidence, args.fill_link, engine.options.reuse_weight) for s in systems]
+    # every row runs with the run's engine options (--fill-confidence, --fill-link, --spare-recent, ...) unless its name
+    # says otherwise (~fillC, ~idle, ~reuseW, ~spareN, ~inflightN: `modified_row`)
+    systems = [(*s, {}) for s in systems]
     if args.systems:
         known = {s[0]: s for s in systems}
         # rows this model cannot run (MTP rows without an MTP layer, say) are left out, as in the default list
         systems = [known.get(name) or modified_row(name, known) for name in args.systems.split(",")
                    if name.split("~")[0] in known]
-    # the same predictors with other prefetch leads ('~lead' rows) and cache policies ('~policy' rows, reactive too);
-    # the engine's options change between calls
+    # the same predictors with other prefetch leads ('~lead' rows) and cache policies ('~policy' rows, reactive too)
     leads = [int(v) for v in args.lead_rows.split(",") if v]
     policies = [v for v in args.policy_rows.split(",") if v]
-    planned = [(*s, args.prefetch_lead, args.policy) for s in systems] + \
-        [(f"{s[0]}~lead{lead}", *s[1:], lead, args.policy) for lead in leads for s in systems if s[1] != "none"] + \
-        [(f"{s[0]}~{policy}", *s[1:], args.prefetch_lead, policy) for policy in policies for s in systems
+    planned = list(systems) + \
+        [(f"{s[0]}~lead{lead}", *s[1:5], {**s[5], "prefetch_lead": lead}) for lead in leads for s in systems
+         if s[1] != "none"] + \
+        [(f"{s[0]}~{policy}", *s[1:5], {**s[5], "policy": policy}) for policy in policies for s in systems
          if s[1] != "oracle"]  # the oracle's victims are Belady's whatever the policy
-    reuse_default = engine.options.reuse_weight
-    for (system, predictor, speculative, lookahead, min_confidence, fill_confidence, fill_link, reuse_weight, lead,
-         policy) in planned:
-        engine.options = dataclasses.replace(engine.options, prefetch_lead=lead, policy=policy,
-                                             fill_confidence=fill_confidence, fill_link=fill_link,
-                                             reuse_weight=reuse_weight)
+    run_options = engine.options
+    for system, predictor, speculative, lookahead, min_confidence, overrides in planned:
+        engine.options = dataclasses.replace(run_options, **overrides)  # the engine's options change between calls
         try:
             row = run_row(engine, system, prompts, args.new_tokens, predictor=predictor, speculative=speculative,
                           runs=args.runs, lookahead=lookahead, min_confidence=min_confidence)
@@ -799,9 +799,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         except Exception as exc:
             emit({**base, "system": system, "failed": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc(limit=4)})
-    engine.options = dataclasses.replace(engine.options, prefetch_lead=args.prefetch_lead, policy=args.policy,
-                                         fill_confidence=args.fill_confidence, fill_link=args.fill_link,
-                                         reuse_weight=reuse_default)
+    engine.options = run_options
     if args.profile:
         default = ("none", "oracle", "mtp+next_layer_gate" if engine.has_mtp else "next_layer_gate")
         for predictor in args.profile_predictors.split(",") if args.profile_predictors else default:
@@ -1268,22 +1266,33 @@ def learned_head_for(name: str, path: Path, args: argparse.Namespace) -> Path | 
     return out
 
 
+# a row name's modifiers: engine option, its parser
+ROW_MODIFIERS = {"fill": ("fill_confidence", float), "reuse": ("reuse_weight", float),
+                 "spare": ("spare_recent", int), "inflight": ("max_inflight_experts", int)}
+
+
 def modified_row(name: str, known: dict[str, tuple]) -> tuple:
-    """A row named '<row>~fillC~idle~reuseW' (any of the modifiers, any order): the known row <row> with
-    fill_confidence C, fill_link='idle' and/or reuse_weight W."""
+    """A row named '<row>~fillC~idle~reuseW~spareN~inflightN' (any of the modifiers, any order): the known row <row>
+    with fill_confidence C, fill_link='idle', reuse_weight W, spare_recent N and/or max_inflight_experts N."""
     base, *mods = name.split("~")
-    system, predictor, speculative, lookahead, cut, fill_confidence, fill_link, reuse_weight = known[base]
+    system, predictor, speculative, lookahead, cut, overrides = known[base]
+    overrides = dict(overrides)
     for mod in mods:
+        prefix = next((p for p in ROW_MODIFIERS if mod.startswith(p) and mod[len(p):]), None)
         if mod == "idle":
-            fill_link = "idle"
-        elif mod.startswith("fill"):
-            fill_confidence = float(mod[4:])
-        elif mod.startswith("reuse"):
-            reuse_weight = float(mod[5:])
-            check_fraction("reuse_weight", reuse_weight, upper_open=False)
+            overrides["fill_link"] = "idle"
+        elif prefix is not None:
+            option, parse = ROW_MODIFIERS[prefix]
+            try:
+                overrides[option] = parse(mod[len(prefix):])
+            except ValueError:
+                raise SystemExit(f"--systems: {mod!r} in {name!r} needs a number after {prefix!r}") from None
         else:
-            raise SystemExit(f"--systems: unknown modifier {mod!r} in {name!r} (fillC, idle or reuseW)")
-    return (name, predictor, speculative, lookahead, cut, fill_confidence, fill_link, reuse_weight)
+            raise SystemExit(f"--systems: unknown modifier {mod!r} in {name!r} (fillC, idle, reuseW, spareN or "
+                             f"inflightN)")
+    if "reuse_weight" in overrides:
+        check_fraction("reuse_weight", overrides["reuse_weight"], upper_open=False)
+    return (name, predictor, speculative, lookahead, cut, overrides)
 
 
 def load_offloaded(path: Path, options: dict[str, Any], cache_fraction: float,

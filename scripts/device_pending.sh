@@ -137,10 +137,14 @@ case "${STAGE:-tests}" in
       grep -v -E "Warning:|warnings.warn" | tail -5 ;;
   deep_bench)
     # issue 36's rows on the deep model, experts padded to 17.3 MB, at --cache-fraction (bench options follow); the
-    # model is trained first when .device-data/deep holds none (carry .device-data/corpus_min then)
-    [ -f .device-data/deep/model.safetensors.index.json ] || train_deep
+    # model is trained first when .device-data/deep holds none (carry .device-data/corpus_min then) and comes back in
+    # 15 MB parts; TESTS="pytest -k expression": those GPU tests afterwards
+    [ -f .device-data/deep/model.safetensors.index.json ] || \
+      { train_deep; tar -C .device-data -cf - deep | split -b 15M - "$out/deep.tar.part-"; }
     timeout "${LIMIT:-560}" python3 scripts/bench_gpu.py --out "$out/bench_deep.json" --workloads deep --runs "${RUNS:-1}" \
-      "$@" 2>&1 | filter ;;
+      "$@" 2>&1 | filter
+    [ -n "${TESTS:-}" ] && timeout "${TESTS_LIMIT:-150}" python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider \
+      --tb=short -k "$TESTS" 2>&1 | grep -v -E "Warning:|warnings.warn" | tail -6 ;;
   v2lite_trace)
     # issue 36's V2-Lite-shape rows with the real V2-Lite routing trace forced (.device-data/traces, carried)
     timeout "${LIMIT:-560}" python3 scripts/bench_gpu.py --out "$out/bench_v2lite_trace.json" --workloads v2lite_trace \
