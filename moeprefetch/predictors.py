@@ -126,11 +126,6 @@ class PredictorSpec:
         return any(n in ORACLES for n in self.names)
 
     @property
-    def exact(self) -> bool:
-        """Every prediction is the recorded future (`oracle`, `oracle_next`, alone or together): none is ever wrong."""
-        return all(n in ORACLES for n in self.names)
-
-    @property
     def belady(self) -> bool:
         """Victims follow the recorded future (Belady's order) instead of the cache policy: the full oracle only."""
         return "oracle" in self.names

@@ -323,13 +323,10 @@ def configure_residency(engine: "MoEPrefetchEngine", spec: PredictorSpec, rows: 
     options, top_k = engine.options, engine.args.num_experts_per_tok
     budget = max(int(math.ceil(options.prefetch_budget * top_k * rows)), 0)
     inflight = options.max_inflight_experts or max(2 * top_k * rows, 4)
-    # Sparing guards the working set against wrong prefetches, so exact predictions (the oracles) need none: with it,
-    # `oracle_next`'s fills stopped at the first recent slot of the queue and became demand misses (H200, deep model
-    # at 30 % cached: 5.6 instead of 1.3 misses per token, 13.29 instead of 11.94 ms/token; BENCHMARKS). LFU's queue
-    # is not in recency order, which the sparing rule relies on. LRFU's is not either, but sparing still pays there:
-    # prefetches stop at the first recently used slot of the queue (reference model at 25 % cached, mtp @ 0.05: 5.07
-    # experts per token with sparing, 5.38 without; BENCHMARKS)
-    spare = 0 if spec.exact or options.policy == "lfu" else options.spare_recent
+    # Belady's victims need no sparing; LFU's queue is not in recency order, which the sparing rule relies on. LRFU's
+    # is not either, but sparing still pays there: prefetches stop at the first recently used slot of the queue
+    # (reference model at 25 % cached, mtp @ 0.05: 5.07 experts per token with sparing, 5.38 without; BENCHMARKS)
+    spare = 0 if spec.belady or options.policy == "lfu" else options.spare_recent
     engine.residency.configure(ring=spec.ring, budget_per_target=budget, max_inflight=inflight,
                                min_confidence=min_confidence, spare_recent=spare,
                                wait_late=options.late_prefetch == "wait", prefetch_lead=options.prefetch_lead,
