@@ -16,6 +16,9 @@ victim is read in place), under each rule:
 | `reuse_step@w` | the same with P(needed by this token or the next), as a queue sorted at the token's start has it |
 | `reuse_soon@w` | the same with the head's own "needed soon" (`RoutingHead.predict`: its horizon block if it has one) |
 | `oracle_next` | lrfu, never an expert this token or the next needs (the one-token ceiling) |
+| `<rule>+bypass` | `<rule>`'s victims, but a miss is read in place without admission when the head's "needed soon"
+  probability of the miss is below its victim's (both from `RoutingHead.predict`) |
+| `<rule>+bypass@c` | the same, a miss admitted only at "needed soon" >= c |
 | `belady` | the expert needed farthest in the future |
 
 Counts are bytes a policy asks for (misses), not time: fills would move some of them off the critical path. The
@@ -81,8 +84,11 @@ def replay(ids: np.ndarray, probs: np.ndarray, window: np.ndarray, slots: int, r
         next_need = np.full((n + 1, keys), np.inf)
         for t in range(n - 1, -1, -1):
             next_need[t] = np.where(needed[t], t, next_need[t + 1])
-    name, _, arg = rule.partition("@")
+    rule_name, _, bypass_rule = rule.partition("+bypass")
+    name, _, arg = rule_name.partition("@")
     arg = float(arg) if arg else 0.0
+    bypass_at = float(bypass_rule[1:]) if bypass_rule.startswith("@") else None  # None: compare with the victim
+    bypassing = "+bypass" in rule
     misses = bypass = 0
     layer_of = np.repeat(np.arange(layers), experts)
     for t in range(n):
@@ -91,8 +97,9 @@ def replay(ids: np.ndarray, probs: np.ndarray, window: np.ndarray, slots: int, r
         known = t > 0 and window[t - 1] == window[t]
         now_p = probs[t - 1, 0].ravel() if known else np.zeros(keys)
         next_p = probs[t - 1, 1].ravel() if known and probs.shape[1] > 1 else np.zeros(keys)
-        if name == "reuse_soon":  # the head's own "needed soon" (its horizon block, when it has one)
-            now_p, next_p = np.zeros(keys), (soon[t - 1].ravel() if known else np.zeros(keys))
+        soon_p = soon[t - 1].ravel() if known else np.zeros(keys)  # the head's own "needed soon"
+        if name == "reuse_soon":  # (its horizon block, when it has one)
+            now_p, next_p = np.zeros(keys), soon_p
         protect = np.zeros(keys, bool)
         if name in ("lrfu+protect", "lrfu+protect2k") and known:
             g = k if name == "lrfu+protect" else 2 * k
@@ -119,8 +126,12 @@ def replay(ids: np.ndarray, probs: np.ndarray, window: np.ndarray, slots: int, r
                         soonest = None if next_need is None else np.where((layer_of > p) & needed[t], t,
                                                                           next_need[t + 1])
                         victim = _victim(name, arg, eligible, last_use, freq, now_p, next_p, layer_of, p, soonest)
-                        cached[victim] = False
-                        cached[key] = True
+                        if bypassing and known and (soon_p[key] < bypass_at if bypass_at is not None
+                                                    else soon_p[key] < soon_p[victim]):
+                            bypass += 1  # read in place: the victim is likelier to be needed soon than the miss
+                        else:
+                            cached[victim] = False
+                            cached[key] = True
                     else:
                         bypass += 1
                 used_now[key] = True

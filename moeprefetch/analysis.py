@@ -29,15 +29,17 @@ class RoutingTrace:
     decode_tokens: int
 
 
-def record_routing(engine: "MoEPrefetchEngine", prompt: list[int], new_tokens: int) -> RoutingTrace:
-    """Greedy generation with reactive fetching, recording every layer's distinct experts (prefill on the host,
-    decode on the device: one read of the trace at the end)."""
+def record_routing(engine: "MoEPrefetchEngine", prompt: list[int], new_tokens: int, temperature: float = 0.0,
+                   seed: int = 0) -> RoutingTrace:
+    """A generation with reactive fetching (greedy, or sampled at `temperature` with `seed`, as `generate` samples),
+    recording every layer's distinct experts (prefill on the host, decode on the device: one read of the trace at the
+    end)."""
     from .session import Session
 
     res = engine.residency
     if res.group is not None:
         raise RequestError("routing traces read one process's table: record them without distributed=True")
-    request = engine._new_request([prompt], new_tokens, 0.0, 0, 1.0, 0, "none", 1, None, False, None)
+    request = engine._new_request([prompt], new_tokens, temperature, 0, 1.0, seed, "none", 1, None, False, None)
     res.prefill_log = []
     run = engine._run(Session(engine, request, record=True))
     try:
@@ -121,8 +123,9 @@ def ahead_misses(steps: list[list[ExpertKey]], slots: int, ahead: int) -> int:
     return misses
 
 
-def belady_bytes_per_token(engine: "MoEPrefetchEngine", prompt: list[int], new_tokens: int) -> float:
+def belady_bytes_per_token(engine: "MoEPrefetchEngine", prompt: list[int], new_tokens: int, temperature: float = 0.0,
+                           seed: int = 0) -> float:
     """Bytes Belady's replacement must move per decode token with this engine's cache size, on this generation."""
-    trace = record_routing(engine, prompt, new_tokens)
+    trace = record_routing(engine, prompt, new_tokens, temperature, seed)
     misses = belady_misses(trace.uses, engine.residency.n_slots, trace.first_decode)
     return misses * engine.residency.expert_bytes / max(trace.decode_tokens, 1)

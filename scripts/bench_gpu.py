@@ -446,12 +446,14 @@ def host_memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, 
 
 def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], new_tokens: int, *,
             predictor: str = "none", speculative: str | None = None, runs: int = 3,
-            lookahead: int | None = None, min_confidence: float = 0.0, batch: int = 1) -> dict[str, Any]:
+            lookahead: int | None = None, min_confidence: float = 0.0, batch: int = 1, temperature: float = 0.0,
+            seed: int = 0) -> dict[str, Any]:
     """Warm-up once, then `runs` measured generations (one per prompt, or `batch` prompts at once; cold expert cache
-    and no routing history each); medians. Per-token figures count the tokens of every row."""
+    and no routing history each); medians. Per-token figures count the tokens of every row. Greedy, or sampled at
+    `temperature` with `seed` (seeded sampling draws the same tokens from the same logits, so rows stay comparable)."""
     device = engine.device
     kwargs = dict(predictor=predictor, speculative=speculative, stop_at_eos=False, lookahead=lookahead,
-                  min_confidence=min_confidence)
+                  min_confidence=min_confidence, temperature=temperature, seed=seed)
     engine.reset_expert_cache(forget_routing=True)
     engine.generate([prompts[i % len(prompts)] for i in range(batch)], max_new_tokens=min(8, new_tokens), **kwargs)
     if device.type == "cuda":
@@ -482,6 +484,8 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
         "max_inflight_experts": engine.options.max_inflight_experts,
         "routing_trace": engine.options.routing_trace,
         "speculative": speculative,
+        "temperature": temperature,
+        "seed": seed,
         "expert_dtype": engine.options.expert_dtype,
         "runs": runs,
         "new_tokens": new_tokens,
@@ -528,7 +532,7 @@ KERNEL_GROUPS = (("plan", ("_plan_kernel", "_step_start_kernel")), ("experts", (
 
 
 def timeline(engine: MoEPrefetchEngine, prompt: list[int] | list[list[int]], new_tokens: int,
-             predictor: str) -> dict[str, Any]:
+             predictor: str, temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
     """Where a decode token's time goes, from a CUDA trace of the replayed step graphs (torch.profiler/CUPTI).
 
     Per decode step (ms; one step is one token of every row, so per token at batch 1): wall time; busy time of the
@@ -539,10 +543,12 @@ def timeline(engine: MoEPrefetchEngine, prompt: list[int] | list[list[int]], new
     from torch.profiler import ProfilerActivity, profile
 
     engine.reset_expert_cache(forget_routing=True)
-    engine.generate(prompts, max_new_tokens=min(8, new_tokens), predictor=predictor, stop_at_eos=False)
+    sampling = dict(temperature=temperature, seed=seed)
+    engine.generate(prompts, max_new_tokens=min(8, new_tokens), predictor=predictor, stop_at_eos=False, **sampling)
     engine.reset_expert_cache(forget_routing=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        result = engine.generate(prompts, max_new_tokens=new_tokens, predictor=predictor, stop_at_eos=False)
+        result = engine.generate(prompts, max_new_tokens=new_tokens, predictor=predictor, stop_at_eos=False,
+                                 **sampling)
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() >= 0]
     if not kernels:
         return {"timeline_error": "the profiler recorded no kernels"}
@@ -657,6 +663,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
                    emit: Callable[[dict[str, Any]], None]) -> None:
     config = json.loads((path / "config.json").read_text())
     learned = name in ("ref17", "deep")  # trained checkpoints: held-out text as prompts, a share of experts cached
+    sampling = dict(temperature=args.temperature, seed=args.seed)  # every generation of the workload, floor included
     prompts = prompts_for(path, args.corpus if learned else None, config["vocab_size"], args.runs,
                           args.prompt_tokens, seed=1)
     common = dict(device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
@@ -679,7 +686,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         if args.systems and "all_resident" not in args.systems.split(","):
             raise RuntimeError("all_resident skipped (--systems)")
         engine = MoEPrefetchEngine.from_pretrained(path, **common)
-        row = run_row(engine, "all_resident", prompts, args.new_tokens, runs=args.runs)
+        row = run_row(engine, "all_resident", prompts, args.new_tokens, runs=args.runs, **sampling)
         resident_ms = row["ms_per_token"]
         total_experts = engine.plan.total_experts
         expert_bytes = engine.residency.expert_bytes
@@ -690,19 +697,21 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         reference_sequences = row["sequences"]
         if engine.has_mtp and (not args.systems or "all_resident_mtp" in args.systems.split(",")):
             # the compute the MTP machinery adds (shadow row and head) when no byte crosses the link
-            head = run_row(engine, "all_resident_mtp", prompts, args.new_tokens, predictor="mtp", runs=args.runs)
+            head = run_row(engine, "all_resident_mtp", prompts, args.new_tokens, predictor="mtp", runs=args.runs,
+                           **sampling)
             emit({**base, **head, "vram_budget_gib": None, "cache_fraction": 1.0})
             if args.profile:
                 emit({**base, "system": "all_resident_mtp_timeline",
-                      **timeline(engine, prompts[0], args.new_tokens, "mtp")})
+                      **timeline(engine, prompts[0], args.new_tokens, "mtp", **sampling)})
         if engine.runner.learned_head is not None and (not args.systems or
                                                        "all_resident_learned" in args.systems.split(",")):
             # the learned head's own cost (and link 1 of the MTP head, when the head reads it) at no link bytes
             head = run_row(engine, "all_resident_learned", prompts, args.new_tokens, predictor="learned",
-                           runs=args.runs)
+                           runs=args.runs, **sampling)
             emit({**base, **head, "vram_budget_gib": None, "cache_fraction": 1.0})
         if args.profile:
-            emit({**base, "system": "all_resident_timeline", **timeline(engine, prompts[0], args.new_tokens, "none")})
+            emit({**base, "system": "all_resident_timeline",
+                  **timeline(engine, prompts[0], args.new_tokens, "none", **sampling)})
         engine.close()
         del engine
     except Exception as exc:
@@ -725,7 +734,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
             if total_experts else 40
     def resident_at_budget(engine: MoEPrefetchEngine) -> None:
         """The budget holds every expert (int4 at 12 GiB, say): that engine's row, as the budget's answer."""
-        row = run_row(engine, "resident_at_budget", prompts, args.new_tokens, runs=args.runs)
+        row = run_row(engine, "resident_at_budget", prompts, args.new_tokens, runs=args.runs, **sampling)
         row.update(cache_fraction=1.0, expert_bytes=engine.residency.expert_bytes, plan=engine.plan.describe(),
                    peak_vram_gib=torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else None)
         if reference_sequences is not None:
@@ -791,7 +800,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         engine.options = dataclasses.replace(run_options, **overrides)  # the engine's options change between calls
         try:
             row = run_row(engine, system, prompts, args.new_tokens, predictor=predictor, speculative=speculative,
-                          runs=args.runs, lookahead=lookahead, min_confidence=min_confidence)
+                          runs=args.runs, lookahead=lookahead, min_confidence=min_confidence, **sampling)
             row["cache_fraction"] = fraction
             if reference_sequences is not None:
                 row["same_tokens_as_all_resident"] = row["sequences"] == reference_sequences
@@ -805,7 +814,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         for predictor in args.profile_predictors.split(",") if args.profile_predictors else default:
             try:
                 emit({**base, "system": f"timeline_{predictor}",
-                      **timeline(engine, prompts[0], args.new_tokens, predictor)})
+                      **timeline(engine, prompts[0], args.new_tokens, predictor, **sampling)})
             except Exception as exc:
                 emit({**base, "system": f"timeline_{predictor}", "failed": f"{type(exc).__name__}: {exc}",
                       "traceback": traceback.format_exc(limit=4)})
@@ -814,7 +823,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         floors = []
         for prompt in prompts:
             engine.reset_expert_cache(forget_routing=True)
-            floors.append(belady_bytes_per_token(engine, prompt, args.new_tokens))
+            floors.append(belady_bytes_per_token(engine, prompt, args.new_tokens, **sampling))
         bytes_per_token = statistics.median(floors)
         transfer_ms = 1000 * bytes_per_token / (link.get("h2d_peak_gbps", float("nan")) * 1e9)
         floor = max(resident_ms or 0.0, transfer_ms)
@@ -834,7 +843,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
             best = "mtp+next_layer_gate" if quantized.has_mtp else "next_layer_gate"
             for predictor in ("none", best):
                 row = run_row(quantized, f"{predictor}@{expert_dtype}", prompts, args.new_tokens, predictor=predictor,
-                              runs=args.runs)
+                              runs=args.runs, **sampling)
                 row.update(cache_fraction=quantized.residency.n_slots / quantized.plan.total_experts,
                            expert_bytes=quantized.residency.expert_bytes,
                            host_expert_gib=quantized.residency.store.nbytes / GiB)
@@ -1384,6 +1393,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="every engine's expert format (rows' workload gets '@dtype'): model, fp8, int8, int4")
     parser.add_argument("--int4-group-size", type=int, default=EngineConfig.int4_group_size)
     parser.add_argument("--int4-symmetric", action="store_true")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample the workloads' generations at this temperature (0: greedy); a small trained "
+                             "model's greedy continuation falls into loops whose routing is far more cacheable "
+                             "than text's")
+    parser.add_argument("--seed", type=int, default=0, help="the sampling seed (with --temperature)")
     parser.add_argument("--fill-confidence", type=float, default=EngineConfig.fill_confidence,
                         help="engine option fill_confidence (rows named ~fillC override it)")
     parser.add_argument("--fill-link", choices=FILL_LINK, default=EngineConfig.fill_link,

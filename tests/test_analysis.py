@@ -78,3 +78,21 @@ def test_ahead_zero_is_plain_lru_and_the_protected_lines_lie_above_the_floor(see
         floor = belady_bypass_misses(steps, slots)
         one, four = ahead_misses(steps, slots, 1), ahead_misses(steps, slots, 4)
         assert floor <= four <= lru and floor <= one <= lru
+
+
+def test_routing_is_recorded_from_the_sampled_generation_when_asked(checkpoint_factory):
+    """`record_routing` (and the Belady floor built on it) follows a seeded sampled generation: the same seed gives
+    the same uses, another seed or greedy decoding other ones (a random checkpoint's tokens fork at once)."""
+    from moeprefetch import MoEPrefetchEngine
+    from moeprefetch.analysis import belady_bytes_per_token, record_routing
+
+    engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False, max_seq_len=64,
+                                               expert_cache_slots=5)
+    prompt = [3, 4, 5, 6]
+    sampled = record_routing(engine, prompt, 12, temperature=1.0, seed=5)
+    assert sampled.decode_tokens == 11 and sampled.uses[: sampled.first_decode]
+    assert record_routing(engine, prompt, 12, temperature=1.0, seed=5).uses == sampled.uses
+    assert record_routing(engine, prompt, 12, temperature=1.0, seed=6).uses != sampled.uses
+    assert record_routing(engine, prompt, 12).uses != sampled.uses
+    assert belady_bytes_per_token(engine, prompt, 12, temperature=1.0, seed=5) > 0
+    engine.close()
