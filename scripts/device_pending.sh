@@ -12,7 +12,7 @@
 # GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU,
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
 # Usage: STAGE=qwen3|serve|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
-#   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace|int4_tests|int4_bench|learned_deep \
+#   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace|int4_tests|int4_bench|learned_deep|divergence \
 #   [LIMIT=seconds] \
 #   bash scripts/device_pending.sh OUT_DIR [bench options]
 # Triton's compile cache travels between calls of a session (a cold cache cost the tests stage its whole 450 s
@@ -172,6 +172,11 @@ case "${STAGE:-tests}" in
     LIMIT=${LIMIT2:-170} run --expert-dtype int4 --budget-gib 4 --systems "${INT4_SYSTEMS:-all_resident,none,oracle_next,oracle}" "$@"
     [ -n "${FP8_SYSTEMS:-}" ] && run --expert-dtype fp8 --budget-gib 12 --systems "$FP8_SYSTEMS" "$@"
     [ -n "${WITH_BF16:-}" ] && run --budget-gib 12 --systems all_resident,none "$@" ;;
+  divergence)
+    # the FP8 oracles' token defect at V2-Lite's shape (fourteenth session): the first differing token of each row and
+    # which setting keeps the tokens (scripts/oracle_divergence.py; bench options do not apply)
+    timeout "${LIMIT:-400}" python3 scripts/oracle_divergence.py --out "$out/oracle_divergence.json" "$@" 2>&1 | \
+      grep -E '^\{|Error|error' | cut -c1-300 ;;
   distributed)
     timeout 150 python3 -m pytest tests/test_distributed.py -q -p no:cacheprovider --tb=short -k gpus 2>&1 | tail -5
     timeout 200 torchrun --nproc-per-node 1 scripts/bench_distributed.py --out "$out/distributed_1gpu.json" \

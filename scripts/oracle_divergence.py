@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""Where an offloaded row's tokens leave all-resident's: the first differing token of each row, and which engine
+setting brings the tokens back (an investigation, one device call).
+
+A cache or a predictor must never change tokens. On the H200 at DeepSeek-V2-Lite's shape with FP8 experts (12 GiB,
+1,040 slots) the oracles did (fourteenth session, BENCHMARKS "4-bit and FP8 experts"): recall 55.6 % and other
+tokens, while reactive kept them. This script runs reactive and a predictor on one random checkpoint, then the same
+predictor with one setting changed at a time, and reports for each row the index of the first token that differs
+from all-resident's (None: identical) and its counters. A setting whose row keeps the tokens names the path to
+look at:
+
+| variant | what it turns off |
+|---|---|
+| `late_reread` | waiting for a late fill (`late_prefetch="reread"`: read it from host instead) |
+| `spare1` | prefetches evicting the last step's experts (`spare_recent=1`; the full oracle never spares) |
+| `inflight1` | more than one fill in flight (`max_inflight_experts=1`) |
+| `idle_link` | fills beside a layer's host reads (`fill_link="idle"`) |
+
+    python scripts/oracle_divergence.py --out OUT/oracle_divergence.json --expert-dtype fp8 --budget-gib 12
+    python scripts/oracle_divergence.py --device cpu --scale tiny   # the script itself, on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from moeprefetch import MoEPrefetchEngine  # noqa: E402
+
+logger = logging.getLogger("oracle_divergence")
+
+# variant -> the engine options its rows change (each reaches the residency's per-call settings, so its decode step
+# is captured anew)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "late_reread": {"late_prefetch": "reread"},
+    "spare1": {"spare_recent": 1},
+    "inflight1": {"max_inflight_experts": 1},
+    "idle_link": {"fill_link": "idle"},
+}
+
+
+def first_difference(got: list[int], expected: list[int]) -> int | None:
+    """The index of the first token that differs (a shorter sequence differs where it ends), or None."""
+    for i, (a, b) in enumerate(zip(got, expected)):
+        if a != b:
+            return i
+    return None if len(got) == len(expected) else min(len(got), len(expected))
+
+
+def run(engine: MoEPrefetchEngine, prompt: list[int], new_tokens: int, predictor: str,
+        expected: list[int] | None) -> dict[str, Any]:
+    engine.reset_expert_cache(forget_routing=True)
+    result = engine.generate([prompt], max_new_tokens=new_tokens, predictor=predictor, stop_at_eos=False)
+    stats = result.stats.to_dict()
+    row = {key: stats.get(key) for key in ("decode_misses_per_token", "prefetch_issued", "prefetch_late",
+                                           "prefetch_wasted", "prediction_recall", "ms_per_token")}
+    row["first_difference"] = None if expected is None else first_difference(result.sequences[0], expected)
+    row["tokens"] = result.sequences[0]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--scale", default="full", help="full (the bench's random V2-Lite) or tiny")
+    parser.add_argument("--expert-dtype", default="fp8")
+    parser.add_argument("--budget-gib", type=float, default=12.0)
+    parser.add_argument("--slots", type=int, default=None, help="expert cache slots instead of the budget")
+    parser.add_argument("--predictors", default="oracle_next,oracle")
+    parser.add_argument("--spare-recent", type=int, default=0, help="the rows' spare_recent (0 diverged)")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/moeprefetch-bench"))
+    parser.add_argument("--out", type=Path, default=None)
+    ns = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from bench_gpu import V2LITE, tiny, write_random_checkpoint  # the bench's own random V2-Lite
+
+    path = ns.workdir / f"divergence_{ns.scale}"
+    if not (path / "model.safetensors.index.json").is_file():
+        write_random_checkpoint(path, tiny(V2LITE) if ns.scale == "tiny" else V2LITE, torch.device(ns.device))
+    config = json.loads((path / "config.json").read_text())
+    prompt = torch.randint(3, config["vocab_size"], (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    dtype = torch.bfloat16 if ns.device == "cuda" else torch.float32
+    common = dict(device=ns.device, dtype=dtype, max_seq_len=256, max_batch_size=1, progress=False,
+                  expert_dtype=ns.expert_dtype)
+    with MoEPrefetchEngine.from_pretrained(path, **common) as resident:
+        expected = run(resident, prompt, ns.new_tokens, "none", None)["tokens"]
+    cache = {"expert_cache_slots": ns.slots} if ns.slots else {"vram_budget": f"{ns.budget_gib}GiB"}
+    rows = []
+    with MoEPrefetchEngine.from_pretrained(path, **common, **cache, spare_recent=ns.spare_recent) as engine:
+        base = engine.options
+        plan = [("none", "base", {})] + [(p, "base", {}) for p in ns.predictors.split(",")] + \
+            [(p, name, change) for p in ns.predictors.split(",") for name, change in VARIANTS.items()]
+        for predictor, variant, change in plan:
+            engine.options = dataclasses.replace(base, **change)
+            row = {"predictor": predictor, "variant": variant,
+                   **run(engine, prompt, ns.new_tokens, predictor, expected)}
+            row.pop("tokens")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        engine.options = base
+    if ns.out:
+        ns.out.write_text(json.dumps({"rows": rows, "expected": expected, "scale": ns.scale,
+                                      "expert_dtype": ns.expert_dtype, "spare_recent": ns.spare_recent}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
