@@ -61,14 +61,16 @@ def model_and_prompts(name: str, count: int, workdir: Path) -> tuple[Path, list[
 
 
 def measure(engine: MoEPrefetchEngine, prompts: list[list[int]], new_tokens: int, predictor: str,
-            min_confidence: float = 0.0, lookahead: int | None = None) -> dict[str, Any]:
+            min_confidence: float = 0.0, lookahead: int | None = None, temperature: float = 0.0,
+            seed: int = 0) -> dict[str, Any]:
     """Experts moved (fills and zero-copy reads) and misses per decode token, over every prompt."""
     moved = misses = wasted = issued = 0.0
     tokens = 0
     for prompt in prompts:
         engine.reset_expert_cache(forget_routing=True)  # LFU and LRFU learn each prompt's routing from scratch
         stats = engine.generate([prompt], max_new_tokens=new_tokens, predictor=predictor, stop_at_eos=False,
-                                min_confidence=min_confidence, lookahead=lookahead).stats.to_dict()
+                                min_confidence=min_confidence, lookahead=lookahead, temperature=temperature,
+                                seed=seed).stats.to_dict()
         steps = stats["decode_steps"]
         moved += stats["decode_bytes_h2d_per_token"] / stats["expert_bytes"] * steps
         misses += stats["decode_misses_per_token"] * steps
@@ -109,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fill-confidence", type=float, default=EngineConfig.fill_confidence,
                         help="engine option fill_confidence: weaker predictions only protect")
     parser.add_argument("--lookahead", type=int, default=None, help="tokens (or layers) ahead the predictions reach")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sample the generations (0: greedy; a small "
+                        "trained model's greedy continuations loop, and loops route far more cacheably than text)")
+    parser.add_argument("--seed", type=int, default=0, help="the sampling seed")
+    parser.add_argument("--dtype", default="float32", help="the engine's compute dtype (bfloat16 as the GPU runs)")
     parser.add_argument("--out", type=Path, default=None, help="append the rows to this JSON file")
     args = parser.parse_args(argv)
     unknown = [s for s in args.policies.split(",") if s.partition(":")[0] not in POLICIES]
@@ -123,14 +129,17 @@ def main(argv: list[str] | None = None) -> int:
             held = np.load(args.heldout_ids).astype(np.int64).tolist()
             prompts = [held[i * 1000:i * 1000 + 64] for i in range(args.prompts)]
         engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=args.slots,
+                                                   dtype=getattr(torch, args.dtype),
                                                    predictor_path=args.predictor_path,
                                                    fill_confidence=args.fill_confidence,
                                                    reuse_weight=args.reuse_weight)
-        traces = [record_routing(engine, prompt, args.new_tokens) for prompt in prompts]
+        sampling = dict(temperature=args.temperature, seed=args.seed)
+        traces = [record_routing(engine, prompt, args.new_tokens, **sampling) for prompt in prompts]
         tokens = sum(trace.decode_tokens for trace in traces)
         belady = sum(belady_misses(t.uses, engine.residency.n_slots, t.first_decode) for t in traces) / tokens
         base = {"model": args.model, "slots": engine.residency.n_slots, "moe_layers": len(engine.residency.layers),
-                "prompts": len(prompts), "new_tokens": args.new_tokens, "routing_history": "cold per prompt"}
+                "prompts": len(prompts), "new_tokens": args.new_tokens, "routing_history": "cold per prompt",
+                "dtype": args.dtype, **sampling}
         rows = [{**base, "system": "belady", "experts_per_token": belady}]
         logger.info("%s, %d slots: Belady %.2f experts/token", args.model, engine.residency.n_slots, belady)
         for policy, halflife, system, lead in points(args, engine.has_mtp):
@@ -141,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                    "fill_confidence": args.fill_confidence, "lookahead": args.lookahead,
                    "reuse_weight": args.reuse_weight,
                    **measure(engine, prompts, args.new_tokens, predictor, float(cut or 0.0),
-                              None if predictor in ("none", "oracle_next") else args.lookahead)}
+                              None if predictor in ("none", "oracle_next") else args.lookahead, **sampling)}
             rows.append(row)
             logger.info("%s (%s, half-life %g) lead %d: %.2f experts/token, %.2f misses/token", system, policy,
                         halflife, lead, row["experts_per_token"], row["misses_per_token"])

@@ -1,0 +1,71 @@
+"""Experts moved per decode token on sampled text (CPU, exact counts): reactive, the learned head protecting only,
+the same with victims by its "needed soon" probabilities (`reuse_weight`), and the one-token oracle, on the deep
+model with its routing head, in bf16 at 518 slots (30 % cached), the bench's held-out prompts, temperature 1.0.
+
+Sampled because the small model's greedy continuations loop, and a loop's routing is far more cacheable than text's
+(BENCHMARKS "Sparing, timelines and a horizon head"). Every row must give reactive's tokens (seeded sampling).
+
+    python experiments/learned_reuse_sampled.py --checkpoint .device-data/deep --prompts 2 --new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from moeprefetch import MoEPrefetchEngine
+
+ROOT = Path(__file__).resolve().parent.parent
+ROWS = (("none", {}), ("learned", {"fill_confidence": 1.0}),
+        ("learned", {"fill_confidence": 1.0, "reuse_weight": 0.7}), ("oracle_next", {}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", type=Path, default=ROOT / ".device-data" / "deep")
+    parser.add_argument("--slots", type=int, default=518)
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "learned_reuse_sampled.json")
+    ns = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    tokenizer = AutoTokenizer.from_pretrained(ns.checkpoint)
+    lines = (ROOT / "experiments" / "prompts" / "heldout.jsonl").read_text().splitlines()[: ns.prompts]
+    prompts = [tokenizer(json.loads(line)["text"])["input_ids"] for line in lines]
+    engine = MoEPrefetchEngine.from_pretrained(ns.checkpoint, dtype=torch.bfloat16, expert_cache_slots=ns.slots,
+                                               progress=False,
+                                               predictor_path=str(ns.checkpoint / "routing_head.safetensors"))
+    base, rows, reference = engine.options, [], None
+    for predictor, options in ROWS:
+        engine.options = dataclasses.replace(base, **options)
+        moved = misses = 0.0
+        sequences = []
+        for prompt in prompts:
+            engine.reset_expert_cache(forget_routing=True)
+            result = engine.generate([prompt], max_new_tokens=ns.new_tokens, temperature=ns.temperature,
+                                     seed=ns.seed, stop_at_eos=False, predictor=predictor)
+            stats = result.stats.to_dict()
+            moved += stats["decode_bytes_h2d_per_token"] / engine.residency.expert_bytes / len(prompts)
+            misses += stats["decode_misses_per_token"] / len(prompts)
+            sequences.append(result.sequences)
+        reference = reference or sequences
+        row = {"predictor": predictor, **options, "experts_moved_per_token": moved, "misses_per_token": misses,
+               "same_tokens_as_reactive": sequences == reference}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    engine.close()
+    ns.out.write_text(json.dumps({"rows": rows, "slots": ns.slots, "prompts": ns.prompts,
+                                  "new_tokens": ns.new_tokens, "temperature": ns.temperature, "seed": ns.seed,
+                                  "dtype": "bfloat16", "device": "cpu", "torch": torch.__version__}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
