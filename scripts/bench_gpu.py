@@ -526,9 +526,10 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
     return row
 
 
+# the timeline's kernel groups ("await": layers waiting for late fills, which "other" hid until the fourteenth session)
 KERNEL_GROUPS = (("plan", ("_plan_kernel", "_step_start_kernel")), ("experts", ("_gate_up_kernel", "_down_kernel",
                                                                                   "_combine_kernel")),
-                 ("fill", ("_fill_kernel",)))
+                 ("await", ("_await_kernel",)), ("fill", ("_fill_kernel",)))
 
 
 def timeline(engine: MoEPrefetchEngine, prompt: list[int] | list[list[int]], new_tokens: int,

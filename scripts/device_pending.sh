@@ -26,6 +26,10 @@ export TRITON_CACHE_DIR=$PWD/.devcache/triton
 if [ ! -d "$TRITON_CACHE_DIR" ] && ls .devcache/triton_cache.tgz.part* > /dev/null 2>&1; then
   cat .devcache/triton_cache.tgz.part* | tar xzf - -C .devcache
 fi
+# every pytest run also writes a JUnit XML report into the output folder (pytest_*.xml: each test's outcome and
+# failure text), because a call returns only the last 12,000 characters of its output (the fourteenth session
+# lost a GPU test run's result that way)
+junit() { echo "--junitxml=$out/pytest_$RANDOM$RANDOM.xml"; }
 # NO_CACHE=1: keep the cache on the (warm) machine only, when the call returns other large files
 save_cache() { [ -z "${NO_CACHE:-}" ] && [ -d "$TRITON_CACHE_DIR" ] && tar czf - -C .devcache triton | split -b 15M - "$out/triton_cache.tgz.part"; }
 trap save_cache EXIT
@@ -52,9 +56,9 @@ case "${STAGE:-tests}" in
     # kernel's tiles, the fused GQA decode attention and the plan kernel's blocked reservation. Not the sm_90 compile
     # checks: they need no GPU, run in CI, and take minutes of the device's CPU. pytest's own output, not a tail: a
     # killed pipeline prints nothing.
-    timeout 300 python3 -m pytest tests/test_gpu.py -k "continuous or synchronises or cache_sizes" -q \
+    timeout 300 python3 -m pytest "$(junit)" tests/test_gpu.py -k "continuous or synchronises or cache_sizes" -q \
       -p no:cacheprovider --tb=short --durations=4 "$@" 2>&1 | grep -v -E "Warning:|warnings.warn"
-    timeout 240 python3 -m pytest tests/test_kernels.py tests/test_layer_ops.py -q -p no:cacheprovider --tb=short \
+    timeout 240 python3 -m pytest "$(junit)" tests/test_kernels.py tests/test_layer_ops.py -q -p no:cacheprovider --tb=short \
       -k "not compile_for_hopper and not does_not_spill" "$@" 2>&1 | grep -v -E "Warning:|warnings.warn" ;;
   cuts)
     # issue 13: ref17 at 25 % cached with the confidence cuts that hold prefetch waste under 20 % in the CPU counts
@@ -80,7 +84,7 @@ case "${STAGE:-tests}" in
       --policy-rows lrfu,lfu "$@" 2>&1 | filter
     timeout 230 python3 scripts/bench_gpu.py --out "$out/bench_policies_v2lite.json" --workloads v2lite --runs 1 \
       --systems all_resident,none,next_layer_gate --policy-rows lrfu "$@" 2>&1 | filter
-    timeout 110 python3 -m pytest tests/test_gpu.py -k "cache_sizes" -q -p no:cacheprovider --tb=short 2>&1 | tail -6 ;;
+    timeout 110 python3 -m pytest "$(junit)" tests/test_gpu.py -k "cache_sizes" -q -p no:cacheprovider --tb=short 2>&1 | tail -6 ;;
   offloaded_batches)
     # issue 14's offloaded batch rows (V2-Lite at 12 GiB, batch 1/4/8/16, reactive and next_layer_gate). The tenth
     # session's reactive rows read host memory at 24 GB/s from batch 4 on (40 at batch 1, 50 in isolation): the next
@@ -114,7 +118,7 @@ case "${STAGE:-tests}" in
     nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current --format=csv,noheader
     train_deep
     tar -C .device-data -cf - deep | split -b 15M - "$out/deep.tar.part-"
-    timeout 280 python3 -m pytest tests/test_gpu.py -k "cache_sizes or idle_link or synchronises" -q \
+    timeout 280 python3 -m pytest "$(junit)" tests/test_gpu.py -k "cache_sizes or idle_link or synchronises" -q \
       -p no:cacheprovider --tb=short --durations=5 2>&1 | grep -v -E "Warning:|warnings.warn"
     timeout 60 python3 reference/evaluate_reference.py --checkpoint .device-data/deep --corpus .device-data/corpus_min \
       --device cuda --max-tokens 100000 2>&1 | tail -3
@@ -133,7 +137,7 @@ case "${STAGE:-tests}" in
       --head .device-data/deep/routing_head.safetensors --out "$out/learned_predictor_deep.json" 2>&1 | \
       grep -v -E "Warning:|warnings.warn" | tail -14
     tar -C .device-data -cf - deep | split -b 15M - "$out/deep.tar.part-"
-    timeout 200 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider --tb=short -k learned 2>&1 | \
+    timeout 200 python3 -m pytest "$(junit)" tests/test_gpu.py -q -p no:cacheprovider --tb=short -k learned 2>&1 | \
       grep -v -E "Warning:|warnings.warn" | tail -5 ;;
   deep_bench)
     # issue 36's rows on the deep model, experts padded to 17.3 MB, at --cache-fraction (bench options follow); the
@@ -146,7 +150,7 @@ case "${STAGE:-tests}" in
     # sampled at 1.0, 60 on teacher-forced held-out text; the fourteenth session's greedy H200 rows missed 24.6)
     timeout "${LIMIT:-560}" python3 scripts/bench_gpu.py --out "$out/bench_deep.json" --workloads deep --runs "${RUNS:-1}" \
       --temperature "${TEMPERATURE:-1.0}" "$@" 2>&1 | filter
-    [ -n "${TESTS:-}" ] && timeout "${TESTS_LIMIT:-150}" python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider \
+    [ -n "${TESTS:-}" ] && timeout "${TESTS_LIMIT:-150}" python3 -m pytest "$(junit)" tests/test_gpu.py -q -p no:cacheprovider \
       --tb=short -k "$TESTS" 2>&1 | grep -v -E "Warning:|warnings.warn" | tail -6 ;;
   v2lite_trace)
     # issue 36's V2-Lite-shape rows with the real V2-Lite routing trace forced (.device-data/traces, carried)
@@ -156,9 +160,9 @@ case "${STAGE:-tests}" in
     # issue 37: the 4-bit expert kernels compiled for the H200 against their float64 references (decode and grouped
     # prefill), then the engine's tokens within int4 across cache sizes and predictors, GPU against CPU
     # dequantisation, and issue 36's idle-link / forced-routing test
-    timeout 250 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider --tb=short \
+    timeout 250 python3 -m pytest "$(junit)" tests/test_kernels.py -q -p no:cacheprovider --tb=short \
       -k "routed_experts_match or grouped_prefill_experts_match or host_read_gives" 2>&1 | grep -v -E "Warning:|warn"
-    timeout 300 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider --tb=short --durations=5 \
+    timeout 300 python3 -m pytest "$(junit)" tests/test_gpu.py -q -p no:cacheprovider --tb=short --durations=5 \
       -k "int4 or dequantisation or idle_link" 2>&1 | grep -v -E "Warning:|warnings.warn" ;;
   int4_bench)
     # issue 37's rows, V2-Lite shape (one random checkpoint kept between the runs): int4 at 12 GiB (every expert
@@ -166,7 +170,7 @@ case "${STAGE:-tests}" in
     # (reactive against the oracles: the FP8 prefetch path); bf16 reactive at 12 GiB, the baseline
     run() { timeout "${LIMIT:-140}" python3 scripts/bench_gpu.py --out "$out/bench_int4.json" --workloads v2lite \
       --runs 1 --keep-checkpoints "$@" 2>&1 | filter; }
-    [ -n "${WITH_TESTS:-}" ] && timeout 100 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider \
+    [ -n "${WITH_TESTS:-}" ] && timeout 100 python3 -m pytest "$(junit)" tests/test_kernels.py -q -p no:cacheprovider \
       --tb=short -k "routed_experts_match or grouped_prefill_experts_match" 2>&1 | tail -2
     run --expert-dtype int4 --budget-gib 12 --systems resident_at_budget "$@"
     LIMIT=${LIMIT2:-170} run --expert-dtype int4 --budget-gib 4 --systems "${INT4_SYSTEMS:-all_resident,none,oracle_next,oracle}" "$@"
@@ -178,7 +182,7 @@ case "${STAGE:-tests}" in
     timeout "${LIMIT:-400}" python3 scripts/oracle_divergence.py --out "$out/oracle_divergence.json" "$@" 2>&1 | \
       grep -E '^\{|Error|error' | cut -c1-300 ;;
   distributed)
-    timeout 150 python3 -m pytest tests/test_distributed.py -q -p no:cacheprovider --tb=short -k gpus 2>&1 | tail -5
+    timeout 150 python3 -m pytest "$(junit)" tests/test_distributed.py -q -p no:cacheprovider --tb=short -k gpus 2>&1 | tail -5
     timeout 200 torchrun --nproc-per-node 1 scripts/bench_distributed.py --out "$out/distributed_1gpu.json" \
       "$@" 2>&1 | filter
     timeout 220 torchrun --nproc-per-node 2 scripts/bench_distributed.py --out "$out/distributed_2gpu.json" \
