@@ -388,7 +388,8 @@ class MoEPrefetchEngine:
         return caches
 
     def _decode_step(self, caches: KVCaches, shape: StepShape, trace: torch.Tensor | None) -> DecodeStep:
-        key = (shape, self.residency.cfg, trace is not None)
+        # the options may change between calls (a captured step belongs to one setting of each)
+        key = (shape, self.residency.cfg, trace is not None, self.options.cuda_graphs)
         if key not in self._steps:
             self._steps[key] = DecodeStep(self.runner, caches, self.sampler, shape, self.options.cuda_graphs,
                                           oracle_trace=trace)

@@ -15,6 +15,13 @@ look at:
 | `spare1` | prefetches evicting the last step's experts (`spare_recent=1`; the full oracle never spares) |
 | `inflight1` | more than one fill in flight (`max_inflight_experts=1`) |
 | `idle_link` | fills beside a layer's host reads (`fill_link="idle"`) |
+| `lead1` | fills reserved more than one MoE layer before their need (`prefetch_lead=1`) |
+| `no_graphs` | the captured step (each kernel launched eagerly, in the same order and streams) |
+| `repeat` | nothing: the base row again (the same first difference says deterministic, another says a race) |
+
+Each row also reports `corrupt_slots`: published slots whose bytes differ from their expert's host record after the
+row (`Residency.corrupt_slots`). Corrupt slots mean a fill or an admission raced another writer or a reader; none
+with other tokens means a read saw a slot before its copy had landed, or the paths compute differently.
 
     python scripts/oracle_divergence.py --out OUT/oracle_divergence.json --expert-dtype fp8 --budget-gib 12
     python scripts/oracle_divergence.py --device cpu --scale tiny   # the script itself, on the CPU
@@ -47,6 +54,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "spare1": {"spare_recent": 1},
     "inflight1": {"max_inflight_experts": 1},
     "idle_link": {"fill_link": "idle"},
+    "lead1": {"prefetch_lead": 1},
+    "no_graphs": {"cuda_graphs": False},
+    "repeat": {},
 }
 
 
@@ -67,6 +77,7 @@ def run(engine: MoEPrefetchEngine, prompt: list[int], new_tokens: int, predictor
                                            "prefetch_wasted", "prediction_recall", "ms_per_token")}
     row["first_difference"] = None if expected is None else first_difference(result.sequences[0], expected)
     row["tokens"] = result.sequences[0]
+    row["corrupt_slots"] = len(engine.residency.corrupt_slots())
     return row
 
 
@@ -96,6 +107,10 @@ def main() -> None:
                   expert_dtype=ns.expert_dtype)
     with MoEPrefetchEngine.from_pretrained(path, **common) as resident:
         expected = run(resident, prompt, ns.new_tokens, "none", None)["tokens"]
+        # all-resident itself must be deterministic, or no row's difference means anything
+        again = run(resident, prompt, ns.new_tokens, "none", expected)
+    print(json.dumps({"predictor": "all_resident", "variant": "repeat",
+                      "first_difference": again["first_difference"]}), flush=True)
     cache = {"expert_cache_slots": ns.slots} if ns.slots else {"vram_budget": f"{ns.budget_gib}GiB"}
     rows = []
     with MoEPrefetchEngine.from_pretrained(path, **common, **cache, spare_recent=ns.spare_recent) as engine:
@@ -111,7 +126,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         engine.options = base
     if ns.out:
-        ns.out.write_text(json.dumps({"rows": rows, "expected": expected, "scale": ns.scale,
+        ns.out.write_text(json.dumps({"rows": rows, "expected": expected,
+                                      "all_resident_repeat_first_difference": again["first_difference"], "scale": ns.scale,
                                       "expert_dtype": ns.expert_dtype, "spare_recent": ns.spare_recent}, indent=1))
 
 

@@ -144,6 +144,21 @@ def test_small_caches_admit_misses_and_prefetches_land(reference):
     assert predicted["prefetch_useful"] > 0 and predicted["fill_bytes"] > 0
 
 
+@pytest.mark.parametrize("predictor", ["none", "oracle", "oracle_next"])
+def test_every_published_slot_holds_its_experts_host_record(reference, predictor):
+    """After admissions, fills and evictions the published slots are whole copies of their experts' records, and
+    the check sees a slot whose bytes were changed behind the table's back."""
+    path, prompts, expected, _, _ = reference
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=9, spare_recent=0)
+    result = engine.generate(prompts, max_new_tokens=10, stop_at_eos=False, predictor=predictor)
+    res = engine.residency
+    assert result.sequences == expected and result.stats.to_dict()["admitted"] > 0
+    assert res.corrupt_slots() == []
+    resident = [s for s in range(res.n_slots) if int(res.st.slot_state[s]) == 1 and int(res.st.key_of[s]) >= 0]
+    res.pool[resident[-1], 3] ^= 1
+    assert res.corrupt_slots() == [resident[-1]]
+
+
 def test_all_resident_has_no_transfers_and_oracle_recall_is_perfect(reference):
     path, prompts, expected, _, total = reference
     resident = MoEPrefetchEngine.from_pretrained(path, progress=False)

@@ -298,6 +298,25 @@ class Residency:
             torch.cuda.synchronize(self.device)
         finish_call(self.st, self.cfg)
 
+    def corrupt_slots(self) -> list[int]:
+        """Published slots whose bytes differ from their expert's host record (streams idle; a debugging check, one
+        synchronisation and a read of every resident slot). Empty unless a fill or an admission raced a reader or
+        another writer: a correct table only ever publishes whole copies."""
+        if self.host is None:
+            return []
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        state, keys = self.st.slot_state.cpu(), self.st.key_of.cpu()
+        slots = [s for s in range(self.n_slots) if int(state[s]) == RESIDENT and int(keys[s]) >= 0]
+        bad = []
+        for start in range(0, len(slots), 64):  # compare in batches: bounded device memory for the host copies
+            batch = slots[start:start + 64]
+            index = torch.tensor(batch, dtype=torch.long)
+            host = self.host.index_select(0, keys[index].long()).to(self.device)
+            same = (self.pool.index_select(0, index.to(self.device)) == host).all(dim=1).cpu()
+            bad += [slot for slot, ok in zip(batch, same.tolist()) if not ok]
+        return bad
+
     def abort(self) -> None:
         """After an interrupted or failed step: the table may hold half-planned entries, so start cold."""
         self.settle()
