@@ -90,6 +90,9 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=None, help="expert cache slots instead of the budget")
     parser.add_argument("--predictors", default="oracle_next,oracle")
     parser.add_argument("--spare-recent", type=int, default=0, help="the rows' spare_recent (0 diverged)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="the variants to run, in order")
+    parser.add_argument("--probe", action="store_true",
+                        help="first, each predictor's base row on an engine whose slot probe is on (probe.py)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/moeprefetch-bench"))
     parser.add_argument("--out", type=Path, default=None)
@@ -112,23 +115,37 @@ def main() -> None:
     print(json.dumps({"predictor": "all_resident", "variant": "repeat",
                       "first_difference": again["first_difference"]}), flush=True)
     cache = {"expert_cache_slots": ns.slots} if ns.slots else {"vram_budget": f"{ns.budget_gib}GiB"}
-    rows = []
+    predictors = ns.predictors.split(",")
+    rows: list[dict[str, Any]] = []
+    record = {"rows": rows, "expected": expected, "all_resident_repeat_first_difference": again["first_difference"],
+              "scale": ns.scale, "expert_dtype": ns.expert_dtype, "spare_recent": ns.spare_recent}
+
+    def report(row: dict[str, Any]) -> None:  # each row as it comes (a call may end before the last)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if ns.out:
+            ns.out.write_text(json.dumps(record, indent=1))
+
+    if ns.probe:
+        with MoEPrefetchEngine.from_pretrained(path, **common, **cache, spare_recent=ns.spare_recent) as engine:
+            probe = engine.residency.enable_probe()
+            for predictor in predictors:
+                probe.counts.zero_()
+                row = run(engine, prompt, ns.new_tokens, predictor, expected)
+                row.pop("tokens")
+                report({"predictor": predictor, "variant": "probe", **row, **probe.report()})
     with MoEPrefetchEngine.from_pretrained(path, **common, **cache, spare_recent=ns.spare_recent) as engine:
         base = engine.options
-        plan = [("none", "base", {})] + [(p, "base", {}) for p in ns.predictors.split(",")] + \
-            [(p, name, change) for p in ns.predictors.split(",") for name, change in VARIANTS.items()]
+        variants = [name for name in ns.variants.split(",") if name]
+        plan = [("none", "base", {})] + [(p, "base", {}) for p in predictors] + \
+            [(p, name, VARIANTS[name]) for p in predictors for name in variants]
         for predictor, variant, change in plan:
             engine.options = dataclasses.replace(base, **change)
-            row = {"predictor": predictor, "variant": variant,
-                   **run(engine, prompt, ns.new_tokens, predictor, expected)}
+            row = run(engine, prompt, ns.new_tokens, predictor, expected)
             row.pop("tokens")
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            report({"predictor": predictor, "variant": variant, **row})
         engine.options = base
-    if ns.out:
-        ns.out.write_text(json.dumps({"rows": rows, "expected": expected,
-                                      "all_resident_repeat_first_difference": again["first_difference"], "scale": ns.scale,
-                                      "expert_dtype": ns.expert_dtype, "spare_recent": ns.spare_recent}, indent=1))
+
 
 
 if __name__ == "__main__":

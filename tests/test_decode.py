@@ -159,6 +159,20 @@ def test_every_published_slot_holds_its_experts_host_record(reference, predictor
     assert res.corrupt_slots() == [resident[-1]]
 
 
+def test_the_slot_probe_sees_every_read_whole_and_a_slot_changed_under_a_read(reference):
+    """The probe counts every slot read before an expert kernel; on a correct run none is torn. A slot whose bytes
+    change behind the table's back is counted as a stale hit when the next read of it comes."""
+    path, prompts, expected, _, _ = reference
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=20, spare_recent=0)
+    probe = engine.residency.enable_probe()
+    assert engine.generate(prompts, max_new_tokens=10, stop_at_eos=False, predictor="oracle").sequences == expected
+    counts = probe.report()
+    assert counts["checked"] > 0 and counts["waited_early"] == counts["stale_hit"] == counts["overwritten"] == 0
+    probe.mirror ^= 1  # every record now differs from what the slots hold: every read is a stale hit
+    engine.generate(prompts, max_new_tokens=2, stop_at_eos=False)
+    assert probe.report()["stale_hit"] > 0
+
+
 def test_all_resident_has_no_transfers_and_oracle_recall_is_perfect(reference):
     path, prompts, expected, _, total = reference
     resident = MoEPrefetchEngine.from_pretrained(path, progress=False)

@@ -37,6 +37,7 @@ from ..predictors import LeadTracker
 from ..transfer import SideStream, TransferEngine
 from .plan import finish_call, next_use_table, victim_order
 from .prefill import PrefillExperts
+from .probe import SlotProbe
 from .state import (C, COUNTERS, E_ACTIVE, E_FREE, FILLING, NO_ENTRY, RESIDENT, ROUTING_HISTORY, ResidencyConfig,
                     TableState)
 
@@ -127,6 +128,7 @@ class Residency:
         self.trace: torch.Tensor | None = None  # [steps, P, E] uint8 while recording an oracle trace
         self.prefill_log: list[tuple[int, list[int]]] | None = None  # (layer, experts) of prefill, when recording
         self.next_use: torch.Tensor | None = None  # [steps, keys] next need per key, from an oracle trace
+        self.probe: SlotProbe | None = None  # debugging: what the expert kernels read (`enable_probe`)
         self._belady_prefill = False  # the open prefill step follows the known future (see begin_step)
         # fixed buffers of the host-side plans (the step start's own plan, prefill plans)
         i32 = torch.int32
@@ -317,6 +319,15 @@ class Residency:
             bad += [slot for slot, ok in zip(batch, same.tolist()) if not ok]
         return bad
 
+    def enable_probe(self) -> SlotProbe:
+        """Check every slot each decode layer reads, before and after its expert kernel (`probe.py`; debugging:
+        a device copy of every record). Decode steps captured before this call do not run the probe."""
+        if self.host is None:
+            raise ValueError("every expert is resident: there are no fills or admissions to probe")
+        if self.probe is None:
+            self.probe = SlotProbe(self.pool, self.host, self.max_rows * self.top_k)
+        return self.probe
+
     def abort(self) -> None:
         """After an interrupted or failed step: the table may hold half-planned entries, so start cold."""
         self.settle()
@@ -348,6 +359,8 @@ class Residency:
         self.fill(position)
         if self.cfg.wait_late and not self.preloaded and ids_x.shape[0] > 0:  # only exact rows can be late
             self.filler.await_fills(position, buffers.u_wait, buffers.u_slot)
+        if self.probe is not None:
+            self.probe.before(buffers.u_key, buffers.u_slot, buffers.u_wait)
         if self.group is not None:
             return self._exchanged(x, assign, weights, ids_x.shape[0] if ids_s is not None else n, buffers)
         if ids_s is not None:
@@ -355,6 +368,8 @@ class Residency:
             weights = torch.cat((weights[:nx], renormalise(weights[nx:], assign[nx:] >= 0)))
         out = self.experts(x, assign, weights.contiguous(), buffers.u_key, buffers.u_slot, buffers.u_dst,
                            out=buffers.out[:n], step_rows=buffers.step_rows)
+        if self.probe is not None:
+            self.probe.after(buffers.u_key, buffers.u_slot)
         self._host_reads_done()
         return out
 
@@ -464,6 +479,7 @@ class Residency:
         self.grouped = None  # type: ignore[assignment]
         self.experts = None  # type: ignore[assignment]
         self.filler = None  # type: ignore[assignment]
+        self.probe = None
 
 
 class PlanBuffers:
