@@ -93,6 +93,9 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="the variants to run, in order")
     parser.add_argument("--probe", action="store_true",
                         help="first, each predictor's base row on an engine whose slot probe is on (probe.py)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each probe and base row (a race shows in some runs only; a row's first run "
+                             "also compiles and captures its step)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/moeprefetch-bench"))
     parser.add_argument("--out", type=Path, default=None)
@@ -130,14 +133,15 @@ def main() -> None:
         with MoEPrefetchEngine.from_pretrained(path, **common, **cache, spare_recent=ns.spare_recent) as engine:
             probe = engine.residency.enable_probe()
             for predictor in predictors:
-                probe.counts.zero_()
-                row = run(engine, prompt, ns.new_tokens, predictor, expected)
-                row.pop("tokens")
-                report({"predictor": predictor, "variant": "probe", **row, **probe.report()})
+                for attempt in range(ns.repeats):
+                    probe.counts.zero_()
+                    row = run(engine, prompt, ns.new_tokens, predictor, expected)
+                    row.pop("tokens")
+                    report({"predictor": predictor, "variant": "probe", "run": attempt, **row, **probe.report()})
     with MoEPrefetchEngine.from_pretrained(path, **common, **cache, spare_recent=ns.spare_recent) as engine:
         base = engine.options
         variants = [name for name in ns.variants.split(",") if name]
-        plan = [("none", "base", {})] + [(p, "base", {}) for p in predictors] + \
+        plan = [("none", "base", {})] + [(p, "base", {}) for p in predictors for _ in range(ns.repeats)] + \
             [(p, name, VARIANTS[name]) for p in predictors for name in variants]
         for predictor, variant, change in plan:
             engine.options = dataclasses.replace(base, **change)
