@@ -134,7 +134,7 @@ def main() -> None:
             probe = engine.residency.enable_probe()
             for predictor in predictors:
                 for attempt in range(ns.repeats):
-                    probe.counts.zero_()
+                    probe.clear()
                     row = run(engine, prompt, ns.new_tokens, predictor, expected)
                     row.pop("tokens")
                     report({"predictor": predictor, "variant": "probe", "run": attempt, **row, **probe.report()})

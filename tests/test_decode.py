@@ -168,9 +168,17 @@ def test_the_slot_probe_sees_every_read_whole_and_a_slot_changed_under_a_read(re
     assert engine.generate(prompts, max_new_tokens=10, stop_at_eos=False, predictor="oracle").sequences == expected
     counts = probe.report()
     assert counts["checked"] > 0 and counts["waited_early"] == counts["stale_hit"] == counts["overwritten"] == 0
+    assert counts["torn_in_table"] == 0 and counts["torn_events"] == []
     probe.mirror ^= 1  # every record now differs from what the slots hold: every read is a stale hit
     engine.generate(prompts, max_new_tokens=2, stop_at_eos=False)
-    assert probe.report()["stale_hit"] > 0
+    counts = probe.report()
+    published = int((engine.residency.st.slot_state == 1).sum())
+    assert counts["stale_hit"] > 0 and counts["torn_in_table"] >= published
+    first = counts["torn_events"][0]  # found before the first decode layer's plan, in a slot the prompt filled
+    assert (first["position"], first["phase"]) == (0, 0) and first["fill_entry_state"] == -1
+    assert 0 <= first["slot"] < engine.residency.n_slots and first["key"] >= 0
+    probe.clear()
+    assert probe.report()["torn_events"] == []
 
 
 def test_all_resident_has_no_transfers_and_oracle_recall_is_perfect(reference):

@@ -354,9 +354,13 @@ class Residency:
         assign = buffers.assign[:n]
         ids_x = self.local_ids(position, ids_x)
         ids_s = self.local_ids(position, ids_s) if ids_s is not None else None
+        if self.probe is not None:
+            self.probe.table(self.st, 0, position)
         self.planner(position, ids_x, act_x, ids_s, act_s, assign, buffers.u_key, buffers.u_slot, buffers.u_dst,
                      reserve, count_recall, self.trace, buffers.u_wait)
         self.fill(position)
+        if self.probe is not None:
+            self.probe.table(self.st, 1, position)
         if self.cfg.wait_late and not self.preloaded and ids_x.shape[0] > 0:  # only exact rows can be late
             self.filler.await_fills(position, buffers.u_wait, buffers.u_slot)
         if self.probe is not None:

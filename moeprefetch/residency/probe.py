@@ -11,7 +11,9 @@ records. Its counts say which invariant broke:
   let the kernel read a fill that had not landed;
 - `stale_hit`: a slot read as a hit does not hold its record before the kernel;
 - `overwritten`: a slot that held its record before the kernel no longer does after it: something wrote it while it
-  was read.
+  was read;
+- `torn_in_table`: published slots (all of them, before and after each layer's plan) that do not hold their record,
+  each counted once, the first ones logged with where and when (`table`, `torn_events`).
 
 It costs a device copy of a sample of every record (one byte in 1,024: 14 MB for V2-Lite's shape in FP8) and
 two small gathers per layer.
@@ -21,7 +23,10 @@ from __future__ import annotations
 
 import torch
 
-PROBE_COUNTS = ("waited_early", "stale_hit", "overwritten", "checked")
+from .state import E_FREE, RESIDENT, TableState
+
+PROBE_COUNTS = ("waited_early", "stale_hit", "overwritten", "checked", "torn_in_table")
+EVENTS = 64  # torn slots logged (the first ones say where the defect starts)
 
 
 class SlotProbe:
@@ -30,7 +35,7 @@ class SlotProbe:
     own cost (which delays the main stream and so makes fills less often late) to microseconds per layer."""
 
     def __init__(self, pool: torch.Tensor, host: torch.Tensor, reads: int, stride: int = 1024):
-        record = pool.shape[1]
+        self.n_slots, record = pool.shape
         device = pool.device
         self.flat = pool.view(-1)  # [slots x record] uint8
         self.record = record
@@ -39,11 +44,49 @@ class SlotProbe:
         self.reads = reads  # u entries a layer can read (exact and shadow rows' experts)
         self.counts = torch.zeros(len(PROBE_COUNTS), dtype=torch.int64, device=device)
         self._before = torch.zeros(reads, dtype=torch.bool, device=device)  # which reads were whole before
+        self._torn = torch.zeros(self.n_slots, dtype=torch.bool, device=device)  # published slots found torn
+        self.events = torch.full((EVENTS, 6), -1, dtype=torch.int64, device=device)
+        self.n_events = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def clear(self) -> None:
+        self.counts.zero_()
+        self._torn.zero_()
+        self.events.fill_(-1)
+        self.n_events.zero_()
 
     def _whole(self, u_key: torch.Tensor, u_slot: torch.Tensor) -> torch.Tensor:
-        slot, key = u_slot[: self.reads].clamp(min=0).long(), u_key[: self.reads].clamp(min=0).long()
+        return self._matches(u_slot[: self.reads].clamp(min=0).long(), u_key[: self.reads].clamp(min=0).long())
+
+    def _matches(self, slot: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         sampled = self.flat.index_select(0, (slot[:, None] * self.record + self.columns[None, :]).reshape(-1))
-        return (sampled.view(self.reads, -1) == self.mirror.index_select(0, key)).all(dim=1)
+        return (sampled.view(slot.shape[0], -1) == self.mirror.index_select(0, key)).all(dim=1)
+
+    def table(self, st: "TableState", phase: int, position: int) -> None:
+        """Every published slot against its record (main stream, capturable): phase 0 before a layer's plan, 1
+        after it. The first time a slot is found torn, an event is logged: [decode step, MoE position, phase, slot,
+        key, the state of a fill entry that targets the slot (-1: none)]. Torn after plan L but whole before it:
+        the plan published it incomplete (a fill's ready flag or an admission); torn before plan L but whole after
+        plan L - 1: it was written while published (during layer L - 1's experts or its wait)."""
+        slots = torch.arange(self.n_slots, device=self.flat.device)
+        published = (st.slot_state == RESIDENT) & (st.key_of >= 0)
+        torn = published & ~self._matches(slots, st.key_of.clamp(min=0).long())
+        new = torn & ~self._torn
+        first = torch.argmax(new.to(torch.int32))
+        entry = (st.e_slot == first) & (st.e_state != E_FREE)
+        entry_state = torch.where(entry.any(), st.e_state[torch.argmax(entry.to(torch.int32))], -1)
+        event = torch.stack((st.decode_step[0], torch.full_like(st.decode_step[0], position),
+                             torch.full_like(st.decode_step[0], phase), first, st.key_of[first].long(),
+                             entry_state.long()))
+        logged = new.any() & (self.n_events < self.events.shape[0])
+        row = self.n_events.clamp(max=self.events.shape[0] - 1)
+        self.events.index_copy_(0, row, torch.where(logged, event, self.events.index_select(0, row)[0])[None])
+        self.n_events.add_(logged.long())
+        self.counts[4].add_(new.sum())
+        self._torn.copy_(torn)
+
+    def torn_events(self) -> list[dict[str, int]]:
+        names = ("decode_step", "position", "phase", "slot", "key", "fill_entry_state")
+        return [dict(zip(names, row)) for row in self.events[: int(self.n_events[0])].tolist()]
     def before(self, u_key: torch.Tensor, u_slot: torch.Tensor, u_wait: torch.Tensor) -> None:
         """After the layer's plan (and wait), before its expert kernel (main stream, capturable)."""
         read = u_slot[: self.reads] >= 0
@@ -59,4 +102,4 @@ class SlotProbe:
         self.counts[2].add_((self._before & ~self._whole(u_key, u_slot)).sum())
 
     def report(self) -> dict[str, int]:
-        return dict(zip(PROBE_COUNTS, self.counts.tolist()))
+        return {**dict(zip(PROBE_COUNTS, self.counts.tolist())), "torn_events": self.torn_events()}
