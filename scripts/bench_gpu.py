@@ -1278,12 +1278,14 @@ def learned_head_for(name: str, path: Path, args: argparse.Namespace) -> Path | 
 
 # a row name's modifiers: engine option, its parser
 ROW_MODIFIERS = {"fill": ("fill_confidence", float), "reuse": ("reuse_weight", float),
-                 "spare": ("spare_recent", int), "inflight": ("max_inflight_experts", int)}
+                 "spare": ("spare_recent", int), "inflight": ("max_inflight_experts", int),
+                 "budget": ("prefetch_budget", float)}
 
 
 def modified_row(name: str, known: dict[str, tuple]) -> tuple:
-    """A row named '<row>~fillC~idle~reuseW~spareN~inflightN' (any of the modifiers, any order): the known row <row>
-    with fill_confidence C, fill_link='idle', reuse_weight W, spare_recent N and/or max_inflight_experts N."""
+    """A row named '<row>~fillC~idle~reuseW~spareN~inflightN~budgetB' (any of the modifiers, any order): the known
+    row <row> with fill_confidence C, fill_link='idle', reuse_weight W, spare_recent N, max_inflight_experts N and/or
+    prefetch_budget B (0: protection only, and the plans skip their reservation passes)."""
     base, *mods = name.split("~")
     system, predictor, speculative, lookahead, cut, overrides = known[base]
     overrides = dict(overrides)
@@ -1298,8 +1300,8 @@ def modified_row(name: str, known: dict[str, tuple]) -> tuple:
             except ValueError:
                 raise SystemExit(f"--systems: {mod!r} in {name!r} needs a number after {prefix!r}") from None
         else:
-            raise SystemExit(f"--systems: unknown modifier {mod!r} in {name!r} (fillC, idle, reuseW, spareN or "
-                             f"inflightN)")
+            raise SystemExit(f"--systems: unknown modifier {mod!r} in {name!r} (fillC, idle, reuseW, spareN, "
+                             f"inflightN or budgetB)")
     if "reuse_weight" in overrides:
         check_fraction("reuse_weight", overrides["reuse_weight"], upper_open=False)
     return (name, predictor, speculative, lookahead, cut, overrides)

@@ -111,7 +111,8 @@ def test_merge_stats_sums_counters_exactly():
 @pytest.mark.slow  # ~40 s on 2 cores: 13 generations through the reference plans
 def test_oracle_divergence_finds_the_first_differing_token_and_runs_every_variant(tmp_path, monkeypatch):
     """scripts/oracle_divergence.py: the first index where two token lists part (a shorter one parts where it ends),
-    and on the CPU (tiny V2-Lite, reference plans) every row of every variant keeps all-resident's tokens."""
+    and on the CPU (tiny V2-Lite, reference plans) every row of the chosen variants, and the probed rows, keep
+    all-resident's tokens with every slot whole."""
     import json
     import sys
 
@@ -123,10 +124,14 @@ def test_oracle_divergence_finds_the_first_differing_token_and_runs_every_varian
     assert script.first_difference([1, 2], [1, 2, 3]) == 2
     out = tmp_path / "divergence.json"
     monkeypatch.setattr(sys, "argv", ["oracle_divergence.py", "--device", "cpu", "--scale", "tiny", "--slots", "10",
-                                      "--new-tokens", "6", "--workdir", str(tmp_path), "--out", str(out)])
+                                      "--new-tokens", "6", "--workdir", str(tmp_path), "--out", str(out),
+                                      "--variants", "late_reread,inflight1,no_graphs", "--probe"])
     script.main()
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["predictor"], r["variant"]) for r in rows} >= {("none", "base"), ("oracle", "base"),
-                                                               ("oracle_next", "inflight1"), ("oracle", "late_reread")}
-    assert all(r["first_difference"] is None for r in rows)
+    assert {(r["predictor"], r["variant"]) for r in rows} == {
+        (p, v) for p in ("oracle_next", "oracle") for v in ("probe", "base", "late_reread", "inflight1", "no_graphs")
+    } | {("none", "base")}
+    assert all(r["first_difference"] is None and r["corrupt_slots"] == 0 for r in rows)
+    probed = [r for r in rows if r["variant"] == "probe"]
+    assert all(r["checked"] > 0 and r["stale_hit"] == r["torn_in_table"] == 0 for r in probed)
     assert any(r["prefetch_issued"] for r in rows)  # the oracles did fill: the rows exercise the fill path

@@ -150,13 +150,13 @@ def test_expert_terms_are_the_products_that_the_combine_sums(step_rows):
 
 def _simulate(seed: int, policy: str, slots: int, spare: int, steps: int = 6, positions: int = 4, experts: int = 8,
               k: int = 2, nx: int = 2, ns: int = 1, wait: bool = False, ring: int = 2, foreign: float = 0.0,
-              lead: int = 0, fill_confidence: float = 0.0, idle: bool = False):
+              lead: int = 0, fill_confidence: float = 0.0, idle: bool = False, budget: int = 3):
     from moeprefetch.kernels.fill import await_fills
     from moeprefetch.kernels.plan import Planner
 
     g = torch.Generator().manual_seed(seed)
     cfg = ResidencyConfig(positions=positions, main_positions=positions - 1, n_experts=experts, n_slots=slots,
-                          record_bytes=256, ring=ring, entries=16, max_inflight=4, budget_per_target=3,
+                          record_bytes=256, ring=ring, entries=16, max_inflight=4, budget_per_target=budget,
                           min_confidence=0.2, chunk_bytes=64, policy=policy, spare_recent=spare, wait_late=wait,
                           prefetch_lead=lead, fill_confidence=fill_confidence, fill_idle_link=idle)
     u = (nx + ns) * k
@@ -251,6 +251,18 @@ def test_plan_kernel_matches_the_reference_with_a_fill_cut_and_idle_link_fills(s
 
     totals = _simulate(seed, policy, 12, 0, steps=7, wait=wait, ring=ring, fill_confidence=0.55, idle=True)
     assert totals[C["prefetch_issued"]] > 0 and totals[C["predicted"]] > totals[C["prefetch_issued"]]
+
+
+@pytest.mark.parametrize("seed,wait", [(41, False), (42, True)])
+def test_plan_kernel_without_a_fill_budget_only_protects(seed, wait):
+    """No fill budget (protection only): the kernel skips its reservation passes and still plans exactly as the
+    reference, which fills nothing and protects what the predictions name."""
+    if DEVICE == "cuda":
+        pytest.skip("runs the kernel on CPU tensors (interpreter); the GPU path is covered by the engine tests")
+    from moeprefetch.residency.state import C
+
+    totals = _simulate(seed, "lrfu", 12, 0, steps=6, wait=wait, budget=0)
+    assert totals[C["prefetch_issued"]] == 0 and totals[C["predicted"]] > 0 and totals[C["hit"]] > 0
 
 
 @pytest.mark.parametrize("seed,cells,wait,ring", [(21, 8, False, 2), (22, 16, True, 3), (23, 32, False, 4)])

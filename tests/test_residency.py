@@ -187,6 +187,31 @@ def test_predicted_experts_are_fetched_within_budget_and_used_in_time():
 
 
 
+def test_without_a_fill_budget_the_reservation_changes_nothing_the_window_has_not():
+    """Why the plans may skip their reservation passes when no fill can be issued: run on the table right after a
+    plan's protection, the reservation leaves every tensor as it was."""
+    from moeprefetch.residency.plan import _Lists, _reserve, _window
+
+    t = Table(slots=6, budget_per_target=0)
+    t.start()
+    t.plan(0, [[0, 1]])
+    t.start()
+    t.predict(0, 1, [0, 2, 3], conf=0.9)
+    t.predict(1, 0, [1, 4], conf=0.95)
+    lists = _Lists(t.st)
+    step, dstep = int(t.st.step[0]), int(t.st.decode_step[0])
+    now = 2 * step * t.cfg.positions
+    _window(lists, t.cfg, 0, step, dstep)
+    lists.write_back()
+    before = {name: value.clone() for name, value in t.st.tensors().items()}
+    lists = _Lists(t.st)
+    _reserve(lists, t.cfg, 0, now, int(t.st.step_base[0]), step, dstep)
+    lists.write_back()
+    for name, value in t.st.tensors().items():
+        assert torch.equal(value, before[name]), name
+    assert int(t.st.protect.max()) > now  # the window did protect something
+
+
 def test_a_fill_waits_until_its_need_is_within_the_lead():
     """With a lead of one MoE position, a prediction for two positions ahead protects but fetches nothing until the
     plan before its need; the whole window (lead 0) fetches at once."""

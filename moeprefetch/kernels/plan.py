@@ -379,7 +379,7 @@ if HAS_TRITON:
         order, adm_key, adm_slot, victims, cursor_ptr, step_ptr, step_base_ptr, progress_ptr, dstep_ptr,
         pred, fills_for, counters, trace, scratch, scratch_e, demand_ptr,
         # shapes and policy
-        S, CHUNKS, BUDGET, MAX_INFLIGHT, MIN_CONF, FILL_CONF, SPARE, LEAD, R, SHADOW, RESERVE, RECALL, TRACE,
+        S, CHUNKS, BUDGET, MAX_INFLIGHT, MIN_CONF, FILL_CONF, SPARE, LEAD, R, SHADOW, RESERVE, FILLS, RECALL, TRACE,
         WAIT: tl.constexpr, IDLE: tl.constexpr,
         P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
         M: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, K: tl.constexpr, XK_PAD: tl.constexpr,
@@ -422,7 +422,7 @@ if HAS_TRITON:
             _shadow_rows(ids_s, act_s, ns, nx, position, now, ex, first, u_first, assign, u_key, u_slot, u_dst,
                          slot_of, last_use, E, K, SK_PAD)
             tl.debug_barrier()
-        if RESERVE != 0:
+        if (RESERVE != 0) & (FILLS != 0):  # without fills (no budget) the window protected above is all it does
             _reserve(position, step, dstep, now, step_base, pred, slot_of, key_of, slot_state, last_use, protect,
                      prefetched_at, pinned, inflight_of, e_state, e_key, e_slot, e_deadline, e_made, e_next, e_done,
                      e_ready, victims, cursor_ptr, fills_for, counters, scratch, scratch_e, S, BUDGET, MAX_INFLIGHT,
@@ -566,7 +566,8 @@ class Planner:
             CHUNKS=cfg.chunks, BUDGET=cfg.budget_per_target, MAX_INFLIGHT=cfg.max_inflight,
             MIN_CONF=float(cfg.min_confidence), FILL_CONF=float(cfg.fill_cut), SPARE=cfg.spare_recent,
             LEAD=cfg.lead_clock, WIN=VICTIM_WINDOW, NC=len(COUNTERS),
-            SHADOW=int(shadow), RESERVE=int(reserve), RECALL=int(count_recall), TRACE=int(trace is not None),
+            SHADOW=int(shadow), RESERVE=int(reserve), FILLS=int(cfg.budget_per_target > 0 and cfg.max_inflight > 0),
+            RECALL=int(count_recall), TRACE=int(trace is not None),
             WAIT=bool(cfg.wait_late), IDLE=bool(cfg.fill_idle_link))
 
 

@@ -249,7 +249,7 @@ def plan_layer(
     if trace is not None and exact:
         trace[dstep, position, list(exact)] = True
 
-    if reserve:
+    if reserve and cfg.budget_per_target > 0 and cfg.max_inflight > 0:  # else the window protected above is all
         _reserve(t, cfg, position, now, step_base, step, dstep)
     _order(t, cfg, position + 1)
     t.write_back()
