@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import sys
 from pathlib import Path
 
 import torch
@@ -22,6 +23,8 @@ from transformers import AutoTokenizer
 from moeprefetch import MoEPrefetchEngine
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from prefetch_bytes import measure  # noqa: E402  (the same count as the policy and lead rows)
 ROWS = (("none", {}), ("learned", {"fill_confidence": 1.0}),
         ("learned", {"fill_confidence": 1.0, "reuse_weight": 0.7}), ("oracle_next", {}))
 
@@ -46,19 +49,11 @@ def main() -> None:
     base, rows, reference = engine.options, [], None
     for predictor, options in ROWS:
         engine.options = dataclasses.replace(base, **options)
-        moved = misses = 0.0
-        sequences = []
-        for prompt in prompts:
-            engine.reset_expert_cache(forget_routing=True)
-            result = engine.generate([prompt], max_new_tokens=ns.new_tokens, temperature=ns.temperature,
-                                     seed=ns.seed, stop_at_eos=False, predictor=predictor)
-            stats = result.stats.to_dict()
-            moved += stats["decode_bytes_h2d_per_token"] / engine.residency.expert_bytes / len(prompts)
-            misses += stats["decode_misses_per_token"] / len(prompts)
-            sequences.append(result.sequences)
-        reference = reference or sequences
-        row = {"predictor": predictor, **options, "experts_moved_per_token": moved, "misses_per_token": misses,
-               "same_tokens_as_reactive": sequences == reference}
+        counts = measure(engine, prompts, ns.new_tokens, predictor, temperature=ns.temperature, seed=ns.seed)
+        reference = reference or counts["sequences"]
+        row = {"predictor": predictor, **options, "experts_moved_per_token": counts["experts_per_token"],
+               "misses_per_token": counts["misses_per_token"],
+               "same_tokens_as_reactive": counts["sequences"] == reference}
         rows.append(row)
         print(json.dumps(row), flush=True)
     engine.close()

@@ -63,14 +63,18 @@ def model_and_prompts(name: str, count: int, workdir: Path) -> tuple[Path, list[
 def measure(engine: MoEPrefetchEngine, prompts: list[list[int]], new_tokens: int, predictor: str,
             min_confidence: float = 0.0, lookahead: int | None = None, temperature: float = 0.0,
             seed: int = 0) -> dict[str, Any]:
-    """Experts moved (fills and zero-copy reads) and misses per decode token, over every prompt."""
+    """Experts moved (fills and zero-copy reads) and misses per decode token, over every prompt, and each prompt's
+    tokens (`sequences`: rows that must agree compare them)."""
     moved = misses = wasted = issued = 0.0
     tokens = 0
+    sequences = []
     for prompt in prompts:
         engine.reset_expert_cache(forget_routing=True)  # LFU and LRFU learn each prompt's routing from scratch
-        stats = engine.generate([prompt], max_new_tokens=new_tokens, predictor=predictor, stop_at_eos=False,
-                                min_confidence=min_confidence, lookahead=lookahead, temperature=temperature,
-                                seed=seed).stats.to_dict()
+        result = engine.generate([prompt], max_new_tokens=new_tokens, predictor=predictor, stop_at_eos=False,
+                                 min_confidence=min_confidence, lookahead=lookahead, temperature=temperature,
+                                 seed=seed)
+        sequences.append(result.sequences)
+        stats = result.stats.to_dict()
         steps = stats["decode_steps"]
         moved += stats["decode_bytes_h2d_per_token"] / stats["expert_bytes"] * steps
         misses += stats["decode_misses_per_token"] * steps
@@ -78,7 +82,7 @@ def measure(engine: MoEPrefetchEngine, prompts: list[list[int]], new_tokens: int
         issued += stats["prefetch_issued"]
         tokens += steps
     return {"experts_per_token": moved / tokens, "misses_per_token": misses / tokens,
-            "prefetch_waste": wasted / issued if issued else None, "decode_tokens": tokens}
+            "prefetch_waste": wasted / issued if issued else None, "decode_tokens": tokens, "sequences": sequences}
 
 
 def points(args: argparse.Namespace, has_mtp: bool) -> Iterator[tuple[str, float, str, int]]:
@@ -151,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                    "reuse_weight": args.reuse_weight,
                    **measure(engine, prompts, args.new_tokens, predictor, float(cut or 0.0),
                               None if predictor in ("none", "oracle_next") else args.lookahead, **sampling)}
+            row.pop("sequences")  # counts only in the report
             rows.append(row)
             logger.info("%s (%s, half-life %g) lead %d: %.2f experts/token, %.2f misses/token", system, policy,
                         halflife, lead, row["experts_per_token"], row["misses_per_token"])
