@@ -68,6 +68,7 @@ class EngineOptions:
     fill_confidence: float  # predictions below it only protect (fills cost link bytes, protection none)
     fill_link: str  # shared | idle (fills for later layers yield the link to a layer's host reads)
     reuse_weight: float  # predictor='learned': how much its reuse probabilities weigh in the victims' order
+    bypass: bool  # predictor='learned': misses less likely needed soon than their victims are not admitted
     routing_trace: str | None  # benchmarks: decode routing forced from this trace file
     spare_recent: int
     prefetch_lead: int  # MoE layers: a fill is reserved at most this far before its need (0: no limit)
@@ -291,7 +292,7 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
         prefill_chunk=chunk, prefill_window=auto_prefill_window(seq_len, chunk, device, config.prefill_window),
         expert_dtype=config.expert_dtype, min_confidence=float(config.min_confidence),
         fill_confidence=float(config.fill_confidence), fill_link=config.fill_link,
-        reuse_weight=float(config.reuse_weight),
+        reuse_weight=float(config.reuse_weight), bypass=bool(config.bypass),
         routing_trace=str(config.routing_trace) if config.routing_trace is not None else None,
         spare_recent=config.spare_recent, prefetch_lead=config.prefetch_lead,
         draft_experts=config.draft_experts, late_prefetch=config.late_prefetch, cuda_graphs=graphs,

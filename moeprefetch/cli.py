@@ -52,6 +52,7 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help=EngineConfig.help("fill_confidence"))
     parser.add_argument("--reuse-weight", type=float, default=defaults.reuse_weight,
                         help=EngineConfig.help("reuse_weight"))
+    parser.add_argument("--bypass", action="store_true", default=defaults.bypass, help=EngineConfig.help("bypass"))
     parser.add_argument("--fill-link", choices=FILL_LINK, default=defaults.fill_link,
                         help=EngineConfig.help("fill_link"))
     parser.add_argument("--routing-trace", default=None, help=EngineConfig.help("routing_trace"))
@@ -250,7 +251,7 @@ def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
                                   prefetch_lead=ns.prefetch_lead, late_prefetch=ns.late_prefetch, progress=ns.verbose,
                                   distributed=ns.distributed, fill_confidence=ns.fill_confidence,
                                   fill_link=ns.fill_link, routing_trace=ns.routing_trace,
-                                  reuse_weight=ns.reuse_weight)
+                                  reuse_weight=ns.reuse_weight, bypass=ns.bypass)
     for name in ("max_seq_len", "prefill_chunk", "prefill_window", "predictor", "lookahead", "min_confidence",
                  "max_batch_size", "expert_dtype", "int4_group_size", "int4_symmetric", "predictor_path"):
         if getattr(ns, name, None) is not None:

@@ -61,6 +61,8 @@ class EngineConfig:
                                      "needed soon (the next two tokens, or its horizon) + (1 - w) x the policy's "
                                      "rank (0, the default: the policy alone; 0.9 cut misses on long held-out runs "
                                      "but not on the bench's short ones, BENCHMARKS)")
+    bypass: bool = _opt(False, "predictor='learned': a miss that the head thinks less likely to be needed soon than "
+                               "its victim is read from host without admission, keeping the victim (issue 36)")
     spare_recent: int = _opt(1, "prefetches never evict an expert used in the last N steps (0: any victim; lrfu, "
                                 "lru and static policies; the oracle uses Belady's victims)")
     prefetch_lead: int = _opt(0, "a prefetch is reserved at most this many MoE layers before its need (0: no limit, as "
@@ -169,6 +171,8 @@ class EngineConfig:
         check_fraction("min_confidence", self.min_confidence, upper_open=False)
         check_fraction("fill_confidence", self.fill_confidence, upper_open=False)
         check_fraction("reuse_weight", self.reuse_weight, upper_open=False)
+        if not isinstance(self.bypass, bool):
+            raise RequestError(f"bypass must be True or False, got {self.bypass!r}")
         budget = self.prefetch_budget
         if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not math.isfinite(budget) or budget < 0:
             raise RequestError(f"prefetch_budget must be a number >= 0 (a multiple of top-k), got {budget!r}")

@@ -332,7 +332,8 @@ def configure_residency(engine: "MoEPrefetchEngine", spec: PredictorSpec, rows: 
                                wait_late=options.late_prefetch == "wait", prefetch_lead=options.prefetch_lead,
                                policy=options.policy, frequency_halflife=options.lrfu_halflife,
                                fill_confidence=options.fill_confidence, fill_idle_link=options.fill_link == "idle",
-                               reuse_weight=options.reuse_weight if spec.learned else 0.0)
+                               reuse_weight=options.reuse_weight if spec.learned else 0.0,
+                               bypass=options.bypass and spec.learned)
 
 
 def step_shape(engine: "MoEPrefetchEngine", batch: int, spec: PredictorSpec, mode: str, uses_mtp: bool,

@@ -1283,9 +1283,9 @@ ROW_MODIFIERS = {"fill": ("fill_confidence", float), "reuse": ("reuse_weight", f
 
 
 def modified_row(name: str, known: dict[str, tuple]) -> tuple:
-    """A row named '<row>~fillC~idle~reuseW~spareN~inflightN~budgetB' (any of the modifiers, any order): the known
-    row <row> with fill_confidence C, fill_link='idle', reuse_weight W, spare_recent N, max_inflight_experts N and/or
-    prefetch_budget B (0: protection only, and the plans skip their reservation passes)."""
+    """A row named '<row>~fillC~idle~reuseW~spareN~inflightN~budgetB~bypass' (any of the modifiers, any order): the
+    known row <row> with fill_confidence C, fill_link='idle', reuse_weight W, spare_recent N, max_inflight_experts N,
+    prefetch_budget B (0: protection only, and the plans skip their reservation passes) and/or bypass=True."""
     base, *mods = name.split("~")
     system, predictor, speculative, lookahead, cut, overrides = known[base]
     overrides = dict(overrides)
@@ -1293,6 +1293,8 @@ def modified_row(name: str, known: dict[str, tuple]) -> tuple:
         prefix = next((p for p in ROW_MODIFIERS if mod.startswith(p) and mod[len(p):]), None)
         if mod == "idle":
             overrides["fill_link"] = "idle"
+        elif mod == "bypass":
+            overrides["bypass"] = True
         elif prefix is not None:
             option, parse = ROW_MODIFIERS[prefix]
             try:
@@ -1301,7 +1303,7 @@ def modified_row(name: str, known: dict[str, tuple]) -> tuple:
                 raise SystemExit(f"--systems: {mod!r} in {name!r} needs a number after {prefix!r}") from None
         else:
             raise SystemExit(f"--systems: unknown modifier {mod!r} in {name!r} (fillC, idle, reuseW, spareN, "
-                             f"inflightN or budgetB)")
+                             f"inflightN, budgetB or bypass)")
     if "reuse_weight" in overrides:
         check_fraction("reuse_weight", overrides["reuse_weight"], upper_open=False)
     return (name, predictor, speculative, lookahead, cut, overrides)

@@ -429,10 +429,10 @@ def test_the_learned_predictor_keeps_the_tokens_in_graphs():
     prompts = [[40, 41, 42, 43, 44, 45, 46, 47]]
     with MoEPrefetchEngine.from_pretrained(reference, device="cuda", dtype=torch.bfloat16) as resident:
         expected = resident.generate(prompts, max_new_tokens=24, stop_at_eos=False).sequences
-    for slots, reuse in ((8, 0.9), (40, 0.0), (120, 0.9)):
+    for slots, reuse, bypass in ((8, 0.9, False), (40, 0.0, True), (120, 0.9, True)):
         with MoEPrefetchEngine.from_pretrained(reference, device="cuda", dtype=torch.bfloat16,
                                                expert_cache_slots=slots, predictor_path=str(head),
-                                               reuse_weight=reuse) as engine:
+                                               reuse_weight=reuse, bypass=bypass) as engine:
             recall = {}
             for predictor, lookahead in LEARNED_ROWS:
                 result = engine.generate(prompts, max_new_tokens=24, stop_at_eos=False, predictor=predictor,

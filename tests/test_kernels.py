@@ -150,15 +150,18 @@ def test_expert_terms_are_the_products_that_the_combine_sums(step_rows):
 
 def _simulate(seed: int, policy: str, slots: int, spare: int, steps: int = 6, positions: int = 4, experts: int = 8,
               k: int = 2, nx: int = 2, ns: int = 1, wait: bool = False, ring: int = 2, foreign: float = 0.0,
-              lead: int = 0, fill_confidence: float = 0.0, idle: bool = False, budget: int = 3):
+              lead: int = 0, fill_confidence: float = 0.0, idle: bool = False, budget: int = 3,
+              bypass: bool = False):
     from moeprefetch.kernels.fill import await_fills
     from moeprefetch.kernels.plan import Planner
 
     g = torch.Generator().manual_seed(seed)
+    g_reuse = torch.Generator().manual_seed(seed + 10_000)  # its own stream: the other draws stay as they were
     cfg = ResidencyConfig(positions=positions, main_positions=positions - 1, n_experts=experts, n_slots=slots,
                           record_bytes=256, ring=ring, entries=16, max_inflight=4, budget_per_target=budget,
                           min_confidence=0.2, chunk_bytes=64, policy=policy, spare_recent=spare, wait_late=wait,
-                          prefetch_lead=lead, fill_confidence=fill_confidence, fill_idle_link=idle)
+                          prefetch_lead=lead, fill_confidence=fill_confidence, fill_idle_link=idle,
+                          bypass=bypass)
     u = (nx + ns) * k
     tables = [TableState.allocate(cfg, u, torch.device("cpu")) for _ in range(2)]
     for table in tables:
@@ -172,8 +175,10 @@ def _simulate(seed: int, policy: str, slots: int, spare: int, steps: int = 6, po
         _same(tables, f"start of step {step}")
         pred = torch.rand(cfg.ring, positions, experts, generator=g) * (
             torch.rand(cfg.ring, positions, experts, generator=g) < 0.3)
+        reuse = torch.rand(cfg.keys, generator=g_reuse) * (torch.rand(cfg.keys, generator=g_reuse) < 0.6)
         for table in tables:
             table.pred[: cfg.ring].copy_(pred)
+            table.reuse.copy_(reuse)  # a predictor's P(needed soon): the bypass rule reads it
         for p in range(-1, positions):
             ids_x = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(nx)])
             act_x = torch.rand(nx, generator=g) < 0.85
@@ -251,6 +256,20 @@ def test_plan_kernel_matches_the_reference_with_a_fill_cut_and_idle_link_fills(s
 
     totals = _simulate(seed, policy, 12, 0, steps=7, wait=wait, ring=ring, fill_confidence=0.55, idle=True)
     assert totals[C["prefetch_issued"]] > 0 and totals[C["predicted"]] > totals[C["prefetch_issued"]]
+
+
+@pytest.mark.parametrize("seed,slots,wait", [(53, 12, False), (56, 12, True)])
+def test_plan_kernel_matches_the_reference_when_misses_bypass_the_cache(seed, slots, wait):
+    """`bypass`: a miss less likely to be needed soon than its victim's expert is read without admission; the
+    kernel's plans and tables equal the reference's, and some misses did bypass (fewer admissions than victims)."""
+    if DEVICE == "cuda":
+        pytest.skip("runs the kernel on CPU tensors (interpreter); the GPU path is covered by the engine tests")
+    from moeprefetch.residency.state import C
+
+    with_bypass = _simulate(seed, "lrfu", slots, 0, steps=6, wait=wait, bypass=True)
+    without = _simulate(seed, "lrfu", slots, 0, steps=6, wait=wait)
+    assert with_bypass[C["miss"]] > 0 and with_bypass[C["admitted"]] < with_bypass[C["miss"]]
+    assert with_bypass[C["admitted"]] != without[C["admitted"]]
 
 
 @pytest.mark.parametrize("seed,wait", [(41, False), (42, True)])

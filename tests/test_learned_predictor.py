@@ -231,9 +231,12 @@ def test_the_learned_predictor_changes_no_token_and_finds_the_next_tokens_expert
     with MoEPrefetchEngine.from_pretrained(REFERENCE, progress=False) as resident:
         expected = resident.generate(prompts, max_new_tokens=12, stop_at_eos=False).sequences
     recalls = {}
-    for slots, reuse in ((8, 0.9), (40, 0.0), (40, 0.9)):  # victims by predicted reuse, and by the policy alone
+    # victims by predicted reuse, by the policy alone, and misses bypassing the cache by predicted reuse
+    for slots, reuse, bypass in ((8, 0.9, False), (40, 0.0, False), (40, 0.9, False), (8, 0.0, True),
+                                 (24, 0.9, True)):
         with MoEPrefetchEngine.from_pretrained(REFERENCE, progress=False, expert_cache_slots=slots,
-                                               predictor_path=str(out), reuse_weight=reuse) as engine:
+                                               predictor_path=str(out), reuse_weight=reuse,
+                                               bypass=bypass) as engine:
             for predictor, lookahead in LEARNED_ROWS:
                 result = engine.generate(prompts, max_new_tokens=12, stop_at_eos=False, predictor=predictor,
                                          lookahead=lookahead)

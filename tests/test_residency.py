@@ -187,6 +187,24 @@ def test_predicted_experts_are_fetched_within_budget_and_used_in_time():
 
 
 
+@pytest.mark.parametrize("miss_reuse,admitted", [(0.2, False), (0.8, True)])
+def test_a_miss_less_likely_needed_soon_than_its_victim_bypasses_the_cache(miss_reuse, admitted):
+    """bypass: the misses are read in place and their victims stay resident, unless the misses are the likelier
+    ones to be needed soon (`TableState.reuse`, a predictor's)."""
+    t = Table(slots=2, bypass=True)
+    t.start()
+    t.plan(0, [[0, 1]])  # experts 0 and 1 of position 0 fill both slots
+    t.start()
+    t.st.reuse[[t.key(0, 0), t.key(0, 1)]] = 0.5
+    t.st.reuse[[t.key(1, 4), t.key(1, 5)]] = miss_reuse
+    plan = t.plan(1, [[4, 5]])  # two misses; their victims would be the two slots
+    assert (plan["dst"][:2] != [-1, -1]) == admitted
+    t.start()  # publishes what was admitted
+    expected = {t.key(1, 4), t.key(1, 5)} if admitted else {t.key(0, 0), t.key(0, 1)}
+    assert t.resident() == expected
+    assert t.count("miss") == 4 and t.count("admitted") == (4 if admitted else 2)
+
+
 def test_without_a_fill_budget_the_reservation_changes_nothing_the_window_has_not():
     """Why the plans may skip their reservation passes when no fill can be issued: run on the table right after a
     plan's protection, the reservation leaves every tensor as it was."""

@@ -220,14 +220,22 @@ if HAS_TRITON:
     @triton.jit
     def _admit(key, miss, u_first, position, now, step_base, u_dst, adm_key, adm_slot, slot_of, key_of,
                slot_state, last_use, protect, prefetched_at, pinned, inflight_of, victims, cursor_ptr, scratch,
-               counters, S, E: tl.constexpr, WIN: tl.constexpr, NC: tl.constexpr):
-        """Victims for the misses: each admitted miss is written into its victim slot by the expert kernel."""
+               counters, reuse, S, E: tl.constexpr, WIN: tl.constexpr, NC: tl.constexpr, BYPASS: tl.constexpr):
+        """Victims for the misses: each admitted miss is written into its victim slot by the expert kernel. With
+        BYPASS, a miss less likely to be needed soon than its victim's expert (`reuse`) is only read: the victim
+        stays."""
         taken = _pop_victims(_count(miss), now, step_base, now + 1, victims, cursor_ptr, key_of, slot_state,
                              protect, last_use, pinned, scratch, S, WIN)
         tl.debug_barrier()
         miss_rank = _exclusive_cumsum(miss)
         admit = miss & (miss_rank < taken)
         v = tl.load(scratch + miss_rank, mask=admit, other=0)
+        if BYPASS:
+            old = tl.load(key_of + v, mask=admit, other=-1)
+            kept = admit & (old >= 0)
+            r_old = tl.load(reuse + tl.maximum(old, 0), mask=kept, other=0.0)
+            r_miss = tl.load(reuse + key, mask=kept, other=0.0)
+            admit = admit & ~(kept & (r_miss < r_old))
         _evict(v, admit, slot_of, key_of, prefetched_at, counters, E, NC, 6, 8)
         tl.store(key_of + v, key, mask=admit)
         tl.store(slot_state + v, 2, mask=admit)  # FILLING
@@ -377,10 +385,10 @@ if HAS_TRITON:
         slot_of, key_of, slot_state, last_use, protect, prefetched_at, use_count, pinned, inflight_of,
         e_state, e_key, e_slot, e_deadline, e_made, e_next, e_done, e_ready,
         order, adm_key, adm_slot, victims, cursor_ptr, step_ptr, step_base_ptr, progress_ptr, dstep_ptr,
-        pred, fills_for, counters, trace, scratch, scratch_e, demand_ptr,
+        pred, fills_for, counters, trace, scratch, scratch_e, demand_ptr, reuse,
         # shapes and policy
         S, CHUNKS, BUDGET, MAX_INFLIGHT, MIN_CONF, FILL_CONF, SPARE, LEAD, R, SHADOW, RESERVE, FILLS, RECALL, TRACE,
-        WAIT: tl.constexpr, IDLE: tl.constexpr,
+        WAIT: tl.constexpr, IDLE: tl.constexpr, BYPASS: tl.constexpr,
         P: tl.constexpr, P_MAIN: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
         M: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, K: tl.constexpr, XK_PAD: tl.constexpr,
         SK_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, RB: tl.constexpr, WIN: tl.constexpr, NC: tl.constexpr,
@@ -411,8 +419,8 @@ if HAS_TRITON:
                             MIN_CONF)
             tl.debug_barrier()
         _admit(key, miss, u_first, position, now, step_base, u_dst, adm_key, adm_slot, slot_of, key_of, slot_state,
-               last_use, protect, prefetched_at, pinned, inflight_of, victims, cursor_ptr, scratch, counters, S, E,
-               WIN, NC)
+               last_use, protect, prefetched_at, pinned, inflight_of, victims, cursor_ptr, scratch, counters, reuse, S,
+               E, WIN, NC, BYPASS)
         if RECALL != 0:
             _score(ex, first, position, dstep, pred, counters, R, MIN_CONF, P, P_MAIN, E, E_PAD, NC)
         if TRACE != 0:
@@ -557,7 +565,7 @@ class Planner:
             victims=st.victims, cursor_ptr=st.cursor, step_ptr=st.step, step_base_ptr=st.step_base,
             progress_ptr=st.progress, dstep_ptr=st.decode_step, pred=st.pred, fills_for=st.fills_for,
             counters=st.counters, trace=trace if trace is not None else self._dummy, scratch=self._scratch,
-            scratch_e=self._scratch_e, demand_ptr=st.demand,
+            scratch_e=self._scratch_e, demand_ptr=st.demand, reuse=st.reuse,
             P=cfg.positions, P_MAIN=max(cfg.main_positions, 1), E=cfg.n_experts, E_PAD=_pow2(cfg.n_experts),
             S=cfg.n_slots, M=cfg.entries, A=self.max_experts, A_PAD=_pow2(self.max_experts), K=self.top_k,
             XK_PAD=_pow2(max(ids_x.shape[0] * self.top_k, 2)),
@@ -568,7 +576,7 @@ class Planner:
             LEAD=cfg.lead_clock, WIN=VICTIM_WINDOW, NC=len(COUNTERS),
             SHADOW=int(shadow), RESERVE=int(reserve), FILLS=int(cfg.budget_per_target > 0 and cfg.max_inflight > 0),
             RECALL=int(count_recall), TRACE=int(trace is not None),
-            WAIT=bool(cfg.wait_late), IDLE=bool(cfg.fill_idle_link))
+            WAIT=bool(cfg.wait_late), IDLE=bool(cfg.fill_idle_link), BYPASS=bool(cfg.bypass))
 
 
 # the kernel writes counter columns by number; keep them tied to the names

@@ -154,14 +154,14 @@ class Residency:
                   min_confidence: float = 0.0, spare_recent: int | None = None, wait_late: bool = True,
                   prefetch_lead: int = 0, policy: str | None = None,
                   frequency_halflife: float | None = None, fill_confidence: float = 0.0,
-                  fill_idle_link: bool = False, reuse_weight: float = 0.0) -> None:
+                  fill_idle_link: bool = False, reuse_weight: float = 0.0, bypass: bool = False) -> None:
         """Per-call prefetch settings: prediction ring depth, fills per target, fills in flight, confidence cut, the
         steps of recent experts that prefetches spare (0 for the oracle: Belady's victims know better), how many
         MoE positions ahead a fill may be reserved (0: the whole prediction window), the cache policy and LRFU's
         half-life in steps (default: the engine's; the routing history LFU and LRFU rank by is kept whatever the
         policy), the confidence a prediction needs to be fetched rather than only protected, and whether fills for
-        later layers yield the link to a layer's host reads, and how much a predictor's reuse probabilities weigh in
-        the victims' order.
+        later layers yield the link to a layer's host reads, how much a predictor's reuse probabilities weigh in
+        the victims' order, and whether a miss less likely to be needed soon than its victim bypasses the cache.
         Each setting gets its own launchers (captured graphs keep theirs); the table tensors never move."""
         budget = budget_per_target if budget_per_target is not None else self.base_cfg.budget_per_target
         inflight = min(max_inflight if max_inflight is not None else self.base_cfg.max_inflight, ENTRIES // 2)
@@ -172,7 +172,7 @@ class Residency:
                            policy=policy or self.base_cfg.policy,
                            frequency_halflife=float(frequency_halflife or self.base_cfg.frequency_halflife),
                            fill_confidence=float(fill_confidence), fill_idle_link=bool(fill_idle_link),
-                           reuse_weight=float(reuse_weight))
+                           reuse_weight=float(reuse_weight), bypass=bool(bypass))
         if self.cfg not in self._launchers:
             self._launchers[self.cfg] = (
                 Planner(self.st, self.cfg, self.top_k, self.max_rows, self.max_rows, self.use_kernels),

@@ -176,10 +176,16 @@ def _classify_exact(t: _Lists, cfg: ResidencyConfig, position: int, now: int, ex
 
 def _admit_misses(t: _Lists, cfg: ResidencyConfig, position: int, now: int, step_base: int, misses: list[int],
                   keys: list[int], dsts: list[int]) -> None:
-    """Each miss, as far as victims last, is written into a victim slot by the expert kernel as it streams."""
+    """Each miss, as far as victims last, is written into a victim slot by the expert kernel as it streams. With
+    `bypass`, a miss less likely to be needed soon than its victim's expert (`TableState.reuse`, a predictor's) is
+    only read in place: the victim stays (the queue has moved past it for this step)."""
+    reuse = t.st.reuse.tolist() if cfg.bypass else None
     for u, slot in zip(misses, _pop_victims(t, len(misses), now, step_base)):
-        _evict(t, cfg, slot)
         key = keys[u]
+        old = t.key_of[slot]
+        if reuse is not None and old >= 0 and reuse[key] < reuse[old]:
+            continue
+        _evict(t, cfg, slot)
         t.key_of[slot] = key
         t.slot_state[slot] = FILLING
         t.last_use[slot] = now

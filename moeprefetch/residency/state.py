@@ -62,6 +62,8 @@ class ResidencyConfig:
     # victims by predicted reuse: w x P(needed soon, `TableState.reuse`) + (1 - w) x the policy's
     # rank, lowest first (0: the policy's order alone)
     reuse_weight: float = 0.0
+    # a miss whose P(needed soon) is below its victim's is read in place without admission (the victim stays)
+    bypass: bool = False
 
     @property
     def fill_cut(self) -> float:
