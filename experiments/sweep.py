@@ -69,6 +69,7 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         fill_link=str(cfg.predictor.get("fill_link", EngineConfig.fill_link)), cuda_graphs=bool(cfg.device.cuda_graphs),
         predictor_path=_predictor_path(cfg),
         reuse_weight=float(cfg.predictor.get("reuse_weight", EngineConfig.reuse_weight)),
+        bypass=bool(cfg.predictor.get("bypass", EngineConfig.bypass)),
         max_batch_size=int(cfg.workload.batch), progress=False)
 
 
@@ -124,6 +125,7 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
         "fill_confidence": float(cfg.predictor.get("fill_confidence", EngineConfig.fill_confidence)),
         "fill_link": str(cfg.predictor.get("fill_link", EngineConfig.fill_link)),
         "reuse_weight": float(cfg.predictor.get("reuse_weight", EngineConfig.reuse_weight)),
+        "bypass": bool(cfg.predictor.get("bypass", EngineConfig.bypass)),
         "predictor_path": _predictor_path(cfg),
         "lookahead": int(cfg.lookahead),
         "speculative": cfg.speculative,

@@ -480,6 +480,7 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
         "fill_confidence": engine.options.fill_confidence,
         "fill_link": engine.options.fill_link,
         "reuse_weight": engine.options.reuse_weight,
+        "bypass": engine.options.bypass,
         "spare_recent": engine.options.spare_recent,
         "max_inflight_experts": engine.options.max_inflight_experts,
         "routing_trace": engine.options.routing_trace,
