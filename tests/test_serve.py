@@ -644,7 +644,9 @@ def test_a_second_signal_exits_cleanly_with_requests_in_flight(model_dir, signal
     assert "terminate called" not in stderr and "Traceback" not in stderr, stderr
     assert len(answers) == 6 and {status for status, _ in answers} <= {200, 503}
     cut = [body for status, body in answers if status == 503]
-    assert cut and all("shut down" in body["error"]["message"] for body in cut)
+    # a request still queued when the drain began is refused as the server shuts down (timing decides which)
+    assert cut and all(("shut down" in body["error"]["message"] or "shutting down" in body["error"]["message"])
+                       for body in cut)
 
 
 def test_unknown_paths_and_wrong_methods_are_openai_json_errors(live):
