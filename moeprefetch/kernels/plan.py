@@ -574,7 +574,7 @@ class Planner:
             CHUNKS=cfg.chunks, BUDGET=cfg.budget_per_target, MAX_INFLIGHT=cfg.max_inflight,
             MIN_CONF=float(cfg.min_confidence), FILL_CONF=float(cfg.fill_cut), SPARE=cfg.spare_recent,
             LEAD=cfg.lead_clock, WIN=VICTIM_WINDOW, NC=len(COUNTERS),
-            SHADOW=int(shadow), RESERVE=int(reserve), FILLS=int(cfg.budget_per_target > 0 and cfg.max_inflight > 0),
+            SHADOW=int(shadow), RESERVE=int(reserve), FILLS=int(cfg.fills),
             RECALL=int(count_recall), TRACE=int(trace is not None),
             WAIT=bool(cfg.wait_late), IDLE=bool(cfg.fill_idle_link), BYPASS=bool(cfg.bypass))
 

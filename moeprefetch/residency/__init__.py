@@ -320,8 +320,9 @@ class Residency:
         return bad
 
     def enable_probe(self) -> SlotProbe:
-        """Check every slot each decode layer reads, before and after its expert kernel (`probe.py`; debugging:
-        a device copy of every record). Decode steps captured before this call do not run the probe."""
+        """Check every slot each decode layer reads, before and after its expert kernel, and every published slot
+        around each layer's plan (`probe.py`; debugging: a device copy of a sample of every record). Decode steps
+        captured before this call do not run the probe."""
         if self.host is None:
             raise ValueError("every expert is resident: there are no fills or admissions to probe")
         if self.probe is None:

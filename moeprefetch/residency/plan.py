@@ -255,7 +255,7 @@ def plan_layer(
     if trace is not None and exact:
         trace[dstep, position, list(exact)] = True
 
-    if reserve and cfg.budget_per_target > 0 and cfg.max_inflight > 0:  # else the window protected above is all
+    if reserve and cfg.fills:  # else the window protected above is all it would do
         _reserve(t, cfg, position, now, step_base, step, dstep)
     _order(t, cfg, position + 1)
     t.write_back()

@@ -61,7 +61,7 @@ class SlotProbe:
         sampled = self.flat.index_select(0, (slot[:, None] * self.record + self.columns[None, :]).reshape(-1))
         return (sampled.view(slot.shape[0], -1) == self.mirror.index_select(0, key)).all(dim=1)
 
-    def table(self, st: "TableState", phase: int, position: int) -> None:
+    def table(self, st: TableState, phase: int, position: int) -> None:
         """Every published slot against its record (main stream, capturable): phase 0 before a layer's plan, 1
         after it. The first time a slot is found torn, an event is logged: [decode step, MoE position, phase, slot,
         key, the state of a fill entry that targets the slot (-1: none)]. Torn after plan L but whole before it:
@@ -87,6 +87,7 @@ class SlotProbe:
     def torn_events(self) -> list[dict[str, int]]:
         names = ("decode_step", "position", "phase", "slot", "key", "fill_entry_state")
         return [dict(zip(names, row)) for row in self.events[: int(self.n_events[0])].tolist()]
+
     def before(self, u_key: torch.Tensor, u_slot: torch.Tensor, u_wait: torch.Tensor) -> None:
         """After the layer's plan (and wait), before its expert kernel (main stream, capturable)."""
         read = u_slot[: self.reads] >= 0

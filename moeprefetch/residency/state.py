@@ -66,6 +66,11 @@ class ResidencyConfig:
     bypass: bool = False
 
     @property
+    def fills(self) -> bool:
+        """Whether a plan may issue fills at all (else its reservation only repeats the window's protection)."""
+        return self.budget_per_target > 0 and self.max_inflight > 0
+
+    @property
     def fill_cut(self) -> float:
         """The confidence a prediction needs to be fetched (protecting needs only `min_confidence`)."""
         return max(self.min_confidence, self.fill_confidence)
