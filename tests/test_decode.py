@@ -337,3 +337,22 @@ def test_the_oracles_lookahead_is_how_many_steps_ahead_it_prefetches(reference):
         leads.append(stats["mean_lead_layers"])
     assert leads[1] > leads[0]
     engine.close()
+
+
+def test_the_slot_probe_never_reads_a_device_value_on_the_host(reference):
+    """The probe runs inside the captured decode step, where reading a device value on the host fails the capture
+    (an H200 run of the table check fell back to eager launches). On meta tensors every such read raises."""
+    path, prompts, _, _, _ = reference
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=20)
+    probe = engine.residency.enable_probe()
+    for name, value in vars(probe).items():
+        if isinstance(value, torch.Tensor):
+            setattr(probe, name, value.to("meta"))
+    st = engine.residency.st
+    meta = type(st)(**{f.name: getattr(st, f.name).to("meta") for f in dataclasses.fields(st)})
+    u = torch.zeros(probe.reads, dtype=torch.int32, device="meta")
+    for phase in (0, 1):
+        probe.table(meta, phase, 3)
+    probe.before(u, u, u)
+    probe.after(u, u)
+    engine.close()

@@ -630,3 +630,27 @@ def test_host_embedding_rows_are_exactly_the_tables_rows(dtype, hidden):
     assert torch.equal(out.cpu(), F.embedding(ids.cpu(), table))
     assert torch.equal(embedding_reference(table, ids).cpu(), F.embedding(ids.cpu(), table))
     rows.close()
+
+
+def test_the_table_kernels_compile_one_variant_per_configuration():
+    """The plan, fill, await and step-start kernels run once per MoE layer with the layer's position, row counts and
+    policy flags as integers: Triton specialises integers that equal 1 or divide by 16 unless told not to, which
+    compiled ~90 variants of the plan kernel (seconds each) in one engine's first calls on the H200."""
+    import inspect
+
+    import triton.language as tl
+
+    from moeprefetch.kernels.compile_check import example_launches
+
+    launches = {name: launch for name, launch in example_launches().items()
+                if name.startswith(("plan", "await", "step_start", "fill"))}
+    assert len(launches) == 6
+    for name, launch in launches.items():
+        kernel = launch.kernel  # a JITFunction, or the interpreter's wrapper of one (its options in `kwargs`)
+        kept = getattr(kernel, "do_not_specialize", None) or kernel.kwargs["do_not_specialize"] or ()
+        signature = inspect.signature(kernel.fn).parameters
+        integers = [arg for arg, value in launch.args.items() if signature[arg].annotation not in (tl.constexpr,
+                    "tl.constexpr") and isinstance(value, int) and not isinstance(value, bool)]
+        assert integers, name
+        specialised = [arg for arg in integers if arg not in kept]
+        assert not specialised, (name, specialised)

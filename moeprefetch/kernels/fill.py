@@ -74,7 +74,7 @@ def await_reference(st: TableState, position: int, u_wait: torch.Tensor, u_slot:
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=("position",))  # one variant for every layer
     def _await_kernel(u_wait_ptr, u_slot_ptr, e_ready_ptr, counters_ptr, position, A: tl.constexpr,
                       A_PAD: tl.constexpr, NC: tl.constexpr, ZERO_COPY: tl.constexpr, SPINS: tl.constexpr):
         """Poll the ready flags of this layer's late experts' fills (acquire), a bounded number of times: a fill that
@@ -106,7 +106,7 @@ if HAS_TRITON:
                 busy = tl.where(tl.load(progress_ptr, volatile=True) > launch, 0, busy)
                 spins += 1
 
-    @triton.jit
+    @triton.jit(do_not_specialize=("position",))  # one variant for every layer
     def _fill_kernel(order_ptr, e_key_ptr, e_slot_ptr, e_deadline_ptr, e_next_ptr, e_done_ptr, e_ready_ptr,
                      progress_ptr, step_ptr, pool_ptr, delta_ptr, demand_ptr, position, P: tl.constexpr,
                      M: tl.constexpr, REC: tl.constexpr, CHUNK: tl.constexpr, N_CHUNKS: tl.constexpr,

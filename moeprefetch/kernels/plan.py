@@ -33,6 +33,9 @@ VICTIM_WINDOW = 128
 # steps); blocks of 4,096 cells 54 and 29; blocks of 2,048 none, at 48 layers and on V2-Lite's shape (and none with
 # the aligned compile: `python -m moeprefetch.kernels.compile_check --plan-spills`)
 WINDOW_CELLS = 2048
+# the plan kernel's runtime integer arguments (see the note at `_plan_kernel`)
+PLAN_RUNTIME_INTS = ("nx", "ns", "position", "S", "CHUNKS", "BUDGET", "MAX_INFLIGHT", "SPARE", "LEAD", "R", "SHADOW",
+                     "RESERVE", "FILLS", "RECALL", "TRACE")
 
 
 def _pow2(n: int) -> int:
@@ -375,7 +378,10 @@ if HAS_TRITON:
         ordered = tl.sort(sort_key)
         tl.store(order + (position + 1) * M + jl, tl.where(ordered < 9223372036854775807, ordered % M, -1))
 
-    @triton.jit
+    # Runtime integers are not specialised: Triton would otherwise compile a variant for each flag and count that
+    # equals 1 or is a multiple of 16 (layer positions, row counts, budgets), ~90 variants of this large kernel per
+    # engine configuration, seconds each, on a user's first call and every device session's tests.
+    @triton.jit(do_not_specialize=PLAN_RUNTIME_INTS)
     def _plan_kernel(
         # inputs of the layer
         ids_x, act_x, ids_s, act_s, nx, ns, position,
@@ -438,7 +444,7 @@ if HAS_TRITON:
             tl.debug_barrier()
         _write_order(order, e_state, e_next, e_deadline, position, CHUNKS, M)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=("R", "CHUNKS"))
     def _step_start_kernel(step_ptr, dstep_ptr, step_base_ptr, progress_ptr, cursor_ptr, demand_ptr, slot_of, key_of,
                            slot_state, last_use, protect, prefetched_at, inflight_of, e_state, e_key, e_slot,
                            e_deadline, e_made, e_done, e_ready, adm_key, adm_slot, pred, fills_for, counters,

@@ -71,12 +71,15 @@ class SlotProbe:
         published = (st.slot_state == RESIDENT) & (st.key_of >= 0)
         torn = published & ~self._matches(slots, st.key_of.clamp(min=0).long())
         new = torn & ~self._torn
-        first = torch.argmax(new.to(torch.int32))
+        # gathers with one-element index tensors throughout: indexing with a 0-d tensor reads its value on the
+        # host (a synchronisation), which fails the step's capture
+        first = torch.argmax(new.to(torch.int32)).view(1)
         entry = (st.e_slot == first) & (st.e_state != E_FREE)
-        entry_state = torch.where(entry.any(), st.e_state[torch.argmax(entry.to(torch.int32))], -1)
-        event = torch.stack((st.decode_step[0], torch.full_like(st.decode_step[0], position),
-                             torch.full_like(st.decode_step[0], phase), first, st.key_of[first].long(),
-                             entry_state.long()))
+        targeted = st.e_state.index_select(0, torch.argmax(entry.to(torch.int32)).view(1)).long()
+        entry_state = torch.where(entry.any(), targeted, torch.full_like(targeted, -1))
+        step = st.decode_step[:1].long()
+        event = torch.cat((step, torch.full_like(step, position), torch.full_like(step, phase), first,
+                           st.key_of.index_select(0, first).long(), entry_state))
         logged = new.any() & (self.n_events < self.events.shape[0])
         row = self.n_events.clamp(max=self.events.shape[0] - 1)
         self.events.index_copy_(0, row, torch.where(logged, event, self.events.index_select(0, row)[0])[None])
