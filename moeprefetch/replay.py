@@ -169,7 +169,7 @@ def _plan(st: TableState, cfg: ResidencyConfig, position: int, row: torch.Tensor
 
 def _land_fills(st: TableState, cfg: ResidencyConfig) -> None:
     """Every reserved fill whose need is still ahead lands now (the replay counts bytes; the fill kernel's
-    definition, `kernels/fill.fill_reference`, without the bytes)."""
+    definition, `residency/fill.fill_reference`, without the bytes)."""
     live = (st.e_state == E_ACTIVE) & (st.e_ready == 0) & (st.e_deadline > st.progress)
     st.e_next[live] = cfg.chunks
     st.e_done[live] = cfg.chunks

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moeprefetch.experts import ExpertFormat, gathered_expert_ffn  # noqa: E402
 from moeprefetch.kernels.experts import RoutedExperts, Tiles  # noqa: E402
-from moeprefetch.kernels.fill import Filler  # noqa: E402
-from moeprefetch.kernels.plan import Planner  # noqa: E402
+from moeprefetch.residency.fill import Filler  # noqa: E402
+from moeprefetch.residency.plan_kernel import Planner  # noqa: E402
 from moeprefetch.residency.state import E_ACTIVE, ResidencyConfig, TableState  # noqa: E402
 
 

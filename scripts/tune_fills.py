@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_gpu  # noqa: E402
 from moeprefetch import MoEPrefetchEngine  # noqa: E402
-from moeprefetch.kernels import fill  # noqa: E402
+from moeprefetch.residency import fill  # noqa: E402
 
 logger = logging.getLogger("tune_fills")
 

@@ -121,7 +121,7 @@ def test_a_joining_prefill_keeps_the_running_rows_pending_fill(checkpoint_factor
     """A fill reserved for the running rows' next step, still in flight (the link is slow: here the fill launch does
     nothing), survives a joining request's prefill of several table steps (2 windows and the MTP layer's 2): it is
     deferred by those steps and not released as wasted. Without the deferral it is (the test's control)."""
-    from moeprefetch.kernels.fill import Filler
+    from moeprefetch.residency.fill import Filler
     from moeprefetch.residency import Residency
     from moeprefetch.residency.state import C, E_ACTIVE, E_FREE, FILLING
 

@@ -152,8 +152,8 @@ def _simulate(seed: int, policy: str, slots: int, spare: int, steps: int = 6, po
               k: int = 2, nx: int = 2, ns: int = 1, wait: bool = False, ring: int = 2, foreign: float = 0.0,
               lead: int = 0, fill_confidence: float = 0.0, idle: bool = False, budget: int = 3,
               bypass: bool = False):
-    from moeprefetch.kernels.fill import await_fills
-    from moeprefetch.kernels.plan import Planner
+    from moeprefetch.residency.fill import await_fills
+    from moeprefetch.residency.plan_kernel import Planner
 
     g = torch.Generator().manual_seed(seed)
     g_reuse = torch.Generator().manual_seed(seed + 10_000)  # its own stream: the other draws stay as they were
@@ -290,7 +290,7 @@ def test_plan_kernel_reserves_the_same_in_blocks_of_the_window(seed, cells, wait
     otherwise): with blocks of one, two or four rows the tables stay identical to the reference."""
     if DEVICE == "cuda":
         pytest.skip("runs the kernel on CPU tensors (interpreter); the GPU path is covered by the engine tests")
-    from moeprefetch.kernels import plan
+    from moeprefetch.residency import plan_kernel as plan
     from moeprefetch.residency.state import C
 
     monkeypatch.setattr(plan, "WINDOW_CELLS", cells)  # 8 experts a row: blocks of cells / 8 rows
@@ -304,7 +304,7 @@ def test_fill_kernel_copies_in_deadline_order_and_skips_passed_needs(idle):
     bounded time (a few polls in the interpreter, where nothing runs beside it) and then copies as without."""
     if DEVICE == "cuda":
         pytest.skip("interpreter check; the GPU race test covers the device")
-    from moeprefetch.kernels.fill import Filler, fill_reference
+    from moeprefetch.residency.fill import Filler, fill_reference
 
     cfg = ResidencyConfig(positions=3, main_positions=2, n_experts=4, n_slots=6, record_bytes=8192 * 3 + 64,
                           entries=8, chunk_bytes=8192, fill_idle_link=idle)

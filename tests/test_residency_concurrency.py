@@ -4,7 +4,7 @@ On the GPU, fills run on a side stream beside the plans, waits and expert kernel
 program may claim a chunk before a plan and land it after the next one, and 16 programs share the fills. The
 engine's other tests run the reference plans with every fill landed whole between two plans, which cannot show a
 protocol that publishes a slot before its bytes are there or lets two writers meet in one slot. Here the side
-stream is a set of program state machines that follow the fill kernel's code (`kernels/fill.py`: progress and
+stream is a set of program state machines that follow the fill kernel's code (`residency/fill.py`: progress and
 deadline checks, chunk claims, the last chunk's ready flag), stepped in a random order between and inside the main
 stream's operations (`residency/plan.py`'s plans, the await, the expert kernel's reads and admissions); every slot
 the expert kernel reads as a hit or after a wait must hold its expert's record, and every published slot must at
@@ -20,7 +20,7 @@ from collections import deque
 import pytest
 import torch
 
-from moeprefetch.kernels.fill import launch_clock
+from moeprefetch.residency.fill import launch_clock
 from moeprefetch.residency.plan import plan_layer, step_end, step_start
 from moeprefetch.residency.state import E_ACTIVE, RESIDENT, ResidencyConfig, TableState
 

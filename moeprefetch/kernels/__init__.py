@@ -2,8 +2,12 @@
 
 - `experts.py`: routed experts read in place through the residency table (a VRAM slot, or the pinned host arena over
   PCIe), with admission of a missed expert into a victim slot as it streams;
-- `fill.py`: prefetch fills from host memory into reserved slots, on a side stream, published by a ready flag;
-- `plan.py`: the per-layer residency plan (publish, hits, misses, victims, prefetch reservations, accounting).
+- `grouped.py`, `attention.py`, `gqa_attention.py`, `norm.py`, `router.py`, `gather.py`, `clock.py`: prefill's grouped
+  experts and the decode layer's fused pieces.
+
+The residency table's own kernels (the per-layer plan and the prefetch fills) live beside their torch reference in
+`residency/` (`plan_kernel.py`, `fill.py`): they read and write the table, these kernels only the tensors they are
+given.
 
 Triton ships with torch's CUDA builds. Without it (or on the CPU) the engine runs the references, which are the
 definitions the kernels are tested against. `TRITON_INTERPRET=1` runs the kernels on CPU tensors for tests.

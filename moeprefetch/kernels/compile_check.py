@@ -67,8 +67,8 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
     from ..residency.state import ResidencyConfig, TableState
     from .experts import DEFAULT_TILES, RoutedExperts
     from .grouped import LONG_BLOCK_TILES, GroupedExperts, GroupedTiles
-    from .fill import Filler
-    from .plan import Planner
+    from ..residency.fill import Filler
+    from ..residency.plan_kernel import Planner
 
     fmt = ExpertFormat.build(hidden, intermediate, torch.bfloat16, expert_dtype)
     cfg = ResidencyConfig(positions=positions, main_positions=positions - 1, n_experts=experts, n_slots=slots,
@@ -86,7 +86,7 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
     launches["plan"] = planner.launch(3, ids, act, ids, act, assign, u_vec, u_vec, u_vec, True, True)
     from dataclasses import replace
 
-    from .fill import await_launch
+    from ..residency.fill import await_launch
 
     waiting = Planner(st, replace(cfg, wait_late=True), top_k, 16, 16, use_kernel=True)
     launches["plan_wait"] = waiting.launch(3, ids, act, ids, act, assign, u_vec, u_vec, u_vec, True, True,
@@ -185,7 +185,7 @@ def plan_launch(positions: int, experts: int, slots: int, top_k: int, ring: int)
     from dataclasses import replace
 
     from ..residency.state import ResidencyConfig, TableState
-    from .plan import Planner
+    from ..residency.plan_kernel import Planner
 
     cfg = ResidencyConfig(positions=positions + 1, main_positions=positions, n_experts=experts, n_slots=slots,
                           record_bytes=1 << 20, ring=ring, wait_late=True)

@@ -1,6 +1,6 @@
 """Routed experts of one MoE layer, read in place through the residency table: one kernel for hits and misses.
 
-The plan (`plan.py`) groups a layer's (row, k) entries by distinct expert u and says where each expert's packed record
+The plan (`residency/plan_kernel.py`) groups a layer's (row, k) entries by distinct expert u and says where each expert's packed record
 is: a VRAM slot of the pool, or its row in the page-locked host arena, which the kernel reads over PCIe (zero-copy:
 under unified addressing a pinned host address is a valid device address). A missed expert may also be *admitted*:
 the kernel writes every tile it reads into a victim slot, so the bytes cross the link once and the slot is complete

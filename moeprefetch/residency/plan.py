@@ -22,7 +22,7 @@ the lowest use frequency decayed per step, `age_frequencies`; the static policy'
 only if nothing of the current step used it, no live prediction protects it, and no fill or admission is writing it.
 Eviction points the old key back at host memory first.
 
-This module is the CPU implementation and the reference of `kernels/plan.py`; it uses plain Python over small lists,
+This module is the CPU implementation and the reference of `plan_kernel.py`; it uses plain Python over small lists,
 which is fast enough on the CPU, where every step of the test suite runs through it.
 """
 

@@ -27,7 +27,7 @@ from ..kernels.grouped import grouped_mm_experts, plan_blocks
 from ..model import combine_expert_outputs
 
 if TYPE_CHECKING:
-    from . import Residency
+    from .residency import Residency
 
 
 AHEAD_WHEN_USED = 0.9  # copy the next layer's experts ahead when a window used this share of the layer's experts

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ..residency.state import COUNTERS, C, E_ACTIVE, ResidencyConfig, TableState
-from . import HAS_TRITON, Launch
+from .state import COUNTERS, C, E_ACTIVE, ResidencyConfig, TableState
+from ..kernels import HAS_TRITON, Launch
 
 if HAS_TRITON:
     import triton

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from ..residency.state import (ADMITTING, C, COUNTERS, E_ACTIVE, E_DONE, E_FREE, FILLING, NO_ENTRY, RESIDENT,
+from .state import (ADMITTING, C, COUNTERS, E_ACTIVE, E_DONE, E_FREE, FILLING, NO_ENTRY, RESIDENT,
                                ResidencyConfig, TableState)
-from . import HAS_TRITON, Launch
+from ..kernels import HAS_TRITON, Launch
+from .plan import plan_layer, rank_victims
+from .plan import step_start as reference_step_start
 
 if HAS_TRITON:
     import triton
@@ -513,13 +515,9 @@ class Planner:
         """Open a step (no fill may be running): then sort the eviction queue (torch ops, capturable)."""
         st, cfg = self.st, self.cfg
         if not self.use_kernel:
-            from ..residency.plan import step_start
-
-            step_start(st, cfg, decode, next_use)
+            reference_step_start(st, cfg, decode, next_use)
             return
         self.start_launch(decode)()
-        from ..residency.plan import rank_victims
-
         rank_victims(st, cfg, next_use)
 
     def start_launch(self, decode: bool) -> Launch:
@@ -541,8 +539,6 @@ class Planner:
         """`u_wait` (with `cfg.wait_late`): each late expert's fill entry, -1 elsewhere."""
         assert u_wait is not None or not self.cfg.wait_late, "wait_late plans need u_wait"
         if not self.use_kernel:
-            from ..residency.plan import plan_layer
-
             plan_layer(self.st, self.cfg, position, ids_x, act_x, ids_s, act_s, assign, u_key, u_slot, u_dst,
                        reserve, count_recall, trace, u_wait)
             return
