@@ -180,8 +180,8 @@ case "${STAGE:-tests}" in
     # the FP8 oracles' token defect at V2-Lite's shape (fourteenth session): the first differing token of each row and
     # which setting keeps the tokens (scripts/oracle_divergence.py; bench options do not apply). The fifteenth
     # session's probe found stale hits (published slots without their record), no early waits, no overwrites during
-    # reads; the next call: --predictors oracle_next --variants "" --probe --repeats 4 (the probe's table check
-    # logs where a published slot is first torn: BENCHMARKS "4-bit and FP8 experts")
+    # reads; the sixteenth's whole-table probe kept every fill in time (no race). Next: --predictors oracle_next --probe
+    # --probe-reads-only --repeats 3 --variants late_reread,repeat,late_reread,repeat (BENCHMARKS "4-bit and FP8 experts")
     timeout "${LIMIT:-400}" python3 scripts/oracle_divergence.py --out "$out/oracle_divergence.json" "$@" 2>&1 | \
       grep -E '^\{|Error|error' | cut -c1-300 ;;
   distributed)

@@ -93,6 +93,9 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="the variants to run, in order")
     parser.add_argument("--probe", action="store_true",
                         help="first, each predictor's base row on an engine whose slot probe is on (probe.py)")
+    parser.add_argument("--probe-reads-only", action="store_true",
+                        help="the probe checks the slots each expert kernel reads, not the whole table around each "
+                             "plan (whose cost keeps every fill in time, so the race does not show)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each probe and base row (a race shows in some runs only; a row's first run "
                              "also compiles and captures its step)")
@@ -131,13 +134,13 @@ def main() -> None:
 
     if ns.probe:
         with MoEPrefetchEngine.from_pretrained(path, **common, **cache, spare_recent=ns.spare_recent) as engine:
-            probe = engine.residency.enable_probe()
+            probe = engine.residency.enable_probe(whole_table=not ns.probe_reads_only)
             for predictor in predictors:
                 for attempt in range(ns.repeats):
                     probe.clear()
                     row = run(engine, prompt, ns.new_tokens, predictor, expected)
                     row.pop("tokens")
-                    report({"predictor": predictor, "variant": "probe", "run": attempt, **row, **probe.report()})
+                    report({"predictor": predictor, "variant": "probe_reads" if ns.probe_reads_only else "probe", "run": attempt, **row, **probe.report()})
     with MoEPrefetchEngine.from_pretrained(path, **common, **cache, spare_recent=ns.spare_recent) as engine:
         base = engine.options
         variants = [name for name in ns.variants.split(",") if name]

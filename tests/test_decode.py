@@ -356,3 +356,17 @@ def test_the_slot_probe_never_reads_a_device_value_on_the_host(reference):
     probe.before(u, u, u)
     probe.after(u, u)
     engine.close()
+
+
+def test_the_slot_probe_can_check_only_the_reads(reference):
+    """`enable_probe(whole_table=False)`: the reads are checked, the table around each plan is not (so a corrupt
+    published slot is found only when it is read)."""
+    path, prompts, expected, _, _ = reference
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=20, spare_recent=0)
+    probe = engine.residency.enable_probe(whole_table=False)
+    probe.mirror ^= 1  # every record differs from its slot: reads are stale hits, and a table check would see all
+    engine.generate(prompts, max_new_tokens=3, stop_at_eos=False, predictor="oracle")
+    counts = probe.report()
+    assert counts["checked"] > 0 and counts["stale_hit"] > 0
+    assert counts["torn_in_table"] == 0 and counts["torn_events"] == []
+    engine.close()

@@ -42,6 +42,7 @@ class SlotProbe:
         self.columns = torch.cat((torch.arange(0, record, stride), torch.tensor([record - 1]))).to(device)
         self.mirror = host[:, self.columns.cpu()].to(device)  # [keys, samples] the records' sampled bytes
         self.reads = reads  # u entries a layer can read (exact and shadow rows' experts)
+        self.whole_table = True  # `table` around each plan too (the residency's switch: `enable_probe`)
         self.counts = torch.zeros(len(PROBE_COUNTS), dtype=torch.int64, device=device)
         self._before = torch.zeros(reads, dtype=torch.bool, device=device)  # which reads were whole before
         self._torn = torch.zeros(self.n_slots, dtype=torch.bool, device=device)  # published slots found torn

@@ -302,14 +302,16 @@ class Residency:
             bad += [slot for slot, ok in zip(batch, same.tolist()) if not ok]
         return bad
 
-    def enable_probe(self) -> SlotProbe:
-        """Check every slot each decode layer reads, before and after its expert kernel, and every published slot
-        around each layer's plan (`probe.py`; debugging: a device copy of a sample of every record). Decode steps
-        captured before this call do not run the probe."""
+    def enable_probe(self, whole_table: bool = True) -> SlotProbe:
+        """Check every slot each decode layer reads, before and after its expert kernel, and (`whole_table`) every
+        published slot around each layer's plan (`probe.py`; debugging: a device copy of a sample of every record).
+        The table checks slow each layer enough that fills stop being late; the read checks cost microseconds.
+        Decode steps captured before this call do not run the probe."""
         if self.host is None:
             raise ValueError("every expert is resident: there are no fills or admissions to probe")
         if self.probe is None:
             self.probe = SlotProbe(self.pool, self.host, self.max_rows * self.top_k)
+        self.probe.whole_table = whole_table
         return self.probe
 
     def abort(self) -> None:
@@ -338,12 +340,12 @@ class Residency:
         assign = buffers.assign[:n]
         ids_x = self.local_ids(position, ids_x)
         ids_s = self.local_ids(position, ids_s) if ids_s is not None else None
-        if self.probe is not None:
+        if self.probe is not None and self.probe.whole_table:
             self.probe.table(self.st, 0, position)
         self.planner(position, ids_x, act_x, ids_s, act_s, assign, buffers.u_key, buffers.u_slot, buffers.u_dst,
                      reserve, count_recall, self.trace, buffers.u_wait)
         self.fill(position)
-        if self.probe is not None:
+        if self.probe is not None and self.probe.whole_table:
             self.probe.table(self.st, 1, position)
         if self.cfg.wait_late and not self.preloaded and ids_x.shape[0] > 0:  # only exact rows can be late
             self.filler.await_fills(position, buffers.u_wait, buffers.u_slot)
