@@ -69,7 +69,7 @@ class ContinuousBatch:
         self.spec = spec
         res = engine.residency
         self.uses_mtp = engine.has_mtp and spec.needs_mtp
-        self.caches = engine._caches(self.rows, self.uses_mtp)
+        self.caches = engine._caches(self.rows)
         self.sampler = RowSampler(engine.args.vocab_size, engine.device, self.rows)
         configure_residency(engine, spec, self.rows,
                             options.min_confidence if min_confidence is None else min_confidence)

@@ -96,7 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     _engine_arguments(gen)
-    gen.add_argument("--speculative", choices=["mtp"], default=None)
+    gen.add_argument("--speculative", choices=["mtp", "auto"], default=None,
+                     help="mtp: verify the MTP draft in each step; auto: on when this engine measured it faster "
+                          "(it learns across calls, so one call of the CLI measures plain decode)")
     gen.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming it")
     gen.add_argument("--stats-json", default=None, help="write result.stats.to_dict() here")
     gen.add_argument("--events-jsonl", default=None, help="write every expert event here")

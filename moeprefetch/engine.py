@@ -26,6 +26,7 @@ from .runner import FusedDecodeShape, KVCaches, ModelRunner
 from .sampling import DeviceSampler
 from .requests import as_batch_tensor, build_request
 from .session import GenerationResult, Request, Session, TokenEvent
+from .speculation import AutoSpeculation, Decision
 from .streaming import LayerStreamer
 from .traces import ForcedRouting
 from .weights import ModelWeights, weights_nbytes
@@ -56,9 +57,10 @@ class MoEPrefetchEngine:
         self.plan = plan
         self._closed = False
         self._active = False  # a generate/stream/forward call is running
-        self._kv: dict[tuple[int, bool], KVCaches] = {}
+        self._kv: dict[int, KVCaches] = {}  # by batch size
         self._steps: dict[tuple, DecodeStep] = {}
         self._trace: torch.Tensor | None = None
+        self._speculation = AutoSpeculation()  # `speculative="auto"`: this engine's measurements of both modes
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device | None = None,
@@ -274,7 +276,9 @@ class MoEPrefetchEngine:
 
         Greedy when `temperature` is 0. `predictor`/`lookahead`/`min_confidence` override the engine's defaults for
         this call;
-        `speculative="mtp"` verifies the MTP draft in the same forward (two tokens per forward when accepted).
+        `speculative="mtp"` verifies the MTP draft in the same forward (two tokens per forward when accepted);
+        `speculative="auto"` turns it on for a call when this engine's own measurements say it is faster
+        (`speculation.py`; the decision is in the statistics as `speculative_auto`).
         `callback` receives each token as it is produced. Ctrl-C returns the tokens produced so far."""
         events = self._events(self._new_request(prompts, max_new_tokens, temperature, top_k, top_p, seed, predictor,
                                             lookahead, speculative, stop_at_eos, event_log, min_confidence),
@@ -316,10 +320,25 @@ class MoEPrefetchEngine:
         request = build_request(self.args, self.tokenizer, self.options, self.path, self.has_mtp, prompts,
                                 max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead, speculative,
                                 stop_at_eos, event_log, min_confidence, self.runner.learned_config)
+        if request.speculative == "auto":
+            request = self._auto_speculation(request)
         group = self.residency.group
         if group is not None and seed is None:  # every rank samples with rank 0's seed, or their tokens part
             request = replace(request, sampling=replace(request.sampling, seed=group.agree(request.sampling.seed)))
         return request
+
+    def _auto_speculation(self, request: Request) -> Request:
+        """`speculative="auto"` resolved for this call: on or off, with the reason."""
+        unavailable = None
+        if not self.has_mtp:
+            unavailable = "no MTP layer in this checkpoint"
+        elif self.options.routing_trace is not None:
+            unavailable = "routing_trace routes one token per step"
+        elif request.predictor.chain > 1:
+            unavailable = f"lookahead={request.predictor.lookahead} chains MTP drafts for prefetching"
+        key = (len(request.prompts), "+".join(request.predictor.names), request.sampling.temperature == 0)
+        decision = self._speculation.choose(key, unavailable)
+        return replace(request, speculative="mtp" if decision.mode == "mtp" else None, speculation=decision)
 
     def _decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -331,7 +350,16 @@ class MoEPrefetchEngine:
             trace, recorded = self._record_trace(request)
             if recorded.interrupted:  # Ctrl-C while recording: its tokens are the ones the call would produce
                 return recorded
-        return (yield from self._run(Session(self, request, trace=trace, want_text=want_text)))
+        known = set(self._steps)
+        result = yield from self._run(Session(self, request, trace=trace, want_text=want_text))
+        if request.speculation is not None:
+            self._report_speculation(request.speculation, result, warm=set(self._steps) <= known)
+        return result
+
+    def _report_speculation(self, decision: Decision, result: GenerationResult, warm: bool) -> None:
+        """An auto call's measurement folded into the estimates, and the decision into its statistics."""
+        measured = not result.interrupted and self._speculation.record(decision, result.stats, warm)
+        result.stats.extra["speculative_auto"] = {**decision.as_dict(), "measured": measured}
 
     def _record_trace(self, request: Request) -> tuple[torch.Tensor, GenerationResult]:
         """The oracle's first pass: the same request with reactive fetching, recording the true routing on the
@@ -371,16 +399,18 @@ class MoEPrefetchEngine:
             self._active = False
 
     # ---- what sessions use ----------------------------------------------------------------------------------------
-    def _caches(self, batch: int, with_mtp: bool) -> KVCaches:
-        """KV caches kept across calls (captured graphs point at them); only the latest batch size is kept."""
-        key = (batch, with_mtp)
+    def _caches(self, batch: int) -> KVCaches:
+        """KV caches kept across calls (captured graphs point at them); only the latest batch size is kept. The MTP
+        layer's cache is there whenever the model has the layer (the memory plan counts it), so calls with and
+        without the MTP head (`speculative="auto"` switching modes) share the caches and keep their graphs."""
+        key = batch
         if key not in self._kv:
             for step in self._steps.values():
                 step.release()
             self._kv.clear()
             self._steps.clear()
             self._kv[key] = KVCaches.allocate(self.args, batch, self.options.max_seq_len, self.options.dtype,
-                                              self.device, with_mtp)
+                                              self.device, self.has_mtp)
         caches = self._kv[key]
         # Start every call from a clean cache: masked entries are multiplied by exact zeros, which must not meet
         # anything a previous call (a shadow row, an interrupted step) may have left there.

@@ -17,7 +17,7 @@ from .errors import RequestError
 from .sampling import SamplingParams
 from .session import Request
 
-SPECULATIVE_MODES = (None, "mtp")
+SPECULATIVE_MODES = (None, "mtp", "auto")
 
 
 def build_request(args: ModelArgs, tokenizer: Any, options: EngineOptions, path: Path, has_mtp: bool, prompts: Any,
@@ -42,7 +42,7 @@ def build_request(args: ModelArgs, tokenizer: Any, options: EngineOptions, path:
     spec = predictor_spec(name, default_lookahead(name, options.lookahead) if lookahead is None else lookahead,
                           has_mtp, learned)
     if speculative not in SPECULATIVE_MODES:
-        raise RequestError(f"speculative must be None or 'mtp', got {speculative!r}")
+        raise RequestError(f"speculative must be None, 'mtp' or 'auto', got {speculative!r}")
     if speculative == "mtp" and not has_mtp:
         raise RequestError("speculative='mtp' needs an MTP layer, and this checkpoint has none")
     if speculative == "mtp" and options.routing_trace is not None:

@@ -24,6 +24,7 @@ from .residency import counters_by_layer
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from .speculation import Decision
     from .engine import MoEPrefetchEngine
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class Request:
     stop_at_eos: bool
     event_log: str | Path | None
     min_confidence: float = 0.0  # predictions below it are neither fetched nor counted
+    speculation: Decision | None = None  # how `speculative="auto"` was resolved for this call
 
 
 @dataclass
@@ -122,7 +124,7 @@ class Session:
         engine.sampler.set_params(request.sampling)
         streamer = engine.streamer
         streamed_before = streamer.bytes_copied if streamer is not None else 0
-        caches = engine._caches(self.batch, self.uses_mtp)
+        caches = engine._caches(self.batch)
         t0 = time.perf_counter()
         first, drafts, probs = self._prefill(caches)
         engine._sync()

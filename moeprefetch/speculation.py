@@ -1,0 +1,112 @@
+"""`speculative="auto"`: MTP speculation on for a call when this engine's own measurements say it is faster.
+
+Speculation pays when a verify step (the real row and the draft row in one forward) costs less than 1 + acceptance
+plain steps: a verify step yields one token plus the draft when it is accepted. Both sides depend on the machine,
+the cache (offloaded, a rejected draft's experts are read too), the text and the sampling, so nothing is assumed:
+the engine measures each mode on its own calls and keeps a running estimate per configuration (batch size,
+predictor, greedy or sampled):
+
+    plain:        ms per generated token
+    speculative:  ms per verify step and the draft acceptance, so ms per token = step / (1 + acceptance)
+
+A call with `speculative="auto"` first measures whichever mode has no estimate yet (plain, then speculative), then
+runs the one with the lower estimate, and every `REMEASURE_EVERY` calls runs the other once more, so an estimate
+that no longer holds (another text, a warmer cache) is corrected. A call that captured a new decode graph (or
+compiled kernels) is not a measurement: its time is mostly that one-off cost. The decision and the estimates it
+used are reported in the call's statistics (`speculative_auto`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .accounting import Stats
+
+REMEASURE_EVERY = 16  # calls of one configuration between re-measurements of the mode not chosen
+SMOOTHING = 0.5  # weight of a new measurement in a mode's running estimate
+MIN_DECODE_TOKENS = 4  # shorter calls measure launch overheads more than decoding
+
+
+@dataclass
+class ModeCost:
+    """A mode's running estimate: ms per generated token (plain) or per verify step and its acceptance."""
+
+    ms: float
+    acceptance: float = 0.0
+    samples: int = 1
+
+    def update(self, ms: float, acceptance: float) -> None:
+        self.ms += SMOOTHING * (ms - self.ms)
+        self.acceptance += SMOOTHING * (acceptance - self.acceptance)
+        self.samples += 1
+
+
+@dataclass
+class Decision:
+    """What an auto call runs and why (its statistics report `as_dict()`)."""
+
+    key: tuple
+    mode: str  # "mtp" or "none"
+    reason: str
+    plain_ms_per_token: float | None = None
+    speculative_ms_per_token: float | None = None
+    acceptance: float | None = None
+    measures: bool = True  # False when speculation cannot run: the call says nothing about the choice
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "reason": self.reason, "plain_ms_per_token": self.plain_ms_per_token,
+                "speculative_ms_per_token": self.speculative_ms_per_token, "acceptance": self.acceptance}
+
+
+@dataclass
+class AutoSpeculation:
+    """One engine's estimates and decisions (no state outside the engine that owns it)."""
+
+    plain: dict[tuple, ModeCost] = field(default_factory=dict)
+    speculative: dict[tuple, ModeCost] = field(default_factory=dict)
+    calls: dict[tuple, int] = field(default_factory=dict)
+
+    def choose(self, key: tuple, unavailable: str | None = None) -> Decision:
+        """The mode of the next call of configuration `key`; `unavailable` says why speculation cannot run."""
+        if unavailable is not None:
+            return Decision(key, "none", unavailable, measures=False)
+        plain, spec = self.plain.get(key), self.speculative.get(key)
+        if plain is None:
+            return self._decision(key, "none", "measuring plain decode (no estimate yet)")
+        if spec is None:
+            return self._decision(key, "mtp", "measuring speculation (no estimate yet)")
+        calls = self.calls.get(key, 0) + 1
+        self.calls[key] = calls
+        faster = "mtp" if spec.ms / (1.0 + spec.acceptance) < plain.ms else "none"
+        if calls % REMEASURE_EVERY == 0:
+            other = "none" if faster == "mtp" else "mtp"
+            return self._decision(key, other, f"re-measuring {'speculation' if other == 'mtp' else 'plain decode'}"
+                                              f" (every {REMEASURE_EVERY} calls)")
+        return self._decision(key, faster, "speculation is faster here" if faster == "mtp"
+                              else "plain decode is faster here")
+
+    def _decision(self, key: tuple, mode: str, reason: str) -> Decision:
+        plain, spec = self.plain.get(key), self.speculative.get(key)
+        return Decision(key, mode, reason, plain_ms_per_token=plain.ms if plain else None,
+                        speculative_ms_per_token=spec.ms / (1.0 + spec.acceptance) if spec else None,
+                        acceptance=spec.acceptance if spec else None)
+
+    def record(self, decision: Decision, stats: "Stats", warm: bool) -> bool:
+        """Fold a finished call's statistics into its mode's estimate; False when the call measured nothing (too
+        short, or not `warm`: it captured a new decode graph)."""
+        tokens, steps = stats.decode_tokens, stats.decode_steps
+        if not decision.measures or not warm or tokens < MIN_DECODE_TOKENS or steps < 1:
+            return False
+        sequences = max(stats.sequences, 1)
+        if decision.mode == "mtp":  # ms per verify step and sequence; a token costs that / (1 + acceptance)
+            ms = 1000.0 * stats.decode_seconds / (steps * sequences)
+            acceptance, table = stats.draft_accepted / max(stats.draft_proposed, 1), self.speculative
+        else:
+            ms, acceptance, table = 1000.0 * stats.decode_seconds / tokens, 0.0, self.plain
+        if decision.key in table:
+            table[decision.key].update(ms, acceptance)
+        else:
+            table[decision.key] = ModeCost(ms, acceptance)
+        return True

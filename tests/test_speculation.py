@@ -1,0 +1,111 @@
+"""`speculative="auto"` (speculation.py): each mode measured on the engine's own calls, then the faster one."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeprefetch import MoEPrefetchEngine
+from moeprefetch.accounting import Stats
+from moeprefetch.errors import RequestError
+from moeprefetch.speculation import MIN_DECODE_TOKENS, REMEASURE_EVERY, AutoSpeculation
+
+KEY = (1, "none", True)
+
+
+def stats(decode_seconds: float, tokens: int, steps: int, proposed: int = 0, accepted: int = 0) -> Stats:
+    return Stats(generated_tokens=tokens + 1, sequences=1, decode_steps=steps, decode_seconds=decode_seconds,
+                 draft_proposed=proposed, draft_accepted=accepted)
+
+
+def measure_both(auto: AutoSpeculation, plain_ms: float, verify_ms: float, acceptance: float) -> None:
+    """One plain and one speculative call of 100 tokens with these costs."""
+    first = auto.choose(KEY)
+    assert (first.mode, first.reason) == ("none", "measuring plain decode (no estimate yet)")
+    assert auto.record(first, stats(plain_ms * 100 / 1000, 100, 100), warm=True)
+    second = auto.choose(KEY)
+    assert (second.mode, second.reason) == ("mtp", "measuring speculation (no estimate yet)")
+    steps = round(100 / (1 + acceptance))
+    proposed = steps
+    assert auto.record(second, stats(verify_ms * steps / 1000, 100, steps, proposed, round(acceptance * proposed)),
+                       warm=True)
+
+
+@pytest.mark.parametrize("plain_ms,verify_ms,acceptance,expected", [
+    (10.0, 12.0, 0.75, "mtp"),  # 12 / 1.75 = 6.9 ms a token
+    (10.0, 19.0, 0.5, "none"),  # 19 / 1.5 = 12.7
+    (3.44, 6.53, 0.0, "none"),  # V2-Lite's shape with a random MTP head (issue 39): a verify step for nothing
+    (7.78, 10.0, 0.75, "mtp"),
+])
+def test_the_faster_mode_by_measured_step_cost_and_acceptance(plain_ms, verify_ms, acceptance, expected):
+    auto = AutoSpeculation()
+    measure_both(auto, plain_ms, verify_ms, acceptance)
+    decision = auto.choose(KEY)
+    assert decision.mode == expected
+    assert decision.plain_ms_per_token == pytest.approx(plain_ms)
+    steps = round(100 / (1 + acceptance))
+    assert decision.acceptance == pytest.approx(round(acceptance * steps) / steps)
+    assert decision.speculative_ms_per_token == pytest.approx(verify_ms / (1 + decision.acceptance))
+
+
+def test_the_other_mode_is_re_measured_and_an_estimate_that_changed_flips_the_choice():
+    auto = AutoSpeculation()
+    measure_both(auto, 10.0, 12.0, 0.75)
+    modes = [auto.choose(KEY).mode for _ in range(REMEASURE_EVERY)]
+    assert modes[:-1] == ["mtp"] * (REMEASURE_EVERY - 1) and modes[-1] == "none"  # the re-measurement
+    # speculation got slow (another text: acceptance 0): two measurements pull its estimate past plain decode
+    for _ in range(2):
+        decision = auto.choose(KEY)
+        assert decision.mode == "mtp"
+        auto.record(decision, stats(12.0 * 100 / 1000, 100, 100, 100, 0), warm=True)
+    assert auto.choose(KEY).mode == "none"
+
+
+def test_calls_that_measure_nothing_leave_the_estimates_alone():
+    auto = AutoSpeculation()
+    first = auto.choose(KEY)
+    assert not auto.record(first, stats(1.0, 100, 100), warm=False)  # it captured a graph: a one-off cost
+    assert not auto.record(first, stats(1.0, MIN_DECODE_TOKENS - 1, MIN_DECODE_TOKENS - 1), warm=True)
+    assert auto.choose(KEY).reason == "measuring plain decode (no estimate yet)"
+    other = (4, "none", True)  # another batch size is another configuration
+    measure_both(auto, 10.0, 12.0, 0.75)
+    assert auto.choose(other).mode == "none" and auto.choose(KEY).mode == "mtp"
+    unavailable = auto.choose(KEY, "no MTP layer in this checkpoint")
+    assert (unavailable.mode, unavailable.measures) == ("none", False)
+    assert not auto.record(unavailable, stats(1.0, 100, 100), warm=True)
+
+
+def test_auto_keeps_the_tokens_and_reports_each_calls_decision(checkpoint_factory):
+    path = checkpoint_factory("v3_groups_qlora_yarn")
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=7)
+    prompt = [[3, 4, 5, 6, 7]]
+    expected = engine.generate(prompt, max_new_tokens=12, stop_at_eos=False).sequences
+    reports = []
+    for _ in range(6):
+        result = engine.generate(prompt, max_new_tokens=12, stop_at_eos=False, speculative="auto")
+        assert result.sequences == expected
+        stats_ = result.stats.to_dict()
+        report = stats_["speculative_auto"]
+        assert stats_["speculative"] == (report["mode"] == "mtp")
+        reports.append(report)
+    modes = [r["mode"] for r in reports]
+    # plain decode's step exists (the call above built it): measured at once; speculation's first call builds its
+    # step, which is no measurement, so it runs again
+    assert modes[:3] == ["none", "mtp", "mtp"]
+    assert [r["measured"] for r in reports[:3]] == [True, False, True]
+    for report in reports[3:]:
+        assert report["plain_ms_per_token"] > 0 and report["speculative_ms_per_token"] > 0
+        faster = "mtp" if report["speculative_ms_per_token"] < report["plain_ms_per_token"] else "none"
+        assert report["mode"] == faster and report["measured"]
+    engine.close()
+
+
+def test_auto_without_an_mtp_layer_runs_plain_decode_and_says_why(checkpoint_factory):
+    engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3", with_mtp=False), progress=False)
+    result = engine.generate([[1, 2]], max_new_tokens=4, stop_at_eos=False, speculative="auto")
+    report = result.stats.to_dict()["speculative_auto"]
+    assert report["mode"] == "none" and report["reason"] == "no MTP layer in this checkpoint"
+    assert not report["measured"] and not result.stats.speculative
+    with pytest.raises(RequestError, match="'mtp' or 'auto'"):
+        engine.generate([[1, 2]], max_new_tokens=4, speculative="fast")
+    assert engine.generate([[1, 2]], max_new_tokens=4, stop_at_eos=False).sequences == result.sequences
+    engine.close()
