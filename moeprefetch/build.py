@@ -24,7 +24,7 @@ from .kernels import kernels_usable
 from .kernels.attention import MLADecode
 from .kernels.gqa_attention import GQADecode
 from .kernels.grouped import grouped_mm_usable
-from .planner import MemoryPlan, parse_bytes, plan_memory
+from .memory_plan import MemoryPlan, parse_bytes, plan_memory
 from .options import EngineConfig, check_positive_int
 from .predictors import MTP_PREDICTORS, PredictorSpec, default_lookahead
 from .residency import Residency, prefill_staging_rows
@@ -48,7 +48,7 @@ ExpertKey = tuple[int, int]
 
 
 @dataclass(frozen=True)
-class EngineOptions:
+class ResolvedConfig:
     """`EngineConfig` resolved against the checkpoint (built only by `resolve_options`, so no defaults here)."""
 
     device: torch.device
@@ -270,7 +270,7 @@ def resolve_expert_format(config: EngineConfig, args: ModelArgs) -> EngineConfig
 
 
 def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device: torch.device,
-                    dtype: torch.dtype, learned: HeadConfig | None = None) -> EngineOptions:
+                    dtype: torch.dtype, learned: HeadConfig | None = None) -> ResolvedConfig:
     """The options as the engine uses them, resolved against the checkpoint."""
     # reactive fetching by default: on the H200 no real predictor has yet been faster than it offloaded (the deep
     # model with learned routing, ref17, V2-Lite; BENCHMARKS "Prediction that pays"); predictors are chosen per call
@@ -284,7 +284,7 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
     chunk = config.prefill_chunk or auto_prefill_chunk(seq_len, device)
     # a decode step with all-reduces is not captured: capturing NCCL collectives in the step's graph is untested
     graphs = bool(config.cuda_graphs) and not (config.distributed and device.type == "cuda")
-    return EngineOptions(
+    return ResolvedConfig(
         device=device, dtype=dtype, policy=config.policy, lrfu_halflife=float(config.lrfu_halflife),
         predictor=predictor, lookahead=config.lookahead,
         prefetch_budget=float(config.prefetch_budget), max_inflight_experts=config.max_inflight_experts,
@@ -299,7 +299,7 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
         fused_kernels=bool(config.fused_kernels), progress=bool(config.progress))
 
 
-def _load(reader: CheckpointReader, args: ModelArgs, options: EngineOptions, plan: MemoryPlan, fmt: ExpertFormat,
+def _load(reader: CheckpointReader, args: ModelArgs, options: ResolvedConfig, plan: MemoryPlan, fmt: ExpertFormat,
           expert_layers: list[int], block: tuple[int, int], hot: list[ExpertKey], pin_memory: bool, staging_rows: int,
           placement: ExpertPlacement | None, group: ProcessGroup | None, int4: Int4Tensors | None = None):
     """Weights to the device (or the streaming ring), experts to the host store or the pool, the residency table."""
@@ -397,10 +397,10 @@ def prefill_workspace_bytes(args: ModelArgs, chunk: int, seq_len: int, device: t
     return per_chunk + (window or chunk) * (hid * (4 * element + 4) + k * (per_pair + 12))
 
 
-def fit_prefill_window(args: ModelArgs, reader: CheckpointReader, options: EngineOptions, fmt: ExpertFormat,
+def fit_prefill_window(args: ModelArgs, reader: CheckpointReader, options: ResolvedConfig, fmt: ExpertFormat,
                        total_experts: int, has_mtp: bool, budget_bytes: int | None, slots: int | None,
                        stream_layers: int | None, stream_ahead: int, window_given: bool
-                       ) -> tuple[EngineOptions, MemoryPlan, int]:
+                       ) -> tuple[ResolvedConfig, MemoryPlan, int]:
     """The memory plan, with the largest prefill window (the default, halved down to one chunk) that a budget holds
     without streaming layers; if every window needs streaming, the largest of those that stream the fewest bytes (a
     streamed layer costs link time on every decode token, while a window only saves prefill's expert copies). A
@@ -409,7 +409,7 @@ def fit_prefill_window(args: ModelArgs, reader: CheckpointReader, options: Engin
     windows = [options.prefill_window]
     while not window_given and budget_bytes is not None and windows[-1] > options.prefill_chunk:
         windows.append(max((windows[-1] // 2) // options.prefill_chunk, 1) * options.prefill_chunk)
-    fitting: list[tuple[EngineOptions, MemoryPlan, int]] = []
+    fitting: list[tuple[ResolvedConfig, MemoryPlan, int]] = []
     error: RequestError | None = None
     for window in windows:
         candidate = dataclasses.replace(options, prefill_window=window)
@@ -435,7 +435,7 @@ def fit_prefill_window(args: ModelArgs, reader: CheckpointReader, options: Engin
 def plan_engine_memory(
     args: ModelArgs,
     reader: CheckpointReader,
-    options: EngineOptions,
+    options: ResolvedConfig,
     fmt: ExpertFormat,
     total_experts: int,
     has_mtp: bool,

@@ -14,12 +14,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .build import EngineOptions, build_engine
+from .build import ResolvedConfig, build_engine
 from .options import EngineConfig, check_fraction
 from .config import ModelArgs
 from .decode import DecodeStep, StepShape
 from .errors import RequestError, ResourceError
-from .planner import MemoryPlan
+from .memory_plan import MemoryPlan
 from .predictors import PredictorSpec
 from .residency import Residency
 from .runner import FusedDecodeShape, KVCaches, ModelRunner
@@ -34,14 +34,14 @@ from .weights import ModelWeights, weights_nbytes
 logger = logging.getLogger(__name__)
 
 ExpertKey = tuple[int, int]
-__all__ = ["MoEPrefetchEngine", "GenerationResult", "TokenEvent", "EngineConfig", "EngineOptions"]
+__all__ = ["MoEPrefetchEngine", "GenerationResult", "TokenEvent", "EngineConfig", "ResolvedConfig"]
 
 
 class MoEPrefetchEngine:
     """A DeepSeek-family MoE model with routed experts in host RAM, a VRAM expert cache and expert prefetching."""
 
     def __init__(self, path: Path, args: ModelArgs, weights: ModelWeights, residency: Residency, tokenizer: Any,
-                 options: EngineOptions, plan: MemoryPlan, streamer: LayerStreamer | None = None,
+                 options: ResolvedConfig, plan: MemoryPlan, streamer: LayerStreamer | None = None,
                  forced_routing: ForcedRouting | None = None):
         self.path = path
         self.args = args

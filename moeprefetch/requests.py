@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .build import EngineOptions, predictor_spec
+from .build import ResolvedConfig, predictor_spec
 from .predictors import default_lookahead
 from .options import check_fraction, check_positive_int
 from .config import ModelArgs
@@ -20,7 +20,7 @@ from .session import Request
 SPECULATIVE_MODES = (None, "mtp", "auto")
 
 
-def build_request(args: ModelArgs, tokenizer: Any, options: EngineOptions, path: Path, has_mtp: bool, prompts: Any,
+def build_request(args: ModelArgs, tokenizer: Any, options: ResolvedConfig, path: Path, has_mtp: bool, prompts: Any,
                   max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, predictor: Any,
                   lookahead: Any, speculative: Any, stop_at_eos: bool, event_log: Any,
                   min_confidence: Any = None, learned: Any = None) -> Request:

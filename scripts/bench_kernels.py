@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moeprefetch.experts import ExpertFormat, gathered_expert_ffn  # noqa: E402
 from moeprefetch.kernels.experts import RoutedExperts, Tiles  # noqa: E402
 from moeprefetch.residency.fill import Filler  # noqa: E402
-from moeprefetch.residency.plan_kernel import Planner  # noqa: E402
+from moeprefetch.residency.plan_kernel import LayerPlanner  # noqa: E402
 from moeprefetch.residency.state import E_ACTIVE, ResidencyConfig, TableState  # noqa: E402
 
 
@@ -369,7 +369,7 @@ def main() -> int:
     pcfg = ResidencyConfig(positions=27, main_positions=26, n_experts=64, n_slots=544, record_bytes=rec,
                            wait_late=False)
     pst = TableState.allocate(pcfg, 96, dev)
-    planner = Planner(pst, pcfg, 6, 16, 16, use_kernel=True)
+    planner = LayerPlanner(pst, pcfg, 6, 16, 16, use_kernel=True)
     ids = torch.randint(0, 64, (1, 6), device=dev)
     ids_s = torch.randint(0, 64, (1, 6), device=dev)
     act = torch.ones(1, dtype=torch.bool, device=dev)

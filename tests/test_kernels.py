@@ -153,7 +153,7 @@ def _simulate(seed: int, policy: str, slots: int, spare: int, steps: int = 6, po
               lead: int = 0, fill_confidence: float = 0.0, idle: bool = False, budget: int = 3,
               bypass: bool = False):
     from moeprefetch.residency.fill import await_fills
-    from moeprefetch.residency.plan_kernel import Planner
+    from moeprefetch.residency.plan_kernel import LayerPlanner
 
     g = torch.Generator().manual_seed(seed)
     g_reuse = torch.Generator().manual_seed(seed + 10_000)  # its own stream: the other draws stay as they were
@@ -166,7 +166,7 @@ def _simulate(seed: int, policy: str, slots: int, spare: int, steps: int = 6, po
     tables = [TableState.allocate(cfg, u, torch.device("cpu")) for _ in range(2)]
     for table in tables:
         table.pinned[3] = int(policy == "static")
-    planners = [Planner(tables[0], cfg, k, nx, ns, use_kernel=False), Planner(tables[1], cfg, k, nx, ns, True)]
+    planners = [LayerPlanner(tables[0], cfg, k, nx, ns, use_kernel=False), LayerPlanner(tables[1], cfg, k, nx, ns, True)]
     traces = [torch.zeros(steps + 2, positions, experts, dtype=torch.uint8) for _ in range(2)]
     for step in range(steps):
         decode = step > 0

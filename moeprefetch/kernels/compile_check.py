@@ -68,7 +68,7 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
     from .experts import DEFAULT_TILES, RoutedExperts
     from .grouped import LONG_BLOCK_TILES, GroupedExperts, GroupedTiles
     from ..residency.fill import Filler
-    from ..residency.plan_kernel import Planner
+    from ..residency.plan_kernel import LayerPlanner
 
     fmt = ExpertFormat.build(hidden, intermediate, torch.bfloat16, expert_dtype)
     cfg = ResidencyConfig(positions=positions, main_positions=positions - 1, n_experts=experts, n_slots=slots,
@@ -82,16 +82,16 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
     assign = torch.zeros(2 * rows, top_k, dtype=torch.int32)
     u_vec = torch.zeros(u, dtype=torch.int32)
     launches = {}
-    planner = Planner(st, cfg, top_k, 16, 16, use_kernel=True)
+    planner = LayerPlanner(st, cfg, top_k, 16, 16, use_kernel=True)
     launches["plan"] = planner.launch(3, ids, act, ids, act, assign, u_vec, u_vec, u_vec, True, True)
     from dataclasses import replace
 
     from ..residency.fill import await_launch
 
-    waiting = Planner(st, replace(cfg, wait_late=True), top_k, 16, 16, use_kernel=True)
+    waiting = LayerPlanner(st, replace(cfg, wait_late=True), top_k, 16, 16, use_kernel=True)
     launches["plan_wait"] = waiting.launch(3, ids, act, ids, act, assign, u_vec, u_vec, u_vec, True, True,
                                            u_wait=u_vec)
-    ahead = Planner(st, replace(cfg, wait_late=True, ring=3), top_k, 16, 16, use_kernel=True)  # oracle, 2 steps
+    ahead = LayerPlanner(st, replace(cfg, wait_late=True, ring=3), top_k, 16, 16, use_kernel=True)  # oracle, 2 steps
     launches["plan_ring3"] = ahead.launch(3, ids, act, None, None, assign[:rows], u_vec, u_vec, u_vec, True, True,
                                           u_wait=u_vec)
     launches["await"] = await_launch(st, 3, u_vec, u_vec)
@@ -185,7 +185,7 @@ def plan_launch(positions: int, experts: int, slots: int, top_k: int, ring: int)
     from dataclasses import replace
 
     from ..residency.state import ResidencyConfig, TableState
-    from ..residency.plan_kernel import Planner
+    from ..residency.plan_kernel import LayerPlanner
 
     cfg = ResidencyConfig(positions=positions + 1, main_positions=positions, n_experts=experts, n_slots=slots,
                           record_bytes=1 << 20, ring=ring, wait_late=True)
@@ -194,7 +194,7 @@ def plan_launch(positions: int, experts: int, slots: int, top_k: int, ring: int)
     act = torch.ones(1, dtype=torch.bool)
     assign = torch.zeros(2, top_k, dtype=torch.int32)
     u = torch.zeros(max(16 * top_k, experts), dtype=torch.int32)
-    return Planner(st, cfg, top_k, 16, 16, use_kernel=True).launch(5, ids, act, ids, act, assign, u, u, u, True, True,
+    return LayerPlanner(st, cfg, top_k, 16, 16, use_kernel=True).launch(5, ids, act, ids, act, assign, u, u, u, True, True,
                                                                     u_wait=u)
 
 

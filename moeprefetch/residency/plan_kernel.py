@@ -493,7 +493,7 @@ if HAS_TRITON:
                 tl.store(fills_for + row * P + cells, 0, mask=cells < P)
 
 
-class Planner:
+class LayerPlanner:
     """Layer plans over one table: the kernel where it runs, the reference (residency/plan.py) elsewhere."""
 
     def __init__(self, st: TableState, cfg: ResidencyConfig, top_k: int, max_exact_rows: int, max_shadow_rows: int,

@@ -14,7 +14,7 @@ from ..kernels import kernels_usable
 from ..kernels.experts import RoutedExperts, row_pad
 from ..kernels.grouped import GroupedExperts, grouped_mm_usable
 from .fill import Filler
-from .plan_kernel import Planner
+from .plan_kernel import LayerPlanner
 from ..store import HostExpertStore
 from ..predictors import LeadTracker
 from ..transfer import SideStream, TransferEngine
@@ -93,7 +93,7 @@ class Residency:
                                       device)
         # predictions by lead and how they fared (predictors.py), zeroed per call
         self.leads = LeadTracker(RING_CAPACITY - 1, RING_CAPACITY, len(self.layers), n_experts, device)
-        self._launchers: dict[ResidencyConfig, tuple[Planner, Planner, Filler]] = {}
+        self._launchers: dict[ResidencyConfig, tuple[LayerPlanner, LayerPlanner, Filler]] = {}
         # zero-filled once: a slot is only read once published, but NaN bits must not meet a masked multiply. Prefill's
         # staging rows follow the slots in the same allocation, so the expert kernels address them as slots.
         if store is None:
@@ -158,8 +158,8 @@ class Residency:
                            reuse_weight=float(reuse_weight), bypass=bool(bypass))
         if self.cfg not in self._launchers:
             self._launchers[self.cfg] = (
-                Planner(self.st, self.cfg, self.top_k, self.max_rows, self.max_rows, self.use_kernels),
-                Planner(self.st, replace(self.cfg, wait_late=False), 1, self.n_experts, 0, self.use_kernels),
+                LayerPlanner(self.st, self.cfg, self.top_k, self.max_rows, self.max_rows, self.use_kernels),
+                LayerPlanner(self.st, replace(self.cfg, wait_late=False), 1, self.n_experts, 0, self.use_kernels),
                 Filler(self.st, self.cfg, self.pool, self.host, self.use_kernels and self.device.type == "cuda"),
             )
         self.planner, self.prefill_planner, self.filler = self._launchers[self.cfg]

@@ -1,11 +1,11 @@
-"""planner.py: budgets, slot counts, layer streaming and clear errors."""
+"""memory_plan.py: budgets, slot counts, layer streaming and clear errors."""
 
 from __future__ import annotations
 
 import pytest
 
 from moeprefetch.errors import RequestError
-from moeprefetch.planner import GiB, parse_bytes, plan_memory
+from moeprefetch.memory_plan import GiB, parse_bytes, plan_memory
 
 MiB = 1024**2
 
@@ -165,7 +165,7 @@ def test_the_prefill_window_shrinks_to_the_largest_that_streams_least(monkeypatc
     import torch
 
     from moeprefetch import build
-    from moeprefetch.planner import MemoryPlan
+    from moeprefetch.memory_plan import MemoryPlan
 
     def fake_plan(streamed_by_window):
         def plan_engine_memory(args, reader, options, *rest):
@@ -177,7 +177,7 @@ def test_the_prefill_window_shrinks_to_the_largest_that_streams_least(monkeypatc
             return p, 0
         return plan_engine_memory
 
-    options = build.EngineOptions(
+    options = build.ResolvedConfig(
         device=torch.device("cpu"), dtype=torch.float32, policy="lru", lrfu_halflife=8.0, predictor="none", lookahead=1,
         prefetch_budget=1.0, max_inflight_experts=None, max_seq_len=8192, max_batch_size=1, prefill_chunk=1024,
         prefill_window=8192, expert_dtype="model", min_confidence=0.0, fill_confidence=0.0, fill_link="shared",
