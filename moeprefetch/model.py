@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from .config import ModelArgs
+from .kernels.experts import combine_in_k_order
 from .kernels.norm import residual_norm_reference
 from .kernels.norm import rms_norm_reference as rms_norm
 from .kernels.router import RouterShape, select_experts_reference
@@ -293,17 +294,9 @@ def route(args: ModelArgs, router: RouterWeights, x: torch.Tensor) -> Routing:
 
 
 def combine_expert_outputs(outputs: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    """outputs [N, k, H], weights [N, k] fp32 -> [N, H] fp32, summed in fixed k order.
-
-    A fixed order of summation (not the order in which experts happened to be computed) is what makes the result
-    independent of which experts were cached."""
-    weighted = outputs.float() * weights[..., None]
-    if valid is not None:
-        weighted = torch.where(valid[..., None], weighted, torch.zeros((), dtype=weighted.dtype, device=weighted.device))
-    total = weighted[:, 0]
-    for j in range(1, weighted.shape[1]):
-        total = total + weighted[:, j]
-    return total
+    """outputs [N, k, H], weights [N, k] fp32 -> [N, H] fp32, summed in fixed k order (`combine_in_k_order`, the
+    one rule of every path)."""
+    return combine_in_k_order(outputs.float(), weights, valid)
 
 
 # ---- the decoder layer --------------------------------------------------------------------------------------------

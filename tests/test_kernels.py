@@ -117,7 +117,7 @@ def test_expert_terms_are_the_products_that_the_combine_sums(step_rows):
     """Expert parallelism's per-(row, k) products: the kernels' equal the definition's, zero where another rank's
     expert sits (assign -1), and combining them in k order gives the routed output bit for bit."""
     from moeprefetch.kernels.experts import RoutedExperts, routed_experts_reference
-    from moeprefetch.residency import combine_in_k_order
+    from moeprefetch.kernels.experts import combine_in_k_order
 
     g = torch.Generator().manual_seed(3)
     fmt = ExpertFormat.build(64, 48, torch.float32 if DEVICE == "cpu" else torch.bfloat16)

@@ -125,11 +125,20 @@ def routed_experts_reference(x: torch.Tensor, assign: torch.Tensor, weights: tor
                              fmt: ExpertFormat, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """The definition: each (row, expert) product alone, as one GEMV pair in the compute dtype, summed in k order."""
     terms = expert_terms_reference(x, assign, u_key, u_slot, u_dst, pool, host, fmt, act)
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    for r, row in enumerate(assign.tolist()):
-        for j, u in enumerate(row):
-            if u >= 0:
-                out[r] = out[r] + weights[r, j] * terms[r, j]
+    return combine_in_k_order(terms, weights.float(), assign >= 0)
+
+
+def combine_in_k_order(terms: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """terms [N, k, H] fp32, weights [N, k] fp32, valid [N, k] (None: all) -> [N, H] fp32: the sum from zero, entry
+    by entry in k order, of weight x term over the valid entries. The one rule every path combines experts by (these
+    kernels' accumulators, prefill's grouped GEMMs, expert parallelism after its all-reduce): a fixed order, not the
+    order in which experts happened to be computed, is what makes a row's bits independent of what was cached."""
+    weighted = weights[..., None] * terms
+    if valid is not None:
+        weighted = torch.where(valid[..., None], weighted, torch.zeros((), dtype=weighted.dtype, device=weighted.device))
+    out = torch.zeros(terms.shape[0], terms.shape[2], dtype=torch.float32, device=terms.device)
+    for j in range(terms.shape[1]):
+        out = out + weighted[:, j]
     return out
 
 

@@ -21,7 +21,7 @@ products, so every rank gets the bits one process would.
 from __future__ import annotations
 
 from .residency import (ENTRIES, PREFILL_STAGING_BYTES, PREFILL_STAGING_SHARE, RING_CAPACITY, PlanBuffers, Residency,
-                        combine_in_k_order, counters_by_layer, prefill_staging_rows, renormalise)
+                        counters_by_layer, prefill_staging_rows, renormalise)
 
 __all__ = ["ENTRIES", "PREFILL_STAGING_BYTES", "PREFILL_STAGING_SHARE", "RING_CAPACITY", "PlanBuffers", "Residency",
-           "combine_in_k_order", "counters_by_layer", "prefill_staging_rows", "renormalise"]
+           "counters_by_layer", "prefill_staging_rows", "renormalise"]

@@ -11,7 +11,7 @@ import torch
 
 from ..experts import ExpertFormat, activation
 from ..kernels import kernels_usable
-from ..kernels.experts import RoutedExperts, row_pad
+from ..kernels.experts import RoutedExperts, combine_in_k_order, row_pad
 from ..kernels.grouped import GroupedExperts, grouped_mm_usable
 from .fill import Filler
 from .plan_kernel import LayerPlanner
@@ -485,15 +485,6 @@ class PlanBuffers:
         self.u_dst = torch.full((max_experts,), -1, dtype=i32, device=device)
         self.u_wait = torch.full((max_experts,), -1, dtype=i32, device=device)  # late experts' fill entries
         self.out = torch.zeros(rows, hidden, dtype=torch.float32, device=device)
-
-
-def combine_in_k_order(terms: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """terms [N, k, H] fp32, weights [N, k] fp32, valid [N, k] -> [N, H]: the sum from zero, entry by entry in k
-    order, of weight x product over the valid entries: `routed_experts_reference`'s arithmetic, bit for bit."""
-    out = torch.zeros(terms.shape[0], terms.shape[2], dtype=torch.float32, device=terms.device)
-    for j in range(terms.shape[1]):
-        out = out + torch.where(valid[:, j : j + 1], weights[:, j : j + 1] * terms[:, j], 0.0)
-    return out
 
 
 def renormalise(weights: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
