@@ -48,7 +48,7 @@ BAD_REQUESTS = [
     (dict(predictor="none+mtp"), "cannot be combined"),
     (dict(predictor=""), "non-empty name"),
     (dict(lookahead=0), "lookahead must be a positive integer"),
-    (dict(speculative="eagle"), "speculative must be None or 'mtp'"),
+    (dict(speculative="eagle"), "speculative must be None, 'mtp' or 'auto'"),
     (dict(prompts=[[3]] * 9), "exceed max_batch_size=8"),
 ]
 
