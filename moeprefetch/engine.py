@@ -403,15 +403,14 @@ class MoEPrefetchEngine:
         """KV caches kept across calls (captured graphs point at them); only the latest batch size is kept. The MTP
         layer's cache is there whenever the model has the layer (the memory plan counts it), so calls with and
         without the MTP head (`speculative="auto"` switching modes) share the caches and keep their graphs."""
-        key = batch
-        if key not in self._kv:
+        if batch not in self._kv:
             for step in self._steps.values():
                 step.release()
             self._kv.clear()
             self._steps.clear()
-            self._kv[key] = KVCaches.allocate(self.args, batch, self.options.max_seq_len, self.options.dtype,
+            self._kv[batch] = KVCaches.allocate(self.args, batch, self.options.max_seq_len, self.options.dtype,
                                               self.device, self.has_mtp)
-        caches = self._kv[key]
+        caches = self._kv[batch]
         # Start every call from a clean cache: masked entries are multiplied by exact zeros, which must not meet
         # anything a previous call (a shadow row, an interrupted step) may have left there.
         caches.zero_()

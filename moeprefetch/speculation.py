@@ -37,6 +37,11 @@ class ModeCost:
     acceptance: float = 0.0
     samples: int = 1
 
+    @property
+    def per_token(self) -> float:
+        """ms per generated token: a verify step yields 1 + acceptance tokens (plain decode: acceptance 0)."""
+        return self.ms / (1.0 + self.acceptance)
+
     def update(self, ms: float, acceptance: float) -> None:
         self.ms += SMOOTHING * (ms - self.ms)
         self.acceptance += SMOOTHING * (acceptance - self.acceptance)
@@ -79,7 +84,7 @@ class AutoSpeculation:
             return self._decision(key, "mtp", "measuring speculation (no estimate yet)")
         calls = self.calls.get(key, 0) + 1
         self.calls[key] = calls
-        faster = "mtp" if spec.ms / (1.0 + spec.acceptance) < plain.ms else "none"
+        faster = "mtp" if spec.per_token < plain.per_token else "none"
         if calls % REMEASURE_EVERY == 0:
             other = "none" if faster == "mtp" else "mtp"
             return self._decision(key, other, f"re-measuring {'speculation' if other == 'mtp' else 'plain decode'}"
@@ -89,8 +94,8 @@ class AutoSpeculation:
 
     def _decision(self, key: tuple, mode: str, reason: str) -> Decision:
         plain, spec = self.plain.get(key), self.speculative.get(key)
-        return Decision(key, mode, reason, plain_ms_per_token=plain.ms if plain else None,
-                        speculative_ms_per_token=spec.ms / (1.0 + spec.acceptance) if spec else None,
+        return Decision(key, mode, reason, plain_ms_per_token=plain.per_token if plain else None,
+                        speculative_ms_per_token=spec.per_token if spec else None,
                         acceptance=spec.acceptance if spec else None)
 
     def record(self, decision: Decision, stats: "Stats", warm: bool) -> bool:

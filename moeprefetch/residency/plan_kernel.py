@@ -21,8 +21,7 @@ import torch
 from .state import (ADMITTING, C, COUNTERS, E_ACTIVE, E_DONE, E_FREE, FILLING, NO_ENTRY, RESIDENT,
                                ResidencyConfig, TableState)
 from ..kernels import HAS_TRITON, Launch
-from .plan import plan_layer, rank_victims
-from .plan import step_start as reference_step_start
+from .plan import plan_layer, rank_victims, step_start as reference_step_start
 
 if HAS_TRITON:
     import triton
