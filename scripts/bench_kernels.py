@@ -65,6 +65,11 @@ GEMV_CANDIDATES = (  # (block_i, block_h, block_k, num_warps, num_stages): steps
     (16, 16, 128, 4, 3), (32, 32, 64, 4, 3), (8, 8, 256, 4, 3), (16, 16, 256, 4, 2), (32, 32, 128, 8, 3),
     (16, 16, 128, 2, 3), (64, 64, 32, 4, 4),
 )
+# 4-bit records carry half the bytes per input: wider reductions keep each row's vector loads long
+INT4_GEMV_CANDIDATES = (
+    (16, 16, 128, 4, 3), (16, 16, 256, 4, 3), (32, 32, 256, 4, 3), (8, 8, 256, 4, 3), (16, 16, 512, 4, 2),
+    (32, 32, 128, 4, 3), (16, 16, 256, 8, 3), (8, 8, 512, 4, 2),
+)
 DOT_CANDIDATES = (  # (block_i, block_h, block_k, num_warps, num_stages, weights_first): larger steps, tl.dot
     (32, 32, 128, 4, 4, 0), (64, 64, 128, 4, 3, 0), (32, 32, 64, 4, 5, 0), (32, 64, 128, 4, 4, 0),
     (64, 64, 128, 4, 3, 1), (64, 64, 128, 4, 4, 1), (64, 64, 64, 4, 5, 1), (128, 128, 64, 4, 4, 1),
@@ -73,21 +78,31 @@ DOT_CANDIDATES = (  # (block_i, block_h, block_k, num_warps, num_stages, weights
 SHAPES = {"v2lite": (2048, 1408, 64, 6), "v3": (7168, 2048, 256, 8)}  # hidden, intermediate, experts, top-k
 
 
-def tiles_sweep(out: Path, shape: str = "v2lite", candidates: tuple = (), gemv: bool = True) -> int:
+def tiles_sweep(out: Path, shape: str = "v2lite", candidates: tuple = (), gemv: bool = True,
+                expert_dtype: str = "model", gemv_candidates: tuple = GEMV_CANDIDATES) -> int:
     """One MoE layer (experts in VRAM) through the expert kernel with each tile choice: the GEMV path at 1 and 2
     rows, the tl.dot path at 1, 4, 8 and 16 rows (distinct experts of random routing); against a cuBLAS GEMV over
-    the bytes of top-k experts (the HBM anchor)."""
+    the bytes of top-k experts (the HBM anchor). Quantized formats time random records (speed does not depend on
+    the values)."""
     dev = torch.device("cuda")
     hidden, inter, n_experts, top_k = SHAPES[shape]
-    fmt = ExpertFormat.build(hidden, inter, torch.bfloat16)
+    fmt = ExpertFormat.build(hidden, inter, torch.bfloat16, expert_dtype)
     rec = fmt.record_bytes
-    pool = (torch.randn(n_experts, rec // 2, device=dev, dtype=torch.bfloat16) * 0.02).view(torch.uint8)
+    if fmt.quantized:
+        pool = torch.randint(0, 256, (n_experts, rec), device=dev, dtype=torch.uint8)
+        scales = pool.view(torch.float32)  # finite scales and zero points wherever the format keeps them
+        scales.copy_(torch.rand(scales.shape, device=dev) * 0.01)
+        for name in ("gate", "up", "down"):
+            region = fmt.regions[name]
+            pool[:, region.offset : region.offset + region.nbytes].random_(0, 256)
+    else:
+        pool = (torch.randn(n_experts, rec // 2, device=dev, dtype=torch.bfloat16) * 0.02).view(torch.uint8)
     g = torch.Generator(device="cpu").manual_seed(0)
     results = []
     anchor_w = torch.randn(top_k * 3 * inter, hidden, device=dev, dtype=torch.bfloat16)  # the bytes of k experts
     anchor_x = torch.randn(hidden, 1, device=dev, dtype=torch.bfloat16)
     anchor_ms = timed(lambda: torch.mm(anchor_w, anchor_x), graph=True, repeats=50)
-    cases = [(c, rows, step) for c in GEMV_CANDIDATES for rows, step in ((1, 2), (2, 4))] if gemv else []
+    cases = [(c, rows, step) for c in gemv_candidates for rows, step in ((1, 2), (2, 4))] if gemv else []
     cases += [(c, rows, 16) for c in candidates or DOT_CANDIDATES for rows in (1, 4, 8, 16)]
     for tiles_tuple, rows, step_rows in cases:
         kernel = RoutedExperts(fmt, pool, None, "silu", F.silu, 16, top_k, use_kernels=True,
@@ -104,7 +119,7 @@ def tiles_sweep(out: Path, shape: str = "v2lite", candidates: tuple = (), gemv: 
         o = torch.empty(rows, hidden, device=dev)
         ms = timed(lambda: kernel(x, assign, w, keys, keys, none, out=o, step_rows=step_rows), graph=True,
                    repeats=50)
-        row = {"shape": shape, "tiles": tiles_tuple, "path": "gemv" if step_rows <= 4 else "dot", "rows": rows,
+        row = {"shape": shape, "expert_dtype": expert_dtype, "tiles": tiles_tuple, "path": "gemv" if step_rows <= 4 else "dot", "rows": rows,
                "distinct_experts": len(distinct), "ms": ms,
                "gbps": len(distinct) * fmt.payload_bytes / ms / 1e6}
         results.append(row)
@@ -274,10 +289,15 @@ def main() -> int:
                         "slots by the copy engine first (then read from VRAM)")
     parser.add_argument("--tiles", default="", help="the sweeps: only these tiles (;-separated)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="v2lite", help="--tiles-sweep: the expert shape")
+    parser.add_argument("--expert-dtype", default="model", help="--tiles-sweep: the experts' format (int4: the GEMV "
+                        "tiles only, unless --tiles names tl.dot ones)")
     ns = parser.parse_args()
     if ns.tiles_sweep:
         tiles = tuple(tuple(int(v) for v in t.split(",")) for t in ns.tiles.split(";") if t)
-        return tiles_sweep(ns.out, ns.shape, tiles, gemv=not tiles)
+        if ns.expert_dtype == "int4":  # decode at batch 1 is what the 4-bit aims time: GEMV tiles
+            gemv_tiles = tuple(t for t in tiles if len(t) == 5) or INT4_GEMV_CANDIDATES
+            return tiles_sweep(ns.out, ns.shape, tuple(t for t in tiles if len(t) == 6), True, "int4", gemv_tiles)
+        return tiles_sweep(ns.out, ns.shape, tiles, gemv=not tiles, expert_dtype=ns.expert_dtype)
     if ns.grouped_sweep:
         tiles = tuple(tuple(int(v) for v in t.split(",")) for t in ns.tiles.split(";") if t)
         for tokens in (int(v) for v in ns.grouped_tokens.split(",")):

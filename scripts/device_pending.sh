@@ -12,7 +12,8 @@
 # GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU,
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
 # Usage: STAGE=qwen3|serve|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
-#   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace|int4_tests|int4_bench|learned_deep|divergence \
+#   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace|int4_tests|int4_bench|int4_gemv|learned_deep| \
+#   divergence \
 #   [LIMIT=seconds] \
 #   bash scripts/device_pending.sh OUT_DIR [bench options]
 # Triton's compile cache travels between calls of a session (a cold cache cost the tests stage its whole 450 s
@@ -176,6 +177,13 @@ case "${STAGE:-tests}" in
     LIMIT=${LIMIT2:-170} run --expert-dtype int4 --budget-gib 4 --systems "${INT4_SYSTEMS:-all_resident,none,oracle_next,oracle}" "$@"
     [ -n "${FP8_SYSTEMS:-}" ] && run --expert-dtype fp8 --budget-gib 12 --systems "$FP8_SYSTEMS" "$@"
     [ -n "${WITH_BF16:-}" ] && run --budget-gib 12 --systems all_resident,none "$@" ;;
+  int4_gemv)
+    # issue 37's resident aim: the 4-bit GEMV's tiles at V2-Lite's shape (one MoE layer, experts in VRAM), then the
+    # int4 rows at 12 GiB (every expert resident) and bf16 all-resident beside them
+    timeout 200 python3 scripts/bench_kernels.py --out "$out/tiles_int4.json" --tiles-sweep --expert-dtype int4 \
+      ${TILES:+--tiles "$TILES"} 2>&1 | grep -E "^\{|Error|error" | cut -c1-300
+    timeout "${LIMIT:-300}" python3 scripts/bench_gpu.py --out "$out/bench_int4.json" --workloads v2lite --runs 1 \
+      --expert-dtype int4 --budget-gib 12 --systems "${SYSTEMS:-resident_at_budget}" "$@" 2>&1 | filter ;;
   divergence)
     # the FP8 oracles' token defect at V2-Lite's shape (fourteenth session): the first differing token of each row and
     # which setting keeps the tokens (scripts/oracle_divergence.py; bench options do not apply). The fifteenth

@@ -56,7 +56,7 @@ def _float64_expert(x: torch.Tensor, fmt: ExpertFormat, record: torch.Tensor) ->
 def test_routed_experts_match_float64_from_slots_and_host(dtype, expert_dtype, tolerance, max_rows, weights_first):
     """Both multiplies: tl.dot tiles (more than GEMV_MAX_ROWS rows per step; rows by weights or weights by rows)
     and the CUDA-core GEMV (fewer)."""
-    from moeprefetch.kernels.experts import DEFAULT_TILES, GEMV_TILES, GEMV_MAX_ROWS, RoutedExperts
+    from moeprefetch.kernels.experts import DEFAULT_TILES, GEMV_MAX_ROWS, RoutedExperts
 
     g = torch.Generator().manual_seed(zlib.crc32(f"{dtype}{expert_dtype}".encode()) % 1000)  # same in every process
     fmt = _format(96, 72, dtype, expert_dtype)  # ragged against the 64/128 tiles
@@ -74,7 +74,7 @@ def test_routed_experts_match_float64_from_slots_and_host(dtype, expert_dtype, t
     u_dst = torch.tensor([-1, 2, -1, -1, -1, -1], dtype=torch.int32, device=DEVICE)
     assign = torch.tensor([[0, 1], [2, 0], [-1, 3]], dtype=torch.int32, device=DEVICE)
     weights = torch.rand(rows, k, generator=g).to(DEVICE)
-    tiles = GEMV_TILES if max_rows <= GEMV_MAX_ROWS else replace(DEFAULT_TILES, weights_first=weights_first)
+    tiles = None if max_rows <= GEMV_MAX_ROWS else replace(DEFAULT_TILES, weights_first=weights_first)  # None: the format's own
     kernel = RoutedExperts(fmt, pool, host, "silu", F.silu, 16, k, use_kernels=True, tiles=tiles)
     out = kernel(x, assign, weights, u_key, u_slot, u_dst, out=torch.full((rows, fmt.hidden), float("nan"),
                                                                            device=DEVICE), step_rows=max_rows)
@@ -91,6 +91,39 @@ def test_routed_experts_match_float64_from_slots_and_host(dtype, expert_dtype, t
     slot_gu, slot_down = fmt.dequantize(pool[2].cpu().view(1, -1))
     host_gu, host_down = fmt.dequantize(host[0].view(1, -1))
     assert torch.equal(slot_gu, host_gu) and torch.equal(slot_down, host_down)
+
+
+@pytest.mark.parametrize("group,block_k", [(32, 128), (128, 64), (48, 128), (16, 32)])
+def test_int4_groups_tiled_every_way_match_float64(group, block_k):
+    """The 4-bit tile's metadata paths: groups inside a tile (loaded once per group), a group spanning several
+    tiles (one per tile), groups that straddle tiles (gathered per byte); from a slot and admitted from host."""
+    from moeprefetch.kernels.experts import GEMV_TILES, RoutedExperts
+
+    g = torch.Generator().manual_seed(group * 1000 + block_k)
+    fmt = ExpertFormat.build(192, 144, torch.float32, "int4", group_size=group)  # ragged against every tile
+    host, _ = _experts(fmt, 3, g)
+    if DEVICE == "cuda":
+        host = host.pin_memory()  # read in place: zero-copy
+    pool = torch.full((3, fmt.record_bytes), 0x7F, dtype=torch.uint8, device=DEVICE)  # garbage
+    pool[0].copy_(host[1])
+    x = torch.randn(2, fmt.hidden, generator=g).to(DEVICE)
+    u_key = torch.tensor([1, 2, -1, -1], dtype=torch.int32, device=DEVICE)
+    u_slot = torch.tensor([0, -1, -1, -1], dtype=torch.int32, device=DEVICE)
+    u_dst = torch.tensor([-1, 2, -1, -1], dtype=torch.int32, device=DEVICE)
+    assign = torch.tensor([[0, 1], [1, -1]], dtype=torch.int32, device=DEVICE)
+    weights = torch.rand(2, 2, generator=g).to(DEVICE)
+    kernel = RoutedExperts(fmt, pool, host, "silu", F.silu, 2, 2, use_kernels=True,
+                           tiles=replace(GEMV_TILES, block_k=block_k))
+    out = kernel(x, assign, weights, u_key, u_slot, u_dst, step_rows=2)
+    expected = torch.zeros(2, fmt.hidden, dtype=torch.float64)
+    for r, entries in enumerate(assign.tolist()):
+        for j, u in enumerate(entries):
+            if u >= 0:
+                expected[r] += float(weights[r, j]) * _float64_expert(x[r : r + 1].cpu(), fmt,
+                                                                      host[int(u_key[u])])[0]
+    assert ((out.cpu().double() - expected).norm() / expected.norm()).item() < 1e-5
+    landed, recorded = fmt.dequantize(pool[2].cpu().view(1, -1)), fmt.dequantize(host[2].view(1, -1))
+    assert all(torch.equal(a, b) for a, b in zip(landed, recorded))  # the admitted record landed whole
 
 
 def test_a_host_read_gives_exactly_the_slot_result():

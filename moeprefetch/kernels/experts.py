@@ -64,6 +64,9 @@ class Tiles:
 # tiles_v2lite_h200.json; at DeepSeek-V3's shape the one sweep so far ran with wrongly sized inputs, see BENCHMARKS).
 DEFAULT_TILES = Tiles(block_i=64, block_h=64, block_k=128, num_warps=4, num_stages=3, weights_first=True)
 GEMV_TILES = Tiles(block_i=16, block_h=16, block_k=128, num_warps=4, num_stages=3)
+# 4-bit records: half a byte per input, so twice the reduction keeps each row's loads 128 bytes long. H200, one
+# V2-Lite MoE layer at batch 1, experts in VRAM (tiles_int4_h200.json): 60.6 us against 73.1 with GEMV_TILES
+INT4_GEMV_TILES = Tiles(block_i=16, block_h=16, block_k=256, num_warps=4, num_stages=3)
 
 
 @dataclass(frozen=True)
@@ -246,19 +249,44 @@ if HAS_TRITON:
                         ZERO: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr):
         """A 4-bit tile: BK/2 contiguous bytes per row, read as vectors (a zero-copy read over PCIe moves whole
         requests; byte-wise loads of the same bytes ran at a third of the link's rate on the H200), each byte's two
-        inputs dequantised as W = (code - zero) * scale (quant.py) and interleaved back into input order."""
+        inputs dequantised as W = (code - zero) * scale (quant.py) and interleaved back into input order. When the
+        groups tile the tile (a group size that divides BK or that BK divides), each row's scales and zero points
+        are loaded once per group and broadcast, not gathered once per byte: the gathers, two fp32 loads for every
+        weight byte, were the GEMV's largest cost (int4 resident slower than bf16, BENCHMARKS issue 37)."""
         cb = k0 // 2 + tl.arange(0, BK // 2)  # byte columns: byte c holds inputs 2c (low nibble) and 2c + 1
         mask = rows_on[:, None] & (cb[None, :] < ROW_LEN // 2)
         offs = offs_r[:, None] * (ROW_LEN // 2) + cb[None, :]
         raw = tl.load(w_ptr + src_w + region_w + offs, mask=mask, other=0)
         if admit:
             tl.store(w_ptr + dst_w + region_w + offs, raw, mask=mask)
-        s_offs = offs_r[:, None] * SCOLS + (2 * cb[None, :]) // BC  # a group is even: both inputs share it
-        scale, zero = _load_group_metadata(s_ptr, src_s, dst_s, admit, region_s, region_z, s_offs, mask, ZERO)
-        byte = raw.to(tl.int32)
-        low = (((byte & 15).to(tl.float32) - zero) * scale).to(OUT_DTYPE)
-        high = (((byte >> 4).to(tl.float32) - zero) * scale).to(OUT_DTYPE)
-        return tl.reshape(tl.join(low, high), (low.shape[0], BK))
+        if (BK % BC) * (BC % BK) == 0:  # one divides the other
+            low, high = _int4_by_groups(raw, s_ptr, src_s, dst_s, admit, region_s, region_z, offs_r, rows_on, k0,
+                                        ROW_LEN, SCOLS, BC, ZERO, BK)
+        else:  # groups that straddle tiles: each byte's own group
+            s_offs = offs_r[:, None] * SCOLS + (2 * cb[None, :]) // BC  # a group is even: both inputs share it
+            scale, zero = _load_group_metadata(s_ptr, src_s, dst_s, admit, region_s, region_z, s_offs, mask, ZERO)
+            byte = raw.to(tl.int32)
+            low = ((byte & 15).to(tl.float32) - zero) * scale
+            high = ((byte >> 4).to(tl.float32) - zero) * scale
+        return tl.reshape(tl.join(low.to(OUT_DTYPE), high.to(OUT_DTYPE)), (low.shape[0], BK))
+
+    @triton.jit
+    def _int4_by_groups(raw, s_ptr, src_s, dst_s, admit, region_s, region_z, offs_r, rows_on, k0,
+                        ROW_LEN: tl.constexpr, SCOLS: tl.constexpr, BC: tl.constexpr, ZERO: tl.constexpr,
+                        BK: tl.constexpr):
+        """The two inputs of each byte of raw [rows, BK/2] as fp32 weights, with one scale (and zero point) per row
+        and group of the tile: TG groups of BC inputs, or one group when a group spans several tiles."""
+        TG: tl.constexpr = (BK + BC - 1) // BC  # groups in the tile: BK / BC, or 1 when a group spans tiles
+        groups = k0 // BC + tl.arange(0, TG)
+        g_mask = rows_on[:, None] & (groups[None, :] * BC < ROW_LEN)
+        g_offs = offs_r[:, None] * SCOLS + groups[None, :]
+        scale, zero = _load_group_metadata(s_ptr, src_s, dst_s, admit, region_s, region_z, g_offs, g_mask, ZERO)
+        byte = tl.reshape(raw.to(tl.int32), (raw.shape[0], TG, BK // 2 // TG))
+        if ZERO:
+            zero = zero[:, :, None]
+        low = ((byte & 15).to(tl.float32) - zero) * scale[:, :, None]
+        high = ((byte >> 4).to(tl.float32) - zero) * scale[:, :, None]
+        return tl.reshape(low, (raw.shape[0], BK // 2)), tl.reshape(high, (raw.shape[0], BK // 2))
 
     @triton.jit
     def _load_metadata(s_ptr, src_s, dst_s, admit, region, s_offs, mask):
@@ -315,6 +343,9 @@ if HAS_TRITON:
         if key < 0:  # unused entries of the fixed grid do nothing
             return
         rows, row_on = _rows_of(u, assign_ptr, n_rows, TOPK, N_PAD, K_PAD)
+        # dequantised weights stay fp32 on the CUDA cores (the FMAs are fp32: rounding them to the compute dtype
+        # first cost two conversions a weight); tl.dot takes the compute dtype
+        w_dtype: tl.constexpr = tl.float32 if FMA and QUANT else x_ptr.dtype.element_ty
         ri = tile * BI + tl.arange(0, BI)
         acc_g = _acc_zeros(N_PAD, BI, BK, FMA, SWAP)
         acc_u = _acc_zeros(N_PAD, BI, BK, FMA, SWAP)
@@ -323,9 +354,9 @@ if HAS_TRITON:
             xt = tl.load(x_ptr + rows[:, None] * H + rk[None, :], mask=row_on[:, None] & (rk[None, :] < H),
                          other=0.0)
             g = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, GATE_W, GATE_S, GATE_Z, ri,
-                                  ri < I, k0, H, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, x_ptr.dtype.element_ty)
+                                  ri < I, k0, H, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, w_dtype)
             up = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, UP_W, UP_S, UP_Z, ri,
-                                   ri < I, k0, H, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, x_ptr.dtype.element_ty)
+                                   ri < I, k0, H, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, w_dtype)
             acc_g = _acc_add(acc_g, xt, g, FMA, IEEE, DOT_F32, SWAP)
             acc_u = _acc_add(acc_u, xt, up, FMA, IEEE, DOT_F32, SWAP)
         mid = (activate(_acc_total(acc_g, FMA, SWAP), ACT) * _acc_total(acc_u, FMA, SWAP)).to(mid_ptr.dtype.element_ty)
@@ -348,6 +379,7 @@ if HAS_TRITON:
         if key < 0:
             return
         rows, row_on = _rows_of(u, assign_ptr, n_rows, TOPK, N_PAD, K_PAD)
+        w_dtype: tl.constexpr = tl.float32 if FMA and QUANT else mid_ptr.dtype.element_ty  # as in _gate_up_kernel
         rh = tile * BH + tl.arange(0, BH)
         acc = _acc_zeros(N_PAD, BH, BK, FMA, SWAP)
         for k0 in range(0, I, BK):
@@ -355,7 +387,7 @@ if HAS_TRITON:
             m = tl.load(mid_ptr + (u * N_PAD + rows[:, None]) * I + rk[None, :],
                         mask=row_on[:, None] & (rk[None, :] < I), other=0.0)
             d = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, DOWN_W, DOWN_S, DOWN_Z, rh,
-                                  rh < H, k0, I, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, mid_ptr.dtype.element_ty)
+                                  rh < H, k0, I, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, w_dtype)
             acc = _acc_add(acc, m, d, FMA, IEEE, DOT_F32, SWAP)
         out = y_ptr + (u * N_PAD + rows[:, None]) * H + rh[None, :]
         tl.store(out, _acc_total(acc, FMA, SWAP), mask=row_on[:, None] & (rh[None, :] < H))
@@ -379,7 +411,8 @@ if HAS_TRITON:
 class RoutedExperts:
     """The fused routed-expert computation over one slot pool and host arena, with fixed scratch buffers (so the
     launches can be captured in a CUDA graph). Steps of at most GEMV_MAX_ROWS rows multiply on the CUDA cores with
-    GEMV_TILES, larger ones with tl.dot and DEFAULT_TILES; `tiles` fixes one choice for both (benchmarks)."""
+    GEMV_TILES (INT4_GEMV_TILES for 4-bit records), larger ones with tl.dot and DEFAULT_TILES; `tiles` fixes one
+    choice for both (benchmarks)."""
 
     def __init__(self, fmt: ExpertFormat, pool: torch.Tensor, host: torch.Tensor | None, act_name: str,
                  act: Callable[[torch.Tensor], torch.Tensor], max_rows: int, top_k: int, use_kernels: bool,
@@ -449,7 +482,8 @@ class RoutedExperts:
         """gate/up and down: each selected expert's product y[u, row] for its rows (fp32)."""
         n, k = assign.shape
         gemv = step_rows <= GEMV_MAX_ROWS
-        lay, t = self.layout, self.tiles or (GEMV_TILES if gemv else DEFAULT_TILES)
+        lay = self.layout
+        t = self.tiles or ((INT4_GEMV_TILES if lay.int4 else GEMV_TILES) if gemv else DEFAULT_TILES)
         n_pad = self._n_pad(step_rows)
         u_count = min(u_key.shape[0], n * k)  # u is numbered in first-use order: u < rows x k
         assert n <= min(step_rows, self.max_rows) and u_count <= self.max_experts and x.is_contiguous()
