@@ -64,9 +64,9 @@ class Tiles:
 # tiles_v2lite_h200.json; at DeepSeek-V3's shape the one sweep so far ran with wrongly sized inputs, see BENCHMARKS).
 DEFAULT_TILES = Tiles(block_i=64, block_h=64, block_k=128, num_warps=4, num_stages=3, weights_first=True)
 GEMV_TILES = Tiles(block_i=16, block_h=16, block_k=128, num_warps=4, num_stages=3)
-# 4-bit records: half a byte per input, so twice the reduction keeps each row's loads 128 bytes long. H200, one
-# V2-Lite MoE layer at batch 1, experts in VRAM (tiles_int4_h200.json): 60.6 us against 73.1 with GEMV_TILES
-INT4_GEMV_TILES = Tiles(block_i=16, block_h=16, block_k=256, num_warps=4, num_stages=3)
+# 4-bit records use GEMV_TILES too. H200, one V2-Lite MoE layer at batch 1, experts in VRAM, fp32 dequantised
+# weights (experiments/results/tiles_int4_h200.json): 58.8 us with GEMV_TILES, 64.7 with 256-wide reductions, 61.0
+# with 8-row tiles of 256; at 2 rows 154 us against 203 and 156 (bf16-rounded weights had favoured 256: 60.6 / 73.1)
 
 
 @dataclass(frozen=True)
@@ -411,8 +411,7 @@ if HAS_TRITON:
 class RoutedExperts:
     """The fused routed-expert computation over one slot pool and host arena, with fixed scratch buffers (so the
     launches can be captured in a CUDA graph). Steps of at most GEMV_MAX_ROWS rows multiply on the CUDA cores with
-    GEMV_TILES (INT4_GEMV_TILES for 4-bit records), larger ones with tl.dot and DEFAULT_TILES; `tiles` fixes one
-    choice for both (benchmarks)."""
+    GEMV_TILES, larger ones with tl.dot and DEFAULT_TILES; `tiles` fixes one choice for both (benchmarks)."""
 
     def __init__(self, fmt: ExpertFormat, pool: torch.Tensor, host: torch.Tensor | None, act_name: str,
                  act: Callable[[torch.Tensor], torch.Tensor], max_rows: int, top_k: int, use_kernels: bool,
@@ -482,8 +481,7 @@ class RoutedExperts:
         """gate/up and down: each selected expert's product y[u, row] for its rows (fp32)."""
         n, k = assign.shape
         gemv = step_rows <= GEMV_MAX_ROWS
-        lay = self.layout
-        t = self.tiles or ((INT4_GEMV_TILES if lay.int4 else GEMV_TILES) if gemv else DEFAULT_TILES)
+        lay, t = self.layout, self.tiles or (GEMV_TILES if gemv else DEFAULT_TILES)
         n_pad = self._n_pad(step_rows)
         u_count = min(u_key.shape[0], n * k)  # u is numbered in first-use order: u < rows x k
         assert n <= min(step_rows, self.max_rows) and u_count <= self.max_experts and x.is_contiguous()
