@@ -4,6 +4,7 @@ and a compile for Hopper (sm_90) that catches what the interpreter cannot."""
 from __future__ import annotations
 
 import zlib
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -16,6 +17,7 @@ from moeprefetch.residency.state import E_ACTIVE, ResidencyConfig, TableState
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+COMPILE_CHECK = Path(__file__).resolve().parent.parent / "scripts" / "compile_check.py"  # a tool, not the package
 
 
 def _experts(fmt: ExpertFormat, count: int, generator: torch.Generator) -> tuple[torch.Tensor, list]:
@@ -372,11 +374,13 @@ def test_kernels_compile_for_hopper():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "moeprefetch.kernels.compile_check"], capture_output=True, text=True,
-                          env=env, timeout=900)
+    done = subprocess.run([sys.executable, str(COMPILE_CHECK)], capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if "shared_bytes" in line]
-    from moeprefetch.kernels.compile_check import INT4_LAUNCHES, example_launches
+    from conftest import load_script
+
+    check = load_script("compile_check")
+    INT4_LAUNCHES, example_launches = check.INT4_LAUNCHES, check.example_launches
 
     readers = [name for name in example_launches() if name.startswith(INT4_LAUNCHES)]
     assert len(readers) == 10
@@ -396,7 +400,7 @@ def test_the_plan_kernel_does_not_spill_at_large_models_shapes():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "moeprefetch.kernels.compile_check", "--plan-spills"],
+    done = subprocess.run([sys.executable, str(COMPILE_CHECK), "--plan-spills"],
                           capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if "local_memory_ops" in line]
@@ -673,7 +677,9 @@ def test_the_table_kernels_compile_one_variant_per_configuration():
 
     import triton.language as tl
 
-    from moeprefetch.kernels.compile_check import example_launches
+    from conftest import load_script
+
+    example_launches = load_script("compile_check").example_launches
 
     launches = {name: launch for name, launch in example_launches().items()
                 if name.startswith(("plan", "await", "step_start", "fill"))}

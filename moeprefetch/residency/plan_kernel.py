@@ -32,7 +32,7 @@ VICTIM_WINDOW = 128
 # rows). Compiled for sm_90 (ptxas, SASS counts; before compile_check marked pointers aligned): the whole window of a
 # 48-layer, 128-expert model over 2 steps in one block spilled (870 local loads, 626 stores; 11,463 and 7,573 over 3
 # steps); blocks of 4,096 cells 54 and 29; blocks of 2,048 none, at 48 layers and on V2-Lite's shape (and none with
-# the aligned compile: `python -m moeprefetch.kernels.compile_check --plan-spills`)
+# the aligned compile: `python scripts/compile_check.py --plan-spills`)
 WINDOW_CELLS = 2048
 # the plan kernel's runtime integer arguments (see the note at `_plan_kernel`)
 PLAN_RUNTIME_INTS = ("nx", "ns", "position", "S", "CHUNKS", "BUDGET", "MAX_INFLIGHT", "SPARE", "LEAD", "R", "SHADOW",

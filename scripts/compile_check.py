@@ -3,16 +3,22 @@
 Used by the tests to catch what the interpreter cannot (type rules of the compiler, register and shared-memory use)
 on a machine with no device, and by developers to read the resource report:
 
-    python -m moeprefetch.kernels.compile_check
+    python scripts/compile_check.py [--plan-spills]
+
+A development tool, not part of the package (it imports the kernels and the residency that launches them).
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import HAS_TRITON
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from moeprefetch.kernels import HAS_TRITON  # noqa: E402
 
 _TYPES = {
     torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32",
@@ -63,12 +69,12 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
     dtypes and constants matter for compiling."""
     import torch.nn.functional as F
 
-    from ..experts import ExpertFormat
-    from ..residency.state import ResidencyConfig, TableState
-    from .experts import DEFAULT_TILES, RoutedExperts
-    from .grouped import LONG_BLOCK_TILES, GroupedExperts, GroupedTiles
-    from ..residency.fill import Filler
-    from ..residency.plan_kernel import LayerPlanner
+    from moeprefetch.experts import ExpertFormat
+    from moeprefetch.residency.state import ResidencyConfig, TableState
+    from moeprefetch.kernels.experts import DEFAULT_TILES, RoutedExperts
+    from moeprefetch.kernels.grouped import LONG_BLOCK_TILES, GroupedExperts, GroupedTiles
+    from moeprefetch.residency.fill import Filler
+    from moeprefetch.residency.plan_kernel import LayerPlanner
 
     fmt = ExpertFormat.build(hidden, intermediate, torch.bfloat16, expert_dtype)
     cfg = ResidencyConfig(positions=positions, main_positions=positions - 1, n_experts=experts, n_slots=slots,
@@ -86,7 +92,7 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
     launches["plan"] = planner.launch(3, ids, act, ids, act, assign, u_vec, u_vec, u_vec, True, True)
     from dataclasses import replace
 
-    from ..residency.fill import await_launch
+    from moeprefetch.residency.fill import await_launch
 
     waiting = LayerPlanner(st, replace(cfg, wait_late=True), top_k, 16, 16, use_kernel=True)
     launches["plan_wait"] = waiting.launch(3, ids, act, ids, act, assign, u_vec, u_vec, u_vec, True, True,
@@ -123,9 +129,9 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
 def layer_launches(hidden: int, experts: int, top_k: int, heads: int = 16, latent: int = 512, rope_dim: int = 64,
                    nope: int = 128, rows: int = 2) -> dict:
     """The fused decode-layer kernels (norm, act*up, router, MLA decode attention) at a model's shape."""
-    from .attention import MLADecode
-    from .norm import act_mul_launch, residual_norm_launch
-    from .router import RouterShape, select_launch
+    from moeprefetch.kernels.attention import MLADecode
+    from moeprefetch.kernels.norm import act_mul_launch, residual_norm_launch
+    from moeprefetch.kernels.router import RouterShape, select_launch
 
     bf16 = torch.bfloat16
     x = torch.zeros(rows, hidden, dtype=bf16)
@@ -146,15 +152,15 @@ def layer_launches(hidden: int, experts: int, top_k: int, heads: int = 16, laten
     q_latent = torch.zeros(heads, rows, latent, dtype=bf16)
     split, merge = mla.attend_launches(q_latent, q, cache_latent, cache_rope, slots, 1, 0.1, q_latent)
     launches.update(mla_split=split, mla_merge=merge)
-    from .gqa_attention import GQADecode
+    from moeprefetch.kernels.gqa_attention import GQADecode
 
     for window, tag in ((None, ""), (4096, "_window")):  # Qwen3-30B's heads (32 query, 4 key-value, 128 wide)
         gqa = GQADecode(32, 4, 128, 4096, rows, window, torch.device("cpu"), True)
         q_gqa, cache = torch.zeros(rows, 32, 128, dtype=bf16), torch.zeros(1, 8, 4, 128, dtype=bf16)
         split, merge = gqa.launches(q_gqa, cache, cache, slots, 1, 0.1, q_gqa)
         launches.update({f"gqa_split{tag}": split, f"gqa_merge{tag}": merge})
-    from .clock import stamp_launch
-    from .gather import gather_launch
+    from moeprefetch.kernels.clock import stamp_launch
+    from moeprefetch.kernels.gather import gather_launch
 
     stamps = torch.zeros(2, dtype=torch.int64)
     launches.update(clock_start=stamp_launch(stamps, add=False), clock_stop=stamp_launch(stamps, add=True))
@@ -184,8 +190,8 @@ def plan_launch(positions: int, experts: int, slots: int, top_k: int, ring: int)
     """The plan kernel's launch with prefetch reservation at a model's shape (wait_late, shadow rows)."""
     from dataclasses import replace
 
-    from ..residency.state import ResidencyConfig, TableState
-    from ..residency.plan_kernel import LayerPlanner
+    from moeprefetch.residency.state import ResidencyConfig, TableState
+    from moeprefetch.residency.plan_kernel import LayerPlanner
 
     cfg = ResidencyConfig(positions=positions + 1, main_positions=positions, n_experts=experts, n_slots=slots,
                           record_bytes=1 << 20, ring=ring, wait_late=True)
