@@ -24,7 +24,7 @@ from .predictors import PredictorSpec
 from .residency import Residency
 from .runner import FusedDecodeShape, KVCaches, ModelRunner
 from .sampling import DeviceSampler
-from .requests import as_batch_tensor, build_request
+from .requests import as_batch_tensor, build_request, speculation_unavailable
 from .session import GenerationResult, Request, Session, TokenEvent
 from .speculation import AutoSpeculation, Decision
 from .streaming import LayerStreamer
@@ -329,13 +329,8 @@ class MoEPrefetchEngine:
 
     def _auto_speculation(self, request: Request) -> Request:
         """`speculative="auto"` resolved for this call: on or off, with the reason."""
-        unavailable = None
-        if not self.has_mtp:
-            unavailable = "no MTP layer in this checkpoint"
-        elif self.options.routing_trace is not None:
-            unavailable = "routing_trace routes one token per step"
-        elif request.predictor.chain > 1:
-            unavailable = f"lookahead={request.predictor.lookahead} chains MTP drafts for prefetching"
+        why = speculation_unavailable(self.has_mtp, self.options.routing_trace, request.predictor)
+        unavailable = why.reason if why is not None else None
         key = (len(request.prompts), "+".join(request.predictor.names), request.sampling.temperature == 0)
         decision = self._speculation.choose(key, unavailable)
         return replace(request, speculative="mtp" if decision.mode == "mtp" else None, speculation=decision)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .build import ResolvedConfig, predictor_spec
-from .predictors import default_lookahead
+from .predictors import PredictorSpec, default_lookahead
 from .options import check_fraction, check_positive_int
 from .config import ModelArgs
 from .errors import RequestError
@@ -18,6 +18,31 @@ from .sampling import SamplingParams
 from .session import Request
 
 SPECULATIVE_MODES = (None, "mtp", "auto")
+
+
+class SpeculationUnavailable(NamedTuple):
+    """Why a call cannot verify MTP drafts: `reason` for speculative="auto"'s report, `error` for "mtp"'s refusal."""
+
+    reason: str
+    error: str
+
+
+def speculation_unavailable(has_mtp: bool, routing_trace: Any, spec: PredictorSpec) -> SpeculationUnavailable | None:
+    """The one list of conditions under which speculative decoding cannot run (None: it can)."""
+    if not has_mtp:
+        return SpeculationUnavailable("no MTP layer in this checkpoint",
+                                      "speculative='mtp' needs an MTP layer, and this checkpoint has none")
+    if routing_trace is not None:
+        return SpeculationUnavailable(
+            "routing_trace routes one token per step",
+            "routing_trace forces the routing of each decode step from a trace; speculative decoding computes two "
+            "tokens per step, which the trace cannot route: use one or the other")
+    if spec.chain > 1:
+        return SpeculationUnavailable(
+            f"lookahead={spec.lookahead} chains MTP drafts for prefetching",
+            f"lookahead={spec.lookahead} chains MTP drafts for prefetching, but with speculative='mtp' the MTP head "
+            "verifies one draft per step: use lookahead=1")
+    return None
 
 
 def build_request(args: ModelArgs, tokenizer: Any, options: ResolvedConfig, path: Path, has_mtp: bool, prompts: Any,
@@ -43,14 +68,8 @@ def build_request(args: ModelArgs, tokenizer: Any, options: ResolvedConfig, path
                           has_mtp, learned)
     if speculative not in SPECULATIVE_MODES:
         raise RequestError(f"speculative must be None, 'mtp' or 'auto', got {speculative!r}")
-    if speculative == "mtp" and not has_mtp:
-        raise RequestError("speculative='mtp' needs an MTP layer, and this checkpoint has none")
-    if speculative == "mtp" and options.routing_trace is not None:
-        raise RequestError("routing_trace forces the routing of each decode step from a trace; speculative decoding "
-                           "computes two tokens per step, which the trace cannot route: use one or the other")
-    if speculative == "mtp" and spec.chain > 1:
-        raise RequestError(f"lookahead={spec.lookahead} chains MTP drafts for prefetching, but with speculative='mtp' "
-                           "the MTP head verifies one draft per step: use lookahead=1")
+    if speculative == "mtp" and (why := speculation_unavailable(has_mtp, options.routing_trace, spec)) is not None:
+        raise RequestError(why.error)
     if len(token_prompts) > options.max_batch_size:
         raise RequestError(f"{len(token_prompts)} prompts exceed max_batch_size={options.max_batch_size} "
                            f"set at load time")
