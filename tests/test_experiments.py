@@ -135,3 +135,28 @@ def test_oracle_divergence_finds_the_first_differing_token_and_runs_every_varian
     probed = [r for r in rows if r["variant"] == "probe"]
     assert all(r["checked"] > 0 and r["stale_hit"] == r["torn_in_table"] == 0 for r in probed)
     assert any(r["prefetch_issued"] for r in rows)  # the oracles did fill: the rows exercise the fill path
+
+
+def test_token_routing_table_counts_each_tokens_experts_and_smooths_towards_the_layer():
+    """experiments/token_routing_tables.py: T[v, l, e] is token v's share of uses of expert e at layer l, pulled
+    towards the layer's overall frequencies by the smoothing's pseudo-counts; an unseen id gets those frequencies."""
+    import importlib.util
+
+    import torch
+
+    from moeprefetch.routing_record import RoutingRecord
+
+    spec = importlib.util.spec_from_file_location("token_tables", ROOT / "experiments" / "token_routing_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # tokens 0, 1, 0 at one layer of 4 experts, top-2
+    ids = torch.tensor([[[0, 1]], [[2, 3]], [[0, 2]]])
+    record = RoutingRecord(hidden=torch.zeros(3, 2), mtp_hidden=None, ids=ids, window=torch.zeros(3, dtype=torch.long),
+                           mtp_router=None)
+    table = module.routing_table(torch.tensor([0, 1, 0]), record, vocab=3, n_experts=4, smoothing=1.0)
+    overall = torch.tensor([2, 1, 2, 1]) / 3  # uses per token
+    assert torch.allclose(table[0, 0], (torch.tensor([2.0, 1, 1, 0]) + overall) / 3)
+    assert torch.allclose(table[1, 0], (torch.tensor([0.0, 0, 1, 1]) + overall) / 2)
+    assert torch.allclose(table[2, 0], overall)  # never seen
+    truth = torch.tensor([[[0, 1]]])
+    assert module.recall(table[0:1], truth, 2) == 0.5  # its top-2 are experts 0 and one of 1/2
