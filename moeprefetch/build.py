@@ -17,7 +17,7 @@ import torch
 from .checkpoint import CheckpointReader
 from .config import ModelArgs, load_model_args
 from .errors import CheckpointError, RequestError, ResourceError
-from .experts import INT4_GROUP_SIZE, CheckpointExperts, ExpertFormat
+from .experts import INT4_GROUP_SIZE, INT4_SCALE_DTYPE, CheckpointExperts, ExpertFormat
 from .int4_checkpoints import Int4Tensors, present_int4_weights
 from .learned_predictor import HeadConfig, RoutingHead, load_predictor
 from .kernels import kernels_usable
@@ -184,8 +184,10 @@ def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev
     options = resolve_options(config, args, has_mtp, dev, torch_dtype, head.config if head is not None else None)
     block = (args.quant.block_rows, args.quant.block_cols) if args.quant else (128, 128)
     try:
+        # a 4-bit checkpoint's scales keep their own dtype (verbatim); quantised on load, fp16
         fmt = ExpertFormat.build(args.hidden_size, args.moe_intermediate_size, torch_dtype, config.expert_dtype, block,
-                                 group_size=config.int4_group_size, symmetric=config.int4_symmetric)
+                                 group_size=config.int4_group_size, symmetric=config.int4_symmetric,
+                                 scale_dtype=int4.scale_dtype() if int4 is not None else INT4_SCALE_DTYPE)
     except ValueError as exc:  # e.g. int4 with an odd hidden size
         raise RequestError(str(exc)) from None
     if fmt.quantized:

@@ -399,6 +399,15 @@ class Int4Tensors:
         """Every quantised module in the checkpoint (names without '.weight')."""
         return self._bases
 
+    def scale_dtype(self) -> torch.dtype:
+        """The dtype the checkpoint stores its routed experts' scales in (fp16 or bf16; fp32 for anything wider), so
+        expert records can keep them verbatim (the first quantised expert's, else the first module's)."""
+        if not self._bases:
+            return torch.float32
+        base = next((b for b in self._bases if ".experts." in b), self._bases[0])
+        dtype = self._need(base, "weight_scale" if self.args.method == COMPRESSED_TENSORS else "scales").torch_dtype
+        return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
+
     def is_quantized(self, base: str) -> bool:
         """Whether `base` ("model.layers.1.mlp.experts.3.gate_proj") is stored quantised (else as `<base>.weight`)."""
         return f"{base}.{self._marker}" in self.reader

@@ -65,7 +65,8 @@ def quantize_int8_blocks(weight: torch.Tensor, block: tuple[int, int] = (128, 12
 # Layout of a 4-bit weight [M, N] (N = the input features, the reduction dimension): codes 0..15 packed two to a byte
 # along N (element 2j in the low nibble of byte j, 2j+1 in the high one), uint8 [M, N/2]; one fp32 scale per row and
 # group of `group` consecutive inputs, [M, ceil(N/group)]; when asymmetric also one fp32 zero point per group (an
-# integer value, as GPTQ and compressed-tensors store them), symmetric codes have zero point 8. The weight is
+# integer value, as GPTQ and compressed-tensors store them), symmetric codes have zero point 8. (An expert record
+# stores both in its `scale_dtype`, fp16 by default: integers 0..15 are exact there.) The weight is
 #     W[m, n] = (code[m, n] - zero[m, n // group]) * scale[m, n // group]
 # which is exact in fp32 for the (code - zero) part, so a kernel and this reference compute the same bits.
 
@@ -96,21 +97,30 @@ def _group_view(weight: torch.Tensor, group: int) -> torch.Tensor:
     return weight.view(rows, groups, group)
 
 
-def quantize_int4_groups(weight: torch.Tensor, group: int = 128, symmetric: bool = False
+def stored_scale(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    """fp32 scales as they will be stored in `scale_dtype` (kept within its normal range, so none is zero or
+    infinite there), back in fp32: the quantiser codes weights with the scale the kernels will read."""
+    info = torch.finfo(scale_dtype)
+    return scale.clamp(min=max(info.tiny, 1e-12), max=info.max).to(scale_dtype).float()
+
+
+def quantize_int4_groups(weight: torch.Tensor, group: int = 128, symmetric: bool = False,
+                         scale_dtype: torch.dtype = torch.float32
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Round-to-nearest 4-bit groups: weight [M, N] -> (packed uint8 [M, N/2], fp32 scales [M, G], fp32 zero points
     [M, G] or None when symmetric). Asymmetric groups span [min, max] with 16 levels (an integer zero point);
-    symmetric ones span [-amax, amax] with codes -7..7 around 8."""
+    symmetric ones span [-amax, amax] with codes -7..7 around 8. The scales are exactly representable in
+    `scale_dtype` (the dtype a record stores them in), and the codes are computed with those rounded scales."""
     rows, cols = weight.shape
     grouped = _group_view(weight.float(), group)
     if symmetric:
-        scale = (grouped.abs().amax(dim=2) / 7.0).clamp(min=1e-12)
+        scale = stored_scale(grouped.abs().amax(dim=2) / 7.0, scale_dtype)
         zero = None
         codes = torch.round(grouped / scale[..., None]).clamp(-8, 7) + INT4_SYMMETRIC_ZERO
     else:
         low = grouped.amin(dim=2).clamp(max=0.0)  # the range includes 0, so a zero weight stays exactly zero
         high = grouped.amax(dim=2).clamp(min=0.0)
-        scale = ((high - low) / 15.0).clamp(min=1e-12)
+        scale = stored_scale((high - low) / 15.0, scale_dtype)
         zero = torch.round(-low / scale).clamp(0, 15)
         codes = (torch.round(grouped / scale[..., None]) + zero[..., None]).clamp(0, 15)
     codes = codes.flatten(1)[:, :cols].to(torch.uint8)

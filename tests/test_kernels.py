@@ -95,14 +95,17 @@ def test_routed_experts_match_float64_from_slots_and_host(dtype, expert_dtype, t
     assert torch.equal(slot_gu, host_gu) and torch.equal(slot_down, host_down)
 
 
-@pytest.mark.parametrize("group,block_k", [(32, 128), (128, 64), (48, 128), (16, 32)])
-def test_int4_groups_tiled_every_way_match_float64(group, block_k):
+@pytest.mark.parametrize("group,block_k,scale_dtype", [(32, 128, torch.float16), (128, 64, torch.float16),
+                                                       (48, 128, torch.bfloat16), (16, 32, torch.float32)])
+def test_int4_groups_tiled_every_way_match_float64(group, block_k, scale_dtype):
     """The 4-bit tile's metadata paths: groups inside a tile (loaded once per group), a group spanning several
-    tiles (one per tile), groups that straddle tiles (gathered per byte); from a slot and admitted from host."""
+    tiles (one per tile), groups that straddle tiles (gathered per byte); from a slot and admitted from host; with
+    each dtype a record stores its scales and zero points in."""
     from moeprefetch.kernels.experts import GEMV_TILES, RoutedExperts
 
     g = torch.Generator().manual_seed(group * 1000 + block_k)
-    fmt = ExpertFormat.build(192, 144, torch.float32, "int4", group_size=group)  # ragged against every tile
+    fmt = ExpertFormat.build(192, 144, torch.float32, "int4", group_size=group,  # ragged against every tile
+                             scale_dtype=scale_dtype)
     host, _ = _experts(fmt, 3, g)
     if DEVICE == "cuda":
         host = host.pin_memory()  # read in place: zero-copy

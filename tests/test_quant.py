@@ -174,15 +174,19 @@ def test_nibbles_are_packed_low_first():
         pack_nibbles(torch.zeros(2, 5, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("symmetric,scale_dtype", [(False, torch.float32), (True, torch.float32),
+                                                   (False, torch.float16), (True, torch.bfloat16)])
 @pytest.mark.parametrize("shape,group", [((6, 40), 16), ((5, 64), 64), ((3, 18), 128), ((4, 34), 8)])
-def test_int4_groups_match_float64_and_stay_within_half_a_step(shape, group, symmetric):
+def test_int4_groups_match_float64_and_stay_within_half_a_step(shape, group, symmetric, scale_dtype):
     """Ragged last groups (40 = 2 x 16 + 8, 34 = 4 x 8 + 2) and groups wider than the row; the dequantised weight is
-    within half a quantisation step of the original everywhere (RTN), and the kernel formula's float64 value."""
+    within half a quantisation step of the original everywhere (RTN), and the kernel formula's float64 value. Scales
+    rounded to a 16-bit dtype are coded with the rounded scale, so the half-step bound still holds."""
     generator = torch.Generator().manual_seed(sum(shape) + group + symmetric)
     weight = torch.randn(shape, generator=generator) * torch.rand(shape[0], 1, generator=generator) * 3
     weight[0, :3] = 0.0  # exact zeros stay exact
-    packed, scale, zero = quantize_int4_groups(weight, group, symmetric)
+    weight[-1] *= 1e-4  # a row of small weights: the scales near fp16's smallest normal numbers
+    packed, scale, zero = quantize_int4_groups(weight, group, symmetric, scale_dtype=scale_dtype)
+    assert torch.equal(scale.to(scale_dtype).float(), scale)
     groups = -(-shape[1] // group)
     assert packed.shape == (shape[0], shape[1] // 2) and packed.dtype == torch.uint8
     assert scale.shape == (shape[0], groups) and (zero is None) == symmetric
@@ -196,13 +200,17 @@ def test_int4_groups_match_float64_and_stay_within_half_a_step(shape, group, sym
         assert zero is not None and torch.equal(zero, zero.round()) and zero.min() >= 0 and zero.max() <= 15
 
 
-@pytest.mark.parametrize("symmetric", [False, True])
-def test_int4_expert_record_layout_and_round_trip(symmetric):
+@pytest.mark.parametrize("symmetric,scale_dtype", [(False, None), (True, None), (False, torch.float32),
+                                                   (True, torch.bfloat16)])
+def test_int4_expert_record_layout_and_round_trip(symmetric, scale_dtype):
     hidden, inter, group = 96, 40, 32
-    fmt = ExpertFormat.build(hidden, inter, torch.bfloat16, "int4", group_size=group, symmetric=symmetric)
+    extra = {} if scale_dtype is None else dict(scale_dtype=scale_dtype)
+    fmt = ExpertFormat.build(hidden, inter, torch.bfloat16, "int4", group_size=group, symmetric=symmetric, **extra)
     assert fmt.int4 and fmt.quantized and fmt.block == (1, group) and fmt.zero_points != symmetric
+    assert fmt.scale_dtype == (scale_dtype or torch.float16)  # fp16 metadata unless asked otherwise
     assert fmt.payload_bytes == 3 * hidden * inter // 2  # half a byte per weight
-    per_kind = 4 * (2 * inter * 3 + hidden * 2)  # gate/up: 3 groups of 32 per row; down: 2 (40 = 32 + 8) per row
+    # gate/up: 3 groups of 32 per row; down: 2 (40 = 32 + 8) per row
+    per_kind = fmt.scale_dtype.itemsize * (2 * inter * 3 + hidden * 2)
     assert fmt.scale_bytes == per_kind * (1 if symmetric else 2)
     assert fmt.record_bytes % 64 == 0 and all(r.offset % 64 == 0 for r in fmt.regions.values())
     generator = torch.Generator().manual_seed(1)
@@ -213,8 +221,10 @@ def test_int4_expert_record_layout_and_round_trip(symmetric):
     assert gate_up.dtype == torch.bfloat16 and gate_up.shape == (3, 2 * inter, hidden)
     for name, original, back in (("gate", gate, gate_up[1, :inter]), ("up", up, gate_up[1, inter:]),
                                  ("down", down, down_back[1])):
-        packed, scale, zero = quantize_int4_groups(original, group, symmetric)
+        packed, scale, zero = quantize_int4_groups(original, group, symmetric, scale_dtype=fmt.scale_dtype)
+        assert fmt.stores_exactly(scale)
         assert torch.equal(fmt.view(records[1:2], name)[0], packed)
+        assert torch.equal(fmt.view(records[1:2], f"{name}_scale")[0].float(), scale)
         assert torch.equal(back, _int4_reference(packed, scale, zero, group).to(torch.bfloat16))
     assert not records[0].any() and not records[2].any()
 

@@ -71,7 +71,8 @@ GEMV_TILES = Tiles(block_i=16, block_h=16, block_k=128, num_warps=4, num_stages=
 
 @dataclass(frozen=True)
 class RecordLayout:
-    """Element offsets of one packed expert record, in payload elements and (for scales) fp32 elements."""
+    """Element offsets of one packed expert record, in payload elements and (for scales and zero points) elements of
+    the format's `scale_dtype`."""
 
     hidden: int
     intermediate: int
@@ -101,10 +102,11 @@ class RecordLayout:
                     down_w=regions["down"].offset // w, quantized=fmt.quantized)
         if not fmt.quantized:
             return RecordLayout(**base)
-        zeros = {f"{name}_z": regions[f"{name}_zero"].offset // 4 for name in ("gate", "up", "down")} \
+        s = fmt.scale_dtype.itemsize
+        zeros = {f"{name}_z": regions[f"{name}_zero"].offset // s for name in ("gate", "up", "down")} \
             if fmt.zero_points else {}
-        return RecordLayout(**base, rec_s=fmt.record_bytes // 4, gate_s=regions["gate_scale"].offset // 4,
-                            up_s=regions["up_scale"].offset // 4, down_s=regions["down_scale"].offset // 4,
+        return RecordLayout(**base, rec_s=fmt.record_bytes // s, gate_s=regions["gate_scale"].offset // s,
+                            up_s=regions["up_scale"].offset // s, down_s=regions["down_scale"].offset // s,
                             block_rows=fmt.block[0], block_cols=fmt.block[1], int4=fmt.int4,
                             zero_points=fmt.zero_points, **zeros)
 
@@ -112,6 +114,18 @@ class RecordLayout:
         """The kernels' constexprs that say how a record's weights are stored."""
         return dict(REC_S=max(self.rec_s, 1), BR=self.block_rows, BC=self.block_cols, QUANT=self.quantized,
                     INT4=self.int4, ZERO=self.zero_points)
+
+
+def record_views(fmt: ExpertFormat, pool: torch.Tensor, host: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' typed views of the pool (payload, metadata) and [2] int64 on the pool's device: the host arena's
+    offset from the pool in payload and in metadata elements (under unified addressing a kernel reaches host records
+    through the pool's pointer)."""
+    w = pool.view(fmt.payload_dtype)
+    s = pool.view(fmt.scale_dtype) if fmt.quantized else w
+    delta = (host.data_ptr() - pool.data_ptr()) if host is not None else 0
+    return w, s, torch.tensor([delta // w.element_size(), delta // s.element_size()], dtype=torch.int64,
+                              device=pool.device)
 
 
 def row_pad(rows: int) -> int:
@@ -290,11 +304,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _load_metadata(s_ptr, src_s, dst_s, admit, region, s_offs, mask):
-        """One fp32 metadata tile (scales or zero points) of the source record, copied into the admission slot."""
+        """One metadata tile (scales or zero points, in the record's scale dtype) of the source record, copied into
+        the admission slot as stored, returned in fp32 (exact: every scale dtype widens to fp32 without rounding)."""
         values = tl.load(s_ptr + src_s + region + s_offs, mask=mask, other=0.0)
         if admit:
             tl.store(s_ptr + dst_s + region + s_offs, values, mask=mask)
-        return values
+        return values.to(tl.float32)
 
     @triton.jit
     def _load_group_metadata(s_ptr, src_s, dst_s, admit, region_s, region_z, s_offs, mask, ZERO: tl.constexpr):
@@ -313,7 +328,7 @@ if HAS_TRITON:
         slot = tl.load(u_slot_ptr + u).to(tl.int64)
         dst = tl.load(u_dst_ptr + u).to(tl.int64)
         w_delta = tl.load(delta_ptr)  # host arena - pool, in payload elements
-        s_delta = tl.load(delta_ptr + 1)  # the same in fp32 elements
+        s_delta = tl.load(delta_ptr + 1)  # the same in metadata (scale dtype) elements
         src_w = tl.where(slot >= 0, slot * REC_W, w_delta + key * REC_W)
         src_s = tl.where(slot >= 0, slot * REC_S, s_delta + key * REC_S)
         return key, src_w, src_s, dst * REC_W, dst * REC_S, dst >= 0
@@ -431,11 +446,7 @@ class RoutedExperts:
         if not self.use_kernels:
             return
         device = pool.device
-        self._w = pool.view(fmt.payload_dtype)
-        self._s = pool.view(torch.float32) if fmt.quantized else self._w
-        w_size = torch.tensor([], dtype=fmt.payload_dtype).element_size()
-        delta = (host.data_ptr() - pool.data_ptr()) if host is not None else 0
-        self._delta = torch.tensor([delta // w_size, delta // 4], dtype=torch.int64, device=device)
+        self._w, self._s, self._delta = record_views(fmt, pool, host)
         self._mid = torch.empty(self.max_experts, self.n_pad, fmt.intermediate, dtype=fmt.compute_dtype,
                                 device=device)
         self._y = torch.empty(self.max_experts, self.n_pad, fmt.hidden, dtype=torch.float32, device=device)

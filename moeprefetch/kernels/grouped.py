@@ -28,7 +28,7 @@ import torch
 
 from ..experts import ExpertFormat, expert_ffn
 from . import HAS_TRITON, INTERPRET, Launch
-from .experts import ACTIVATIONS, RecordLayout
+from .experts import ACTIVATIONS, RecordLayout, record_views
 
 if HAS_TRITON:
     import triton
@@ -215,11 +215,7 @@ class GroupedExperts:
         self.use_kernels = use_kernels and act_name in ACTIVATIONS
         self.act_code = ACTIVATIONS.get(act_name, 0)
         if self.use_kernels:
-            w_size = torch.tensor([], dtype=fmt.payload_dtype).element_size()
-            delta = (host.data_ptr() - pool.data_ptr()) if host is not None else 0
-            self._delta = torch.tensor([delta // w_size, delta // 4], dtype=torch.int64, device=pool.device)
-            self._w = pool.view(fmt.payload_dtype)
-            self._s = pool.view(torch.float32) if fmt.quantized else self._w
+            self._w, self._s, self._delta = record_views(fmt, pool, host)
 
     def tiles_for(self, pairs: int, n_experts: int) -> GroupedTiles:
         """The tiles of a call with `pairs` (token, expert) pairs over a model of `n_experts` routed experts: by the
