@@ -176,7 +176,10 @@ case "${STAGE:-tests}" in
     run --expert-dtype int4 --budget-gib 12 --systems resident_at_budget "$@"
     LIMIT=${LIMIT2:-170} run --expert-dtype int4 --budget-gib 4 --systems "${INT4_SYSTEMS:-all_resident,none,oracle_next,oracle}" "$@"
     [ -n "${FP8_SYSTEMS:-}" ] && run --expert-dtype fp8 --budget-gib 12 --systems "$FP8_SYSTEMS" "$@"
-    [ -n "${WITH_BF16:-}" ] && run --budget-gib 12 --systems all_resident,none "$@" ;;
+    [ -n "${WITH_BF16:-}" ] && run --budget-gib 12 --systems all_resident,none "$@"
+    # TESTS="pytest -k expression": those GPU tests of the engine afterwards
+    [ -n "${TESTS:-}" ] && timeout "${TESTS_LIMIT:-150}" python3 -m pytest "$(junit)" tests/test_gpu.py -q \
+      -p no:cacheprovider --tb=short -k "$TESTS" 2>&1 | grep -v -E "Warning:|warnings.warn" | tail -6 ;;
   int4_gemv)
     # issue 37's resident aim: the 4-bit GEMV's tiles at V2-Lite's shape (one MoE layer, experts in VRAM), then the
     # int4 rows at 12 GiB (every expert resident) and bf16 all-resident beside them
