@@ -65,7 +65,7 @@ def run_ranks(path: Path, tmp: Path, world: int = 2, cases=CASES, **extra) -> li
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo over TCP on localhost")
-@pytest.mark.parametrize("variant", ["v3", "qwen3"])
+@pytest.mark.parametrize("variant", ["v3", pytest.param("qwen3", marks=pytest.mark.slow)])  # the fast lane: one family
 def test_two_ranks_give_the_tokens_of_one_process(checkpoint_factory, tmp_path, variant):
     path = checkpoint_factory(variant)
     cases = CASES if variant == "v3" else [(None, "none"), (3, "next_layer_gate"), (5, "previous")]

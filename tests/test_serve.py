@@ -613,8 +613,9 @@ def test_requests_cut_by_the_drain_get_a_503_json_or_an_error_event_then_done(pl
         server.close()
 
 
-@pytest.mark.parametrize("signals", [(signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGTERM)],
-                         ids=["sigint-twice", "sigterm-twice"])
+@pytest.mark.parametrize("signals", [(signal.SIGINT, signal.SIGINT),
+                                     pytest.param((signal.SIGTERM, signal.SIGTERM), marks=pytest.mark.slow)],
+                         ids=["sigint-twice", "sigterm-twice"])  # the fast lane: Ctrl-C twice (issue 40)
 def test_a_second_signal_exits_cleanly_with_requests_in_flight(model_dir, signals):
     process, url = _cli_server(model_dir, "--drain-seconds", "30")
     answers: list = []
