@@ -32,7 +32,8 @@ INT4_GROUP_SIZE = 128  # inputs per 4-bit scale group by default (experiments/re
 # 4-bit scales and zero points are stored in fp16 by default (as GPTQ stores its scales): fp32 metadata made 11 % of
 # a V2-Lite record (4.87 MB against 4.33 MB of codes), fp16 makes 6 %, and every byte of a record crosses the link
 INT4_SCALE_DTYPE = torch.float16
-SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SCALE_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+SCALE_DTYPES = tuple(SCALE_DTYPE_NAMES)
 METADATA_SUFFIXES = ("_scale", "_zero")  # regions that describe a payload region
 
 
@@ -92,7 +93,7 @@ class ExpertFormat:
     def describe(self) -> str:
         if self.int4:
             kind = "asymmetric" if self.zero_points else "symmetric"
-            scales = str(self.scale_dtype).removeprefix("torch.").replace("float", "fp").replace("bfp", "bf")
+            scales = SCALE_DTYPE_NAMES[self.scale_dtype]
             return f"int4 ({kind}, groups of {self.block[1]} inputs, {scales} scales)"  # type: ignore[index]
         return {torch.float8_e4m3fn: "fp8", torch.int8: "int8"}.get(self.payload_dtype, str(self.payload_dtype))
 
