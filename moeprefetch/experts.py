@@ -18,6 +18,7 @@ from .checkpoint import FLOAT_DTYPES, CheckpointReader
 from .config import ModelArgs
 from .errors import CheckpointError
 from .families import family_of
+from .kernels.definitions import expert_ffn  # noqa: F401  (re-exported: the model's expert FFN)
 from .quant import (FP8_DTYPE, dequantize_blocks, dequantize_int4_groups, pack_nibbles, quantize_fp8_blocks,
                     quantize_int4_groups, quantize_int8_blocks, scale_grid_shape)
 
@@ -382,12 +383,6 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
         "relu": F.relu,
     }[name]
-
-
-def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Callable) -> torch.Tensor:
-    """One expert on the tokens routed to it: x [M, H], gate_up [2I, H], down [H, I] -> [M, H]."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(act(gate) * up, down)
 
 
 def gathered_expert_ffn(

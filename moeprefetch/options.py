@@ -55,8 +55,8 @@ class EngineConfig:
     fill_confidence: float = _opt(0.0, "predictions below this confidence are not prefetched; they still protect "
                                        "the experts they name from eviction (protection moves no bytes)")
     fill_link: str = _opt("shared", "shared: prefetch fills and a layer's reads of missed experts share the link; "
-                                    "idle: fills wait while a layer reads experts from host (all but those a layer "
-                                    "is waiting for), so they use only link time that would idle")
+                                    "idle: fills for later layers wait while a layer reads experts from host, so "
+                                    "they use only link time that would idle")
     reuse_weight: float = _opt(0.0, "predictor='learned': victims by w x the head's probability that the expert is "
                                      "needed soon (the next two tokens, or its horizon) + (1 - w) x the policy's "
                                      "rank (0, the default: the policy alone; 0.9 cut misses on long held-out runs "

@@ -7,6 +7,7 @@ import math
 import torch
 
 from .config import RopeArgs, yarn_mscale
+from .kernels.definitions import rotate
 
 
 def _yarn_correction_range(beta_fast: float, beta_slow: float, dim: int, base: float, original: int, truncate: bool):
@@ -69,9 +70,3 @@ class RotaryEmbedding:
         return rotate(x, cos, sin, self.interleave)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    """The rotation of `RotaryEmbedding.apply` (also the definition the fused decode kernels are tested against)."""
-    xf = x.float()
-    half = x.shape[-1] // 2
-    x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if interleave else (xf[..., :half], xf[..., half:])
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

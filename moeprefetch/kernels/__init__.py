@@ -9,6 +9,10 @@ The residency table's own kernels (the per-layer plan and the prefetch fills) li
 `residency/` (`plan_kernel.py`, `fill.py`): they read and write the table, these kernels only the tensors they are
 given.
 
+These modules import nothing else of the project: the plain math that the model and the references share (one
+expert's FFN, the rotary rotation) lives here in `definitions.py`, and a record format is read only through its
+attributes.
+
 Triton ships with torch's CUDA builds. Without it (or on the CPU) the engine runs the references, which are the
 definitions the kernels are tested against. `TRITON_INTERPRET=1` runs the kernels on CPU tensors for tests.
 """

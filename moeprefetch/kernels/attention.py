@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rope import rotate
+from .definitions import rotate
 from . import HAS_TRITON, INTERPRET, Launch
 from .norm import rms_norm_reference
 

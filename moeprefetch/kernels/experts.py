@@ -25,12 +25,15 @@ multiply (CUDA-core GEMV or tl.dot) and the tiles follow the step's shape (its m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..experts import ExpertFormat, expert_ffn
 from . import HAS_TRITON, INTERPRET, Launch
+from .definitions import expert_ffn
+
+if TYPE_CHECKING:  # a record format (`experts.ExpertFormat`) is read only through its attributes here
+    from ..experts import ExpertFormat
 
 if HAS_TRITON:
     import triton

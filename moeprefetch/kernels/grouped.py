@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..experts import ExpertFormat, expert_ffn
 from . import HAS_TRITON, INTERPRET, Launch
+from .definitions import expert_ffn
 from .experts import ACTIVATIONS, RecordLayout, record_views
+
+if TYPE_CHECKING:  # a record format (`experts.ExpertFormat`) is read only through its attributes here
+    from ..experts import ExpertFormat
 
 if HAS_TRITON:
     import triton

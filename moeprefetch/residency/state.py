@@ -58,7 +58,7 @@ class ResidencyConfig:
     policy: str = "lrfu"
     frequency_halflife: float = 8.0  # lrfu: a use counts half after this many steps (BENCHMARKS "LRFU")
     wait_late: bool = True  # a late prefetch: wait (bounded) for its fill instead of reading it from host again
-    fill_idle_link: bool = False  # fills not waited for pause while a layer reads missed experts from host
+    fill_idle_link: bool = False  # fills for later steps pause while a layer reads missed experts from host
     # victims by predicted reuse: w x P(needed soon, `TableState.reuse`) + (1 - w) x the policy's
     # rank, lowest first (0: the policy's order alone)
     reuse_weight: float = 0.0
