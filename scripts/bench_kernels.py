@@ -133,6 +133,12 @@ def tiles_sweep(out: Path, shape: str = "v2lite", candidates: tuple = (), gemv: 
     return 0
 
 
+# 4-bit misses read from host: (block_i, block_h, block_k, num_warps, num_stages, weights_first, loads); the first
+# is the engine's 4-bit GEMV_TILES; `loads` 2 reads each row's bytes of two reduction steps at once (longer requests)
+INT4_HOST_CANDIDATES = (
+    (16, 16, 128, 4, 3, 0, 1), (16, 16, 128, 4, 3, 0, 2), (16, 16, 128, 4, 2, 0, 2), (8, 8, 128, 4, 3, 0, 2),
+    (16, 16, 128, 8, 3, 0, 2), (16, 16, 256, 4, 3, 0, 1), (16, 16, 256, 4, 2, 0, 2), (32, 32, 128, 4, 3, 0, 2),
+)
 HOST_CANDIDATES = (  # reads over PCIe want many loads in flight: narrower tiles, more warps (the first is GEMV_TILES)
     (16, 16, 128, 4, 3), (8, 8, 128, 4, 3), (16, 16, 128, 8, 3), (32, 32, 128, 8, 3), (16, 16, 256, 4, 2),
     (8, 8, 256, 4, 3), (16, 16, 64, 4, 3), (4, 4, 256, 4, 3),
@@ -144,18 +150,25 @@ HOST_CASES = ((0, False), (1, False), (3, False), (6, False), (3, True), (6, Tru
 
 
 def host_sweep(out: Path, layers: int = 8, step_rows: tuple[int, ...] = (1,),
-               cases: tuple[tuple[int, bool], ...] = HOST_CASES, candidates: tuple[tuple[int, ...], ...] = ()) -> int:
+               cases: tuple[tuple[int, bool], ...] = HOST_CASES, candidates: tuple[tuple[int, ...], ...] = (),
+               expert_dtype: str = "model") -> int:
     """Batch-1 MoE layers whose missed experts the kernel reads from pinned host memory (zero-copy), with each GEMV
     tile choice: `layers` layers back to back in one CUDA graph, each with its own experts (more bytes than L2 holds,
     so no replay reads a cached expert), with 1, 3 or 6 of the 6 experts missed, with and without admission into a
     victim slot; and all 6 from VRAM (the same tiles serve resident experts, whose bits must match). `step_rows`: the
-    step shapes to time (a decode step of batch b computes up to 2b rows, so batch 1 runs the 2-row kernel)."""
+    step shapes to time (a decode step of batch b computes up to 2b rows, so batch 1 runs the 2-row kernel).
+    `expert_dtype` int4: the engine's 4-bit records (groups of 128, asymmetric, fp16 metadata), random bytes (the
+    timing does not depend on the values), with the 4-bit candidates (`INT4_HOST_CANDIDATES`) by default."""
     dev = torch.device("cuda")
-    fmt = ExpertFormat.build(2048, 1408, torch.bfloat16)
+    int4 = expert_dtype == "int4"
+    fmt = ExpertFormat.build(2048, 1408, torch.bfloat16, *(("int4",) if int4 else ()))
     rec, top_k, per_layer = fmt.record_bytes, 6, 6
     n_host = layers * per_layer
     host = torch.empty(n_host, rec, dtype=torch.uint8).pin_memory()
-    host.view(torch.bfloat16).normal_(0, 0.02)
+    if int4:
+        host.random_(0, 256)
+    else:
+        host.view(torch.bfloat16).normal_(0, 0.02)
     pool = torch.empty(2 * n_host, rec, dtype=torch.uint8, device=dev)
     pool[:n_host].copy_(host)
     results = []
@@ -163,7 +176,8 @@ def host_sweep(out: Path, layers: int = 8, step_rows: tuple[int, ...] = (1,),
     w = torch.rand(1, top_k, device=dev)
     o = torch.empty(1, 2048, device=dev)
     assign = torch.arange(top_k, dtype=torch.int32, device=dev)[None]
-    for tiles_tuple, rows_of_step, case in itertools.product(candidates or HOST_CANDIDATES, step_rows, cases):
+    default = INT4_HOST_CANDIDATES if int4 else HOST_CANDIDATES
+    for tiles_tuple, rows_of_step, case in itertools.product(candidates or default, step_rows, cases):
         missed, admit, staged = (*case, False)[:3]
         kernel = RoutedExperts(fmt, pool, host, "silu", F.silu, rows_of_step, top_k, use_kernels=True,
                                tiles=Tiles(*tiles_tuple))
@@ -193,12 +207,14 @@ def host_sweep(out: Path, layers: int = 8, step_rows: tuple[int, ...] = (1,),
         row = {"tiles": tiles_tuple, "step_rows": rows_of_step, "missed": missed, "admit": admit, "staged": staged,
                "ms_per_layer": ms,
                "host_gbps_if_all_time_is_host": missed * fmt.payload_bytes / ms / 1e6 if missed else None,
+               "host_record_gbps_if_all_time_is_host": missed * rec / ms / 1e6 if missed else None,
                "gbps_all_bytes": per_layer * fmt.payload_bytes / ms / 1e6}
         results.append(row)
         print(row, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": layers,
-                               "expert_payload_bytes": fmt.payload_bytes, "rows": results}, indent=1))
+                               "expert_dtype": expert_dtype, "expert_payload_bytes": fmt.payload_bytes,
+                               "expert_record_bytes": rec, "rows": results}, indent=1))
     return 0
 
 
@@ -291,7 +307,7 @@ def main() -> int:
     parser.add_argument("--tiles", default="", help="the sweeps: only these tiles (;-separated)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="v2lite", help="--tiles-sweep: the expert shape")
     parser.add_argument("--expert-dtype", default="model", help="--tiles-sweep: the experts' format (int4: the GEMV "
-                        "tiles only, unless --tiles names tl.dot ones)")
+                        "tiles only, unless --tiles names tl.dot ones); --host-sweep: model or int4")
     ns = parser.parse_args()
     if ns.tiles_sweep:
         tiles = tuple(tuple(int(v) for v in t.split(",")) for t in ns.tiles.split(";") if t)
@@ -309,7 +325,7 @@ def main() -> int:
         cases += ((6, True, True),) if ns.staged else ()
         tiles = tuple(tuple(int(v) for v in t.split(",")) for t in ns.tiles.split(";") if t)
         return host_sweep(ns.out, step_rows=tuple(int(r) for r in ns.step_rows.split(",")), cases=cases,
-                          candidates=tiles)
+                          candidates=tiles, expert_dtype=ns.expert_dtype)
     dev = torch.device("cuda")
     rows: dict[str, float] = {}
     fmt = ExpertFormat.build(2048, 1408, torch.bfloat16)
