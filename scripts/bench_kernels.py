@@ -133,9 +133,12 @@ def tiles_sweep(out: Path, shape: str = "v2lite", candidates: tuple = (), gemv: 
     return 0
 
 
-# 4-bit misses read from host: (block_i, block_h, block_k, num_warps, num_stages, weights_first, loads); the first
-# is the engine's 4-bit GEMV_TILES; `loads` 2 reads each row's bytes of two reduction steps at once (longer requests)
+# 4-bit misses read from host; the first is the engine's 4-bit INT4_GEMV_TILES, the second GEMV_TILES
 INT4_HOST_CANDIDATES = (
+    (16, 16, 256, 4, 3), (16, 16, 128, 4, 3), (16, 16, 256, 4, 2), (16, 16, 256, 8, 3), (8, 8, 256, 4, 3),
+    (16, 16, 512, 4, 2),
+)
+HOST_CANDIDATES = (
     (16, 16, 128, 4, 3, 0, 1), (16, 16, 128, 4, 3, 0, 2), (16, 16, 128, 4, 2, 0, 2), (8, 8, 128, 4, 3, 0, 2),
     (16, 16, 128, 8, 3, 0, 2), (16, 16, 256, 4, 3, 0, 1), (16, 16, 256, 4, 2, 0, 2), (32, 32, 128, 4, 3, 0, 2),
 )

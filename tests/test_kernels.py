@@ -137,45 +137,6 @@ def test_int4_groups_tiled_every_way_match_float64(group, block_k, scale_dtype):
     assert all(torch.equal(a, b) for a, b in zip(landed, recorded))  # the admitted record landed whole
 
 
-@pytest.mark.parametrize("group,block_k", [(32, 128), (128, 64), _full(48, 128), _full(256, 64)])
-def test_int4_paired_loads_give_the_single_load_bits(group, block_k):
-    """`Tiles.loads` 2 (two reduction steps' 4-bit bytes in one load, for longer zero-copy requests) accumulates each
-    step alone and in order: the bits of one step per load, from a slot and from host with admission, with rows
-    whose last pair of steps is half outside the row, and groups inside, across and straddling the steps."""
-    from moeprefetch.kernels.experts import GEMV_TILES, RoutedExperts
-
-    g = torch.Generator().manual_seed(group * 7 + block_k)
-    fmt = ExpertFormat.build(320, 208, torch.float32, "int4", group_size=group)  # 5 and 3.25 steps of 64
-    host, _ = _experts(fmt, 3, g)
-    if DEVICE == "cuda":
-        host = host.pin_memory()
-    x = torch.randn(2, fmt.hidden, generator=g).to(DEVICE)
-    u_key = torch.tensor([1, 2, -1, -1], dtype=torch.int32, device=DEVICE)
-    u_slot = torch.tensor([0, -1, -1, -1], dtype=torch.int32, device=DEVICE)
-    u_dst = torch.tensor([-1, 2, -1, -1], dtype=torch.int32, device=DEVICE)
-    assign = torch.tensor([[0, 1], [1, -1]], dtype=torch.int32, device=DEVICE)
-    weights = torch.rand(2, 2, generator=g).to(DEVICE)
-    outs, landed = [], []
-    for loads in (1, 2):
-        pool = torch.full((3, fmt.record_bytes), 0x7F, dtype=torch.uint8, device=DEVICE)
-        pool[0].copy_(host[1])
-        kernel = RoutedExperts(fmt, pool, host, "silu", F.silu, 2, 2, use_kernels=True,
-                               tiles=replace(GEMV_TILES, block_k=block_k, loads=loads))
-        outs.append(kernel(x, assign, weights, u_key, u_slot, u_dst, step_rows=2).cpu())
-        landed.append(pool[2].cpu())
-    assert torch.equal(outs[0], outs[1])
-    assert torch.equal(landed[0], landed[1])  # the same bytes admitted, and the whole record (its padding aside):
-    assert all(torch.equal(a, b) for a, b in zip(fmt.dequantize(landed[1].view(1, -1)),
-                                                 fmt.dequantize(host[2].view(1, -1))))
-    expected = torch.zeros(2, fmt.hidden, dtype=torch.float64)
-    for r, entries in enumerate(assign.tolist()):
-        for j, u in enumerate(entries):
-            if u >= 0:
-                expected[r] += float(weights[r, j]) * _float64_expert(x[r : r + 1].cpu(), fmt,
-                                                                      host[int(u_key[u])])[0]
-    assert ((outs[1].double() - expected).norm() / expected.norm()).item() < 1e-5
-
-
 def test_a_host_read_gives_exactly_the_slot_result():
     from moeprefetch.kernels.experts import RoutedExperts
 

@@ -59,11 +59,6 @@ class Tiles:
     # tl.dot path: multiply weights [B, K] by rows^T [K, N_PAD] (the weight tile as the MMA's M side, which Hopper's
     # warp-group MMA wants at >= 64) instead of rows [N_PAD, K] by weights^T; the CUDA-core path ignores it
     weights_first: bool = False
-    # 4-bit records on the CUDA cores: reduction steps per weight load. A load of two steps reads 128 contiguous
-    # bytes of each weight row instead of 64; each step is still accumulated alone and in order, so the bits are
-    # those of one step per load. Why: a zero-copy read over PCIe moves a row's bytes in requests no longer than the
-    # load's contiguous run, and short requests carry more protocol overhead per byte
-    loads: int = 1
 
 
 # Measured on the H200 at V2-Lite's expert shape (experiments/results/tiles_h200.json, one MoE layer, experts in
@@ -72,10 +67,13 @@ class Tiles:
 # tiles_v2lite_h200.json; at DeepSeek-V3's shape the one sweep so far ran with wrongly sized inputs, see BENCHMARKS).
 DEFAULT_TILES = Tiles(block_i=64, block_h=64, block_k=128, num_warps=4, num_stages=3, weights_first=True)
 GEMV_TILES = Tiles(block_i=16, block_h=16, block_k=128, num_warps=4, num_stages=3)
-# 4-bit records on the CUDA cores: the same tiles, each row's bytes of two reduction steps per load (128 contiguous
-# bytes instead of 64): misses read in place moved 4-bit records at ~42 GB/s on a 55 GB/s link (BENCHMARKS issue 37)
-INT4_GEMV_TILES = replace(GEMV_TILES, loads=2)
-# 4-bit records use GEMV_TILES' sizes too. H200, one V2-Lite MoE layer at batch 1, experts in VRAM, fp32 dequantised
+# 4-bit records on the CUDA cores: 256-wide reductions, so that each row's load reads 128 contiguous bytes. Misses read
+# in place over PCIe move a row's bytes in requests no longer than the load's contiguous run, and 64-byte requests
+# carry more overhead per byte. H200, one V2-Lite MoE layer at batch 1, 6 of 6 experts read from host (4-bit groups
+# of 128, fp16 metadata; experiments/results/host_int4_h200.json): 660 us (41.8 GB/s of records) with 128-wide
+# reductions, 574 us (48.0 GB/s) with 256; all 6 in VRAM: 45 us against 60 us.
+INT4_GEMV_TILES = replace(GEMV_TILES, block_k=256)
+# Before: 4-bit records used GEMV_TILES. H200, one V2-Lite MoE layer at batch 1, experts in VRAM, fp32 dequantised
 # weights (experiments/results/tiles_int4_h200.json): 58.8 us with GEMV_TILES, 64.7 with 256-wide reductions, 61.0
 # with 8-row tiles of 256; at 2 rows 154 us against 203 and 156 (bf16-rounded weights had favoured 256: 60.6 / 73.1)
 
@@ -278,42 +276,12 @@ if HAS_TRITON:
         groups tile the tile (a group size that divides BK or that BK divides), each row's scales and zero points
         are loaded once per group and broadcast, not gathered once per byte: the gathers, two fp32 loads for every
         weight byte, were the GEMV's largest cost (int4 resident slower than bf16, BENCHMARKS issue 37)."""
-        raw = _load_int4_bytes(w_ptr, src_w, dst_w, admit, region_w, offs_r, rows_on, k0, ROW_LEN, BK)
-        return _int4_tile(raw, s_ptr, src_s, dst_s, admit, region_s, region_z, offs_r, rows_on, k0, ROW_LEN, SCOLS,
-                          BC, ZERO, BK, OUT_DTYPE)
-
-    @triton.jit
-    def _load_int4_pair(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, region_w, region_s, region_z, offs_r,
-                        rows_on, k0, ROW_LEN: tl.constexpr, SCOLS: tl.constexpr, BC: tl.constexpr,
-                        ZERO: tl.constexpr, BK: tl.constexpr, OUT_DTYPE: tl.constexpr):
-        """The 4-bit tiles of inputs k0..k0+BK and k0+BK..k0+2BK from one load of BK contiguous bytes per row
-        (`Tiles.loads` 2), each dequantised as `_load_int4_tile` would."""
-        raw = _load_int4_bytes(w_ptr, src_w, dst_w, admit, region_w, offs_r, rows_on, k0, ROW_LEN, 2 * BK)
-        first, second = tl.split(tl.permute(tl.reshape(raw, (raw.shape[0], 2, BK // 2)), (0, 2, 1)))
-        return (_int4_tile(first, s_ptr, src_s, dst_s, admit, region_s, region_z, offs_r, rows_on, k0, ROW_LEN,
-                           SCOLS, BC, ZERO, BK, OUT_DTYPE),
-                _int4_tile(second, s_ptr, src_s, dst_s, admit, region_s, region_z, offs_r, rows_on, k0 + BK,
-                           ROW_LEN, SCOLS, BC, ZERO, BK, OUT_DTYPE))
-
-    @triton.jit
-    def _load_int4_bytes(w_ptr, src_w, dst_w, admit, region_w, offs_r, rows_on, k0, ROW_LEN: tl.constexpr,
-                         BK: tl.constexpr):
-        """The packed bytes [rows, BK/2] of inputs k0..k0+BK, copied into the admission slot when `admit`."""
         cb = k0 // 2 + tl.arange(0, BK // 2)  # byte columns: byte c holds inputs 2c (low nibble) and 2c + 1
         mask = rows_on[:, None] & (cb[None, :] < ROW_LEN // 2)
         offs = offs_r[:, None] * (ROW_LEN // 2) + cb[None, :]
         raw = tl.load(w_ptr + src_w + region_w + offs, mask=mask, other=0)
         if admit:
             tl.store(w_ptr + dst_w + region_w + offs, raw, mask=mask)
-        return raw
-
-    @triton.jit
-    def _int4_tile(raw, s_ptr, src_s, dst_s, admit, region_s, region_z, offs_r, rows_on, k0, ROW_LEN: tl.constexpr,
-                   SCOLS: tl.constexpr, BC: tl.constexpr, ZERO: tl.constexpr, BK: tl.constexpr,
-                   OUT_DTYPE: tl.constexpr):
-        """Packed bytes [rows, BK/2] of inputs k0..k0+BK as the [rows, BK] weight tile (see `_load_int4_tile`)."""
-        cb = k0 // 2 + tl.arange(0, BK // 2)
-        mask = rows_on[:, None] & (cb[None, :] < ROW_LEN // 2)
         if (BK % BC) * (BC % BK) == 0:  # one divides the other
             low, high = _int4_by_groups(raw, s_ptr, src_s, dst_s, admit, region_s, region_z, offs_r, rows_on, k0,
                                         ROW_LEN, SCOLS, BC, ZERO, BK)
@@ -390,7 +358,7 @@ if HAS_TRITON:
                         BR: tl.constexpr, BC: tl.constexpr, QUANT: tl.constexpr, INT4: tl.constexpr,
                         ZERO: tl.constexpr, ACT: tl.constexpr, N_PAD: tl.constexpr, K_PAD: tl.constexpr,
                         BI: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-                        FMA: tl.constexpr, SWAP: tl.constexpr, LOADS: tl.constexpr):
+                        FMA: tl.constexpr, SWAP: tl.constexpr):
         """mid[u, r, i-tile] = act(x_r . gate_u) * (x_r . up_u) for the rows r of expert u."""
         u = tl.program_id(0)
         tile = tl.program_id(1)
@@ -405,28 +373,16 @@ if HAS_TRITON:
         ri = tile * BI + tl.arange(0, BI)
         acc_g = _acc_zeros(N_PAD, BI, BK, FMA, SWAP)
         acc_u = _acc_zeros(N_PAD, BI, BK, FMA, SWAP)
-        for k0 in range(0, H, BK * LOADS):
+        for k0 in range(0, H, BK):
             rk = k0 + tl.arange(0, BK)
             xt = tl.load(x_ptr + rows[:, None] * H + rk[None, :], mask=row_on[:, None] & (rk[None, :] < H),
                          other=0.0)
-            if LOADS == 2:  # 4-bit: both steps' weights in one load, each step accumulated alone, in order
-                g, g2 = _load_int4_pair(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, GATE_W, GATE_S, GATE_Z, ri,
-                                        ri < I, k0, H, SCOLS, BC, ZERO, BK, w_dtype)
-                up, up2 = _load_int4_pair(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, UP_W, UP_S, UP_Z, ri,
-                                          ri < I, k0, H, SCOLS, BC, ZERO, BK, w_dtype)
-            else:
-                g = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, GATE_W, GATE_S, GATE_Z, ri,
-                                      ri < I, k0, H, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, w_dtype)
-                up = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, UP_W, UP_S, UP_Z, ri,
-                                       ri < I, k0, H, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, w_dtype)
+            g = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, GATE_W, GATE_S, GATE_Z, ri,
+                                  ri < I, k0, H, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, w_dtype)
+            up = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, UP_W, UP_S, UP_Z, ri,
+                                   ri < I, k0, H, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, w_dtype)
             acc_g = _acc_add(acc_g, xt, g, FMA, IEEE, DOT_F32, SWAP)
             acc_u = _acc_add(acc_u, xt, up, FMA, IEEE, DOT_F32, SWAP)
-            if LOADS == 2:
-                rk2 = rk + BK
-                xt2 = tl.load(x_ptr + rows[:, None] * H + rk2[None, :], mask=row_on[:, None] & (rk2[None, :] < H),
-                              other=0.0)
-                acc_g = _acc_add(acc_g, xt2, g2, FMA, IEEE, DOT_F32, SWAP)
-                acc_u = _acc_add(acc_u, xt2, up2, FMA, IEEE, DOT_F32, SWAP)
         mid = (activate(_acc_total(acc_g, FMA, SWAP), ACT) * _acc_total(acc_u, FMA, SWAP)).to(mid_ptr.dtype.element_ty)
         out = mid_ptr + (u * N_PAD + rows[:, None]) * I + ri[None, :]
         tl.store(out, mid, mask=row_on[:, None] & (ri[None, :] < I))
@@ -438,7 +394,7 @@ if HAS_TRITON:
                      SCOLS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, QUANT: tl.constexpr,
                      INT4: tl.constexpr, ZERO: tl.constexpr, N_PAD: tl.constexpr, K_PAD: tl.constexpr,
                      BH: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr,
-                     FMA: tl.constexpr, SWAP: tl.constexpr, LOADS: tl.constexpr):
+                     FMA: tl.constexpr, SWAP: tl.constexpr):
         """y[u, r, h-tile] = mid[u, r] . down_u[h-tile] (fp32) for the rows r of expert u."""
         u = tl.program_id(0)
         tile = tl.program_id(1)
@@ -450,22 +406,13 @@ if HAS_TRITON:
         w_dtype: tl.constexpr = tl.float32 if FMA and QUANT else mid_ptr.dtype.element_ty  # as in _gate_up_kernel
         rh = tile * BH + tl.arange(0, BH)
         acc = _acc_zeros(N_PAD, BH, BK, FMA, SWAP)
-        for k0 in range(0, I, BK * LOADS):
+        for k0 in range(0, I, BK):
             rk = k0 + tl.arange(0, BK)
             m = tl.load(mid_ptr + (u * N_PAD + rows[:, None]) * I + rk[None, :],
                         mask=row_on[:, None] & (rk[None, :] < I), other=0.0)
-            if LOADS == 2:  # as in _gate_up_kernel
-                d, d2 = _load_int4_pair(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, DOWN_W, DOWN_S, DOWN_Z, rh,
-                                        rh < H, k0, I, SCOLS, BC, ZERO, BK, w_dtype)
-            else:
-                d = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, DOWN_W, DOWN_S, DOWN_Z, rh,
-                                      rh < H, k0, I, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, w_dtype)
+            d = _load_weight_tile(w_ptr, s_ptr, src_w, src_s, dst_w, dst_s, admit, DOWN_W, DOWN_S, DOWN_Z, rh,
+                                  rh < H, k0, I, SCOLS, BR, BC, QUANT, INT4, ZERO, BK, w_dtype)
             acc = _acc_add(acc, m, d, FMA, IEEE, DOT_F32, SWAP)
-            if LOADS == 2:
-                rk2 = rk + BK
-                m2 = tl.load(mid_ptr + (u * N_PAD + rows[:, None]) * I + rk2[None, :],
-                             mask=row_on[:, None] & (rk2[None, :] < I), other=0.0)
-                acc = _acc_add(acc, m2, d2, FMA, IEEE, DOT_F32, SWAP)
         out = y_ptr + (u * N_PAD + rows[:, None]) * H + rh[None, :]
         tl.store(out, _acc_total(acc, FMA, SWAP), mask=row_on[:, None] & (rh[None, :] < H))
 
@@ -564,8 +511,7 @@ class RoutedExperts:
         common = dict(assign_ptr=assign, u_key_ptr=u_key, u_slot_ptr=u_slot, u_dst_ptr=u_dst, w_ptr=self._w,
                       s_ptr=self._s, delta_ptr=self._delta, n_rows=n, H=lay.hidden, I=lay.intermediate, TOPK=k,
                       REC_W=lay.rec_w, **lay.quant_args(), N_PAD=n_pad, K_PAD=max(2, 1 << (k - 1).bit_length()), BK=t.block_k,
-                      IEEE=ieee, DOT_F32=INTERPRET and not ieee, FMA=gemv, SWAP=bool(t.weights_first) and not gemv,
-                      LOADS=2 if t.loads == 2 and lay.int4 and gemv else 1)
+                      IEEE=ieee, DOT_F32=INTERPRET and not ieee, FMA=gemv, SWAP=bool(t.weights_first) and not gemv)
         shape = dict(num_warps=t.num_warps, num_stages=t.num_stages)
         return [
             Launch(_gate_up_kernel, (u_count, triton.cdiv(lay.intermediate, t.block_i)), **shape, x_ptr=x,
