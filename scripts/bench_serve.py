@@ -1,7 +1,11 @@
 #!/usr/bin/env python
 """Serving benchmark (issue 19): `moeprefetch serve`'s engine and scheduler in-process on the V2-Lite shape (random
 weights, --budget-gib), driven over HTTP by C concurrent streaming clients for C in --concurrency: aggregate decode
-tokens/s and per-request time per output token (p50/p99), plus time to first token. One JSON file of rows.
+tokens/s and per-request time per output token (p50/p99), plus time to first token; then the engine's own batched
+`generate` on the same prompts at the same batch and budget (`engine_b{C}`: C requests per call, as many calls as
+the server got requests), so that each server row has its overhead beside it (`server_overhead`: the engine's
+aggregate tokens/s over the server's, minus one). `--expert-dtype` picks the experts' format (int4: the smallest).
+One JSON file of rows.
 
     python scripts/bench_serve.py --out experiments/results/serve_h200.json            # on the GPU machine
     python scripts/bench_serve.py --device cpu --scale tiny --out /tmp/serve.json         # a check of the script
@@ -73,6 +77,21 @@ def run_level(url: str, prompts: list[list[int]], concurrency: int, requests: in
             "ttft_p50_ms": 1000 * quantile([r["ttft"] for r in results], 50)}
 
 
+def engine_level(engine: MoEPrefetchEngine, prompts: list[list[int]], batch: int, requests: int, max_tokens: int,
+                 predictor: str | None) -> dict[str, Any]:
+    """The engine's batched generate over the same requests as a server level: `requests` prompts in calls of
+    `batch`, greedy, `max_tokens` each, never stopping at EOS (as the server's `ignore_eos`)."""
+    started = time.perf_counter()
+    tokens = 0
+    for first in range(0, requests, batch):
+        chunk = [prompts[i % len(prompts)] for i in range(first, min(first + batch, requests))]
+        result = engine.generate(chunk, max_new_tokens=max_tokens, stop_at_eos=False, predictor=predictor)
+        tokens += sum(len(seq) for seq in result.sequences)
+    elapsed = time.perf_counter() - started
+    return {"concurrency": batch, "requests": requests, "max_tokens": max_tokens, "seconds": elapsed,
+            "output_tokens": tokens, "decode_tokens_per_s": tokens / elapsed}
+
+
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
@@ -89,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--predictor", default=None)
+    parser.add_argument("--expert-dtype", default="model", help="the experts' format (model, fp8, int8, int4)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     device = torch.device(args.device)
@@ -99,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = MoEPrefetchEngine.from_pretrained(
         path, device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, progress=False,
         max_batch_size=max(levels), max_seq_len=args.prompt_tokens + args.max_tokens + 8, vram_budget=budget,
-        expert_cache_slots=None if budget else 8)
+        expert_cache_slots=None if budget else 8, expert_dtype=args.expert_dtype)
     app = build_app(engine, "bench", args.predictor, max_queue=4 * max(levels), drain_seconds=5)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -112,17 +132,26 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"environment": environment(device), "link": link_bandwidth(device),
                               "plan": engine.plan.describe(), "rows": []}
     stream_request(url, prompts[0], 8)  # warm-up: compiles kernels and captures the batch's step graph
-    for level in levels:
-        row = run_level(url, prompts, level, level * args.requests_per_client, args.max_tokens)
-        row.update(workload="v2lite", system=f"serve_c{level}", vram_budget_gib=args.budget_gib,
-                   max_batch_size=max(levels), predictor=engine.options.predictor if args.predictor is None
-                   else args.predictor)
+    common = dict(workload="v2lite", vram_budget_gib=args.budget_gib, max_batch_size=max(levels),
+                  expert_dtype=args.expert_dtype, cache_slots=engine.plan.expert_slots,
+                  predictor=engine.options.predictor if args.predictor is None else args.predictor)
+
+    def emit(row: dict[str, Any]) -> None:
         report["rows"].append(row)
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1, default=str))
-    server.should_exit = True
+
+    served = {}
+    for level in levels:
+        served[level] = run_level(url, prompts, level, level * args.requests_per_client, args.max_tokens)
+        emit({**served[level], **common, "system": f"serve_c{level}"})
+    server.should_exit = True  # the engine serves one caller at a time: the server stops before the baseline
     thread.join(timeout=30)
+    for level in levels:
+        row = engine_level(engine, prompts, level, level * args.requests_per_client, args.max_tokens, args.predictor)
+        row["server_overhead"] = row["decode_tokens_per_s"] / served[level]["decode_tokens_per_s"] - 1
+        emit({**row, **common, "system": f"engine_b{level}"})
     engine.close()
     return 0
 
