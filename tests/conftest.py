@@ -23,6 +23,12 @@ sys.path.insert(0, str(ROOT))
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
+def full_only(*values):
+    """A parameter set of the full suite only: `-m "not slow"` (the fast lane) samples a parameter product, the full
+    suite enumerates it (issue 41)."""
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
 def load_script(name: str):
     """Import a module from scripts/ by file name."""
     spec = importlib.util.spec_from_file_location(f"scripts_{name}", ROOT / "scripts" / f"{name}.py")

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import full_only
 from moeprefetch.experts import ExpertFormat
 from moeprefetch.kernels import HAS_TRITON
 from moeprefetch.residency.state import E_ACTIVE, ResidencyConfig, TableState
@@ -19,10 +20,6 @@ pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _full(*values):
-    """A parameter set of the full suite only: `-m "not slow"` (the fast lane) samples the product, the full suite
-    enumerates it (issue 41)."""
-    return pytest.param(*values, marks=pytest.mark.slow)
 COMPILE_CHECK = Path(__file__).resolve().parent.parent / "scripts" / "compile_check.py"  # a tool, not the package
 
 
@@ -101,8 +98,8 @@ def test_routed_experts_match_float64_from_slots_and_host(dtype, expert_dtype, t
     assert torch.equal(slot_gu, host_gu) and torch.equal(slot_down, host_down)
 
 
-@pytest.mark.parametrize("group,block_k,scale_dtype", [(32, 128, torch.float16), _full(128, 64, torch.float16),
-                                                       (48, 128, torch.bfloat16), _full(16, 32, torch.float32)])
+@pytest.mark.parametrize("group,block_k,scale_dtype", [(32, 128, torch.float16), full_only(128, 64, torch.float16),
+                                                       (48, 128, torch.bfloat16), full_only(16, 32, torch.float32)])
 def test_int4_groups_tiled_every_way_match_float64(group, block_k, scale_dtype):
     """The 4-bit tile's metadata paths: groups inside a tile (loaded once per group), a group spanning several
     tiles (one per tile), groups that straddle tiles (gathered per byte); from a slot and admitted from host; with
@@ -270,13 +267,13 @@ def _same(tables, where: str) -> None:
 
 @pytest.mark.parametrize("seed,policy,slots,spare,wait,ring,foreign,lead", [
     (0, "lru", 7, 1, False, 2, 0.0, 0), (1, "lfu", 20, 0, False, 2, 0.0, 0),
-    _full(2, "static", 14, 1, False, 2, 0.0, 0), _full(3, "lru", 30, 0, False, 2, 0.0, 0),
-    _full(4, "lru", 12, 2, False, 2, 0.0, 0), _full(11, "lru", 12, 0, True, 2, 0.0, 0),
-    _full(6, "lru", 20, 0, True, 2, 0.0, 0), _full(12, "lru", 20, 0, True, 3, 0.0, 0),
-    _full(8, "lru", 9, 0, False, 4, 0.0, 0),
-    (13, "lru", 9, 1, False, 2, 0.4, 0), _full(14, "lru", 12, 0, True, 2, 0.3, 0),
-    _full(15, "lru", 20, 0, False, 2, 0.0, 1), (19, "lru", 20, 0, True, 3, 0.0, 3),
-    _full(21, "lrfu", 12, 1, False, 2, 0.0, 0)])
+    full_only(2, "static", 14, 1, False, 2, 0.0, 0), full_only(3, "lru", 30, 0, False, 2, 0.0, 0),
+    full_only(4, "lru", 12, 2, False, 2, 0.0, 0), full_only(11, "lru", 12, 0, True, 2, 0.0, 0),
+    full_only(6, "lru", 20, 0, True, 2, 0.0, 0), full_only(12, "lru", 20, 0, True, 3, 0.0, 0),
+    full_only(8, "lru", 9, 0, False, 4, 0.0, 0),
+    (13, "lru", 9, 1, False, 2, 0.4, 0), full_only(14, "lru", 12, 0, True, 2, 0.3, 0),
+    full_only(15, "lru", 20, 0, False, 2, 0.0, 1), (19, "lru", 20, 0, True, 3, 0.0, 3),
+    full_only(21, "lrfu", 12, 1, False, 2, 0.0, 0)])
 def test_plan_kernel_matches_the_reference(seed, policy, slots, spare, wait, ring, foreign, lead):
     """Plans, tables and counters identical; with `wait_late`, late experts' waits too (some fills land while they
     wait, the others are read from host and counted as zero-copy by the await launch); rings of 3 and 4 steps are
@@ -293,7 +290,7 @@ def test_plan_kernel_matches_the_reference(seed, policy, slots, spare, wait, rin
         assert totals[C[name]] > 0, name
 
 
-@pytest.mark.parametrize("seed,policy,wait,ring", [(31, "lrfu", False, 3), _full(32, "lru", True, 2)])
+@pytest.mark.parametrize("seed,policy,wait,ring", [(31, "lrfu", False, 3), full_only(32, "lru", True, 2)])
 def test_plan_kernel_matches_the_reference_with_a_fill_cut_and_idle_link_fills(seed, policy, wait, ring):
     """A fill cut above the confidence cut (weaker predictions protect, stronger ones are also fetched), and the
     layer's host reads published for yielding fills (`demand`): the same tables, plans and counters."""
@@ -305,7 +302,7 @@ def test_plan_kernel_matches_the_reference_with_a_fill_cut_and_idle_link_fills(s
     assert totals[C["prefetch_issued"]] > 0 and totals[C["predicted"]] > totals[C["prefetch_issued"]]
 
 
-@pytest.mark.parametrize("seed,slots,wait", [_full(53, 12, False), (56, 12, True)])
+@pytest.mark.parametrize("seed,slots,wait", [full_only(53, 12, False), (56, 12, True)])
 def test_plan_kernel_matches_the_reference_when_misses_bypass_the_cache(seed, slots, wait):
     """`bypass`: a miss less likely to be needed soon than its victim's expert is read without admission; the
     kernel's plans and tables equal the reference's, and some misses did bypass (fewer admissions than victims)."""
@@ -319,7 +316,7 @@ def test_plan_kernel_matches_the_reference_when_misses_bypass_the_cache(seed, sl
     assert with_bypass[C["admitted"]] != without[C["admitted"]]
 
 
-@pytest.mark.parametrize("seed,wait", [_full(41, False), (42, True)])
+@pytest.mark.parametrize("seed,wait", [full_only(41, False), (42, True)])
 def test_plan_kernel_without_a_fill_budget_only_protects(seed, wait):
     """No fill budget (protection only): the kernel skips its reservation passes and still plans exactly as the
     reference, which fills nothing and protects what the predictions name."""
@@ -331,7 +328,7 @@ def test_plan_kernel_without_a_fill_budget_only_protects(seed, wait):
     assert totals[C["prefetch_issued"]] == 0 and totals[C["predicted"]] > 0 and totals[C["hit"]] > 0
 
 
-@pytest.mark.parametrize("seed,cells,wait,ring", [_full(21, 8, False, 2), (22, 16, True, 3), _full(23, 32, False, 4)])
+@pytest.mark.parametrize("seed,cells,wait,ring", [full_only(21, 8, False, 2), (22, 16, True, 3), full_only(23, 32, False, 4)])
 def test_plan_kernel_reserves_the_same_in_blocks_of_the_window(seed, cells, wait, ring, monkeypatch):
     """The reservation goes through the prediction window in blocks of rows (long models would spill registers
     otherwise): with blocks of one, two or four rows the tables stay identical to the reference."""
@@ -428,7 +425,7 @@ def test_the_plan_kernel_does_not_spill_at_large_models_shapes():
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,capacity,per_seq,window", [
     (8, 2, 16, 300, 1, None),  # ten 32-key splits, 4 query heads per key-value head (padded to 16)
-    _full(4, 4, 24, 4500, 1, None),  # 71 splits of 64 keys, ragged head dim, no grouping
+    full_only(4, 4, 24, 4500, 1, None),  # 71 splits of 64 keys, ragged head dim, no grouping
     (12, 4, 16, 130, 2, None),  # two new tokens per sequence (verify steps), 3 heads per group
     (8, 2, 16, 400, 1, 37),  # a sliding window: keys before slot - 36 are never read
 ])

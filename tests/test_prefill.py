@@ -6,13 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import full_only
 from moeprefetch import MoEPrefetchEngine
 from moeprefetch.runner import KVCaches
-
-
-def _full(*values):
-    """A parameter set of the full suite only (the fast lane, `-m "not slow"`, samples the product: issue 41)."""
-    return pytest.param(*values, marks=pytest.mark.slow)
 
 
 @pytest.mark.parametrize("slots", [None, 5])
@@ -56,10 +52,10 @@ def test_a_prefill_window_computes_the_bits_of_its_chunks_one_by_one(checkpoint_
 
 
 @pytest.mark.parametrize("kernel,slots,stage_batch,long_blocks,expert_dtype", [
-    ("grouped_mm", None, None, False, "model"), _full("grouped_mm", 5, None, False, "model"),
-    _full("grouped_mm", 5, 1, False, "model"), ("grouped_mm", 3, 2, False, "model"),
-    _full("grouped_mm", 12, 3, False, "model"), _full("triton", None, None, False, "model"),
-    _full("triton", 5, None, False, "model"), ("triton", 5, 1, False, "model"), _full("triton", 3, 2, False, "model"),
+    ("grouped_mm", None, None, False, "model"), full_only("grouped_mm", 5, None, False, "model"),
+    full_only("grouped_mm", 5, 1, False, "model"), ("grouped_mm", 3, 2, False, "model"),
+    full_only("grouped_mm", 12, 3, False, "model"), full_only("triton", None, None, False, "model"),
+    full_only("triton", 5, None, False, "model"), ("triton", 5, 1, False, "model"), full_only("triton", 3, 2, False, "model"),
     ("triton", 5, 1, True, "model"), ("triton", 5, 2, False, "int8")])
 def test_prefill_grouped_gemms_match_the_loop(checkpoint_factory, kernel, slots, stage_batch, long_blocks,
                                               expert_dtype):
