@@ -61,12 +61,11 @@ class PrefillExperts:
         """Per chunk c: xs[c] [T, H], ids/weights [T, k] -> routed output [T, H] fp32."""
         res = self.res
         position = res.position[layer]
-        if res._belady_prefill:
-            res.planner.step_start(False, res.next_use)
-        out = res._host_plan
+        res.open_prefill_layer()
+        out = res.host_plan
         counts = [self._pairs_per_expert(i) for i in ids]  # per chunk
         used = counts[0] if len(counts) == 1 else torch.stack(counts).sum(0)
-        res.prefill_planner(position, res._every_expert, used > 0, None, None, out.assign, out.u_key, out.u_slot,
+        res.prefill_planner(position, res.every_expert, used > 0, None, None, out.assign, out.u_key, out.u_slot,
                             out.u_dst, reserve=False, count_recall=False)
         u_of_expert = out.assign[:, 0]  # u of each used expert (in expert order), -1 for the others
         if res.prefill_log is not None:
@@ -85,7 +84,7 @@ class PrefillExperts:
     def _read_back(self, position: int, ids: list[torch.Tensor], u_of_expert: torch.Tensor) -> LayerPlan:
         """The layer's one host synchronisation: every chunk's routing and the plan, in one copy."""
         flat = torch.cat([i.flatten() for i in ids])
-        res, out, e = self.res, self.res._host_plan, self.res.n_experts
+        res, out, e = self.res, self.res.host_plan, self.res.n_experts
         nxt = min(position + 1, res.cfg.positions - 1) * e  # the next layer's table entries, for copies ahead
         host = torch.cat((flat, u_of_expert.long(), out.u_slot[:e].long(), out.u_dst[:e].long(),
                           res.st.slot_of[nxt : nxt + e].long())).cpu()
@@ -116,7 +115,7 @@ class PrefillExperts:
             y = grouped_mm_experts(x[order // k], counts, res.pool[position * e : (position + 1) * e], res.fmt,
                                    res.act)
         else:
-            out = res._host_plan
+            out = res.host_plan
             tiles = res.grouped.tiles_for(ids.numel(), res.n_experts)
             pair_token, order, blocks = plan_blocks(ids, u_of_expert, tiles.block_m, n_u=res.n_experts)
             y = res.grouped(x.contiguous(), pair_token, blocks, out.u_key, out.u_slot, tiles=tiles)
@@ -150,14 +149,14 @@ class PrefillExperts:
         plan.sequence = [e for batch, _ in batches for e in batch]
         plan.rows = {e: res.n_slots + h * half + j for batch, h in batches for j, e in enumerate(batch)}
         chunks = [compute_batch.prepare(x, ids, plan) for x, ids in zip(xs, plan.ids_host)]
-        res._stage.follow_compute()  # copies out of slots see every earlier write into them
+        res.staging.follow_compute()  # copies out of slots see every earlier write into them
 
         def stage(batch: list[int], h: int, layer_position: int, slot_of: dict[int, tuple[int, int]]) -> None:
             """Copy a batch into half h: from its slot, else from host memory (the next layer's: `slot_of` empty)."""
             for j, e in enumerate(batch):
                 slot = slot_of.get(e, (-1, -1))[0]
                 source = res.pool[slot] if slot >= 0 else res.host[layer_position * e_count + e]  # type: ignore
-                res._stage.copy(source, res.slots_and_staging[res.n_slots + h * half + j], h * half + j, demand=True)
+                res.staging.copy(source, res.slots_and_staging[res.n_slots + h * half + j], h * half + j, demand=True)
 
         issued = len(ahead)
         for i in range(len(ahead), min(2, len(batches))):
@@ -167,14 +166,14 @@ class PrefillExperts:
         first = 0
         for i, (batch, h) in enumerate(batches):
             rows = [h * half + j for j in range(len(batch))]
-            res._stage.wait_for(rows)
+            res.staging.wait_for(rows)
             for chunk in chunks:
                 compute_batch(chunk, first, len(batch), res.n_slots + h * half)
             for j, e in enumerate(batch):
                 slot, dst = where.get(e, (0, -1))
                 if slot < 0 and dst >= 0:  # admitted: into its victim slot, stream-ordered before any read
                     res.pool[dst].copy_(res.slots_and_staging[res.n_slots + h * half + j])
-            res._stage.release(rows)
+            res.staging.release(rows)
             first += len(batch)
             if issued < len(batches):
                 stage(*batches[issued], position, where)
@@ -217,9 +216,9 @@ class PrefillExperts:
               ) -> list[torch.Tensor]:
         """Each used expert once per window (from its slot, its admission slot or staging), on every chunk."""
         res = self.res
-        if res._stage is not None:  # the grouped kernels may have stopped mid-call (a compile failure): copies on
+        if res.staging is not None:  # the grouped kernels may have stopped mid-call (a compile failure): copies on
             self.forget_ahead()  # the copy stream may still be landing in the staging rows this path writes
-            res._stage.wait_for(list(range(res.stage_rows)))
+            res.staging.wait_for(list(range(res.stage_rows)))
         products = [torch.zeros((x.shape[0], w.shape[1], x.shape[1]), dtype=x.dtype, device=x.device)
                     for x, w in zip(xs, weights)]
         for u, expert in enumerate(plan.distinct):

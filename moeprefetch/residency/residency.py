@@ -104,7 +104,8 @@ class Residency:
         self.slots_and_staging = torch.zeros((n_slots + self.stage_rows, fmt.record_bytes), dtype=torch.uint8,
                                              device=device)
         self.pool = self.slots_and_staging[:n_slots]
-        self._stage = TransferEngine(device, self.stage_rows) if self.stage_rows else None
+        # prefill's copies of missed experts into the staging rows (prefill.py drives them)
+        self.staging = TransferEngine(device, self.stage_rows) if self.stage_rows else None
         self.prefill_extra: dict[str, float] = {}  # the last call's prefill statistics (`_collect_staging_stall`)
         self.host = store.arena if store is not None else None
         self.side = SideStream(device)
@@ -113,13 +114,13 @@ class Residency:
         self.next_use: torch.Tensor | None = None  # [steps, keys] next need per key, from an oracle trace
         self.probe: SlotProbe | None = None  # debugging: what the expert kernels read (`enable_probe`)
         self._belady_prefill = False  # the open prefill step follows the known future (see begin_step)
-        # fixed buffers of the host-side plans (the step start's own plan, prefill plans)
+        # fixed buffers of the host-side plans (the step start's own plan, prefill plans), which prefill reads too
         i32 = torch.int32
         self._no_rows = torch.zeros(0, top_k, dtype=torch.int64, device=device)
         self._no_act = torch.zeros(0, dtype=torch.bool, device=device)
         self._no_assign = torch.zeros(0, top_k, dtype=i32, device=device)
-        self._host_plan = PlanBuffers(n_experts, self.max_experts, 1, 1, device)
-        self._every_expert = torch.arange(n_experts, dtype=torch.int64, device=device)[:, None]  # prefill plans' rows
+        self.host_plan = PlanBuffers(n_experts, self.max_experts, 1, 1, device)
+        self.every_expert = torch.arange(n_experts, dtype=torch.int64, device=device)[:, None]  # prefill plans' rows
         self.act_name = hidden_act
         self.grouped = GroupedExperts(fmt, self.slots_and_staging, self.host, hidden_act, self.act,
                                       self.use_kernels and device.type == "cuda")
@@ -231,6 +232,12 @@ class Residency:
         self._belady_prefill = belady and not decode
         self.planner.step_start(decode, self.next_use if belady else None)
 
+    def open_prefill_layer(self) -> None:
+        """Before a prefill layer's plan: a prefill step that follows the known future re-opens here (`begin_step`),
+        so each layer's victims are Belady's over what is left of the prompt and decode."""
+        if self._belady_prefill:
+            self.planner.step_start(False, self.next_use)
+
     def defer_pending(self, steps: int) -> None:
         """`steps` table steps that are not decode steps are about to run (a request's prefill joining a running
         batch): the fills reserved and the experts protected for later needs move by as many steps, so neither the
@@ -253,7 +260,7 @@ class Residency:
 
     def plan_step(self) -> None:
         """The step start's own plan: prefetch reservations for targets known before the first layer runs."""
-        out = self._host_plan
+        out = self.host_plan
         self.planner(-1, self._no_rows, self._no_act, None, None, self._no_assign, out.u_key, out.u_slot, out.u_dst,
                      reserve=True, count_recall=False, u_wait=out.u_wait)
         self.fill(-1)
@@ -324,7 +331,7 @@ class Residency:
         """Read (and release) the staging copies' wait timings and the copies ahead: the call's prefill extras."""
         self._prefill.forget_ahead()
         self.prefill_extra = {
-            "prefill_stall_seconds": self._stage.collect_stall_seconds() if self._stage is not None else 0.0,
+            "prefill_stall_seconds": self.staging.collect_stall_seconds() if self.staging is not None else 0.0,
             "prefill_experts_ahead": self._prefill.copied_ahead,  # copied before their layer's router ran
             "prefill_experts_ahead_unused": self._prefill.unused_ahead,  # of which the layer did not use
         }
