@@ -39,9 +39,9 @@ def record_routing(engine: "MoEPrefetchEngine", prompt: list[int], new_tokens: i
     res = engine.residency
     if res.group is not None:
         raise RequestError("routing traces read one process's table: record them without distributed=True")
-    request = engine._new_request([prompt], new_tokens, temperature, 0, 1.0, seed, "none", 1, None, False, None)
+    request = engine.new_request([prompt], new_tokens, temperature, 0, 1.0, seed, "none", 1, None, False, None)
     res.prefill_log = []
-    run = engine._run(Session(engine, request, record=True))
+    run = engine.run_session(Session(engine, request, record=True))
     try:
         while True:
             next(run)
@@ -51,7 +51,7 @@ def record_routing(engine: "MoEPrefetchEngine", prompt: list[int], new_tokens: i
         prefill, res.prefill_log = res.prefill_log or [], None
     uses = [(layer, expert) for layer, experts in prefill for expert in experts]
     first_decode = len(uses)
-    trace = engine._trace_buffer()[: result.stats.decode_steps].cpu()
+    trace = engine.trace_buffer()[: result.stats.decode_steps].cpu()
     for step in trace:
         for position, layer in enumerate(res.layers):
             uses += [(layer, int(e)) for e in step[position].nonzero().flatten().tolist()]

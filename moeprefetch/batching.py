@@ -69,7 +69,7 @@ class ContinuousBatch:
         self.spec = spec
         res = engine.residency
         self.uses_mtp = engine.has_mtp and spec.needs_mtp
-        self.caches = engine._caches(self.rows)
+        self.caches = engine.kv_caches(self.rows)
         self.sampler = RowSampler(engine.args.vocab_size, engine.device, self.rows)
         configure_residency(engine, spec, self.rows,
                             options.min_confidence if min_confidence is None else min_confidence)
@@ -94,7 +94,7 @@ class ContinuousBatch:
         """Whether a request fits the engine (one sentence if not); nothing is changed."""
         # the engine's own checks: token ids in the vocabulary, the prompt and its new tokens (and chained drafts)
         # within the context
-        self.engine._new_request([prompt], max_new_tokens, 0.0, 0, 1.0, None, self.spec.name, self.spec.lookahead,
+        self.engine.new_request([prompt], max_new_tokens, 0.0, 0, 1.0, None, self.spec.name, self.spec.lookahead,
                                  None, False, None)
 
     def admit(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,

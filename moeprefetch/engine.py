@@ -280,7 +280,7 @@ class MoEPrefetchEngine:
         `speculative="auto"` turns it on for a call when this engine's own measurements say it is faster
         (`speculation.py`; the decision is in the statistics as `speculative_auto`).
         `callback` receives each token as it is produced. Ctrl-C returns the tokens produced so far."""
-        events = self._events(self._new_request(prompts, max_new_tokens, temperature, top_k, top_p, seed, predictor,
+        events = self._events(self.new_request(prompts, max_new_tokens, temperature, top_k, top_p, seed, predictor,
                                             lookahead, speculative, stop_at_eos, event_log, min_confidence),
                               want_text=callback is not None)
         try:
@@ -312,10 +312,12 @@ class MoEPrefetchEngine:
         values = [kwargs.pop(name, default) for name, default in zip(names, defaults)]
         if kwargs:
             raise RequestError(f"unknown argument(s) to stream: {', '.join(kwargs)}")
-        return self._events(self._new_request(prompts, max_new_tokens, *values))
+        return self._events(self.new_request(prompts, max_new_tokens, *values))
 
-    def _new_request(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead,
-                     speculative, stop_at_eos, event_log, min_confidence=None) -> Request:
+    def new_request(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead,
+                    speculative, stop_at_eos, event_log, min_confidence=None) -> Request:
+        """A validated request of this engine (what `generate` and `stream` build; continuous batches and
+        analyses build theirs here too). Bad input raises `RequestError` and changes nothing."""
         self._check_idle()
         request = build_request(self.args, self.tokenizer, self.options, self.path, self.has_mtp, prompts,
                                 max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead, speculative,
@@ -335,7 +337,8 @@ class MoEPrefetchEngine:
         decision = self._speculation.choose(key, unavailable)
         return replace(request, speculative="mtp" if decision.mode == "mtp" else None, speculation=decision)
 
-    def _decode_text(self, ids: list[int]) -> str:
+    def decode_text(self, ids: list[int]) -> str:
+        """Generated ids as text, special tokens skipped (needs a tokenizer)."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _events(self, request: Request, want_text: bool = True) -> Iterator[TokenEvent]:
@@ -346,7 +349,7 @@ class MoEPrefetchEngine:
             if recorded.interrupted:  # Ctrl-C while recording: its tokens are the ones the call would produce
                 return recorded
         known = set(self._steps)
-        result = yield from self._run(Session(self, request, trace=trace, want_text=want_text))
+        result = yield from self.run_session(Session(self, request, trace=trace, want_text=want_text))
         if request.speculation is not None:
             self._report_speculation(request.speculation, result, warm=set(self._steps) <= known)
         return result
@@ -361,16 +364,19 @@ class MoEPrefetchEngine:
         device; the cache is then put back as it was, so the measured pass starts from the same state."""
         snapshot = self.residency.snapshot()
         recording = replace(request, predictor=PredictorSpec(("none",)), event_log=None)
-        run = self._run(Session(self, recording, record=True))
+        run = self.run_session(Session(self, recording, record=True))
         try:
             while True:
                 next(run)
         except StopIteration as stop:
             recorded: GenerationResult = stop.value
         self.residency.restore(snapshot)
-        return self._trace_buffer(), recorded
+        return self.trace_buffer(), recorded
 
-    def _run(self, session: Session) -> Iterator[TokenEvent]:
+    def run_session(self, session: Session) -> Iterator[TokenEvent]:
+        """Run a session to its end as a generator of its token events, returning its `GenerationResult`; Ctrl-C
+        returns the tokens so far, running out of device memory raises `ResourceError`, and the engine stays
+        usable either way."""
         self._active = True
         try:
             return (yield from session.run())
@@ -393,8 +399,8 @@ class MoEPrefetchEngine:
         finally:
             self._active = False
 
-    # ---- what sessions use ----------------------------------------------------------------------------------------
-    def _caches(self, batch: int) -> KVCaches:
+    # ---- what sessions use (`session.SessionEngine`) ---------------------------------------------------------------
+    def kv_caches(self, batch: int) -> KVCaches:
         """KV caches kept across calls (captured graphs point at them); only the latest batch size is kept. The MTP
         layer's cache is there whenever the model has the layer (the memory plan counts it), so calls with and
         without the MTP head (`speculative="auto"` switching modes) share the caches and keep their graphs."""
@@ -411,7 +417,7 @@ class MoEPrefetchEngine:
         caches.zero_()
         return caches
 
-    def _decode_step(self, caches: KVCaches, shape: StepShape, trace: torch.Tensor | None) -> DecodeStep:
+    def decode_step(self, caches: KVCaches, shape: StepShape, trace: torch.Tensor | None) -> DecodeStep:
         # the options may change between calls (a captured step belongs to one setting of each)
         key = (shape, self.residency.cfg, trace is not None, self.options.cuda_graphs)
         if key not in self._steps:
@@ -419,7 +425,7 @@ class MoEPrefetchEngine:
                                           oracle_trace=trace)
         return self._steps[key]
 
-    def _trace_buffer(self) -> torch.Tensor:
+    def trace_buffer(self) -> torch.Tensor:
         """The routing trace of a recorded call: [max_seq_len, MoE positions, experts] on the device."""
         if self._trace is None:
             res = self.residency
@@ -434,7 +440,8 @@ class MoEPrefetchEngine:
         self._active = False
         self._free_cuda()
 
-    def _sync(self) -> None:
+    def synchronize(self) -> None:
+        """Wait for the device (a session's timing boundaries)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -13,7 +13,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 import torch
 
@@ -24,10 +24,40 @@ from .residency import counters_by_layer
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from .config import ModelArgs
+    from .options import EngineConfig
+    from .residency import Residency
+    from .runner import KVCaches, ModelRunner
+    from .sampling import DeviceSampler
     from .speculation import Decision
-    from .engine import MoEPrefetchEngine
+    from .streaming import LayerStreamer
 
 logger = logging.getLogger(__name__)
+
+
+class SessionEngine(Protocol):
+    """What a session (and the prefill helpers below) sees of its engine: its parts and the few services a call
+    needs. `MoEPrefetchEngine` is one; sessions never reach into the engine's other state."""
+
+    args: "ModelArgs"
+    options: "EngineConfig"
+    device: torch.device
+    has_mtp: bool
+    tokenizer: Any
+    residency: "Residency"
+    runner: "ModelRunner"
+    sampler: "DeviceSampler"
+    streamer: "LayerStreamer | None"
+
+    def kv_caches(self, batch: int) -> "KVCaches": ...
+
+    def decode_step(self, caches: "KVCaches", shape: StepShape, trace: torch.Tensor | None) -> DecodeStep: ...
+
+    def trace_buffer(self) -> torch.Tensor: ...
+
+    def synchronize(self) -> None: ...
+
+    def decode_text(self, ids: list[int]) -> str: ...
 
 
 @dataclass
@@ -83,7 +113,7 @@ class TextStream:
 class Session:
     """The state of one generate/stream call, and its loop."""
 
-    def __init__(self, engine: "MoEPrefetchEngine", request: Request, trace: torch.Tensor | None = None,
+    def __init__(self, engine: SessionEngine, request: Request, trace: torch.Tensor | None = None,
                  record: bool = False, want_text: bool = True):
         self.engine = engine
         self.request = request
@@ -117,17 +147,17 @@ class Session:
         configure_residency(engine, self.spec, self.batch * (2 if self.speculative else 1), request.min_confidence)
         res.begin_call()
         if self.record:
-            res.trace = engine._trace_buffer()
+            res.trace = engine.trace_buffer()
             res.trace.zero_()
         if self.trace is not None and self.spec.belady:
             res.know_future(self.trace)
         engine.sampler.set_params(request.sampling)
         streamer = engine.streamer
         streamed_before = streamer.bytes_copied if streamer is not None else 0
-        caches = engine._caches(self.batch)
+        caches = engine.kv_caches(self.batch)
         t0 = time.perf_counter()
         first, drafts, probs = self._prefill(caches)
-        engine._sync()
+        engine.synchronize()
         self.stats.prefill_seconds = time.perf_counter() - t0
         self.stats.ttft_seconds = time.perf_counter() - started
         prefill_counters = res.st.counters.clone()
@@ -152,7 +182,7 @@ class Session:
             drafts, probs = self._advance(out, drafts, probs, positions, active)
             for b, tokens in enumerate(self._accepted):
                 yield from self._emit(b, tokens, active)
-        engine._sync()
+        engine.synchronize()
         self.stats.decode_seconds = time.perf_counter() - t1
         if streamer is not None:
             self.stats.decode_stream_bytes = (streamer.bytes_copied - streamed_before
@@ -180,7 +210,7 @@ class Session:
         mode = "verify" if self.speculative else ("shadow" if self.shadow else "none")
         shape = step_shape(self.engine, self.batch, self.spec, mode, self.uses_mtp, self.request.sampling,
                            record=self.record)
-        return self.engine._decode_step(caches, shape, self.trace)
+        return self.engine.decode_step(caches, shape, self.trace)
 
     def _advance(self, out: StepOutput, drafts: list[int], probs: list[float], positions: list[int],
                  active: list[bool]) -> tuple[list[int], list[float]]:
@@ -265,14 +295,14 @@ class Session:
                 self.stats.write_jsonl(self.request.event_log)
             except OSError as exc:  # the tokens matter more than the log
                 logger.error("could not write the event log %s: %s", self.request.event_log, exc)
-        texts = [self.engine._decode_text(g) for g in self.generated] if self.engine.tokenizer is not None else None
+        texts = [self.engine.decode_text(g) for g in self.generated] if self.engine.tokenizer is not None else None
         return GenerationResult(self.generated, texts, self.stats, self.finish, interrupted)
 
 
 # ---- prefill of one cache row (also what a continuous batch admits a request with) ----------------------------------
 
 
-def prefill_windows(engine: "MoEPrefetchEngine", tokens: torch.Tensor, offset: int):
+def prefill_windows(engine: SessionEngine, tokens: torch.Tensor, offset: int):
     """(starts, chunks, positions) of each prefill window of tokens [1, T]; positions start at `offset`."""
     chunk, per_window = engine.options.prefill_chunk, _tokens_per_window(engine)
     for w0 in range(0, tokens.shape[1], per_window):
@@ -283,19 +313,19 @@ def prefill_windows(engine: "MoEPrefetchEngine", tokens: torch.Tensor, offset: i
         yield starts, pieces, positions
 
 
-def prefill_steps(engine: "MoEPrefetchEngine", length: int) -> int:
+def prefill_steps(engine: SessionEngine, length: int) -> int:
     """Table steps (windows) a prompt of `length` tokens takes through the main layers (as many again through the
     MTP layer)."""
     return -(-length // _tokens_per_window(engine))
 
 
-def _tokens_per_window(engine: "MoEPrefetchEngine") -> int:
+def _tokens_per_window(engine: SessionEngine) -> int:
     """Prompt tokens of one prefill window: whole chunks, at least one."""
     chunk = engine.options.prefill_chunk
     return max(engine.options.prefill_window // chunk, 1) * chunk
 
 
-def prefill_row(engine: "MoEPrefetchEngine", caches, row: int, prompt: list[int], belady: bool = False
+def prefill_row(engine: SessionEngine, caches, row: int, prompt: list[int], belady: bool = False
                 ) -> torch.Tensor:
     """A prompt through the main layers into cache row `row`, in windows of chunks -> its final hidden [T, H]."""
     tokens = torch.tensor(prompt, device=engine.device)[None]
@@ -306,7 +336,7 @@ def prefill_row(engine: "MoEPrefetchEngine", caches, row: int, prompt: list[int]
     return torch.cat(parts)
 
 
-def prefill_mtp_row(engine: "MoEPrefetchEngine", caches, row: int, prompt: list[int], first: int,
+def prefill_mtp_row(engine: SessionEngine, caches, row: int, prompt: list[int], first: int,
                     hidden: torch.Tensor, belady: bool = False) -> tuple[int, float]:
     """The MTP layer over every (hidden at i, token i+1) pair of a prompt (the last pair's token is `first`, the
     token sampled after it), into the MTP cache's row -> the first draft and its probability."""
@@ -320,7 +350,7 @@ def prefill_mtp_row(engine: "MoEPrefetchEngine", caches, row: int, prompt: list[
     return int(draft), float(prob)
 
 
-def configure_residency(engine: "MoEPrefetchEngine", spec: PredictorSpec, rows: int, min_confidence: float) -> None:
+def configure_residency(engine: SessionEngine, spec: PredictorSpec, rows: int, min_confidence: float) -> None:
     """The residency table's per-call settings for a predictor and the rows a step computes."""
     options, top_k = engine.options, engine.args.num_experts_per_tok
     budget = max(int(math.ceil(options.prefetch_budget * top_k * rows)), 0)
@@ -338,7 +368,7 @@ def configure_residency(engine: "MoEPrefetchEngine", spec: PredictorSpec, rows: 
                                bypass=options.bypass and spec.learned)
 
 
-def step_shape(engine: "MoEPrefetchEngine", batch: int, spec: PredictorSpec, mode: str, uses_mtp: bool,
+def step_shape(engine: SessionEngine, batch: int, spec: PredictorSpec, mode: str, uses_mtp: bool,
                sampling: SamplingParams, record: bool = False) -> StepShape:
     """The decode step a call (or a continuous batch) runs: its rows, predictor signals and sampling paths."""
     res = engine.residency

@@ -38,7 +38,7 @@ def record(engine: MoEPrefetchEngine, prompts: list[list[int]], new_tokens: int)
     for prompt in prompts:
         engine.reset_expert_cache(forget_routing=True)
         steps = record_routing(engine, prompt, new_tokens).decode_tokens
-        needed = engine._trace_buffer()[:steps, :main].cpu()
+        needed = engine.trace_buffer()[:steps, :main].cpu()
         parts.append(trace_from_needed(needed, engine.args.moe_layers))
     return torch.cat(parts)
 
