@@ -702,3 +702,28 @@ def test_the_table_kernels_compile_one_variant_per_configuration():
         assert integers, name
         specialised = [arg for arg in integers if arg not in kept]
         assert not specialised, (name, specialised)
+
+
+def test_the_tile_table_is_what_the_kernels_run(tmp_path):
+    """kernels/tiles.json is the kernels' tile choices: each entry parses into its dataclass, the engine's defaults
+    are those entries, every choice names where it was measured, and an entry with a misspelt field is refused
+    (it must not fall back to a default silently)."""
+    import json
+
+    from moeprefetch.kernels import experts, grouped, tiles
+
+    raw = json.loads(tiles.TABLE_PATH.read_text())
+    routed, groups = raw["routed_experts"], raw["grouped_experts"]
+    assert experts.DEFAULT_TILES == tiles.Tiles(**routed["dot"]["tiles"])
+    assert experts.GEMV_TILES == tiles.Tiles(**routed["gemv"]["tiles"])
+    assert experts.INT4_GEMV_TILES == tiles.Tiles(**routed["gemv_int4"]["tiles"])
+    assert grouped.LONG_BLOCK_TILES == tiles.GroupedTiles(**groups["long"]["tiles"])
+    assert grouped.BLOCK_M == groups["short"]["tiles"]["block_m"]
+    root = Path(__file__).resolve().parent.parent
+    for entry in [*routed.values(), groups["short"], groups["long"]]:
+        assert entry["why"] and (root / entry["source"]).exists(), entry
+    raw["routed_experts"]["gemv"]["tiles"]["block_kk"] = raw["routed_experts"]["gemv"]["tiles"].pop("block_k")
+    broken = tmp_path / "tiles.json"
+    broken.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="gemv names"):
+        tiles.load_table(broken)

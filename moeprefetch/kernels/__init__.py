@@ -3,7 +3,8 @@
 - `experts.py`: routed experts read in place through the residency table (a VRAM slot, or the pinned host arena over
   PCIe), with admission of a missed expert into a victim slot as it streams;
 - `grouped.py`, `attention.py`, `gqa_attention.py`, `norm.py`, `router.py`, `gather.py`, `clock.py`: prefill's grouped
-  experts and the decode layer's fused pieces.
+  experts and the decode layer's fused pieces;
+- `tiles.py` and `tiles.json`: the expert kernels' tile choices as data, each with the measurement behind it.
 
 The residency table's own kernels (the per-layer plan and the prefetch fills) live beside their torch reference in
 `residency/` (`plan_kernel.py`, `fill.py`): they read and write the table, these kernels only the tensors they are

@@ -24,13 +24,14 @@ multiply (CUDA-core GEMV or tl.dot) and the tiles follow the step's shape (its m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from . import HAS_TRITON, INTERPRET, Launch
 from .definitions import expert_ffn
+from .tiles import DOT_TILES, GEMV_TILES, INT4_GEMV_TILES, Tiles
 
 if TYPE_CHECKING:  # a record format (`experts.ExpertFormat`) is read only through its attributes here
     from ..experts import ExpertFormat
@@ -46,36 +47,8 @@ ROW_PAD_MIN = 16  # tl.dot needs at least 16 rows
 GEMV_MAX_ROWS = 4  # up to this many rows per step, the kernels multiply on the CUDA cores (no tl.dot, no padding)
 
 
-@dataclass(frozen=True)
-class Tiles:
-    """Tile sizes and launch shape of the expert kernels. Fixed per engine (never chosen from the data), so a row's
-    bits never depend on what else is computed; `block_k` sets the order of each dot product's reduction."""
-
-    block_i: int = 64  # gate/up rows (intermediate features) per program
-    block_h: int = 64  # down rows (hidden features) per program
-    block_k: int = 128  # reduction step
-    num_warps: int = 4
-    num_stages: int = 3
-    # tl.dot path: multiply weights [B, K] by rows^T [K, N_PAD] (the weight tile as the MMA's M side, which Hopper's
-    # warp-group MMA wants at >= 64) instead of rows [N_PAD, K] by weights^T; the CUDA-core path ignores it
-    weights_first: bool = False
-
-
-# Measured on the H200 at V2-Lite's expert shape (experiments/results/tiles_h200.json, one MoE layer, experts in
-# VRAM): the CUDA-core GEMV with 16-row tiles reads one row's 6 experts in 54 us (1.9 TB/s; tl.dot's best: 62 us);
-# with 8 and 16 rows, 64-row tl.dot tiles lead, weights first (2.32 and 2.30 TB/s against 2.25 and 2.11 rows first:
-# tiles_v2lite_h200.json; at DeepSeek-V3's shape the one sweep so far ran with wrongly sized inputs, see BENCHMARKS).
-DEFAULT_TILES = Tiles(block_i=64, block_h=64, block_k=128, num_warps=4, num_stages=3, weights_first=True)
-GEMV_TILES = Tiles(block_i=16, block_h=16, block_k=128, num_warps=4, num_stages=3)
-# 4-bit records on the CUDA cores: 256-wide reductions, so that each row's load reads 128 contiguous bytes. Misses read
-# in place over PCIe move a row's bytes in requests no longer than the load's contiguous run, and 64-byte requests
-# carry more overhead per byte. H200, one V2-Lite MoE layer at batch 1, 6 of 6 experts read from host (4-bit groups
-# of 128, fp16 metadata; experiments/results/host_int4_h200.json): 660 us (41.8 GB/s of records) with 128-wide
-# reductions, 574 us (48.0 GB/s) with 256; all 6 in VRAM: 45 us against 60 us.
-INT4_GEMV_TILES = replace(GEMV_TILES, block_k=256)
-# Before: 4-bit records used GEMV_TILES. H200, one V2-Lite MoE layer at batch 1, experts in VRAM, fp32 dequantised
-# weights (experiments/results/tiles_int4_h200.json): 58.8 us with GEMV_TILES, 64.7 with 256-wide reductions, 61.0
-# with 8-row tiles of 256; at 2 rows 154 us against 203 and 156 (bf16-rounded weights had favoured 256: 60.6 / 73.1)
+# The tile choices (and why each) are data: kernels/tiles.json, read by kernels/tiles.py.
+DEFAULT_TILES = DOT_TILES
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ import torch
 from . import HAS_TRITON, INTERPRET, Launch
 from .definitions import expert_ffn
 from .experts import ACTIVATIONS, RecordLayout, record_views
+from .tiles import LONG_BLOCK_PAIRS, LONG_BLOCK_TILES, SHORT_BLOCK_TILES, GroupedTiles
 
 if TYPE_CHECKING:  # a record format (`experts.ExpertFormat`) is read only through its attributes here
     from ..experts import ExpertFormat
@@ -42,25 +43,7 @@ if HAS_TRITON:
     from .common import activate, dot
     from .experts import _load_weight_tile, _record_bases
 
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64  # pairs per block, output features per program, reduction step
-
-
-@dataclass(frozen=True)
-class GroupedTiles:
-    """Launch shape of the grouped kernels; `block_m` also cuts the pairs into blocks (`plan_blocks`)."""
-
-    block_m: int = BLOCK_M
-    block_n: int = BLOCK_N
-    block_k: int = BLOCK_K
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-# Measured on the H200 at V2-Lite's shape (experiments/results/grouped_h200.json, one MoE layer): 128-pair blocks
-# run the layer in 1.43 / 4.52 ms against 1.82 / 6.17 ms for 64-pair blocks at 2,048 / 8,192 tokens (about 190 and
-# 750 pairs per expert), and lose at 512 tokens (48 pairs per expert: 0.80 against 0.65 ms).
-LONG_BLOCK_TILES = GroupedTiles(block_m=128)
-LONG_BLOCK_PAIRS = 128  # pairs per expert, on average over the model's experts, from which LONG_BLOCK_TILES run
+BLOCK_M = SHORT_BLOCK_TILES.block_m  # pairs per block of the short prompts' tiles (the default)
 logger = logging.getLogger(__name__)
 
 
@@ -225,7 +208,7 @@ class GroupedExperts:
         call's shape, never by its routing."""
         if self.fixed_tiles is not None:
             return self.fixed_tiles
-        return LONG_BLOCK_TILES if pairs >= LONG_BLOCK_PAIRS * n_experts else GroupedTiles()
+        return LONG_BLOCK_TILES if pairs >= LONG_BLOCK_PAIRS * n_experts else SHORT_BLOCK_TILES
 
     def __call__(self, x: torch.Tensor, pair_token: torch.Tensor, blocks: torch.Tensor, u_key: torch.Tensor,
                  u_slot: torch.Tensor, y: torch.Tensor | None = None, mid: torch.Tensor | None = None,
@@ -241,7 +224,7 @@ class GroupedExperts:
         if y is None:
             y = torch.empty(pair_token.shape[0], self.fmt.hidden, dtype=torch.float32, device=x.device)
         try:
-            tiles = tiles or self.fixed_tiles or GroupedTiles()
+            tiles = tiles or self.fixed_tiles or SHORT_BLOCK_TILES
             for launch in self.launches(x.contiguous(), pair_token, blocks, u_key, u_slot, mid, y, tiles):
                 launch()
         except (CompilationError, OutOfResources) as exc:
