@@ -130,7 +130,7 @@ class Stats:
     predictor: str = "none"
     lookahead: int = 1
     policy: str = "lru"
-    lrfu_halflife: float = 8.0
+    lrfu_halflife: float = 16.0  # EngineConfig.lrfu_halflife
     cache_slots: int = 0
     expert_bytes: int = 0
     mtp_drafts_checked: int = 0

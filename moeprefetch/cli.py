@@ -78,6 +78,8 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from .options import EngineConfig
+
     common = argparse.ArgumentParser(add_help=False)  # -v works before or after the sub-command
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="log progress and memory plans")
@@ -138,7 +140,8 @@ def _parser() -> argparse.ArgumentParser:
     rpl.add_argument("--predictor", default="none,oracle_next",
                      help="what predictions protect, comma list: none, previous, oracle_next, ahead:K, oracle")
     rpl.add_argument("--fills", action="store_true", help="also prefetch what is predicted (fills land at once)")
-    rpl.add_argument("--lrfu-halflife", type=float, default=8.0, help="lrfu: a use counts half after N steps")
+    rpl.add_argument("--lrfu-halflife", type=float, default=EngineConfig.lrfu_halflife,
+                     help="lrfu: a use counts half after N steps")
     rpl.add_argument("--ahead", default="1,4", help="the k-tokens-ahead reference lines, comma list of k")
     rpl.add_argument("--experts", type=int, default=None, help="experts per layer (default: the largest id + 1)")
     rpl.add_argument("--expert-mb", type=float, default=17.3015, help="bytes of one expert, in MB (bytes per token)")

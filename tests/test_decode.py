@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import moeprefetch
-from moeprefetch import MoEPrefetchEngine
+from moeprefetch import EngineConfig, MoEPrefetchEngine
 from moeprefetch.residency import Residency
 
 PREDICTORS = ["none", "previous", "next_layer_gate", "mtp", "mtp_router", "oracle", "mtp+next_layer_gate",
@@ -251,7 +251,7 @@ def test_the_cache_policy_applies_from_the_next_call(reference):
     second = engine.generate(prompts, max_new_tokens=10, stop_at_eos=False, predictor="none")
     assert first.sequences == second.sequences == expected
     assert (first.stats.policy, second.stats.policy, engine.residency.cfg.policy) == ("lru", "lrfu", "lrfu")
-    assert engine.residency.cfg.frequency_halflife == 8.0
+    assert engine.residency.cfg.frequency_halflife == EngineConfig.lrfu_halflife == 16.0
     engine.options = dataclasses.replace(engine.options, lrfu_halflife=2.5)
     third = engine.generate(prompts, max_new_tokens=10, stop_at_eos=False, predictor="none")
     assert third.sequences == expected and engine.residency.cfg.frequency_halflife == 2.5

@@ -56,7 +56,7 @@ class ResidencyConfig:
     # the engine's defaults (options.EngineConfig: lrfu, late_prefetch="wait"), so that a table built without them
     # (tests, tools) behaves as an engine's does
     policy: str = "lrfu"
-    frequency_halflife: float = 8.0  # lrfu: a use counts half after this many steps (BENCHMARKS "LRFU")
+    frequency_halflife: float = 16.0  # lrfu: a use counts half after this many steps (BENCHMARKS "LRFU half-lives on real routing")
     wait_late: bool = True  # a late prefetch: wait (bounded) for its fill instead of reading it from host again
     fill_idle_link: bool = False  # fills for later steps pause while a layer reads missed experts from host
     # victims by predicted reuse: w x P(needed soon, `TableState.reuse`) + (1 - w) x the policy's
