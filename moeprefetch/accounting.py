@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .residency.state import COUNTERS
+from .residency.state import COUNTERS, ResidencyConfig
 
 
 @dataclass
@@ -130,7 +130,7 @@ class Stats:
     predictor: str = "none"
     lookahead: int = 1
     policy: str = "lru"
-    lrfu_halflife: float = 16.0  # EngineConfig.lrfu_halflife
+    lrfu_halflife: float = ResidencyConfig.frequency_halflife
     cache_slots: int = 0
     expert_bytes: int = 0
     mtp_drafts_checked: int = 0

@@ -18,7 +18,6 @@ from .checkpoint import FLOAT_DTYPES, CheckpointReader
 from .config import ModelArgs
 from .errors import CheckpointError
 from .families import family_of
-from .kernels.definitions import expert_ffn  # noqa: F401  (re-exported: the model's expert FFN)
 from .quant import (FP8_DTYPE, dequantize_blocks, dequantize_int4_groups, pack_nibbles, quantize_fp8_blocks,
                     quantize_int4_groups, quantize_int8_blocks, scale_grid_shape)
 

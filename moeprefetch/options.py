@@ -17,7 +17,7 @@ import torch
 
 from .errors import RequestError
 from .experts import EXPERT_DTYPES, INT4_GROUP_SIZE
-from .residency.state import POLICIES
+from .residency.state import POLICIES, ResidencyConfig
 
 # how the MTP head reads its routed experts: only those in VRAM (drafts steer speed, never tokens), or all of them
 DRAFT_EXPERTS = ("cached", "all")
@@ -39,8 +39,9 @@ class EngineConfig:
     vram_budget: str | int | float | None = _opt(None, "device-memory budget that sizes the cache, e.g. 12GiB")
     policy: str = _opt("lrfu", "cache policy: lrfu (uses decayed by half every lrfu_halflife steps), lru, lfu or "
                                "static")
-    lrfu_halflife: float = _opt(16.0, "lrfu: a use counts half after this many steps (decode steps and prefill "
-                                      "chunks; 16 missed least on real routing traces, BENCHMARKS)")
+    lrfu_halflife: float = _opt(ResidencyConfig.frequency_halflife,
+                                "lrfu: a use counts half after this many steps (decode steps and prefill chunks; 16 "
+                                "missed least on real routing traces, BENCHMARKS)")
     hot_set: Sequence[tuple[int, int]] | None = _opt(None, "the static policy's pinned (layer, expert) pairs")
     # prediction and prefetching (defaults that generate() may override per call)
     predictor: str | None = _opt(None, "prefetch predictor (default none: reactive fetching, the fastest measured "

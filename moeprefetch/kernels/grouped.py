@@ -21,7 +21,6 @@ Output y [P, H] fp32 per sorted pair; the caller puts the pairs back in (token, 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..experts import expert_ffn
+from ..kernels.definitions import expert_ffn
 from ..kernels.grouped import grouped_mm_experts, plan_blocks
 from ..model import combine_expert_outputs
 
