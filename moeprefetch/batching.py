@@ -1,13 +1,16 @@
 """Continuous batching: requests join a running batch at a token boundary and leave when they finish.
 
-A `ContinuousBatch` holds `max_batch_size` cache rows and one decode step of that many rows (captured as a CUDA graph
-like any other). Admitting a request prefills its prompt into a free row (the others wait for that prefill, at a token
-boundary) and samples its first token; every `step()` decodes one token for every active row. A row's result never
-depends on the other rows or on which rows are active: the step always has the same shape and its kernels compute
-each row on its own, and sampling draws each request's noise from its own seed and positions (`RowSampler`). On the
-CPU that also makes its tokens those of `engine.generate` alone (tests check it); on CUDA a batch-of-one call may
-pick other kernel tiles, so the guarantee there is independence from the rest of the batch. One `ContinuousBatch`
-owns the engine while it lives: nothing else may generate meanwhile.
+A `ContinuousBatch` holds `max_batch_size` cache rows. Admitting a request prefills its prompt into the lowest free
+row (the others wait for that prefill, at a token boundary) and samples its first token; every `step()` decodes one
+token for every active row. A step computes only the first rows up to the highest active one, rounded up to a power
+of two (`step_rows`), each such shape a decode step of its own (captured as a CUDA graph like any other): one stream
+of a batch of 16 costs a one-row step, not a 16-row one. Each row is computed on its own and sampling draws each
+request's noise from its own seed and positions (`RowSampler`), so a row's tokens never depend on what the other
+rows hold. They may depend on the step's shape on CUDA, where more rows pick other kernels (cuBLAS's, and the expert
+kernel's tensor-core tiles above four rows); `batch_invariant=True` keeps every step at `max_batch_size` rows, so a
+request's tokens are the same whoever else is served (at the full step's cost). On the CPU, and on CUDA while the
+bucket is the one `engine.generate` runs for one prompt, a request's tokens are those of `engine.generate` alone
+(tests check it). One `ContinuousBatch` owns the engine while it lives: nothing else may generate meanwhile.
 
 Admitting a request runs its prefill as table steps, which moves the table's step clock; the fills reserved and the
 experts protected for the running rows' next decode steps are first deferred by those steps
@@ -52,9 +55,18 @@ class RowState:
         return self.prompt_tokens + len(self.generated) - 1
 
 
+def step_rows(top: int, capacity: int, batch_invariant: bool = False) -> int:
+    """The rows a step computes when row `top - 1` is the highest active one: the next power of two (at most
+    `capacity`), or always `capacity` when the batch is invariant. Powers of two bound the shapes (and graphs) to
+    log2(capacity) + 1 while a step computes less than twice the rows it needs."""
+    if batch_invariant or top >= capacity:
+        return capacity
+    return min(1 << max(top - 1, 0).bit_length(), capacity)
+
+
 class ContinuousBatch:
     def __init__(self, engine: "MoEPrefetchEngine", predictor: str | None = None,
-                 min_confidence: float | None = None):
+                 min_confidence: float | None = None, batch_invariant: bool = False):
         options = engine.options
         name = predictor or options.predictor
         spec = predictor_spec(name, default_lookahead(name, options.lookahead), engine.has_mtp,
@@ -73,9 +85,9 @@ class ContinuousBatch:
         self.sampler = RowSampler(engine.args.vocab_size, engine.device, self.rows)
         configure_residency(engine, spec, self.rows,
                             options.min_confidence if min_confidence is None else min_confidence)
-        shape = step_shape(engine, self.rows, spec, "shadow" if spec.shadow and not res.preloaded else "none",
-                           self.uses_mtp, SamplingParams(temperature=1.0, top_k=1, top_p=0.5))
-        self.step_fn = DecodeStep(engine.runner, self.caches, self.sampler, shape, options.cuda_graphs)
+        self.batch_invariant = batch_invariant
+        self._mode = "shadow" if spec.shadow and not res.preloaded else "none"
+        self._steps: dict[int, DecodeStep] = {}  # by rows computed (`step_rows`), made when first needed
         self.state: list[RowState | None] = [None] * self.rows
         res.begin_call()
         self.steps = 0
@@ -129,19 +141,37 @@ class ContinuousBatch:
             self.engine.residency.settle()
 
     # ---- decoding ---------------------------------------------------------------------------------------------------
+    @property
+    def step_sizes(self) -> list[int]:
+        """The step shapes (rows computed) run so far."""
+        return sorted(self._steps)
+
+    def decode_step(self, rows: int) -> DecodeStep:
+        """The step computing the first `rows` rows (their caches and sampling parameters are views of the batch's)."""
+        if rows not in self._steps:
+            engine = self.engine
+            shape = step_shape(engine, rows, self.spec, self._mode, self.uses_mtp,
+                               SamplingParams(temperature=1.0, top_k=1, top_p=0.5))
+            caches = self.caches if rows == self.rows else self.caches.first_rows(rows)
+            sampler = self.sampler if rows == self.rows else self.sampler.first_rows(rows)
+            self._steps[rows] = DecodeStep(engine.runner, caches, sampler, shape, engine.options.cuda_graphs)
+        return self._steps[rows]
+
     def step(self) -> dict[int, int]:
         """One decode step of every active row -> {row: its new token}. Rows already finished must be released."""
         live = [s is not None for s in self.state]
         if not any(live):
             return {}
-        tokens = [s.generated[-1] if s else 0 for s in self.state]
-        positions = [s.position if s else 0 for s in self.state]
-        drafts = [s.draft if s else 0 for s in self.state] if self.step_fn.shape.extra else None
-        confs = [s.draft_prob if s else 0.0 for s in self.state] if self.step_fn.shape.extra else None
-        out = self.step_fn(tokens, positions, live, drafts, confs)
+        rows = step_rows(max(r for r, on in enumerate(live) if on) + 1, self.rows, self.batch_invariant)
+        step, states = self.decode_step(rows), self.state[:rows]
+        tokens = [s.generated[-1] if s else 0 for s in states]
+        positions = [s.position if s else 0 for s in states]
+        drafts = [s.draft if s else 0 for s in states] if step.shape.extra else None
+        confs = [s.draft_prob if s else 0.0 for s in states] if step.shape.extra else None
+        out = step(tokens, positions, live[:rows], drafts, confs)
         self.steps += 1
         new = {}
-        for row, state in enumerate(self.state):
+        for row, state in enumerate(states):
             if state is None:
                 continue
             state.generated.append(out.next_tokens[row])

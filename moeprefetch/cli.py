@@ -111,6 +111,10 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--model-name", default=None, help="the model id clients send (default: the directory name)")
     srv.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch (then 429)")
+    srv.add_argument("--batch-invariant", action="store_true",
+                     help="every decode step computes --max-batch-size rows, so a request's tokens never depend on "
+                          "how many others are served (on CUDA fewer rows may pick other kernels); by default a step "
+                          "computes only the rows in use, rounded up to a power of two")
     srv.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     srv.add_argument("--drain-seconds", type=float, default=30.0,
                         help="on Ctrl-C or SIGTERM, how long requests in flight may finish (a second signal cuts "
@@ -304,7 +308,8 @@ def _serve(ns: argparse.Namespace) -> int:
     engine = MoEPrefetchEngine.from_pretrained(ns.path, config=EngineConfig.from_mapping(kwargs))
     name = ns.model_name or Path(ns.path).resolve().name
     app = build_app(engine, name, ns.predictor, ns.max_queue, ns.drain_seconds, ns.max_tokens, api_key=ns.api_key,
-                    allowed_hosts=hosts, max_body_bytes=ns.max_body_bytes, body_timeout=ns.body_timeout)
+                    allowed_hosts=hosts, max_body_bytes=ns.max_body_bytes, body_timeout=ns.body_timeout,
+                    batch_invariant=ns.batch_invariant)
     print(f"serving {name} on http://{ns.host}:{ns.port}/v1 (batch {engine.options.max_batch_size}"
           f"{', API key required' if ns.api_key else ''})", flush=True)
     # uvicorn re-raises the signals it handled to the handlers it found when it stops: no-op ones, so that the

@@ -63,6 +63,14 @@ class KVCaches:
         per_layer *= torch.tensor([], dtype=dtype).element_size()
         return per_layer * (args.num_hidden_layers + (1 if with_mtp else 0))
 
+    def first_rows(self, rows: int) -> "KVCaches":
+        """Views of the first `rows` batch rows of every cache (the same memory: a step over fewer rows)."""
+        def view(kv: LayerKV | GQAKV) -> LayerKV | GQAKV:
+            return type(kv)(**{name: tensor[:rows] for name, tensor in vars(kv).items()})
+
+        return KVCaches([view(kv) for kv in self.layers], view(self.mtp) if self.mtp is not None else None,
+                        self.capacity)
+
     def zero_(self, row: int | None = None) -> None:
         """Zero every cache (or one batch row of each)."""
         for kv in self.layers + ([self.mtp] if self.mtp is not None else []):

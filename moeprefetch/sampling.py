@@ -11,6 +11,7 @@ nothing overflows on any device.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -127,6 +128,8 @@ class RowSampler(DeviceSampler):
     its own call): the same scaled and filtered logits, and noise from (its seed, stream 0, position); greedy rows
     take the argmax."""
 
+    ROW_TENSORS = ("temperature", "greedy", "top_k", "use_top_k", "top_p", "use_top_p", "row_seed")
+
     def __init__(self, vocab: int, device: torch.device, rows: int):
         super().__init__(vocab, device)
         self.temperature = torch.ones(rows, 1, dtype=torch.float32, device=device)
@@ -148,6 +151,13 @@ class RowSampler(DeviceSampler):
         self.use_top_p[row] = params.top_p < 1.0
         seed = params.seed & ((1 << 62) - 1)
         self.row_seed[row] = torch.tensor([seed >> 31, seed & ((1 << 31) - 1)])
+
+    def first_rows(self, rows: int) -> "RowSampler":
+        """A sampler of the first `rows` rows whose parameters are views of these (`set_row` here reaches it)."""
+        view = copy.copy(self)
+        for name in self.ROW_TENSORS:
+            setattr(view, name, getattr(self, name)[:rows])
+        return view
 
     def gumbel(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # stream 0 and each row's own seed: what the request draws alone

@@ -21,6 +21,8 @@ import statistics
 import sys
 import threading
 import time
+import multiprocessing
+import multiprocessing.pool
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -63,10 +65,16 @@ def stream_request(url: str, prompt: list[int], max_tokens: int) -> dict[str, fl
             "tpot": (arrivals[-1] - arrivals[0]) / max(tokens - 1, 1)}
 
 
-def run_level(url: str, prompts: list[list[int]], concurrency: int, requests: int, max_tokens: int) -> dict[str, Any]:
+def run_level(clients: "multiprocessing.pool.Pool", url: str, prompts: list[list[int]], concurrency: int, requests: int,
+              max_tokens: int) -> dict[str, Any]:
+    """`requests` streams, `concurrency` at a time, each in one of the `clients` processes: the clients' own Python
+    (HTTP, SSE parsing) must not take the server process's interpreter lock, as real clients never do."""
+    def one(i: int) -> dict[str, float]:
+        return clients.apply_async(stream_request, (url, prompts[i % len(prompts)], max_tokens)).get()
+
     started = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda i: stream_request(url, prompts[i % len(prompts)], max_tokens), range(requests)))
+        results = list(pool.map(one, range(requests)))
     elapsed = time.perf_counter() - started
     tpot = [r["tpot"] for r in results]
     quantile = (lambda v, q: statistics.quantiles(v, n=100)[q - 1] if len(v) > 1 else v[0])  # noqa: E731
@@ -113,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--predictor", default=None)
     parser.add_argument("--expert-dtype", default="model", help="the experts' format (model, fp8, int8, int4)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the server's steps always compute every row (serve --batch-invariant)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     device = torch.device(args.device)
@@ -124,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         path, device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, progress=False,
         max_batch_size=max(levels), max_seq_len=args.prompt_tokens + args.max_tokens + 8, vram_budget=budget,
         expert_cache_slots=None if budget else 8, expert_dtype=args.expert_dtype)
-    app = build_app(engine, "bench", args.predictor, max_queue=4 * max(levels), drain_seconds=5)
+    app = build_app(engine, "bench", args.predictor, max_queue=4 * max(levels), drain_seconds=5,
+                    batch_invariant=args.batch_invariant)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -132,12 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     while not server.started:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{port}"
+    scheduler = app.state.server.scheduler
     prompts = prompts_for(path, None, shape["vocab_size"], 16, args.prompt_tokens, seed=3)
     report: dict[str, Any] = {"environment": environment(device), "link": link_bandwidth(device),
                               "plan": engine.plan.describe(), "rows": []}
-    stream_request(url, prompts[0], 8)  # warm-up: compiles kernels and captures the batch's step graph
+    # client processes started fresh (spawn: the server process holds CUDA and threads), one per concurrent stream,
+    # all started now (a ProcessPoolExecutor starts them on demand and, counting finished tasks as idle workers,
+    # started one only: the first call of this script served its "concurrent" clients one after another)
+    clients = multiprocessing.get_context("spawn").Pool(max(levels))
+    stream_request(url, prompts[0], 8)  # warm-up: compiles kernels and captures the batch's one-row step graph
     common = dict(workload="v2lite", vram_budget_gib=args.budget_gib, max_batch_size=max(levels),
                   expert_dtype=args.expert_dtype, cache_slots=engine.plan.expert_slots,
+                  batch_invariant=args.batch_invariant,
                   predictor=engine.options.predictor if args.predictor is None else args.predictor)
 
     def emit(row: dict[str, Any]) -> None:
@@ -148,9 +165,16 @@ def main(argv: list[str] | None = None) -> int:
 
     served = {}
     for level in levels:
-        run_level(url, prompts, level, level, 8)  # untimed: the level's first batch shapes compile and capture
-        served[level] = run_level(url, prompts, level, level * args.requests_per_client, args.max_tokens)
+        run_level(clients, url, prompts, level, level, 8)  # untimed: the level's step shapes compile and capture
+        before = scheduler.snapshot()
+        served[level] = run_level(clients, url, prompts, level, level * args.requests_per_client, args.max_tokens)
+        after = scheduler.snapshot()
+        # rows per decode step: how much the server batched (the level's concurrency at most)
+        served[level]["tokens_per_decode_step"] = (after["completion_tokens"] - before["completion_tokens"]) / max(
+            after["decode_steps"] - before["decode_steps"], 1)
         emit({**served[level], **common, "system": f"serve_c{level}"})
+    clients.close()
+    clients.join()
     server.should_exit = True  # the engine serves one caller at a time: the server stops before the baseline
     thread.join(timeout=30)
     for level in levels:

@@ -9,7 +9,7 @@ import torch
 
 from conftest import serve_in_turn
 from moeprefetch import MoEPrefetchEngine
-from moeprefetch.batching import ContinuousBatch
+from moeprefetch.batching import ContinuousBatch, step_rows
 from moeprefetch.errors import RequestError
 from moeprefetch.residency.state import C
 from moeprefetch.sampling import DeviceSampler, RowSampler, SamplingParams
@@ -70,6 +70,35 @@ def test_requests_joining_a_running_batch_get_their_tokens_alone(checkpoint_fact
     got = serve_in_turn(batch, requests, range(len(requests)))  # each joins at a token boundary
     assert [got[i] for i in range(len(requests))] == expected
     assert batch.steps > 0 and not engine.residency.problems()
+
+
+def test_step_rows_rounds_the_highest_active_row_up_to_a_power_of_two():
+    got = {top: step_rows(top, 16) for top in (1, 2, 3, 4, 5, 8, 9, 15, 16)}
+    assert got == {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 8: 8, 9: 16, 15: 16, 16: 16}
+    assert [step_rows(top, 6) for top in range(1, 7)] == [1, 2, 4, 4, 6, 6]  # never more than the batch holds
+    assert {step_rows(top, 16, batch_invariant=True) for top in (1, 5, 16)} == {16}
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_a_step_computes_only_the_rows_in_use_and_keeps_the_tokens(checkpoint_factory, batch_invariant):
+    """A batch of 4 rows whose requests end at different steps runs 4-, 2- and 1-row steps (row 0 outlives the
+    others, and the request joining late takes the lowest free row); every request still gets its tokens alone.
+    `batch_invariant` keeps every step at 4 rows."""
+    path = checkpoint_factory("v3")
+    kwargs = dict(progress=False, max_seq_len=128, expert_cache_slots=6)
+    requests = [([3, 4, 5, 6], 20, SamplingParams()), ([7, 8], 10, SamplingParams(temperature=0.8, seed=11)),
+                ([9, 10, 11], 3, SamplingParams(temperature=1.1, top_k=5, seed=4)),
+                ([12], 4, SamplingParams(temperature=0.9, top_p=0.7, seed=2)), ([13, 14], 2, SamplingParams())]
+    alone = MoEPrefetchEngine.from_pretrained(path, max_batch_size=1, **kwargs)
+    expected = [alone.generate([p], max_new_tokens=n, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                               seed=s.seed, stop_at_eos=False, predictor="next_layer_gate").sequences[0]
+                for p, n, s in requests]
+    engine = MoEPrefetchEngine.from_pretrained(path, max_batch_size=4, **kwargs)
+    batch = ContinuousBatch(engine, "next_layer_gate", batch_invariant=batch_invariant)
+    got = serve_in_turn(batch, requests, range(len(requests)))
+    assert [got[i] for i in range(len(requests))] == expected
+    assert batch.step_sizes == ([4] if batch_invariant else [1, 2, 4])
+    assert not engine.residency.problems()
 
 
 def test_a_batch_refuses_what_does_not_fit_and_stays_usable(checkpoint_factory):

@@ -397,9 +397,9 @@ def test_chained_mtp_drafts_keep_the_tokens_in_graphs(checkpoint_factory):
 
 
 def test_a_request_in_a_continuous_batch_gets_its_tokens_whoever_joins(checkpoint_factory):
-    """On CUDA a row's bits depend on the batch's shape (kernel tiles), not on the other rows: a request run alone
-    through a ContinuousBatch of two rows gets the tokens it gets while others join and leave around it, offloaded
-    with MTP prefetch and all-resident."""
+    """On CUDA a row's bits depend on the step's shape (kernel tiles), not on the other rows: a request run alone
+    through a batch-invariant ContinuousBatch of two rows gets the tokens it gets while others join and leave around
+    it, offloaded with MTP prefetch and all-resident."""
     from moeprefetch.batching import ContinuousBatch
     from moeprefetch.sampling import SamplingParams
 
@@ -413,9 +413,36 @@ def test_a_request_in_a_continuous_batch_gets_its_tokens_whoever_joins(checkpoin
                                                    max_batch_size=2, expert_cache_slots=slots)
         alone = {}
         for i in range(len(requests)):
-            alone.update(serve_in_turn(ContinuousBatch(engine, predictor), requests, [i]))
-        together = serve_in_turn(ContinuousBatch(engine, predictor), requests, range(len(requests)))
+            alone.update(serve_in_turn(ContinuousBatch(engine, predictor, batch_invariant=True), requests, [i]))
+        together = serve_in_turn(ContinuousBatch(engine, predictor, batch_invariant=True), requests,
+                                 range(len(requests)))
         assert together == alone, (slots, predictor)
+        assert not engine.residency.problems()
+        engine.close()
+
+
+def test_a_lone_request_in_a_continuous_batch_gets_the_tokens_of_generate(checkpoint_factory):
+    """A batch of 4 rows serving one request at a time runs one-row steps (`step_rows`), the shape generate runs for
+    one prompt: its tokens are generate's on CUDA too, greedy and seeded, offloaded with prefetch and all-resident,
+    and the batch captured its one-row step."""
+    from moeprefetch.batching import ContinuousBatch
+    from moeprefetch.sampling import SamplingParams
+
+    path = checkpoint_factory("v3")
+    requests = [([3, 4, 5, 6], 9, SamplingParams()), ([7, 8], 12, SamplingParams(temperature=0.8, seed=11)),
+                ([9, 10, 11], 7, SamplingParams(temperature=1.1, top_k=5, seed=4))]
+    for slots, predictor in ((None, "none"), (6, "next_layer_gate")):
+        engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_seq_len=128,
+                                                   max_batch_size=4, expert_cache_slots=slots)
+        expected = [engine.generate([p], max_new_tokens=n, temperature=s.temperature, top_k=s.top_k,
+                                    seed=s.seed, stop_at_eos=False, predictor=predictor).sequences[0]
+                    for p, n, s in requests]
+        batch = ContinuousBatch(engine, predictor)
+        got = {}
+        for i in range(len(requests)):
+            got.update(serve_in_turn(batch, requests, [i]))
+        assert [got[i] for i in range(len(requests))] == expected, (slots, predictor)
+        assert batch.step_sizes == [1] and batch.decode_step(1).captured
         assert not engine.residency.problems()
         engine.close()
 

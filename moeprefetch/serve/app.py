@@ -260,10 +260,10 @@ def prometheus_text(state: dict[str, Any], model: str) -> str:
 def build_app(engine, model_name: str, predictor: str | None = None, max_queue: int = 64,
               drain_seconds: float = 30.0, default_max_tokens: int = 256, *, api_key: str | None = None,
               allowed_hosts: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              body_timeout: float = DEFAULT_BODY_TIMEOUT) -> Starlette:
+              body_timeout: float = DEFAULT_BODY_TIMEOUT, batch_invariant: bool = False) -> Starlette:
     """The application over a loaded engine; the scheduler starts now and drains on shutdown (a `DrainingServer`
     drains it earlier, while the listeners still answer 503)."""
-    scheduler = Scheduler(engine, predictor, max_queue)
+    scheduler = Scheduler(engine, predictor, max_queue, batch_invariant)
     settings = Settings(drain_seconds, api_key, tuple(allowed_hosts) if allowed_hosts is not None else None,
                         max_body_bytes, body_timeout)
     server = Server(engine, model_name, scheduler, default_max_tokens, settings)

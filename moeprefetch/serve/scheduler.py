@@ -63,9 +63,9 @@ class ServerCounters:
 
 
 class Scheduler:
-    def __init__(self, engine, predictor: str | None = None, max_queue: int = 64):
+    def __init__(self, engine, predictor: str | None = None, max_queue: int = 64, batch_invariant: bool = False):
         self.engine = engine
-        self.batch = ContinuousBatch(engine, predictor)
+        self.batch = ContinuousBatch(engine, predictor, batch_invariant=batch_invariant)
         self.tokenizer = engine.tokenizer
         self.stop_ids = frozenset(engine.args.eos_token_ids)
         self.max_queue = max_queue
