@@ -94,14 +94,17 @@ def engine_level(engine: MoEPrefetchEngine, prompts: list[list[int]], batch: int
     engine.generate([prompts[i % len(prompts)] for i in range(batch)], max_new_tokens=8, stop_at_eos=False,
                     predictor=predictor)
     started = time.perf_counter()
-    tokens = 0
+    tokens, ttft, step_ms = 0, [], []
     for first in range(0, requests, batch):
         chunk = [prompts[i % len(prompts)] for i in range(first, min(first + batch, requests))]
         result = engine.generate(chunk, max_new_tokens=max_tokens, stop_at_eos=False, predictor=predictor)
         tokens += sum(len(seq) for seq in result.sequences)
+        ttft.append(result.stats.ttft_seconds)
+        step_ms.append(1000 * result.stats.decode_seconds / max(result.stats.decode_steps, 1))
     elapsed = time.perf_counter() - started
     return {"concurrency": batch, "requests": requests, "max_tokens": max_tokens, "seconds": elapsed,
-            "output_tokens": tokens, "decode_tokens_per_s": tokens / elapsed}
+            "output_tokens": tokens, "decode_tokens_per_s": tokens / elapsed,
+            "ttft_p50_ms": 1000 * statistics.median(ttft), "ms_per_decode_step_p50": statistics.median(step_ms)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,62 @@
+"""session: streamed text pieces (TextStream) and the prefill's windows of chunks (prefill_windows, prefill_steps),
+which both a generate call and a continuous batch's admissions run through."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moeprefetch import MoEPrefetchEngine
+from moeprefetch.session import prefill_steps, prefill_windows
+
+
+def test_streamed_pieces_never_split_a_character():
+    """Byte-level BPE can end a token inside a multi-byte character; streamed pieces must still add up exactly,
+    and each piece is decoded from a short window of tokens, not the whole sequence (linear, not quadratic)."""
+    from moeprefetch.cli import REFERENCE_MODEL
+    from moeprefetch.session import TextStream
+
+    engine = MoEPrefetchEngine.from_pretrained(REFERENCE_MODEL, progress=False)
+    text = "naïve café 🙂 Ελληνικά — 日本語 " * 3
+    ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert any("\ufffd" in engine.tokenizer.decode(ids[: i + 1]) for i in range(len(ids)))  # the hard case occurs
+    decoded: list[int] = []
+    tokenizer = engine.tokenizer
+
+    class Counting:
+        def decode(self, part, **kwargs):
+            decoded.append(len(part))
+            return tokenizer.decode(part, **kwargs)
+
+    stream = TextStream(Counting())
+    pieces = [stream.piece(ids[: i + 1], final=i == len(ids) - 1) for i in range(len(ids))]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert max(decoded) <= 8  # a few tokens of context, however long the text
+
+
+
+@pytest.mark.parametrize("length,chunk,window,offset", [(1, 4, 4, 0), (17, 4, 8, 0), (17, 4, 10, 1), (64, 16, 16, 0),
+                                                      (5, 8, 4, 1), (100, 7, 30, 3)])
+def test_prefill_windows_cover_the_prompt_in_whole_chunks(length, chunk, window, offset):
+    """Every token once, in order, in chunks of `chunk` (the last shorter), each window whole chunks (at least one)
+    and at most `window` tokens unless one chunk is longer; positions count from `offset`; prefill_steps counts the
+    windows."""
+    engine = SimpleNamespace(options=SimpleNamespace(prefill_chunk=chunk, prefill_window=window))
+    tokens = torch.arange(100, 100 + length)[None]
+    windows = list(prefill_windows(engine, tokens, offset))
+    per_window = max(window // chunk, 1) * chunk
+    seen, seen_positions = [], []
+    for starts, pieces, positions in windows:
+        assert len(pieces) == len(starts) == len(positions) >= 1
+        assert sum(p.shape[1] for p in pieces) <= per_window
+        for start, piece, pos in zip(starts, pieces, positions):
+            assert piece.shape[1] == min(chunk, length - start)
+            seen += piece[0].tolist()
+            seen_positions += pos[0].tolist()
+            assert pos[0, 0] == start + offset
+    assert seen == tokens[0].tolist()
+    assert seen_positions == list(range(offset, offset + length))
+    assert prefill_steps(engine, length) == len(windows)
