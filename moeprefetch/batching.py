@@ -20,14 +20,13 @@ experts protected for the running rows' next decode steps are first deferred by 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from .build import predictor_spec
 from .predictors import default_lookahead
-from .decode import DecodeStep
+from .decode import DecodeStep, RowState, run_rows
 from .errors import RequestError
 from .sampling import RowSampler, SamplingParams, sample
 from .session import configure_residency, prefill_mtp_row, prefill_row, prefill_steps, step_shape
@@ -36,23 +35,6 @@ if TYPE_CHECKING:
     from .engine import MoEPrefetchEngine
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RowState:
-    """What one cache row is doing."""
-
-    prompt_tokens: int
-    max_new_tokens: int
-    stop_ids: frozenset[int]
-    generated: list[int] = field(default_factory=list)
-    draft: int = 0  # the MTP head's guess of the token after the next one (shadow row input)
-    draft_prob: float = 0.0
-
-    @property
-    def position(self) -> int:
-        """Cache position of the row's next input token (its last generated one)."""
-        return self.prompt_tokens + len(self.generated) - 1
 
 
 def step_rows(top: int, capacity: int, batch_invariant: bool = False) -> int:
@@ -123,7 +105,7 @@ class ContinuousBatch:
         engine.residency.defer_pending(prefill_steps(engine, len(prompt)) * (2 if self.uses_mtp else 1))
         hidden = prefill_row(engine, self.caches, row, prompt)
         first = int(sample(engine.runner.logits(hidden[-1:]), sampling, [0], [len(prompt)])[0])
-        state = RowState(len(prompt), max_new_tokens, stop_ids, [first])
+        state = RowState(len(prompt), max_new_tokens, [first], stop_ids)
         if self.uses_mtp:
             state.draft, state.draft_prob = prefill_mtp_row(engine, self.caches, row, prompt, first, hidden)
         self.sampler.set_row(row, sampling)
@@ -133,7 +115,7 @@ class ContinuousBatch:
     def finished(self, row: int) -> bool:
         state = self.state[row]
         assert state is not None
-        return len(state.generated) >= state.max_new_tokens or state.generated[-1] in state.stop_ids
+        return state.finished
 
     def release(self, row: int) -> None:
         self.state[row] = None
@@ -163,12 +145,8 @@ class ContinuousBatch:
         if not any(live):
             return {}
         rows = step_rows(max(r for r, on in enumerate(live) if on) + 1, self.rows, self.batch_invariant)
-        step, states = self.decode_step(rows), self.state[:rows]
-        tokens = [s.generated[-1] if s else 0 for s in states]
-        positions = [s.position if s else 0 for s in states]
-        drafts = [s.draft if s else 0 for s in states] if step.shape.extra else None
-        confs = [s.draft_prob if s else 0.0 for s in states] if step.shape.extra else None
-        out = step(tokens, positions, live[:rows], drafts, confs)
+        states = self.state[:rows]
+        out = run_rows(self.decode_step(rows), states)
         self.steps += 1
         new = {}
         for row, state in enumerate(states):

@@ -15,7 +15,7 @@ On the CPU the same step runs eagerly through the reference implementations.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,48 @@ class StepOutput:
     second_tokens: list[int] | None  # [B] sampled after the verified draft rows
     drafts: list[list[int]] | None  # [B][M] MTP drafts (greedy) after each MTP row
     draft_probs: list[list[float]] | None  # [B][M] their probabilities
+
+
+@dataclass
+class RowState:
+    """The host's side of one sequence in a decode step: what a generate call (`session.Session`) and a continuous
+    batch (`batching.ContinuousBatch`) both keep per row, and `run_rows` turns into a step's inputs."""
+
+    prompt_tokens: int
+    max_new_tokens: int
+    generated: list[int] = field(default_factory=list)
+    stop_ids: frozenset[int] = frozenset()  # ids that end the row (empty: it runs to max_new_tokens)
+    draft: int = 0  # the MTP head's guess of the token after the next one (extra row input)
+    draft_prob: float = 0.0
+    active: bool = True  # a finished row of a call stays in its batch, computed but masked
+
+    @property
+    def position(self) -> int:
+        """Cache position of the row's next input token (its last generated one)."""
+        return self.prompt_tokens + len(self.generated) - 1
+
+    @property
+    def finished(self) -> bool:
+        """It has its max_new_tokens, or its last token is a stop id."""
+        return len(self.generated) >= self.max_new_tokens or (bool(self.generated)
+                                                               and self.generated[-1] in self.stop_ids)
+
+    def would_finish(self, token: int) -> bool:
+        """Whether appending `token` ends the row."""
+        return token in self.stop_ids or len(self.generated) + 1 >= self.max_new_tokens
+
+
+def run_rows(step: "DecodeStep", rows: list[RowState | None]) -> StepOutput:
+    """One step over the rows' states -> what it sampled; `None` is a free row (token 0 at position 0, masked). The
+    one place where host rows become a step's inputs."""
+    states = [s if s is not None else _FREE_ROW for s in rows]
+    extra = step.shape.extra
+    return step([s.generated[-1] for s in states], [s.position for s in states],
+                [s is not None and s.active for s in rows], [s.draft for s in states] if extra else None,
+                [s.draft_prob for s in states] if extra else None)
+
+
+_FREE_ROW = RowState(prompt_tokens=1, max_new_tokens=0, generated=[0], active=False)
 
 
 class DecodeStep:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol
 import torch
 
 from .accounting import LayerCounters, Stats
-from .decode import DecodeStep, StepOutput, StepShape
+from .decode import DecodeStep, RowState, StepOutput, StepShape, run_rows
 from .predictors import PredictorSpec
 from .residency import counters_by_layer
 from .sampling import SamplingParams
@@ -128,7 +128,9 @@ class Session:
         self.shadow = self.spec.shadow and not self.speculative and not self.res.preloaded
         self.trace = trace  # the oracle's recorded routing
         self.record = record  # this call records the routing (the oracle's first pass)
-        self.generated: list[list[int]] = [[] for _ in range(self.batch)]
+        stop_ids = frozenset(self.args.eos_token_ids) if request.stop_at_eos else frozenset()
+        self.rows = [RowState(len(p), request.max_new_tokens, stop_ids=stop_ids) for p in request.prompts]
+        self.generated: list[list[int]] = [row.generated for row in self.rows]  # the rows' own lists
         self.finish = ["length"] * self.batch
         # per-token text only when a consumer reads it (streaming, callbacks): decoding costs host time per token
         self.texts = [TextStream(engine.tokenizer) for _ in range(self.batch)] \
@@ -156,7 +158,7 @@ class Session:
         streamed_before = streamer.bytes_copied if streamer is not None else 0
         caches = engine.kv_caches(self.batch)
         t0 = time.perf_counter()
-        first, drafts, probs = self._prefill(caches)
+        first = self._prefill(caches)
         engine.synchronize()
         self.stats.prefill_seconds = time.perf_counter() - t0
         self.stats.ttft_seconds = time.perf_counter() - started
@@ -168,20 +170,16 @@ class Session:
             self.stats.prefill_stream_bytes = streamer.bytes_copied - streamed_before
             self.stats.prefill_stream_stall_seconds = streamer.transfer.collect_stall_seconds()
 
-        active = [True] * self.batch
         for b in range(self.batch):
-            yield from self._emit(b, [first[b]], active)
-        positions = [len(p) for p in request.prompts]  # position of each sequence's next input token
+            yield from self._emit(b, [first[b]])
         t1 = time.perf_counter()
         step = self._step(caches)
-        while any(active):
-            out = step([g[-1] for g in self.generated], positions, active, drafts if step.shape.extra else None,
-                       probs if step.shape.extra else None)
+        while any(row.active for row in self.rows):
+            out = run_rows(step, self.rows)
             self.stats.decode_syncs += 1
             self.stats.decode_steps += 1
-            drafts, probs = self._advance(out, drafts, probs, positions, active)
-            for b, tokens in enumerate(self._accepted):
-                yield from self._emit(b, tokens, active)
+            for b, tokens in enumerate(self._advance(out)):
+                yield from self._emit(b, tokens)
         engine.synchronize()
         self.stats.decode_seconds = time.perf_counter() - t1
         if streamer is not None:
@@ -191,8 +189,9 @@ class Session:
         self._finish(prefill_counters)
         return self.result()
 
-    def _prefill(self, caches) -> tuple[list[int], list[int], list[float]]:
-        """Each prompt in windows of chunks into its cache row; the first tokens; the MTP head's first drafts."""
+    def _prefill(self, caches) -> list[int]:
+        """Each prompt in windows of chunks into its cache row -> the first tokens; the MTP head's first drafts go
+        into the rows."""
         engine = self.engine
         belady = self.trace is not None and self.spec.belady
         hiddens = [prefill_row(engine, caches, b, prompt, belady) for b, prompt in enumerate(self.request.prompts)]
@@ -200,11 +199,11 @@ class Session:
         rows = torch.arange(self.batch, device=engine.device)
         positions = torch.tensor([len(p) for p in self.request.prompts], device=engine.device)
         first = engine.sampler(logits, self.request.sampling, rows, positions).tolist()
-        drafts, probs = [0] * self.batch, [0.0] * self.batch
         if self.uses_mtp:
             for b, prompt in enumerate(self.request.prompts):
-                drafts[b], probs[b] = prefill_mtp_row(engine, caches, b, prompt, first[b], hiddens[b], belady)
-        return first, drafts, probs
+                row = self.rows[b]
+                row.draft, row.draft_prob = prefill_mtp_row(engine, caches, b, prompt, first[b], hiddens[b], belady)
+        return first
 
     def _step(self, caches) -> DecodeStep:
         mode = "verify" if self.speculative else ("shadow" if self.shadow else "none")
@@ -212,52 +211,43 @@ class Session:
                            record=self.record)
         return self.engine.decode_step(caches, shape, self.trace)
 
-    def _advance(self, out: StepOutput, drafts: list[int], probs: list[float], positions: list[int],
-                 active: list[bool]) -> tuple[list[int], list[float]]:
-        """Host bookkeeping after a step: which tokens each sequence gets, and the next drafts."""
+    def _advance(self, out: StepOutput) -> list[list[int]]:
+        """Host bookkeeping after a step -> the tokens each sequence gets; the rows take their next drafts."""
         next_tok, second, new_drafts, new_probs = out.next_tokens, out.second_tokens, out.drafts, out.draft_probs
-        self._accepted: list[list[int]] = [[] for _ in range(self.batch)]
-        for b in range(self.batch):
-            if not active[b]:
+        accepted_tokens: list[list[int]] = [[] for _ in range(self.batch)]
+        for b, state in enumerate(self.rows):
+            if not state.active:
                 continue
             tokens = [next_tok[b]]
             accepted = False
             if self.uses_mtp and self.drafts:  # drafts exist (not when only the learned head reads the MTP head)
                 self.stats.mtp_drafts_checked += 1
-                self.stats.mtp_drafts_correct += int(drafts[b] == next_tok[b])
+                self.stats.mtp_drafts_correct += int(state.draft == next_tok[b])
             if second is not None:
                 self.stats.draft_proposed += 1
-                if drafts[b] == next_tok[b] and not self._would_finish(b, next_tok[b]):
+                # a verified second token is not used when the first ends the sequence
+                if state.draft == next_tok[b] and not state.would_finish(next_tok[b]):
                     self.stats.draft_accepted += 1
                     accepted = True
                     tokens.append(second[b])
-            self._accepted[b] = tokens
-            positions[b] += len(tokens)
+            accepted_tokens[b] = tokens  # the rows' positions move with them as they are emitted
             if new_drafts is not None:
                 row = 1 if accepted else 0
-                drafts[b], probs[b] = new_drafts[b][row], new_probs[b][row]
-        return drafts, probs
+                state.draft, state.draft_prob = new_drafts[b][row], new_probs[b][row]
+        return accepted_tokens
 
-    def _emit(self, b: int, tokens: list[int], active: list[bool]) -> Iterator[TokenEvent]:
+    def _emit(self, b: int, tokens: list[int]) -> Iterator[TokenEvent]:
+        state = self.rows[b]
         for token in tokens:
-            if not active[b]:
+            if not state.active:
                 return
-            self.generated[b].append(token)
-            done = self._finished(b, token)
+            state.generated.append(token)
+            done = state.finished
             if done:
-                active[b] = False
-                self.finish[b] = "eos" if token in self.args.eos_token_ids and self.request.stop_at_eos else "length"
-            text = self.texts[b].piece(self.generated[b], final=done) if self.texts else None
+                state.active = False
+                self.finish[b] = "eos" if token in state.stop_ids else "length"
+            text = self.texts[b].piece(state.generated, final=done) if self.texts else None
             yield TokenEvent(b, token, text)
-
-    def _finished(self, b: int, token: int) -> bool:
-        return (self.request.stop_at_eos and token in self.args.eos_token_ids) or \
-            len(self.generated[b]) >= self.request.max_new_tokens
-
-    def _would_finish(self, b: int, token: int) -> bool:
-        """Whether appending `token` ends sequence b (then a verified second token must not be used)."""
-        return (self.request.stop_at_eos and token in self.args.eos_token_ids) or \
-            len(self.generated[b]) + 1 >= self.request.max_new_tokens
 
     # ---- ends -----------------------------------------------------------------------------------------------------
     def _finish(self, prefill_counters: torch.Tensor) -> None:
