@@ -6,6 +6,9 @@ Sampled because the small model's greedy continuations loop, and a loop's routin
 (BENCHMARKS "Sparing, timelines and a horizon head"). Every row must give reactive's tokens (seeded sampling).
 
     python experiments/learned_reuse_sampled.py --checkpoint .device-data/deep --prompts 2 --new-tokens 128
+    # reactive at LRFU half-lives instead (the bench's 64 new tokens): is the default's half-life right on sampled text?
+    python experiments/learned_reuse_sampled.py --halflives 4,8,16,32 --prompts 8 --new-tokens 64 \
+        --out experiments/results/lrfu_halflife_sampled.json
 """
 
 from __future__ import annotations
@@ -37,8 +40,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--halflives", default=None,
+                        help="comma-separated LRFU half-lives: reactive rows at each, instead of the learned rows")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "learned_reuse_sampled.json")
     ns = parser.parse_args()
+    rows_to_run = ROWS if ns.halflives is None else \
+        [("none", {"lrfu_halflife": float(h)}) for h in ns.halflives.split(",")]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     tokenizer = AutoTokenizer.from_pretrained(ns.checkpoint)
     lines = (ROOT / "experiments" / "prompts" / "heldout.jsonl").read_text().splitlines()[: ns.prompts]
@@ -47,7 +54,7 @@ def main() -> None:
                                                progress=False,
                                                predictor_path=str(ns.checkpoint / "routing_head.safetensors"))
     base, rows, reference = engine.options, [], None
-    for predictor, options in ROWS:
+    for predictor, options in rows_to_run:
         engine.options = dataclasses.replace(base, **options)
         counts = measure(engine, prompts, ns.new_tokens, predictor, temperature=ns.temperature, seed=ns.seed)
         reference = reference or counts["sequences"]

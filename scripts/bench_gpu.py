@@ -1280,14 +1280,15 @@ def learned_head_for(name: str, path: Path, args: argparse.Namespace) -> Path | 
 # a row name's modifiers: engine option, its parser
 ROW_MODIFIERS = {"fill": ("fill_confidence", float), "reuse": ("reuse_weight", float),
                  "spare": ("spare_recent", int), "inflight": ("max_inflight_experts", int),
-                 "budget": ("prefetch_budget", float), "lead": ("prefetch_lead", int)}
+                 "budget": ("prefetch_budget", float), "lead": ("prefetch_lead", int),
+                 "halflife": ("lrfu_halflife", float)}
 
 
 def modified_row(name: str, known: dict[str, tuple]) -> tuple:
-    """A row named '<row>~fillC~idle~reuseW~spareN~inflightN~budgetB~leadL~bypass' (any of the modifiers, any
-    order): the known row <row> with fill_confidence C, fill_link='idle', reuse_weight W, spare_recent N,
+    """A row named '<row>~fillC~idle~reuseW~spareN~inflightN~budgetB~leadL~halflifeH~bypass' (any of the modifiers,
+    any order): the known row <row> with fill_confidence C, fill_link='idle', reuse_weight W, spare_recent N,
     max_inflight_experts N, prefetch_budget B (0: protection only, and the plans skip their reservation passes),
-    prefetch_lead L (fills reserved at most L MoE layers before their need) and/or bypass=True."""
+    prefetch_lead L (fills reserved at most L MoE layers before their need), lrfu_halflife H and/or bypass=True."""
     base, *mods = name.split("~")
     system, predictor, speculative, lookahead, cut, overrides = known[base]
     overrides = dict(overrides)
@@ -1305,7 +1306,7 @@ def modified_row(name: str, known: dict[str, tuple]) -> tuple:
                 raise SystemExit(f"--systems: {mod!r} in {name!r} needs a number after {prefix!r}") from None
         else:
             raise SystemExit(f"--systems: unknown modifier {mod!r} in {name!r} (fillC, idle, reuseW, spareN, "
-                             f"inflightN, budgetB, leadL or bypass)")
+                             f"inflightN, budgetB, leadL, halflifeH or bypass)")
     if "reuse_weight" in overrides:
         check_fraction("reuse_weight", overrides["reuse_weight"], upper_open=False)
     return (name, predictor, speculative, lookahead, cut, overrides)
