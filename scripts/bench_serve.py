@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--predictor", default=None)
     parser.add_argument("--expert-dtype", default="model", help="the experts' format (model, fp8, int8, int4)")
+    parser.add_argument("--routing-trace", type=Path, default=None,
+                        help="decode steps route from this trace (../shared/traces; row r of a step of R rows starts "
+                             "r/R of the way into it), so a batch's rows share experts as real text's do")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="the server's steps always compute every row (serve --batch-invariant)")
     args = parser.parse_args(argv)
@@ -148,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = MoEPrefetchEngine.from_pretrained(
         path, device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, progress=False,
         max_batch_size=max(levels), max_seq_len=args.prompt_tokens + args.max_tokens + 8, vram_budget=budget,
-        expert_cache_slots=None if budget else 8, expert_dtype=args.expert_dtype)
+        expert_cache_slots=None if budget else 8, expert_dtype=args.expert_dtype,
+        routing_trace=str(args.routing_trace) if args.routing_trace else None)
     app = build_app(engine, "bench", args.predictor, max_queue=4 * max(levels), drain_seconds=5,
                     batch_invariant=args.batch_invariant)
     port = _free_port()
@@ -170,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(workload="v2lite", vram_budget_gib=args.budget_gib, max_batch_size=max(levels),
                   expert_dtype=args.expert_dtype, cache_slots=engine.plan.expert_slots,
                   batch_invariant=args.batch_invariant,
+                  routing_trace=args.routing_trace.name if args.routing_trace else None,
                   predictor=engine.options.predictor if args.predictor is None else args.predictor)
 
     def emit(row: dict[str, Any]) -> None:
