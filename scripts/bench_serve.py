@@ -190,8 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         served[level] = run_level(clients, url, prompts, level, level * args.requests_per_client, args.max_tokens)
         after = scheduler.snapshot()
         # rows per decode step: how much the server batched (the level's concurrency at most)
-        served[level]["tokens_per_decode_step"] = (after["completion_tokens"] - before["completion_tokens"]) / max(
-            after["decode_steps"] - before["decode_steps"], 1)
+        steps = max(after["decode_steps"] - before["decode_steps"], 1)
+        served[level]["tokens_per_decode_step"] = (after["completion_tokens"] - before["completion_tokens"]) / steps
+        # where the scheduler thread's time went: each admission's prefill (every stream waits for it) and the steps
+        served[level]["prefill_ms_per_request"] = 1000 * (after["prefill_seconds"] - before["prefill_seconds"]) / max(
+            served[level]["requests"], 1)
+        served[level]["ms_per_decode_step"] = 1000 * (after["decode_seconds"] - before["decode_seconds"]) / steps
         emit({**served[level], **common, "system": f"serve_c{level}"})
     clients.close()
     clients.join()

@@ -204,6 +204,10 @@ def test_models_health_and_metrics(live):
         assert name in metrics, name
     completed = [line for line in metrics.splitlines() if 'outcome="ok"' in line or 'outcome="stopped"' in line]
     assert sum(float(line.split()[-1]) for line in completed) >= 1
+    # the scheduler's time in prefills and decode steps, both spent by now (one prompt, its new tokens)
+    value = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines() if "{" in line}
+    assert value["moeprefetch_prefill_seconds_total"] > 0 and value["moeprefetch_decode_seconds_total"] > 0
+    assert value["moeprefetch_decode_steps_total"] >= 3
 
 
 def test_ignore_eos_generates_max_tokens_and_streams_one_chunk_per_token(live):

@@ -59,6 +59,9 @@ class ServerCounters:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     decode_steps: int = 0
+    # the scheduler thread's time in prompts' prefills and in decode steps: every active stream waits for both
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
     experts: dict[str, Any] = field(default_factory=dict)
 
 
@@ -103,6 +106,7 @@ class Scheduler:
             return {"queue_depth": len(self.queue), "active": len(self.rows), "alive": self._thread.is_alive(),
                     "requests": dict(self.counters.requests), "prompt_tokens": self.counters.prompt_tokens,
                     "completion_tokens": self.counters.completion_tokens, "decode_steps": self.counters.decode_steps,
+                    "prefill_seconds": self.counters.prefill_seconds, "decode_seconds": self.counters.decode_seconds,
                     "experts": dict(self.counters.experts), "max_batch_size": self.batch.rows}
 
     def stop(self, drain_seconds: float) -> None:
@@ -175,6 +179,7 @@ class Scheduler:
             self._cancelled(handle)
             return
         job = handle.job
+        started = time.perf_counter()
         try:
             row, first = self.batch.admit(job.prompt_ids, job.max_tokens, job.sampling, self._stop_ids(job))
         except MoEPrefetchError as exc:
@@ -191,9 +196,11 @@ class Scheduler:
         with self._cond:
             self.rows[row] = handle
             self.counters.prompt_tokens += len(job.prompt_ids)
+            self.counters.prefill_seconds += time.perf_counter() - started
         self._token(handle, first)
 
     def _step(self) -> None:
+        started = time.perf_counter()
         try:
             new = self.batch.step()
         except Exception as exc:
@@ -206,6 +213,7 @@ class Scheduler:
             return
         with self._cond:
             self.counters.decode_steps += 1
+            self.counters.decode_seconds += time.perf_counter() - started
         for row, token in new.items():
             handle = self.rows.get(row)
             if handle is not None:
