@@ -46,7 +46,10 @@ case "${STAGE:-tests}" in
     timeout 560 python3 scripts/bench_gpu.py --out "$out/bench_qwen3.json" --workloads qwen3_30b \
       --systems all_resident,none,next_layer_gate,oracle --runs 2 "$@" 2>&1 | filter ;;
   serve)
-    timeout 560 python3 scripts/bench_serve.py --out "$out/serve_h200.json" "$@" 2>&1 | filter ;;
+    # issue 40's rows (carry .whl: the device lacks uvicorn and starlette). Owed after the twenty-first session:
+    # `--expert-dtype int4` again (one HTTP client per client process now), bf16 (`--concurrency 1,4,16`), and the
+    # real trace forced (`--routing-trace .device-data/traces/nvmoe-dsv2lite-a.tokens.jsonl`, carry that folder)
+    timeout "${LIMIT:-560}" python3 scripts/bench_serve.py --out "$out/serve_h200.json" "$@" 2>&1 | filter ;;
   lead)
     timeout 560 python3 scripts/bench_gpu.py --out "$out/bench_lead.json" --workloads ref17 \
       --systems all_resident,none,mtp,mtp_la2,mtp_la3,mtp+next_layer_gate,mtp+next_layer_gate_la2,mtp+next_layer_gate_la3 \
