@@ -101,14 +101,12 @@ class RowState:
 def run_rows(step: "DecodeStep", rows: list[RowState | None]) -> StepOutput:
     """One step over the rows' states -> what it sampled; `None` is a free row (token 0 at position 0, masked). The
     one place where host rows become a step's inputs."""
-    states = [s if s is not None else _FREE_ROW for s in rows]
     extra = step.shape.extra
-    return step([s.generated[-1] for s in states], [s.position for s in states],
-                [s is not None and s.active for s in rows], [s.draft for s in states] if extra else None,
-                [s.draft_prob for s in states] if extra else None)
-
-
-_FREE_ROW = RowState(prompt_tokens=1, max_new_tokens=0, generated=[0], active=False)
+    return step([s.generated[-1] if s is not None else 0 for s in rows],
+                [s.position if s is not None else 0 for s in rows],
+                [s is not None and s.active for s in rows],
+                [s.draft if s is not None else 0 for s in rows] if extra else None,
+                [s.draft_prob if s is not None else 0.0 for s in rows] if extra else None)
 
 
 class DecodeStep:
