@@ -130,7 +130,6 @@ class Session:
         self.record = record  # this call records the routing (the oracle's first pass)
         stop_ids = frozenset(self.args.eos_token_ids) if request.stop_at_eos else frozenset()
         self.rows = [RowState(len(p), request.max_new_tokens, stop_ids=stop_ids) for p in request.prompts]
-        self.generated: list[list[int]] = [row.generated for row in self.rows]  # the rows' own lists
         self.finish = ["length"] * self.batch
         # per-token text only when a consumer reads it (streaming, callbacks): decoding costs host time per token
         self.texts = [TextStream(engine.tokenizer) for _ in range(self.batch)] \
@@ -141,6 +140,11 @@ class Session:
                            speculative=self.speculative, sequences=self.batch,
                            prompt_tokens=sum(len(p) for p in request.prompts),
                            main_layers=tuple(self.args.moe_layers))
+
+    @property
+    def generated(self) -> list[list[int]]:
+        """Each sequence's tokens so far (the rows' own lists)."""
+        return [row.generated for row in self.rows]
 
     # ---- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> Iterator[TokenEvent]:
