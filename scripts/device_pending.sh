@@ -13,7 +13,7 @@
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
 # Usage: STAGE=qwen3|serve|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
 #   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace|int4_tests|int4_bench|int4_gemv|learned_deep| \
-#   divergence \
+#   divergence|table_stress \
 #   [LIMIT=seconds] \
 #   bash scripts/device_pending.sh OUT_DIR [bench options]
 # Triton's compile cache travels between calls of a session (a cold cache cost the tests stage its whole 450 s
@@ -198,6 +198,16 @@ case "${STAGE:-tests}" in
     # --probe-reads-only --repeats 3 --variants late_reread,repeat,late_reread,repeat (BENCHMARKS "4-bit and FP8 experts")
     timeout "${LIMIT:-400}" python3 scripts/oracle_divergence.py --out "$out/oracle_divergence.json" "$@" 2>&1 | \
       grep -E '^\{|Error|error' | cut -c1-300 ;;
+  table_stress)
+    # the slot race without a model (scripts/table_stress.py): the residency driven as a decode step over the real
+    # V2-Lite trace (carry .device-data/traces), every expert product against all-resident's; bf16, then FP8 (RUNS,
+    # REPEATS, TOKENS override; the second run gets what time is left)
+    runs=${RUNS:-none,oracle,oracle_next:spare0,oracle:reread,oracle:eager}
+    timeout "${LIMIT:-280}" python3 scripts/table_stress.py --out "$out/table_stress_bf16.json" --runs "$runs" \
+      --repeats "${REPEATS:-3}" --tokens "${TOKENS:-128}" --slots 544 "$@" 2>&1 | grep -E "table_stress|Error|error" | cut -c1-400
+    timeout "${LIMIT2:-250}" python3 scripts/table_stress.py --out "$out/table_stress_fp8.json" --runs "$runs" \
+      --repeats "${REPEATS:-3}" --tokens "${TOKENS:-128}" --slots 1040 --expert-dtype fp8 "$@" 2>&1 | \
+      grep -E "table_stress|Error|error" | cut -c1-400 ;;
   distributed)
     timeout 150 python3 -m pytest "$(junit)" tests/test_distributed.py -q -p no:cacheprovider --tb=short -k gpus 2>&1 | tail -5
     timeout 200 torchrun --nproc-per-node 1 scripts/bench_distributed.py --out "$out/distributed_1gpu.json" \

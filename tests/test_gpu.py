@@ -89,6 +89,31 @@ def test_fills_racing_the_compute_never_expose_a_half_written_slot(checkpoint_fa
         assert not engine.residency.problems()
 
 
+def test_late_fills_of_real_sized_records_publish_whole_copies(tmp_path):
+    """The residency table alone (`scripts/table_stress.py`), routed by 128 tokens of the real V2-Lite trace: 26 MoE
+    layers of 64 FP8 experts of V2-Lite's shape (133 chunks a record) at 1,040 slots, the oracle's fills on a busy
+    link, hundreds of them late: every expert product of every layer equals all-resident's and no published slot
+    differs from its record. With each warp of a fill program reading the main stream's clock on its own, 3 of 4 such
+    runs had wrong products (1-17; BENCHMARKS "The fill kernel's torn chunks"); on skewed random routing of 8 layers,
+    none of 6 did, hence the real trace."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "stress.json"
+    subprocess.run([sys.executable, str(root / "scripts" / "table_stress.py"), "--out", str(out), "--trace",
+                    str(root / "tests" / "data" / "nvmoe-dsv2lite-a.first128.tokens.jsonl"), "--expert-dtype", "fp8",
+                    "--slots", "1040", "--tokens", "128", "--runs", "oracle,oracle:reread", "--repeats", "2"],
+                   check=True, capture_output=True, timeout=600)
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["run"] != "all_resident"]
+    assert len(rows) == 4
+    for row in rows:
+        assert row["wrong"] == 0 and row["wrong_layer_outputs"] == 0 and row["corrupt_slots"] == 0, row["run"]
+        assert row["checked"] == 128 * 26 * 6, row["run"]  # every step's six experts of every layer
+        assert row["counters"]["late"] > 0, row["run"]  # fills were late: the path that tore them ran
+
+
 def test_idle_link_fills_fill_cuts_and_forced_routing_keep_the_tokens_on_gpu(checkpoint_factory, tmp_path):
     """Fills that yield the link to host reads (`fill_link="idle"`), a fill cut above the protection cut, the
     one-token oracle, and decode routing forced from a trace (in the step's graph): tokens of every expert resident,

@@ -95,6 +95,16 @@ if HAS_TRITON:
         tl.atomic_add(counters_ptr + position * NC + ZERO_COPY, tl.sum(failed.to(tl.int64), axis=0))
 
     @triton.jit
+    def _read_shared(ptr):
+        """One value of a word the main stream changes, the same for every warp of the program: a scalar atomic is
+        made by one thread and handed to the others through shared memory. A plain volatile load is made by each warp
+        on its own, and warps that read different clocks took different branches: some gave up a fill while the
+        others claimed its next chunk, copied their part of it alone and counted it as landed, so a published slot
+        kept its previous expert's words in the rest (`scripts/table_stress.py`, BENCHMARKS "The fill kernel's torn
+        chunks")."""
+        return tl.atomic_add(ptr, 0, sem="relaxed")
+
+    @triton.jit
     def _yield_link(demand_ptr, progress_ptr, launch, deadline, SPINS: tl.constexpr):
         """Wait while this layer reads experts from host, unless the fill is needed by the next MoE layer (its clock
         is at most two after the launch's) or the main stream has moved on (the next launch takes over). Why the
@@ -104,11 +114,28 @@ if HAS_TRITON:
         `next_layer_gate` 27.45 ms/token against 26.91 sharing the link, `oracle_next` 22.76 against 22.45."""
         if deadline > launch + 2:
             spins = 0
-            busy = tl.load(demand_ptr, volatile=True)
+            busy = _read_shared(demand_ptr)
             while (busy != 0) & (spins < SPINS):
-                busy = tl.load(demand_ptr, volatile=True)
-                busy = tl.where(tl.load(progress_ptr, volatile=True) > launch, 0, busy)
+                busy = _read_shared(demand_ptr)
+                busy = tl.where(_read_shared(progress_ptr) > launch, 0, busy)
                 spins += 1
+
+    @triton.jit
+    def _claim(e_next_ptr, progress_ptr, demand_ptr, j, launch, deadline, N_CHUNKS: tl.constexpr, IDLE: tl.constexpr,
+               SPINS: tl.constexpr):
+        """(the next chunk of fill j for this program, or N_CHUNKS for none; 0 once the main stream has moved past
+        this launch, else 1). A fill whose layer has been planned gets no more chunks: that layer read the expert from
+        host, and copying it now would only cross the link twice."""
+        progress = _read_shared(progress_ptr)
+        chunk = N_CHUNKS
+        running = 1
+        if progress > launch:
+            running = 0
+        elif deadline > progress:
+            if IDLE:
+                _yield_link(demand_ptr, progress_ptr, launch, deadline, SPINS)
+            chunk = tl.atomic_add(e_next_ptr + j, 1)
+        return chunk, running
 
     @triton.jit(do_not_specialize=("position",))  # one variant for every layer
     def _fill_kernel(order_ptr, e_key_ptr, e_slot_ptr, e_deadline_ptr, e_next_ptr, e_done_ptr, e_ready_ptr,
@@ -129,36 +156,20 @@ if HAS_TRITON:
                 deadline = tl.load(e_deadline_ptr + j)
                 src = delta + tl.load(e_key_ptr + j).to(tl.int64) * REC
                 dst = tl.load(e_slot_ptr + j).to(tl.int64) * REC
-                chunk = 0
-                progress = tl.load(progress_ptr, volatile=True)
-                if progress > launch:
-                    running = 0
-                    chunk = N_CHUNKS
-                elif deadline <= progress:
-                    chunk = N_CHUNKS  # its layer already planned: skip
-                else:
-                    if IDLE:
-                        _yield_link(demand_ptr, progress_ptr, launch, deadline, SPINS)
-                    chunk = tl.atomic_add(e_next_ptr + j, 1)
+                chunk, running = _claim(e_next_ptr, progress_ptr, demand_ptr, j, launch, deadline, N_CHUNKS, IDLE,
+                                        SPINS)
                 while chunk < N_CHUNKS:
                     for start in range(0, CHUNK, BLOCK):
                         offs = chunk * CHUNK + start + lanes
                         mask = offs < REC
                         words = tl.load(pool_ptr + src + offs, mask=mask, other=0)
                         tl.store(pool_ptr + dst + offs, words, mask=mask)
+                    tl.debug_barrier()  # every warp's stores of the chunk before the one thread's count (release)
                     landed = tl.atomic_add(e_done_ptr + j, 1, sem="acq_rel")
                     if landed == N_CHUNKS - 1:
                         tl.atomic_xchg(e_ready_ptr + j, 1, sem="release")
-                    progress = tl.load(progress_ptr, volatile=True)
-                    if progress > launch:
-                        running = 0
-                        chunk = N_CHUNKS
-                    elif deadline <= progress:
-                        chunk = N_CHUNKS
-                    else:
-                        if IDLE:
-                            _yield_link(demand_ptr, progress_ptr, launch, deadline, SPINS)
-                        chunk = tl.atomic_add(e_next_ptr + j, 1)
+                    chunk, running = _claim(e_next_ptr, progress_ptr, demand_ptr, j, launch, deadline, N_CHUNKS,
+                                            IDLE, SPINS)
             i += 1
 
 
@@ -166,8 +177,9 @@ class Filler:
     """Fill launches over one pool and host arena: the Triton kernel on the GPU, the reference elsewhere."""
 
     def __init__(self, st: TableState, cfg: ResidencyConfig, pool: torch.Tensor, host: torch.Tensor | None,
-                 use_kernel: bool, programs: int = FILL_PROGRAMS):
+                 use_kernel: bool, programs: int = FILL_PROGRAMS, num_warps: int = 8):
         self.st, self.cfg, self.pool, self.host = st, cfg, pool, host
+        self.num_warps = num_warps
         self.use_kernel = use_kernel and host is not None and cfg.record_bytes % 4 == 0
         self.programs = programs
         if self.use_kernel:
@@ -193,7 +205,7 @@ class Filler:
     def launch(self, position: int) -> Launch:
         st, cfg = self.st, self.cfg
         return Launch(
-            _fill_kernel, (self.programs,), num_warps=8, num_stages=1, order_ptr=st.order[position + 1],
+            _fill_kernel, (self.programs,), num_warps=self.num_warps, num_stages=1, order_ptr=st.order[position + 1],
             e_key_ptr=st.e_key, e_slot_ptr=st.e_slot, e_deadline_ptr=st.e_deadline, e_next_ptr=st.e_next,
             e_done_ptr=st.e_done, e_ready_ptr=st.e_ready, progress_ptr=st.progress, step_ptr=st.step,
             pool_ptr=self._words, delta_ptr=self._delta, demand_ptr=st.demand, position=position, P=cfg.positions,
