@@ -144,7 +144,7 @@ def test_idle_link_fills_fill_cuts_and_forced_routing_keep_the_tokens_on_gpu(che
         options = dict(expert_cache_slots=slots, fill_link="idle") if slots else {}
         engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_seq_len=1024,
                                                    routing_trace=str(tmp_path / "t.jsonl"), **options)
-        for predictor in ("oracle_next", "oracle") if slots else ("none",):  # the oracle: see BENCHMARKS (a mismatch)
+        for predictor in ("oracle_next", "oracle") if slots else ("none",):
             forced.append(engine.generate(prompts, max_new_tokens=60, stop_at_eos=False,
                                           predictor=predictor).sequences)
         assert all(step.captured for step in engine._steps.values())
