@@ -374,6 +374,24 @@ def test_fill_kernel_copies_in_deadline_order_and_skips_passed_needs(idle):
     assert torch.equal(results[0][0], results[1][0])
 
 
+def test_fill_programs_decide_on_one_read_of_the_main_streams_words():
+    """A fill program reads the words the main stream changes while it runs (the plan clock, `demand`) only through
+    `_read_shared`, one value for all its warps, never with a per-warp volatile load: warps that decided on different
+    clocks left chunks half copied and counted them landed (BENCHMARKS "The fill kernel's torn chunks"). The
+    interpreter runs a program as one thread, so on the CPU only the kernels' source can show it."""
+    import inspect
+
+    from moeprefetch.residency import fill
+
+    for kernel in (fill._fill_kernel, fill._claim, fill._yield_link):
+        source = inspect.getsource(kernel.fn)
+        assert "volatile" not in source, kernel.fn.__name__
+        assert "tl.load(progress_ptr" not in source and "tl.load(demand_ptr" not in source, kernel.fn.__name__
+    assert "_read_shared(progress_ptr)" in inspect.getsource(fill._claim.fn)
+    assert "_read_shared(demand_ptr)" in inspect.getsource(fill._yield_link.fn)
+    assert "tl.atomic_add(ptr, 0" in inspect.getsource(fill._read_shared.fn)  # a scalar atomic: one thread, shared
+
+
 @pytest.mark.slow
 def test_kernels_compile_for_hopper():
     """What the interpreter cannot check: the compiler's type rules and resources, at DeepSeek-V2-Lite's shape
