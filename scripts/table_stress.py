@@ -20,6 +20,7 @@ layer stands in for attention and the shared experts (`--compute-mb` of weights 
 A run is `predictor[:modifier...]`: predictor `none`, `oracle` (whole future: Belady's victims and the next step's
 routing) or `oracle_next` (the next step's routing only); modifiers `spare0`/`spare1` (prefetches may evict the
 last step's experts), `reread` (late fills read from host instead of waited for), `eager` (no CUDA graph),
+`idle` (fills for later layers yield the link to a layer's host reads),
 `inflightN`, `budgetN`, `programsN` and `warpsN` (the fill kernel's grid and warps).
 """
 
@@ -41,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from moeprefetch.experts import ExpertFormat  # noqa: E402
 from moeprefetch.residency import PlanBuffers, Residency  # noqa: E402
-from moeprefetch.residency.fill import FILL_PROGRAMS  # noqa: E402
+from moeprefetch.residency.fill import FILL_PROGRAMS, FILL_WARPS  # noqa: E402
 from moeprefetch.residency.state import C, COUNTERS  # noqa: E402
 from moeprefetch.store import HostExpertStore  # noqa: E402
 from moeprefetch.traces import load_trace  # noqa: E402
@@ -65,6 +66,7 @@ class Run:
     budget: int | None = None
     programs: int | None = None  # the fill kernel's grid (None: the engine's)
     warps: int | None = None  # its warps per program (None: the engine's)
+    idle_link: bool = False  # fills for later layers yield the link to a layer's host reads (fill_link="idle")
 
     @staticmethod
     def parse(text: str) -> "Run":
@@ -79,6 +81,8 @@ class Run:
                 run.wait_late = False
             elif mod == "eager":
                 run.graphs = False
+            elif mod == "idle":
+                run.idle_link = True
             elif mod.startswith("inflight"):
                 run.inflight = int(mod[8:])
             elif mod.startswith("budget"):
@@ -191,11 +195,11 @@ class Stepper:
         budget = run.budget if run.budget is not None else math.ceil(1.5 * k)
         inflight = run.inflight if run.inflight is not None else max(2 * k, 4)
         res.configure(ring=2, budget_per_target=budget if self.oracle else 0, max_inflight=inflight,
-                      spare_recent=spare, wait_late=run.wait_late)
+                      spare_recent=spare, wait_late=run.wait_late, fill_idle_link=run.idle_link)
         if belady:
             res.know_future(self.inputs.needed)
         res.filler.programs = run.programs or FILL_PROGRAMS
-        res.filler.num_warps = run.warps or 8
+        res.filler.num_warps = run.warps or FILL_WARPS
 
     def _write_predictions(self) -> None:
         """The oracle's ring rows for this step and the next (as `predictors.write_trace` does)."""
@@ -434,7 +438,8 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, default=None, help=f"routing trace (default {DEFAULT_TRACE})")
     parser.add_argument("--tiny", action="store_true", help="a small synthetic table (the script on the CPU)")
     parser.add_argument("--synthetic", type=int, nargs=3, metavar=("POSITIONS", "EXPERTS", "TOP_K"),
-                        help="skewed random routing of this shape instead of a trace (the GPU test's table)")
+                        help="skewed random routing of this shape instead of a trace (it did not show the torn "
+                        "chunks that the real trace did: BENCHMARKS \"The fill kernel's torn chunks\")")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=1408)

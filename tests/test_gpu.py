@@ -91,23 +91,25 @@ def test_fills_racing_the_compute_never_expose_a_half_written_slot(checkpoint_fa
 
 def test_late_fills_of_real_sized_records_publish_whole_copies(tmp_path):
     """The residency table alone (`scripts/table_stress.py`), routed by 128 tokens of the real V2-Lite trace: 26 MoE
-    layers of 64 FP8 experts of V2-Lite's shape (133 chunks a record) at 1,040 slots, the oracle's fills on a busy
-    link, hundreds of them late: every expert product of every layer equals all-resident's and no published slot
-    differs from its record. With each warp of a fill program reading the main stream's clock on its own, 3 of 4 such
-    runs had wrong products (1-17; BENCHMARKS "The fill kernel's torn chunks"); on skewed random routing of 8 layers,
-    none of 6 did, hence the real trace."""
+    layers of 64 FP8 experts of V2-Lite's shape (133 chunks a record) at 1,040 slots, the oracles' fills on a busy
+    link (also yielding it to host reads), hundreds of them late: every expert product of every layer equals
+    all-resident's and no published slot differs from its record. With each warp of a fill program reading the main
+    stream's clock on its own, 3 of 4 such runs had wrong products (1-17; BENCHMARKS "The fill kernel's torn
+    chunks"); on skewed random routing of 8 layers, none of 6 did, hence the real trace."""
     import json
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "stress.json"
-    subprocess.run([sys.executable, str(root / "scripts" / "table_stress.py"), "--out", str(out), "--trace",
-                    str(root / "tests" / "data" / "nvmoe-dsv2lite-a.first128.tokens.jsonl"), "--expert-dtype", "fp8",
-                    "--slots", "1040", "--tokens", "128", "--runs", "oracle,oracle:reread", "--repeats", "2"],
-                   check=True, capture_output=True, timeout=600)
+    done = subprocess.run([sys.executable, str(root / "scripts" / "table_stress.py"), "--out", str(out), "--trace",
+                           str(root / "tests" / "data" / "nvmoe-dsv2lite-a.first128.tokens.jsonl"), "--expert-dtype",
+                           "fp8", "--slots", "1040", "--tokens", "128", "--runs",
+                           "oracle,oracle:reread,oracle_next:spare0:idle", "--repeats", "2"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
     rows = [r for r in json.loads(out.read_text())["rows"] if r["run"] != "all_resident"]
-    assert len(rows) == 4
+    assert len(rows) == 6
     for row in rows:
         assert row["wrong"] == 0 and row["wrong_layer_outputs"] == 0 and row["corrupt_slots"] == 0, row["run"]
         assert row["checked"] == 128 * 26 * 6, row["run"]  # every step's six experts of every layer

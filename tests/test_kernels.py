@@ -388,6 +388,7 @@ def test_fill_programs_decide_on_one_read_of_the_main_streams_words():
         assert "volatile" not in source, kernel.fn.__name__
         assert "tl.load(progress_ptr" not in source and "tl.load(demand_ptr" not in source, kernel.fn.__name__
     assert "_read_shared(progress_ptr)" in inspect.getsource(fill._claim.fn)
+    assert "_read_shared(e_deadline_ptr" in inspect.getsource(fill._fill_kernel.fn)  # late plans raise it
     assert "_read_shared(demand_ptr)" in inspect.getsource(fill._yield_link.fn)
     assert "tl.atomic_add(ptr, 0" in inspect.getsource(fill._read_shared.fn)  # a scalar atomic: one thread, shared
 

@@ -28,6 +28,7 @@ if HAS_TRITON:
     import triton.language as tl
 
 FILL_PROGRAMS = 16  # link-saturating yet small (h200.md 5: 16 programs copy at 51 GB/s beside compute)
+FILL_WARPS = 8  # per program
 FILL_BLOCK = 2048  # int32 elements per load (8 KiB)
 # Polls of the ready flags before a late expert is read from host instead. Only a safety net: a late expert's fill
 # is first in line, so it lands within one expert's link time, and rereading it from host crosses the link twice.
@@ -127,13 +128,15 @@ if HAS_TRITON:
         this launch, else 1). A fill whose layer has been planned gets no more chunks: that layer read the expert from
         host, and copying it now would only cross the link twice."""
         progress = _read_shared(progress_ptr)
+        if IDLE:
+            if (progress <= launch) & (deadline > progress):
+                _yield_link(demand_ptr, progress_ptr, launch, deadline, SPINS)
+                progress = _read_shared(progress_ptr)  # the wait may have outlasted this launch
         chunk = N_CHUNKS
         running = 1
         if progress > launch:
             running = 0
         elif deadline > progress:
-            if IDLE:
-                _yield_link(demand_ptr, progress_ptr, launch, deadline, SPINS)
             chunk = tl.atomic_add(e_next_ptr + j, 1)
         return chunk, running
 
@@ -153,7 +156,7 @@ if HAS_TRITON:
             if j < 0:
                 running = 0
             else:
-                deadline = tl.load(e_deadline_ptr + j)
+                deadline = _read_shared(e_deadline_ptr + j)  # a late need's plan may raise it meanwhile
                 src = delta + tl.load(e_key_ptr + j).to(tl.int64) * REC
                 dst = tl.load(e_slot_ptr + j).to(tl.int64) * REC
                 chunk, running = _claim(e_next_ptr, progress_ptr, demand_ptr, j, launch, deadline, N_CHUNKS, IDLE,
@@ -177,7 +180,7 @@ class Filler:
     """Fill launches over one pool and host arena: the Triton kernel on the GPU, the reference elsewhere."""
 
     def __init__(self, st: TableState, cfg: ResidencyConfig, pool: torch.Tensor, host: torch.Tensor | None,
-                 use_kernel: bool, programs: int = FILL_PROGRAMS, num_warps: int = 8):
+                 use_kernel: bool, programs: int = FILL_PROGRAMS, num_warps: int = FILL_WARPS):
         self.st, self.cfg, self.pool, self.host = st, cfg, pool, host
         self.num_warps = num_warps
         self.use_kernel = use_kernel and host is not None and cfg.record_bytes % 4 == 0
