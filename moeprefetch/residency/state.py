@@ -37,6 +37,10 @@ COUNTERS = (
 C = {name: i for i, name in enumerate(COUNTERS)}
 
 
+def _as_fp32(value: float) -> float:
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
 @dataclass(frozen=True)
 class ResidencyConfig:
     positions: int  # P: MoE positions in the table (main MoE layers, then the MTP layer if any)
@@ -64,6 +68,13 @@ class ResidencyConfig:
     reuse_weight: float = 0.0
     # a miss whose P(needed soon) is below its victim's is read in place without admission (the victim stays)
     bypass: bool = False
+
+    def __post_init__(self) -> None:
+        # confidences live in fp32 tensors (the prediction ring), and the plan kernel compares them with its fp32
+        # arguments: the cuts are held as the fp32 values they become there, so that a confidence equal to a cut
+        # passes it in every path (as a Python double, 0.7 is above fp32(0.7) = 0.699999988)
+        for name in ("min_confidence", "fill_confidence"):
+            object.__setattr__(self, name, _as_fp32(getattr(self, name)))
 
     @property
     def fills(self) -> bool:
