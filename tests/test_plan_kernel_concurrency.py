@@ -21,8 +21,8 @@ import torch
 from conftest import full_only
 from moeprefetch.residency.plan import next_use_table, plan_layer, step_end, step_start
 from moeprefetch.residency.plan_kernel import LayerPlanner
-from moeprefetch.residency.state import C, E_ACTIVE, E_FREE, RESIDENT, ResidencyConfig, TableState
-from test_residency_concurrency import SideStream
+from moeprefetch.residency.state import C, E_ACTIVE, E_FREE, ResidencyConfig, TableState
+from test_residency_concurrency import SideStream, await_late, read_experts, torn_published
 
 ENTRY_FIELDS = ("e_state", "e_key", "e_slot", "e_deadline", "e_made", "e_next", "e_done", "e_ready")
 SLOT_FIELDS = ("slot_state", "key_of", "last_use", "protect", "prefetched_at")
@@ -222,38 +222,14 @@ def run_checked(seed: int, slots: int = 6, spare: int = 0, wait: bool = True, ri
             u_key, u_slot, u_dst = out_k["u_key"], out_k["u_slot"], out_k["u_dst"]
             u_wait = out_k.get("u_wait", torch.full((u_size,), -1, dtype=torch.int32))
             busy()
-            for u in range(u_size):  # the await launch: bounded polls, then the expert reads from host
-                j = int(u_wait[u])
-                if j >= 0:
-                    spins = 0
-                    while not int(st.e_ready[j]) and spins < wait_spins:
-                        side.tick()
-                        spins += 1
-                    if not int(st.e_ready[j]):
-                        u_slot[u] = -1
-                        st.counters[p, C["zero_copy"]] += 1
-                        found["gave_up"] += 1
-            for u in range(u_size):  # the expert kernel: slot reads must be whole; admissions stream in
-                busy()
-                key, slot, dst = int(u_key[u]), int(u_slot[u]), int(u_dst[u])
-                if key < 0:
-                    continue
-                if slot >= 0:
-                    found["waited_reads" if int(u_wait[u]) >= 0 else "hit_reads"] += 1
-                    found["stale_reads"] += int(not torch.equal(pool[slot], host[key]))
-                if dst >= 0:
-                    half = cfg.record_bytes // 2
-                    pool[dst, :half] = host[key, :half]
-                    busy()
-                    pool[dst, half:] = host[key, half:]
+            await_late(st, side, p, u_wait, u_slot, u_size, wait_spins, found)
+            read_experts(cfg, pool, host, u_key, u_slot, u_dst, u_wait, u_size, busy, found)
             if idle:
                 st.demand.zero_()  # the layer's host reads are over
         busy()
         step_end(st, cfg)
         side.drain()
-    published = (st.slot_state == RESIDENT) & (st.key_of >= 0)
-    found["torn_at_end"] = sum(int(not torch.equal(pool[s], host[int(st.key_of[s])]))
-                               for s in range(slots) if published[s])
+    found["torn_at_end"] = torn_published(st, pool, host)
     found["fills"] = int(st.counters[:, C["prefetch_issued"]].sum())
     if not torch.equal(traces[0], traces[1]):
         found["mismatches"] += 1

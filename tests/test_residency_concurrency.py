@@ -9,7 +9,9 @@ deadline checks, chunk claims, the last chunk's ready flag), stepped in a random
 stream's operations (`residency/plan.py`'s plans, the await, the expert kernel's reads and admissions); every slot
 the expert kernel reads as a hit or after a wait must hold its expert's record, and every published slot must at
 the end. The H200's slot probe found published slots without their records (BENCHMARKS "4-bit and FP8 experts");
-this checks the protocol itself, not the GPU's memory model.
+this checks the protocol itself, not the GPU's memory model, nor a program's warps (one thread stands for a
+program here: a race between warps that decided on different reads of the clock tore chunks on the GPU, BENCHMARKS
+"The fill kernel's torn chunks").
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from moeprefetch.residency.fill import launch_clock
 from moeprefetch.residency.plan import plan_layer, step_end, step_start
-from moeprefetch.residency.state import E_ACTIVE, RESIDENT, ResidencyConfig, TableState
+from moeprefetch.residency.state import C, E_ACTIVE, RESIDENT, ResidencyConfig, TableState
 
 PROGRAMS = 16  # the fill kernel's grid
 
@@ -104,6 +106,50 @@ class SideStream:
             self.tick()
 
 
+def await_late(st: TableState, side: "SideStream", position: int, u_wait: torch.Tensor, u_slot: torch.Tensor,
+               count: int, wait_spins: int, found: dict[str, int]) -> None:
+    """The await launch: bounded polls of each late expert's ready flag while the side stream runs; one that has not
+    landed by then is read from host (counted as zero-copy, as `_await_kernel` does)."""
+    for u in range(count):
+        j = int(u_wait[u])
+        if j < 0:
+            continue
+        spins = 0
+        while not int(st.e_ready[j]) and spins < wait_spins:
+            side.tick()
+            spins += 1
+        if not int(st.e_ready[j]):
+            u_slot[u] = -1
+            st.counters[position, C["zero_copy"]] += 1
+            found["gave_up"] += 1
+
+
+def read_experts(cfg: ResidencyConfig, pool: torch.Tensor, host: torch.Tensor, u_key: torch.Tensor,
+                 u_slot: torch.Tensor, u_dst: torch.Tensor, u_wait: torch.Tensor, count: int, busy,
+                 found: dict[str, int]) -> None:
+    """The expert kernel: every slot it reads must hold its record (a stale read otherwise); an admission streams into
+    its victim slot in two halves, with the side stream running between them."""
+    for u in range(count):
+        busy()
+        key, slot, dst = int(u_key[u]), int(u_slot[u]), int(u_dst[u])
+        if key < 0:
+            continue
+        if slot >= 0:
+            found["waited_reads" if int(u_wait[u]) >= 0 else "hit_reads"] += 1
+            found["stale_reads"] += int(not torch.equal(pool[slot], host[key]))
+        if dst >= 0:
+            half = cfg.record_bytes // 2
+            pool[dst, :half] = host[key, :half]
+            busy()
+            pool[dst, half:] = host[key, half:]
+
+
+def torn_published(st: TableState, pool: torch.Tensor, host: torch.Tensor) -> int:
+    """Published slots whose bytes are not their expert's record (streams idle)."""
+    published = (st.slot_state == RESIDENT) & (st.key_of >= 0)
+    return sum(int(not torch.equal(pool[s], host[int(st.key_of[s])])) for s in range(pool.shape[0]) if published[s])
+
+
 def run_decode(seed: int, slots: int, spare: int, steps: int = 24, positions: int = 4, experts: int = 8,
                k: int = 2, side_speed: int = 40, wait_spins: int = 60) -> dict[str, int]:
     """Decode steps with the one-token oracle's predictions (every step's routing known one step ahead); returns
@@ -148,37 +194,13 @@ def run_decode(seed: int, slots: int, spare: int, steps: int = 24, positions: in
                        torch.zeros(1, k, dtype=torch.int32), u_key, u_slot, u_dst, True, True, u_wait=u_wait)
             side.launch(p)
             busy()
-            for u in range(k):  # the await launch: bounded polls, then the expert reads from host
-                j = int(u_wait[u])
-                if j >= 0:
-                    spins = 0
-                    while not int(st.e_ready[j]) and spins < wait_spins:
-                        side.tick()
-                        spins += 1
-                    if not int(st.e_ready[j]):
-                        u_slot[u] = -1
-                        found["gave_up"] += 1
-            for u in range(k):  # the expert kernel: slot reads must be whole; admissions stream in
-                busy()
-                key, slot, dst = int(u_key[u]), int(u_slot[u]), int(u_dst[u])
-                if key < 0:
-                    continue
-                if slot >= 0:
-                    found["waited_reads" if int(u_wait[u]) >= 0 else "hit_reads"] += 1
-                    if not torch.equal(pool[slot], host[key]):
-                        found["stale_reads"] += 1
-                if dst >= 0:
-                    half = cfg.record_bytes // 2
-                    pool[dst, :half] = host[key, :half]
-                    busy()
-                    pool[dst, half:] = host[key, half:]
+            await_late(st, side, p, u_wait, u_slot, k, wait_spins, found)
+            read_experts(cfg, pool, host, u_key, u_slot, u_dst, u_wait, k, busy, found)
         busy()
         step_end(st, cfg)
         side.drain()
-    published = (st.slot_state == RESIDENT) & (st.key_of >= 0)
-    found["torn_at_end"] = sum(int(not torch.equal(pool[s], host[int(st.key_of[s])]))
-                               for s in range(slots) if published[s])
-    found["fills"] = int(st.counters[:, 7].sum())  # prefetch_issued
+    found["torn_at_end"] = torn_published(st, pool, host)
+    found["fills"] = int(st.counters[:, C["prefetch_issued"]].sum())
     found["active_at_end"] = int((st.e_state == E_ACTIVE).sum())
     return found
 
