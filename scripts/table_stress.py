@@ -41,9 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from moeprefetch.experts import ExpertFormat  # noqa: E402
+from moeprefetch.predictors import PredictionRing  # noqa: E402
 from moeprefetch.residency import PlanBuffers, Residency  # noqa: E402
 from moeprefetch.residency.fill import FILL_PROGRAMS, FILL_WARPS  # noqa: E402
-from moeprefetch.residency.state import C, COUNTERS  # noqa: E402
+from moeprefetch.residency.state import C, COUNTERS, ResidencyConfig  # noqa: E402
 from moeprefetch.store import HostExpertStore  # noqa: E402
 from moeprefetch.traces import load_trace  # noqa: E402
 
@@ -201,24 +202,11 @@ class Stepper:
         res.filler.programs = run.programs or FILL_PROGRAMS
         res.filler.num_warps = run.warps or FILL_WARPS
 
-    def _write_predictions(self) -> None:
-        """The oracle's ring rows for this step and the next (as `predictors.write_trace` does)."""
-        st, needed = self.res.st, self.inputs.needed
-        total = needed.shape[0]
-        ring = self.res.cfg.ring
-        for ahead in range(2):
-            target = st.decode_step + ahead
-            inside = (target < total).to(torch.float32)
-            recorded = needed.index_select(0, target.clamp(max=total - 1)).float() * inside
-            row = target % ring
-            current = st.pred.index_select(0, row)
-            st.pred.index_copy_(0, row, torch.maximum(current, recorded))
-
     def body(self) -> None:
         res, b, inp, log = self.res, self.buffers, self.inputs, self.log
         res.begin_step(decode=True, belady=self.belady)
         if self.oracle:
-            self._write_predictions()
+            PredictionRing(res.st.pred, res.st.decode_step, res.cfg.ring).write_trace(self.inputs.needed, 2)
             res.plan_step()
         t = res.st.decode_step
         x_t = inp.x.index_select(0, t)[0]  # [P, H]
@@ -264,7 +252,7 @@ class Stepper:
         self.graph.replay()
 
 
-CHUNK_WORDS = (1 << 16) // 4  # the fill kernel's chunk, in int32 words
+CHUNK_WORDS = ResidencyConfig.chunk_bytes // 4  # the fill kernel's chunk, in int32 words
 
 
 def chunk_sums(words: torch.Tensor) -> torch.Tensor:
