@@ -34,6 +34,7 @@ def load_script(name: str):
     spec = importlib.util.spec_from_file_location(f"scripts_{name}", ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script is being defined
     spec.loader.exec_module(module)
     return module
 

@@ -160,3 +160,34 @@ def test_token_routing_table_counts_each_tokens_experts_and_smooths_towards_the_
     assert torch.allclose(table[2, 0], overall)  # never seen
     truth = torch.tensor([[[0, 1]]])
     assert module.recall(table[0:1], truth, 2) == 0.5  # its top-2 are experts 0 and one of 1/2
+
+
+def test_table_stress_checks_every_product_and_finds_a_torn_slot(tmp_path):
+    """scripts/table_stress.py (the GPU test of the fills runs it on real records): on the CPU's reference plans, the
+    oracle's run issues fills, names every need, and every product and layer output equals all-resident's; a slot
+    written wrong after a run is reported with the chunk that differs and whose words it holds."""
+    import torch
+
+    from conftest import load_script
+
+    table_stress = load_script("table_stress")
+    out = tmp_path / "stress.json"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts/table_stress.py"), "--device", "cpu", "--tiny",
+                           "--tokens", "8", "--runs", "oracle", "--repeats", "1", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(out.read_text())["rows"][1]
+    assert row["counters"]["prefetch_issued"] > 0 and row["counters"]["predicted_correct"] == row["counters"]["truth"]
+    assert row["checked"] == 8 * 4 * 2 and row["wrong"] == 0 and row["wrong_layer_outputs"] == 0
+    assert row["corrupt_slots"] == 0
+
+    fmt = table_stress.ExpertFormat.build(64, 32, torch.float32, "model")
+    store = table_stress.build_store(fmt, 2, 4, torch.device("cpu"), pin=False, seed=0)
+    res = table_stress.make_residency(fmt, 2, 4, 2, 3, store, torch.device("cpu"))
+    res.pool[0].copy_(store.record(1, 2))  # a slot published with key 6 but holding key 5's bytes in its chunk 0
+    res.pool[0, :64].copy_(store.record(1, 1)[:64])
+    res.st.key_of[0], res.st.slot_state[0], res.st.slot_of[6] = 6, 1, 0
+    assert res.corrupt_slots() == [0]
+    detail = table_stress.corrupt_detail(res, 0, table_stress.host_chunk_sums(store, torch.device("cpu")))
+    assert detail["key"] == 6 and detail["wrong_chunks"] == [[0, 0]]
+    assert detail["sources"][0]["keys_matching_the_differing_words"][0] == [5, 1.0]
