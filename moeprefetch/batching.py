@@ -20,6 +20,7 @@ experts protected for the running rows' next decode steps are first deferred by 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,7 +29,7 @@ from .build import predictor_spec
 from .predictors import default_lookahead
 from .decode import DecodeStep, RowState, run_rows
 from .errors import RequestError
-from .sampling import RowSampler, SamplingParams, sample
+from .sampling import RowSampler, SamplingParams, TokenLogprob, read_logprobs, sample, token_logprobs
 from .session import configure_residency, prefill_mtp_row, prefill_row, prefill_steps, step_shape
 
 if TYPE_CHECKING:
@@ -69,8 +70,12 @@ class ContinuousBatch:
                             options.min_confidence if min_confidence is None else min_confidence)
         self.batch_invariant = batch_invariant
         self._mode = "shadow" if spec.shadow and not res.preloaded else "none"
-        self._steps: dict[int, DecodeStep] = {}  # by rows computed (`step_rows`), made when first needed
+        # by (rows computed (`step_rows`), bias or penalties, log-probabilities), made when first needed
+        self._steps: dict[tuple[int, bool, bool], DecodeStep] = {}
         self.state: list[RowState | None] = [None] * self.rows
+        self.sampling: list[SamplingParams | None] = [None] * self.rows  # each row's request's
+        # the latest token's log-probabilities of each row whose request asked (`admit` and `step` refresh it)
+        self.logprobs: dict[int, TokenLogprob] = {}
         res.begin_call()
         self.steps = 0
         self._carried: torch.Tensor | None = None  # counters of the table before a settle
@@ -84,18 +89,19 @@ class ContinuousBatch:
     def active_rows(self) -> list[int]:
         return [r for r, s in enumerate(self.state) if s is not None]
 
-    def check(self, prompt: list[int], max_new_tokens: int) -> None:
+    def check(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams | None = None) -> None:
         """Whether a request fits the engine (one sentence if not); nothing is changed."""
         # the engine's own checks: token ids in the vocabulary, the prompt and its new tokens (and chained drafts)
         # within the context
         self.engine.new_request([prompt], max_new_tokens, 0.0, 0, 1.0, None, self.spec.name, self.spec.lookahead,
                                  None, False, None)
+        if sampling is not None:
+            sampling.validate(self.engine.args.vocab_size)
 
     def admit(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
               stop_ids: frozenset[int] = frozenset()) -> tuple[int, int]:
         """Prefill a request into a free row -> (row, its first token). The caller decides when (a token boundary)."""
-        self.check(prompt, max_new_tokens)
-        sampling.validate()
+        self.check(prompt, max_new_tokens, sampling)
         if not self.free_rows:
             raise RequestError("no free row in the batch")
         row = self.free_rows[0]
@@ -104,12 +110,18 @@ class ContinuousBatch:
         # the prefill's steps do not count against the running rows' prefetches and protections
         engine.residency.defer_pending(prefill_steps(engine, len(prompt)) * (2 if self.uses_mtp else 1))
         hidden = prefill_row(engine, self.caches, row, prompt)
-        first = int(sample(engine.runner.logits(hidden[-1:]), sampling, [0], [len(prompt)])[0])
+        logits = engine.runner.logits(hidden[-1:])
+        chosen = sample(logits, sampling, [0], [len(prompt)])
+        first = int(chosen[0])
+        self.logprobs.pop(row, None)
+        if sampling.logprobs is not None:
+            values, ids = token_logprobs(logits, chosen, min(sampling.logprobs, engine.args.vocab_size))
+            self.logprobs[row] = read_logprobs([first], values.tolist(), ids.tolist())[0]
         state = RowState(len(prompt), max_new_tokens, [first], stop_ids)
         if self.uses_mtp:
             state.draft, state.draft_prob = prefill_mtp_row(engine, self.caches, row, prompt, first, hidden)
         self.sampler.set_row(row, sampling)
-        self.state[row] = state
+        self.state[row], self.sampling[row] = state, sampling
         return row, first
 
     def finished(self, row: int) -> bool:
@@ -118,26 +130,36 @@ class ContinuousBatch:
         return state.finished
 
     def release(self, row: int) -> None:
-        self.state[row] = None
+        self.state[row] = self.sampling[row] = None
+        self.logprobs.pop(row, None)
         if not any(self.state):  # the batch is idle: settle the table as a call's end would
             self.engine.residency.settle()
 
     # ---- decoding ---------------------------------------------------------------------------------------------------
     @property
     def step_sizes(self) -> list[int]:
-        """The step shapes (rows computed) run so far."""
+        """The step shapes' rows computed, of the steps run so far."""
+        return sorted({rows for rows, _, _ in self._steps})
+
+    @property
+    def step_kinds(self) -> list[tuple[int, bool, bool]]:
+        """The steps run so far: (rows computed, bias or penalties on, log-probabilities on)."""
         return sorted(self._steps)
 
-    def decode_step(self, rows: int) -> DecodeStep:
-        """The step computing the first `rows` rows (their caches and sampling parameters are views of the batch's)."""
-        if rows not in self._steps:
+    def decode_step(self, rows: int, adjust: bool = False, logprobs: bool = False) -> DecodeStep:
+        """The step computing the first `rows` rows (their caches and sampling parameters are views of the batch's),
+        with bias and penalties and with log-probabilities when a row among them asks for them."""
+        key = (rows, adjust, logprobs)
+        if key not in self._steps:
             engine = self.engine
-            shape = step_shape(engine, rows, self.spec, self._mode, self.uses_mtp,
-                               SamplingParams(temperature=1.0, top_k=1, top_p=0.5))
+            # every sampling path on: each row's values are the sampler's (`set_row`)
+            shape = replace(step_shape(engine, rows, self.spec, self._mode, self.uses_mtp,
+                                       SamplingParams(temperature=1.0, top_k=1, top_p=0.5)),
+                            adjust=adjust, logprobs=logprobs)
             caches = self.caches if rows == self.rows else self.caches.first_rows(rows)
             sampler = self.sampler if rows == self.rows else self.sampler.first_rows(rows)
-            self._steps[rows] = DecodeStep(engine.runner, caches, sampler, shape, engine.options.cuda_graphs)
-        return self._steps[rows]
+            self._steps[key] = DecodeStep(engine.runner, caches, sampler, shape, engine.options.cuda_graphs)
+        return self._steps[key]
 
     def step(self) -> dict[int, int]:
         """One decode step of every active row -> {row: its new token}. Rows already finished must be released."""
@@ -145,10 +167,13 @@ class ContinuousBatch:
         if not any(live):
             return {}
         rows = step_rows(max(r for r, on in enumerate(live) if on) + 1, self.rows, self.batch_invariant)
-        states = self.state[:rows]
-        out = run_rows(self.decode_step(rows), states)
+        states, sampling = self.state[:rows], [s for s in self.sampling[:rows] if s is not None]
+        step = self.decode_step(rows, any(s.adjusts for s in sampling),
+                                any(s.logprobs is not None for s in sampling))
+        out = run_rows(step, states)
         self.steps += 1
         new = {}
+        self.logprobs.clear()
         for row, state in enumerate(states):
             if state is None:
                 continue
@@ -156,6 +181,9 @@ class ContinuousBatch:
             if out.drafts is not None:
                 state.draft, state.draft_prob = out.drafts[row][0], out.draft_probs[row][0]
             new[row] = out.next_tokens[row]
+            asked = self.sampling[row].logprobs
+            if asked is not None:
+                self.logprobs[row] = out.logprobs[row][0].first(asked)
         return new
 
     def counters(self) -> torch.Tensor:

@@ -97,6 +97,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--logit-bias", action="append", default=None, metavar="ID=BIAS",
+                     help="add BIAS (-100 to 100) to token ID's logit before every choice (repeat for more tokens)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0,
+                     help="subtract this (-2 to 2) from a token's logit once it has been generated")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="subtract this (-2 to 2) per time a token has been generated")
     _engine_arguments(gen)
     gen.add_argument("--speculative", choices=["mtp", "auto"], default=None,
                      help="mtp: verify the MTP draft in each step; auto: on when this engine measured it faster "
@@ -206,6 +212,21 @@ def _generate(ns: argparse.Namespace) -> int:
         dist.destroy_process_group()  # this process is done with the group the engine joined
 
 
+def _bias_mapping(entries: list[str] | None) -> dict[int, float] | None:
+    """The repeated --logit-bias ID=BIAS entries as generate's mapping (a token given twice: its last bias)."""
+    mapping = {}
+    for text in entries or []:
+        token, sep, bias = text.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            mapping[int(token)] = float(bias)
+        except ValueError:
+            raise MoEPrefetchError(f"--logit-bias takes ID=BIAS (a token id and a number, e.g. 42=-100), got "
+                                   f"{text!r}") from None
+    return mapping or None
+
+
 def _run_generation(ns: argparse.Namespace, engine, prompts: list[Any], write_stats: bool) -> int:
     import torch
 
@@ -225,7 +246,8 @@ def _run_generation(ns: argparse.Namespace, engine, prompts: list[Any], write_st
 
     result = engine.generate(prompts, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_k=ns.top_k,
                              top_p=ns.top_p, seed=ns.seed, speculative=ns.speculative, callback=on_token,
-                             event_log=ns.events_jsonl)
+                             event_log=ns.events_jsonl, logit_bias=_bias_mapping(ns.logit_bias),
+                             presence_penalty=ns.presence_penalty, frequency_penalty=ns.frequency_penalty)
     if streaming:
         print()
     else:

@@ -24,7 +24,7 @@ from .model import Routing, block, mtp_input
 from .predictors import PredictionRing, PredictorSpec, routing_confidence
 from .residency import PlanBuffers
 from .runner import KVCaches, ModelRunner
-from .sampling import DeviceSampler, SamplingParams
+from .sampling import LOGPROBS_MAX, DeviceSampler, SamplingParams, TokenLogprob, read_logprobs, token_logprobs
 from .streaming import RingStep
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ class StepShape:
     # the MTP head's vocabulary head runs (drafts for speculation, the shadow row, chains and their accounting); off
     # when only the learned head reads link 1's output (at V2-Lite's vocabulary, a 420 MB GEMV a step saved)
     drafts: bool = True
+    adjust: bool = False  # logit bias or penalties: rows count their tokens and every draw reads the adjuster
+    logprobs: bool = False  # each sampled token's log-probability and its LOGPROBS_MAX alternatives come back
 
     @property
     def extra(self) -> int:
@@ -67,6 +69,7 @@ class StepOutput:
     second_tokens: list[int] | None  # [B] sampled after the verified draft rows
     drafts: list[list[int]] | None  # [B][M] MTP drafts (greedy) after each MTP row
     draft_probs: list[list[float]] | None  # [B][M] their probabilities
+    logprobs: list[list[TokenLogprob]] | None = None  # [B][1 or 2] the sampled tokens' (next, then second)
 
 
 @dataclass
@@ -139,7 +142,13 @@ class DecodeStep:
         self.outputs = torch.zeros(b, 2 + m, dtype=torch.int64, device=dev)
         self.probs = torch.zeros(b, m, dtype=torch.float32, device=dev)
         self.logits = torch.zeros(b, self.args.vocab_size, dtype=torch.float32, device=dev)  # the last step's
+        sampled = 2 if shape.mode == "verify" else 1
+        n = self.top_logprobs = min(LOGPROBS_MAX, self.args.vocab_size)
+        self.lp_values = torch.zeros(b, sampled, 1 + n, dtype=torch.float32, device=dev)
+        self.lp_ids = torch.zeros(b, sampled, n, dtype=torch.int64, device=dev)
         pin = dev.type == "cuda"
+        self.lp_values_host = torch.zeros(self.lp_values.shape, dtype=torch.float32, pin_memory=pin)
+        self.lp_ids_host = torch.zeros(self.lp_ids.shape, dtype=torch.int64, pin_memory=pin)
         self.inputs_host = torch.zeros(self.inputs.shape, dtype=torch.int64, pin_memory=pin)
         self.conf_host = torch.zeros(b, dtype=torch.float32, pin_memory=pin)
         self.outputs_host = torch.zeros(self.outputs.shape, dtype=torch.int64, pin_memory=pin)
@@ -177,6 +186,9 @@ class DecodeStep:
         self.outputs_host.copy_(self.outputs, non_blocking=True)
         if self.shape.run_mtp:
             self.probs_host.copy_(self.probs, non_blocking=True)
+        if self.shape.logprobs:
+            self.lp_values_host.copy_(self.lp_values, non_blocking=True)
+            self.lp_ids_host.copy_(self.lp_ids, non_blocking=True)
         if self._done is not None:
             self._done.record()
             self._done.synchronize()  # the step's one synchronisation
@@ -187,7 +199,14 @@ class DecodeStep:
             second_tokens=[row[1] for row in out] if self.shape.mode == "verify" else None,
             drafts=[row[2 : 2 + m] for row in out] if self.shape.run_mtp and self.shape.drafts else None,
             draft_probs=self.probs_host.tolist() if self.shape.run_mtp and self.shape.drafts else None,
+            logprobs=self._read_logprobs(out) if self.shape.logprobs else None,
         )
+
+    def _read_logprobs(self, out: list[list[int]]) -> list[list[TokenLogprob]]:
+        """The step's log-probabilities per row: the next token's, then (verify) the second's."""
+        values, ids = self.lp_values_host.tolist(), self.lp_ids_host.tolist()
+        sampled = self.lp_values.shape[1]
+        return [read_logprobs(row[:sampled], v, i) for row, v, i in zip(out, values, ids)]
 
     def _run(self) -> None:
         self._runs += 1
@@ -247,6 +266,8 @@ class DecodeStep:
             res.plan_step()
         tokens, pos = self.inputs[:, 0], self.inputs[:, 1]
         self.active = self.inputs[:, 2] != 0
+        if shape.adjust:  # a row's input token is its latest generated one: penalties count it from now on
+            self.sampler.logit_adjuster().count(tokens, self.active)
         groups = [self.runner.embed(tokens[:, None])]
         if shape.extra:
             groups.append(self.runner.embed(self.inputs[:, 3:4]))
@@ -256,13 +277,16 @@ class DecodeStep:
             self.runner.leave(lw.index)
         hidden = self.ops.norm(groups[0][:, 0], self.weights.final_norm)
         self.logits.copy_(self.runner.logits(hidden))
-        next_tokens = self.sampler(self.logits, self.params, self.rows, pos + 1)
+        next_tokens = self.sampler(self.logits, self.params, self.rows, pos + 1, adjust=shape.adjust)
         self.outputs[:, 0].copy_(next_tokens)
+        self._logprobs(0, self.logits, next_tokens)
         mtp_tokens, mtp_hidden = [next_tokens], [hidden]
         if shape.mode == "verify":
             draft_hidden = self.ops.norm(groups[1][:, 0], self.weights.final_norm)
-            second = self.sampler(self.runner.logits(draft_hidden), self.params, self.rows, pos + 2)
+            draft_logits = self.runner.logits(draft_hidden)
+            second = self.sampler(draft_logits, self.params, self.rows, pos + 2, adjust=shape.adjust)
             self.outputs[:, 1].copy_(second)
+            self._logprobs(1, draft_logits, second)
             mtp_tokens.append(second)
             mtp_hidden.append(draft_hidden)
         mtp_out = self._mtp(torch.stack(mtp_tokens, 1), torch.stack(mtp_hidden, 1), pos) if shape.run_mtp else None
@@ -273,6 +297,12 @@ class DecodeStep:
         if self.ring.leads is not None:  # this step's guesses of every lead meet the experts it used
             self.ring.leads.close_step(res.st.decode_step)
         res.end_step()
+
+    def _logprobs(self, index: int, logits: torch.Tensor, chosen: torch.Tensor) -> None:
+        if self.shape.logprobs:
+            values, ids = token_logprobs(logits, chosen, self.top_logprobs)
+            self.lp_values[:, index].copy_(values)
+            self.lp_ids[:, index].copy_(ids)
 
     def _attend(self, lw, pos: torch.Tensor):
         kv = self.caches.layers[lw.index]

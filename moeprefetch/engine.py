@@ -33,6 +33,9 @@ from .weights import ModelWeights, weights_nbytes
 
 logger = logging.getLogger(__name__)
 
+# generate's keyword-only sampling arguments that `stream` passes through by name
+SAMPLING_EXTRAS = ("logit_bias", "presence_penalty", "frequency_penalty", "logprobs")
+
 ExpertKey = tuple[int, int]
 __all__ = ["MoEPrefetchEngine", "GenerationResult", "TokenEvent", "EngineConfig", "ResolvedConfig"]
 
@@ -51,7 +54,7 @@ class MoEPrefetchEngine:
         self.runner = ModelRunner(args, weights, residency, options.device, streamer,
                                   fused_decode=FusedDecodeShape(options.max_seq_len, 2 * options.max_batch_size)
                                   if options.fused_kernels else None, forced_routing=forced_routing)
-        self.sampler = DeviceSampler(args.vocab_size, options.device)
+        self.sampler = DeviceSampler(args.vocab_size, options.device, options.max_batch_size)
         self.tokenizer = tokenizer
         self.options = options
         self.plan = plan
@@ -271,6 +274,10 @@ class MoEPrefetchEngine:
         callback: Callable[[TokenEvent], None] | None = None,
         event_log: str | Path | None = None,
         min_confidence: float | None = None,
+        logit_bias: dict[int, float] | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logprobs: int | None = None,
     ) -> GenerationResult:
         """Generate from a string, a list of strings, a list of token ids or a list of token-id lists.
 
@@ -279,10 +286,16 @@ class MoEPrefetchEngine:
         `speculative="mtp"` verifies the MTP draft in the same forward (two tokens per forward when accepted);
         `speculative="auto"` turns it on for a call when this engine's own measurements say it is faster
         (`speculation.py`; the decision is in the statistics as `speculative_auto`).
+        `logit_bias` ({token id: bias in [-100, 100]}) and `presence_penalty` / `frequency_penalty` (in [-2, 2],
+        counting this call's generated tokens) change the logits every token is chosen from, greedy included;
+        `logprobs=n` (0 to 20) returns each token's log-probability under the model with the n most likely
+        alternatives (`GenerationResult.logprobs`, `TokenEvent.logprob`).
         `callback` receives each token as it is produced. Ctrl-C returns the tokens produced so far."""
-        events = self._events(self.new_request(prompts, max_new_tokens, temperature, top_k, top_p, seed, predictor,
-                                            lookahead, speculative, stop_at_eos, event_log, min_confidence),
-                              want_text=callback is not None)
+        request = self.new_request(prompts, max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead,
+                                   speculative, stop_at_eos, event_log, min_confidence, logit_bias=logit_bias,
+                                   presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                   logprobs=logprobs)
+        events = self._events(request, want_text=callback is not None)
         try:
             while True:
                 try:
@@ -310,18 +323,21 @@ class MoEPrefetchEngine:
                  "event_log", "min_confidence")
         defaults = (0.0, 0, 1.0, None, None, None, None, True, None, None)
         values = [kwargs.pop(name, default) for name, default in zip(names, defaults)]
+        adjustments = {name: kwargs.pop(name) for name in SAMPLING_EXTRAS if name in kwargs}
         if kwargs:
             raise RequestError(f"unknown argument(s) to stream: {', '.join(kwargs)}")
-        return self._events(self.new_request(prompts, max_new_tokens, *values))
+        return self._events(self.new_request(prompts, max_new_tokens, *values, **adjustments))
 
     def new_request(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead,
-                    speculative, stop_at_eos, event_log, min_confidence=None) -> Request:
+                    speculative, stop_at_eos, event_log, min_confidence=None, *, logit_bias=None,
+                    presence_penalty=0.0, frequency_penalty=0.0, logprobs=None) -> Request:
         """A validated request of this engine (what `generate` and `stream` build; continuous batches and
         analyses build theirs here too). Bad input raises `RequestError` and changes nothing."""
         self._check_idle()
         request = build_request(self.args, self.tokenizer, self.options, self.path, self.has_mtp, prompts,
                                 max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead, speculative,
-                                stop_at_eos, event_log, min_confidence, self.runner.learned_config)
+                                stop_at_eos, event_log, min_confidence, self.runner.learned_config, logit_bias,
+                                presence_penalty, frequency_penalty, logprobs)
         if request.speculative == "auto":
             request = self._auto_speculation(request)
         group = self.residency.group
@@ -331,7 +347,7 @@ class MoEPrefetchEngine:
 
     def _auto_speculation(self, request: Request) -> Request:
         """`speculative="auto"` resolved for this call: on or off, with the reason."""
-        why = speculation_unavailable(self.has_mtp, self.options.routing_trace, request.predictor)
+        why = speculation_unavailable(self.has_mtp, self.options.routing_trace, request.predictor, request.sampling)
         unavailable = why.reason if why is not None else None
         key = (len(request.prompts), "+".join(request.predictor.names), request.sampling.temperature == 0)
         decision = self._speculation.choose(key, unavailable)

@@ -14,7 +14,7 @@ from .predictors import PredictorSpec, default_lookahead
 from .options import check_fraction, check_positive_int
 from .config import ModelArgs
 from .errors import RequestError
-from .sampling import SamplingParams
+from .sampling import SamplingParams, bias_pairs
 from .session import Request
 
 SPECULATIVE_MODES = (None, "mtp", "auto")
@@ -27,7 +27,8 @@ class SpeculationUnavailable(NamedTuple):
     error: str
 
 
-def speculation_unavailable(has_mtp: bool, routing_trace: Any, spec: PredictorSpec) -> SpeculationUnavailable | None:
+def speculation_unavailable(has_mtp: bool, routing_trace: Any, spec: PredictorSpec,
+                            sampling: SamplingParams | None = None) -> SpeculationUnavailable | None:
     """The one list of conditions under which speculative decoding cannot run (None: it can)."""
     if not has_mtp:
         return SpeculationUnavailable("no MTP layer in this checkpoint",
@@ -42,13 +43,19 @@ def speculation_unavailable(has_mtp: bool, routing_trace: Any, spec: PredictorSp
             f"lookahead={spec.lookahead} chains MTP drafts for prefetching",
             f"lookahead={spec.lookahead} chains MTP drafts for prefetching, but with speculative='mtp' the MTP head "
             "verifies one draft per step: use lookahead=1")
+    if sampling is not None and sampling.penalises:
+        return SpeculationUnavailable(
+            "presence/frequency penalties count each token before the next is drawn",
+            "presence_penalty and frequency_penalty count each generated token before the next one is drawn, but "
+            "speculative='mtp' draws two tokens in one step: use one or the other")
     return None
 
 
 def build_request(args: ModelArgs, tokenizer: Any, options: ResolvedConfig, path: Path, has_mtp: bool, prompts: Any,
                   max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, predictor: Any,
                   lookahead: Any, speculative: Any, stop_at_eos: bool, event_log: Any,
-                  min_confidence: Any = None, learned: Any = None) -> Request:
+                  min_confidence: Any = None, learned: Any = None, logit_bias: Any = None,
+                  presence_penalty: Any = 0.0, frequency_penalty: Any = 0.0, logprobs: Any = None) -> Request:
     """A generate/stream call's arguments, checked against the model and the engine's options."""
     if min_confidence is None:
         min_confidence = options.min_confidence
@@ -61,14 +68,16 @@ def build_request(args: ModelArgs, tokenizer: Any, options: ResolvedConfig, path
     check_positive_int("max_new_tokens", max_new_tokens)
     if seed is None:
         seed = int(torch.randint(0, 2**62, ()).item())
-    sampling = SamplingParams(temperature, top_k, top_p, seed)
-    sampling.validate()
+    sampling = SamplingParams(temperature, top_k, top_p, seed, bias_pairs(logit_bias), presence_penalty,
+                              frequency_penalty, logprobs)
+    sampling.validate(args.vocab_size)
     name = predictor if predictor is not None else options.predictor
     spec = predictor_spec(name, default_lookahead(name, options.lookahead) if lookahead is None else lookahead,
                           has_mtp, learned)
     if speculative not in SPECULATIVE_MODES:
         raise RequestError(f"speculative must be None, 'mtp' or 'auto', got {speculative!r}")
-    if speculative == "mtp" and (why := speculation_unavailable(has_mtp, options.routing_trace, spec)) is not None:
+    if speculative == "mtp" and (why := speculation_unavailable(has_mtp, options.routing_trace, spec,
+                                                                sampling)) is not None:
         raise RequestError(why.error)
     if len(token_prompts) > options.max_batch_size:
         raise RequestError(f"{len(token_prompts)} prompts exceed max_batch_size={options.max_batch_size} "

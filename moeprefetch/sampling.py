@@ -1,4 +1,6 @@
-"""Token selection on the device: greedy, or temperature / top-k / top-p sampling with counter-based noise.
+"""Token selection on the device: greedy, or temperature / top-k / top-p sampling with counter-based noise; logit
+bias and presence / frequency penalties before either; the chosen token's log-probability and the most likely
+alternatives beside it.
 
 Each sampled token uses Gumbel noise computed from a hash of (seed, sequence index, position, vocabulary index) with
 plain integer tensor ops, so it needs no generator state: it runs inside a CUDA graph, gives the same token on the
@@ -7,6 +9,12 @@ speculative and plain decoding, draw the same tokens.
 
 The hash is PCG's output permutation on 32-bit values held in int64 tensors; every product stays below 2**62, so
 nothing overflows on any device.
+
+Bias and penalties (OpenAI's and vLLM's meaning) change the logits every choice is made from, greedy included:
+logits + bias - presence * [token generated before] - frequency * (times generated before), counting the call's
+generated tokens only (not the prompt's). Log-probabilities are the model's own: log-softmax of the raw logits,
+before bias, penalties, temperature and filtering (vLLM's default), so they say what the model thinks of a token
+whatever a request did to choose it.
 """
 
 from __future__ import annotations
@@ -20,6 +28,9 @@ import torch
 from .errors import RequestError
 
 _MASK32 = 0xFFFFFFFF
+LOGPROBS_MAX = 20  # most alternatives a request may ask for (OpenAI's top_logprobs limit)
+LOGIT_BIAS_LIMIT = 100.0  # |bias| per token, as OpenAI bounds it
+PENALTY_LIMIT = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI bounds them
 
 
 @dataclass(frozen=True)
@@ -28,12 +39,46 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids ascending (`bias_pairs`)
+    presence_penalty: float = 0.0  # subtracted from a token's logit once it was generated in this call
+    frequency_penalty: float = 0.0  # subtracted once per time it was generated
+    logprobs: int | None = None  # None: no log-probabilities; n: the chosen token's and the n most likely
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self) -> None:
+    @property
+    def penalises(self) -> bool:
+        """Whether tokens drawn so far change the next draw (a verify step, drawing two at once, cannot)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the logits are biased or penalised before the choice."""
+        return bool(self.logit_bias) or self.penalises
+
+    def validate(self, vocab: int | None = None) -> None:
+        """One `RequestError` sentence for the first bad field; `vocab` bounds logit_bias's token ids."""
+        self._validate_sampling()
+        for token, bias in self.logit_bias:
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0 \
+                    or (vocab is not None and token >= vocab):
+                where = f" [0, {vocab})" if vocab is not None else ""
+                raise RequestError(f"logit_bias names token {token!r}, which is not a token id of the vocabulary{where}")
+            if not _finite_number(bias) or abs(bias) > LOGIT_BIAS_LIMIT:
+                raise RequestError(f"logit_bias for token {token} must be a number in [-{LOGIT_BIAS_LIMIT:g}, "
+                                   f"{LOGIT_BIAS_LIMIT:g}], got {bias!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _finite_number(value) or abs(value) > PENALTY_LIMIT:
+                raise RequestError(f"{name} must be a number in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], got {value!r}")
+        n = self.logprobs
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= LOGPROBS_MAX):
+            raise RequestError(f"logprobs must be None or an integer in [0, {LOGPROBS_MAX}] (alternatives per token), "
+                               f"got {n!r}")
+
+    def _validate_sampling(self) -> None:
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
             raise RequestError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -49,6 +94,31 @@ class SamplingParams:
             raise RequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise RequestError(f"seed must be an integer, got {self.seed!r}")
+
+
+def _finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def bias_pairs(logit_bias: object) -> tuple[tuple[int, float], ...]:
+    """A logit_bias argument ({token id: bias}, ids as ints or as the decimal strings JSON keys are; None or {} for
+    none) -> the sorted pairs `SamplingParams` holds; one `RequestError` sentence for another shape. Values are
+    checked by `SamplingParams.validate`."""
+    if logit_bias is None:
+        return ()
+    if not isinstance(logit_bias, dict):
+        raise RequestError(f"logit_bias must be a mapping of token id to bias, got {type(logit_bias).__name__}")
+    pairs = {}
+    for key, bias in logit_bias.items():
+        token = key
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            token = int(key)
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise RequestError(f"logit_bias keys must be token ids (integers), got {key!r}")
+        if token in pairs:
+            raise RequestError(f"logit_bias names token {token} twice")
+        pairs[token] = bias if isinstance(bias, bool) or not isinstance(bias, (int, float)) else float(bias)
+    return tuple(sorted(pairs.items()))
 
 
 def _pcg(x: torch.Tensor) -> torch.Tensor:
@@ -71,12 +141,79 @@ def gumbel_noise(vocab_hash: torch.Tensor, streams: torch.Tensor, positions: tor
     return -torch.log(-torch.log(uniform))
 
 
-class DeviceSampler:
-    """Sampling with fixed tensors (captured once, replayed every step): the call's parameters live on the device."""
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's log-probability under the model and the most likely tokens at its position."""
 
-    def __init__(self, vocab: int, device: torch.device):
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log-probability), most likely first, as many as were asked
+
+    def first(self, n: int) -> "TokenLogprob":
+        """The same with only the `n` most likely alternatives."""
+        return TokenLogprob(self.token, self.logprob, self.top[:n])
+
+
+def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw logits [B, V] and chosen ids [B] -> (values [B, 1 + n] fp32: the chosen token's log-probability, then the
+    n most likely tokens', ids [B, n] int64). Fixed shapes: runs inside a captured step."""
+    logp = logits.float().log_softmax(dim=-1)
+    top, ids = logp.topk(n, dim=-1)
+    return torch.cat((logp.gather(-1, chosen[:, None]), top), dim=-1), ids
+
+
+def read_logprobs(tokens: list[int], values: list[list[float]], ids: list[list[int]]) -> list[TokenLogprob]:
+    """Host lists of `token_logprobs`'s outputs -> one `TokenLogprob` per row."""
+    return [TokenLogprob(t, v[0], tuple(zip(i, v[1:]))) for t, v, i in zip(tokens, values, ids)]
+
+
+class LogitAdjuster:
+    """Each row's logit bias and presence / frequency penalties, with the counts of the tokens the row generated, in
+    fixed device tensors (captured steps read them; `set_row` writes a request's values before its first draw)."""
+
+    def __init__(self, vocab: int, device: torch.device, rows: int):
+        self.bias = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        self.counts = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        self.presence = torch.zeros(rows, 1, dtype=torch.float32, device=device)
+        self.frequency = torch.zeros(rows, 1, dtype=torch.float32, device=device)
+
+    @property
+    def rows(self) -> int:
+        return self.bias.shape[0]
+
+    def set_row(self, row: int, params: SamplingParams) -> None:
+        """A request's values into `row`, its counts cleared (nothing generated yet)."""
+        self.bias[row].zero_()
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias)
+            self.bias[row, list(ids)] = torch.tensor(values, dtype=torch.float32, device=self.bias.device)
+        self.counts[row].zero_()
+        self.presence[row] = params.presence_penalty
+        self.frequency[row] = params.frequency_penalty
+
+    def count(self, tokens: torch.Tensor, active: torch.Tensor) -> None:
+        """tokens [B] just generated (a step's input tokens), active [B] bool: each active row counts its token."""
+        rows = tokens.shape[0]
+        self.counts[:rows].scatter_add_(1, tokens[:, None], active.to(torch.float32)[:, None])
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] fp32 -> biased and penalised (rows with none of either come back unchanged, bit for bit)."""
+        rows = logits.shape[0]
+        counts = self.counts[:rows]
+        return (logits + self.bias[:rows] - self.presence[:rows] * (counts > 0).to(torch.float32)
+                - self.frequency[:rows] * counts)
+
+
+class DeviceSampler:
+    """Sampling with fixed tensors (captured once, replayed every step): the call's parameters live on the device.
+    `rows` bounds the rows of a call (the logit adjuster's, made when a call first biases or penalises)."""
+
+    def __init__(self, vocab: int, device: torch.device, rows: int = 1):
         self.vocab = vocab
         self.device = device
+        self.max_rows = rows
+        self.adjuster: LogitAdjuster | None = None
+        self.owner: DeviceSampler | None = None  # a view's sampler (`RowSampler.first_rows`): its adjuster is shared
         self.vocab_hash = _pcg(torch.arange(vocab, dtype=torch.int64, device=device))
         self.temperature = torch.ones(1, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(1, dtype=torch.int64, device=device)
@@ -90,6 +227,20 @@ class DeviceSampler:
         self.top_p.fill_(params.top_p)
         seed = params.seed & ((1 << 62) - 1)
         self.seed.copy_(torch.tensor([seed >> 31, seed & ((1 << 31) - 1)]))
+        if params.adjusts:
+            adjuster = self.logit_adjuster()
+            for row in range(adjuster.rows):
+                adjuster.set_row(row, params)
+
+    def logit_adjuster(self) -> LogitAdjuster:
+        """The rows' bias and penalties, made once (captured steps keep pointing at its tensors)."""
+        owner = self.owner or self
+        if owner.adjuster is None:
+            owner.adjuster = LogitAdjuster(self.vocab, self.device, owner.max_rows)
+        return owner.adjuster
+
+    def adjust(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.logit_adjuster()(logits.float())
 
     def gumbel(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """rows, positions [B] int64 -> Gumbel noise [B, V] fp32."""
@@ -113,9 +264,12 @@ class DeviceSampler:
         return scaled
 
     def __call__(self, logits: torch.Tensor, params: SamplingParams, rows: torch.Tensor,
-                 positions: torch.Tensor) -> torch.Tensor:
-        """logits [B, V] -> token ids [B] (int64). `params` decides the graph's shape (greedy, top-k, top-p on or
-        off); the values come from the device tensors set by `set_params`."""
+                 positions: torch.Tensor, adjust: bool | None = None) -> torch.Tensor:
+        """logits [B, V] -> token ids [B] (int64). `params` decides the graph's shape (greedy, top-k, top-p, and
+        bias and penalties unless `adjust` says, on or off); the values come from the device tensors set by
+        `set_params`."""
+        if params.adjusts if adjust is None else adjust:
+            logits = self.adjust(logits)
         if params.greedy:
             return logits.argmax(dim=-1)
         scaled = self.filter(logits.float(), 0 < params.top_k < self.vocab, params.top_p < 1.0)
@@ -131,7 +285,7 @@ class RowSampler(DeviceSampler):
     ROW_TENSORS = ("temperature", "greedy", "top_k", "use_top_k", "top_p", "use_top_p", "row_seed")
 
     def __init__(self, vocab: int, device: torch.device, rows: int):
-        super().__init__(vocab, device)
+        super().__init__(vocab, device, rows)
         self.temperature = torch.ones(rows, 1, dtype=torch.float32, device=device)
         self.greedy = torch.ones(rows, dtype=torch.bool, device=device)
         self.top_k = torch.zeros(rows, 1, dtype=torch.int64, device=device)
@@ -151,10 +305,14 @@ class RowSampler(DeviceSampler):
         self.use_top_p[row] = params.top_p < 1.0
         seed = params.seed & ((1 << 62) - 1)
         self.row_seed[row] = torch.tensor([seed >> 31, seed & ((1 << 31) - 1)])
+        if params.adjusts or self.adjuster is not None:  # a row's old bias must not outlive its request
+            self.logit_adjuster().set_row(row, params)
 
     def first_rows(self, rows: int) -> "RowSampler":
-        """A sampler of the first `rows` rows whose parameters are views of these (`set_row` here reaches it)."""
+        """A sampler of the first `rows` rows whose parameters are views of these (`set_row` here reaches it, and
+        the logit adjuster is this one's, whenever it is made)."""
         view = copy.copy(self)
+        view.owner = self
         for name in self.ROW_TENSORS:
             setattr(view, name, getattr(self, name)[:rows])
         return view
@@ -178,8 +336,11 @@ class RowSampler(DeviceSampler):
         return scaled.masked_fill(drop, float("-inf"))
 
     def __call__(self, logits: torch.Tensor, params: SamplingParams, rows: torch.Tensor,
-                 positions: torch.Tensor) -> torch.Tensor:
-        """logits [B, V] -> token ids [B]; `params` is unused (every row has its own, set by `set_row`)."""
+                 positions: torch.Tensor, adjust: bool | None = None) -> torch.Tensor:
+        """logits [B, V] -> token ids [B]; of `params` only `adjusts` is read, unless `adjust` says (every row has
+        its own values, set by `set_row`)."""
+        if params.adjusts if adjust is None else adjust:
+            logits = self.adjust(logits)
         sampled = (self.filter(logits.float()) + self.gumbel(rows, positions)).argmax(dim=-1)
         return torch.where(self.greedy, logits.argmax(dim=-1), sampled)
 
@@ -192,8 +353,9 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, rows: list[int], positions: list[int]) -> torch.Tensor:
-    """logits [B, V] -> token ids [B] (int64, on logits' device). `rows`/`positions` seed each row's noise."""
-    sampler = DeviceSampler(logits.shape[-1], logits.device)
+    """logits [B, V] -> token ids [B] (int64, on logits' device). `rows`/`positions` seed each row's noise; bias and
+    penalties apply as to a first token (nothing generated yet)."""
+    sampler = DeviceSampler(logits.shape[-1], logits.device, logits.shape[0])
     sampler.set_params(params)
     dev = logits.device
     return sampler(logits, params, torch.tensor(rows, device=dev), torch.tensor(positions, device=dev))

@@ -21,7 +21,7 @@ from .accounting import LayerCounters, Stats
 from .decode import DecodeStep, RowState, StepOutput, StepShape, run_rows
 from .predictors import PredictorSpec
 from .residency import counters_by_layer
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprob, read_logprobs, token_logprobs
 
 if TYPE_CHECKING:
     from .config import ModelArgs
@@ -80,6 +80,7 @@ class TokenEvent:
     sequence: int
     token: int
     text: str | None = None  # the text this token adds, when there is a tokenizer
+    logprob: TokenLogprob | None = None  # when the call asked for `logprobs`
 
 
 @dataclass
@@ -89,6 +90,7 @@ class GenerationResult:
     stats: Stats
     finish_reasons: list[str] = field(default_factory=list)  # "eos" | "length" | "interrupted"
     interrupted: bool = False
+    logprobs: list[list[TokenLogprob]] | None = None  # per prompt, one per generated token (`logprobs=` calls)
 
 
 class TextStream:
@@ -131,6 +133,9 @@ class Session:
         stop_ids = frozenset(self.args.eos_token_ids) if request.stop_at_eos else frozenset()
         self.rows = [RowState(len(p), request.max_new_tokens, stop_ids=stop_ids) for p in request.prompts]
         self.finish = ["length"] * self.batch
+        self.top_logprobs = request.sampling.logprobs  # alternatives kept per token (None: no log-probabilities)
+        self.logprobs: list[list[TokenLogprob]] | None = \
+            [[] for _ in range(self.batch)] if self.top_logprobs is not None else None
         # per-token text only when a consumer reads it (streaming, callbacks): decoding costs host time per token
         self.texts = [TextStream(engine.tokenizer) for _ in range(self.batch)] \
             if engine.tokenizer and want_text else None
@@ -162,7 +167,7 @@ class Session:
         streamed_before = streamer.bytes_copied if streamer is not None else 0
         caches = engine.kv_caches(self.batch)
         t0 = time.perf_counter()
-        first = self._prefill(caches)
+        first, first_logprobs = self._prefill(caches)
         engine.synchronize()
         self.stats.prefill_seconds = time.perf_counter() - t0
         self.stats.ttft_seconds = time.perf_counter() - started
@@ -175,7 +180,7 @@ class Session:
             self.stats.prefill_stream_stall_seconds = streamer.transfer.collect_stall_seconds()
 
         for b in range(self.batch):
-            yield from self._emit(b, [first[b]])
+            yield from self._emit(b, [first[b]], first_logprobs[b : b + 1] if first_logprobs else None)
         t1 = time.perf_counter()
         step = self._step(caches)
         while any(row.active for row in self.rows):
@@ -183,7 +188,7 @@ class Session:
             self.stats.decode_syncs += 1
             self.stats.decode_steps += 1
             for b, tokens in enumerate(self._advance(out)):
-                yield from self._emit(b, tokens)
+                yield from self._emit(b, tokens, out.logprobs[b] if out.logprobs is not None else None)
         engine.synchronize()
         self.stats.decode_seconds = time.perf_counter() - t1
         if streamer is not None:
@@ -193,21 +198,26 @@ class Session:
         self._finish(prefill_counters)
         return self.result()
 
-    def _prefill(self, caches) -> list[int]:
-        """Each prompt in windows of chunks into its cache row -> the first tokens; the MTP head's first drafts go
-        into the rows."""
+    def _prefill(self, caches) -> tuple[list[int], list[TokenLogprob] | None]:
+        """Each prompt in windows of chunks into its cache row -> the first tokens (and their log-probabilities when
+        asked); the MTP head's first drafts go into the rows."""
         engine = self.engine
         belady = self.trace is not None and self.spec.belady
         hiddens = [prefill_row(engine, caches, b, prompt, belady) for b, prompt in enumerate(self.request.prompts)]
         logits = engine.runner.logits(torch.stack([h[-1] for h in hiddens]))
         rows = torch.arange(self.batch, device=engine.device)
         positions = torch.tensor([len(p) for p in self.request.prompts], device=engine.device)
-        first = engine.sampler(logits, self.request.sampling, rows, positions).tolist()
+        chosen = engine.sampler(logits, self.request.sampling, rows, positions)
+        first = chosen.tolist()
+        first_logprobs = None
+        if self.top_logprobs is not None:
+            values, ids = token_logprobs(logits, chosen, min(self.top_logprobs, logits.shape[-1]))
+            first_logprobs = read_logprobs(first, values.tolist(), ids.tolist())
         if self.uses_mtp:
             for b, prompt in enumerate(self.request.prompts):
                 row = self.rows[b]
                 row.draft, row.draft_prob = prefill_mtp_row(engine, caches, b, prompt, first[b], hiddens[b], belady)
-        return first
+        return first, first_logprobs
 
     def _step(self, caches) -> DecodeStep:
         mode = "verify" if self.speculative else ("shadow" if self.shadow else "none")
@@ -240,18 +250,23 @@ class Session:
                 state.draft, state.draft_prob = new_drafts[b][row], new_probs[b][row]
         return accepted_tokens
 
-    def _emit(self, b: int, tokens: list[int]) -> Iterator[TokenEvent]:
+    def _emit(self, b: int, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> Iterator[TokenEvent]:
+        """A row's new tokens (with their log-probabilities, one per token, when the call asked) as events."""
         state = self.rows[b]
-        for token in tokens:
+        for i, token in enumerate(tokens):
             if not state.active:
                 return
             state.generated.append(token)
+            logprob = None
+            if self.logprobs is not None and logprobs is not None:
+                logprob = logprobs[i].first(self.top_logprobs)
+                self.logprobs[b].append(logprob)
             done = state.finished
             if done:
                 state.active = False
                 self.finish[b] = "eos" if token in state.stop_ids else "length"
             text = self.texts[b].piece(state.generated, final=done) if self.texts else None
-            yield TokenEvent(b, token, text)
+            yield TokenEvent(b, token, text, logprob)
 
     # ---- ends -----------------------------------------------------------------------------------------------------
     def _finish(self, prefill_counters: torch.Tensor) -> None:
@@ -290,7 +305,7 @@ class Session:
             except OSError as exc:  # the tokens matter more than the log
                 logger.error("could not write the event log %s: %s", self.request.event_log, exc)
         texts = [self.engine.decode_text(g) for g in self.generated] if self.engine.tokenizer is not None else None
-        return GenerationResult(self.generated, texts, self.stats, self.finish, interrupted)
+        return GenerationResult(self.generated, texts, self.stats, self.finish, interrupted, self.logprobs)
 
 
 # ---- prefill of one cache row (also what a continuous batch admits a request with) ----------------------------------
@@ -369,5 +384,6 @@ def step_shape(engine: SessionEngine, batch: int, spec: PredictorSpec, mode: str
     return StepShape(batch=batch, mode=mode, spec=spec, run_mtp=uses_mtp,
                      drafts=uses_mtp and (mode != "none" or spec.needs_drafts), greedy=sampling.greedy,
                      top_k=0 < sampling.top_k < engine.args.vocab_size, top_p=sampling.top_p < 1.0,
+                     adjust=sampling.adjusts, logprobs=sampling.logprobs is not None,
                      reserve=spec.active and not res.preloaded, record=record,
                      draft_cached=uses_mtp and not res.preloaded and engine.options.draft_experts == "cached")

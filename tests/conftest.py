@@ -210,6 +210,18 @@ def hf_mtp_logits(mtp, main_model, ids: torch.Tensor) -> torch.Tensor:
 LEARNED_ROWS = (("learned", 1), ("learned", 2), ("learned+next_layer_gate", 1), ("previous", 1))
 
 
+def reference_adjusted(logits: torch.Tensor, logit_bias, presence: float, frequency: float,
+                       generated: list[int]) -> torch.Tensor:
+    """logits [V] in float64, biased and penalised by the tokens generated so far (OpenAI's formula, counting the
+    generated tokens only)."""
+    out = logits.double().clone()
+    for token, bias in logit_bias:
+        out[token] += bias
+    for token in set(generated):
+        out[token] -= presence + frequency * generated.count(token)
+    return out
+
+
 def cuda_available() -> bool:
     return torch.cuda.is_available()
 

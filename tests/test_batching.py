@@ -182,3 +182,46 @@ def test_a_joining_prefill_keeps_the_running_rows_pending_fill(checkpoint_factor
         assert int(st.counters[:, C["prefetch_wasted"]].sum()) == wasted
     else:
         assert int(st.e_state[j]) == E_FREE and int(st.counters[:, C["prefetch_wasted"]].sum()) == wasted + 1
+
+
+def test_bias_penalties_and_logprobs_in_a_running_batch_are_each_requests_own(checkpoint_factory):
+    """Rows with and without logit bias, penalties and log-probabilities share steps (each step's shape turns the
+    adjustments and log-probabilities on while any row asks): every request gets its tokens and log-probabilities
+    alone, and a row that reuses a biased row's place is not biased."""
+    path = checkpoint_factory("v3")
+    kwargs = dict(progress=False, max_seq_len=128, expert_cache_slots=6)
+    requests = [([3, 4, 5, 6], 9, SamplingParams(logit_bias=((4, 2.5), (6, -100.0)), presence_penalty=0.9,
+                                                 logprobs=2)),
+                ([7, 8], 12, SamplingParams(temperature=0.8, seed=11, frequency_penalty=1.1)),
+                ([9, 10, 11], 7, SamplingParams(temperature=1.1, top_k=5, seed=4, logprobs=0)),
+                ([12], 10, SamplingParams())]
+    alone = MoEPrefetchEngine.from_pretrained(path, max_batch_size=1, **kwargs)
+    expected = [alone.generate([p], max_new_tokens=n, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                               seed=s.seed, stop_at_eos=False, logit_bias=dict(s.logit_bias),
+                               presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                               logprobs=s.logprobs) for p, n, s in requests]
+    batch = ContinuousBatch(MoEPrefetchEngine.from_pretrained(path, max_batch_size=2, **kwargs), "next_layer_gate")
+    waiting, rows, tokens, logprobs = list(range(len(requests))), {}, {}, {}
+    while waiting or rows:
+        while waiting and batch.free_rows:
+            i = waiting.pop(0)
+            row, first = batch.admit(*requests[i])
+            rows[row], tokens[i], logprobs[i] = i, [first], [batch.logprobs.get(row)]
+        for row in [r for r in rows if batch.finished(r)]:
+            rows.pop(row)
+            batch.release(row)
+        if rows:
+            for row, token in batch.step().items():
+                tokens[rows[row]].append(token)
+                logprobs[rows[row]].append(batch.logprobs.get(row))
+    for i, result in enumerate(expected):
+        assert tokens[i] == result.sequences[0], i
+        want = result.logprobs[0] if result.logprobs is not None else [None] * len(tokens[i])
+        assert len(logprobs[i]) == len(want)
+        for got, ref in zip(logprobs[i], want):
+            assert (got is None) == (ref is None)
+            if ref is not None:
+                assert got.token == ref.token and len(got.top) == len(ref.top) == requests[i][2].logprobs
+                assert abs(got.logprob - ref.logprob) < 1e-5
+    assert 6 not in tokens[0]
+    assert {kind[1:] for kind in batch.step_kinds} >= {(True, True), (False, False)}

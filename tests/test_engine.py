@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import hf_model, reference_adjusted
 from moeprefetch import MoEPrefetchEngine, RequestError
 from moeprefetch.decode import DecodeStep, StepShape
 from moeprefetch.predictors import PredictorSpec
@@ -207,3 +208,83 @@ def test_time_to_first_token_covers_prefill_and_precedes_decode(v3):
     assert 0 < stats["prefill_seconds"] <= stats["ttft_seconds"]
     assert stats["ttft_seconds"] < stats["prefill_seconds"] + 1.0  # only the call's set-up comes before prefill
     assert stats["prefill_tokens_per_s"] == pytest.approx(8 / stats["prefill_seconds"])
+
+
+# ---- logit bias, penalties and log-probabilities ---------------------------------------------------------------------
+ADJUSTED = dict(presence_penalty=0.8, frequency_penalty=0.4)
+
+
+@pytest.mark.parametrize("variant", ["v3", "qwen3"])
+def test_bias_and_penalties_follow_transformers_greedy_with_its_logprobs(checkpoint_factory, variant):
+    """Greedy decoding with logit_bias and both penalties picks, at every step, the argmax of transformers' logits
+    biased and penalised in float64; each token's logprobs are transformers' log-softmax, alternatives included."""
+    path = checkpoint_factory(variant)
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False)
+    reference = hf_model(path)
+    prompt, new = [3, 4, 5, 6], 14
+    plain = engine.generate([prompt], new, stop_at_eos=False).sequences[0]
+    bias = {plain[0]: -100.0, plain[1]: -100.0, 7: 1.5}
+    result = engine.generate([prompt], new, stop_at_eos=False, logit_bias=bias, logprobs=3, **ADJUSTED)
+    got, logprobs = result.sequences[0], result.logprobs[0]
+    ids, generated, bias_only = list(prompt), [], []
+    with torch.no_grad():
+        for step in range(new):
+            logits = reference(torch.tensor([ids])).logits[0, -1].double()
+            token = int(reference_adjusted(logits, sorted(bias.items()), 0.8, 0.4, generated).argmax())
+            bias_only.append(int(reference_adjusted(logits, sorted(bias.items()), 0.0, 0.0, generated).argmax()))
+            logp = logits.log_softmax(-1)
+            entry = logprobs[step]
+            assert entry.token == token == got[step], step
+            assert abs(entry.logprob - float(logp[token])) < 1e-4
+            assert [t for t, _ in entry.top] == logp.topk(3).indices.tolist()
+            assert max(abs(v - float(logp[t])) for t, v in entry.top) < 1e-4
+            generated.append(token)
+            ids.append(token)
+    assert plain[0] not in got and plain[1] not in got
+    assert got != bias_only  # the penalties changed a choice (the reference without them goes elsewhere)
+
+
+def test_bias_penalties_and_logprobs_are_the_same_at_every_cache_size_and_predictor(checkpoint_factory):
+    path = checkpoint_factory("v3")
+    prompts = [[3, 4, 5], [10, 11, 12, 13]]
+    kwargs = dict(max_new_tokens=10, temperature=0.9, seed=7, stop_at_eos=False, logit_bias={5: 3.0, 9: -100.0},
+                  logprobs=2, **ADJUSTED)
+    expected = MoEPrefetchEngine.from_pretrained(path, progress=False, max_batch_size=2).generate(prompts, **kwargs)
+    assert all(9 not in s for s in expected.sequences)
+    for slots in (3, 7, 12):
+        engine = MoEPrefetchEngine.from_pretrained(path, progress=False, max_batch_size=2, expert_cache_slots=slots)
+        for predictor in ("none", "mtp+next_layer_gate", "oracle"):
+            got = engine.generate(prompts, predictor=predictor, **kwargs)
+            assert got.sequences == expected.sequences, (slots, predictor)
+            assert got.logprobs == expected.logprobs, (slots, predictor)  # the same logits, bit for bit
+    events = list(engine.stream(prompts, **{k: v for k, v in kwargs.items()}))
+    assert [e.logprob for e in events if e.sequence == 1] == expected.logprobs[1]
+
+
+def test_speculation_keeps_biased_tokens_and_refuses_penalties(checkpoint_factory):
+    engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False, expert_cache_slots=7)
+    kwargs = dict(max_new_tokens=12, stop_at_eos=False, logit_bias={4: 2.0, 8: -100.0}, logprobs=1)
+    plain = engine.generate([[3, 4, 5]], **kwargs)
+    spec = engine.generate([[3, 4, 5]], speculative="mtp", **kwargs)
+    assert spec.sequences == plain.sequences and spec.stats.draft_proposed > 0
+    for a, b in zip(spec.logprobs[0], plain.logprobs[0]):  # a verified token's come from the draft row: close
+        assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4
+    with pytest.raises(RequestError, match="presence_penalty and frequency_penalty .* speculative='mtp'"):
+        engine.generate([[3, 4]], 4, speculative="mtp", frequency_penalty=0.5)
+    auto = engine.generate([[3, 4]], 4, speculative="auto", presence_penalty=0.5)
+    decision = auto.stats.extra["speculative_auto"]
+    assert decision["mode"] == "none" and "penalties" in decision["reason"]
+    assert engine.generate([[3, 4]], 4).sequences  # the engine stays usable
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(logit_bias={10**6: 1.0}), "not a token id of the vocabulary"), (dict(logit_bias=[1]), "mapping"),
+    (dict(presence_penalty=3.0), "presence_penalty"), (dict(logprobs=21), "logprobs"),
+    (dict(frequency_penalty="high"), "frequency_penalty")])
+def test_bad_bias_penalties_and_logprobs_are_refused_and_change_nothing(v3, kwargs, message):
+    before = v3.generate([[3, 4]], 5, stop_at_eos=False).sequences
+    with pytest.raises(RequestError, match=message):
+        v3.generate([[3, 4]], 5, **kwargs)
+    with pytest.raises(RequestError, match=message):
+        v3.stream([[3, 4]], 5, **kwargs)
+    assert v3.generate([[3, 4]], 5, stop_at_eos=False).sequences == before

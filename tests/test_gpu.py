@@ -498,3 +498,50 @@ def test_the_learned_predictor_keeps_the_tokens_in_graphs():
                 assert not engine.residency.problems()
             assert all(step.captured for step in engine._steps.values())
             assert recall[("learned", 1)] > recall[("previous", 1)]
+
+
+def test_bias_penalties_and_logprobs_in_captured_steps_match_eager_and_every_cache_size(checkpoint_factory):
+    """The adjusted draws and the log-probabilities inside captured graphs: the same tokens and log-probabilities as
+    eager steps, at every cache size and predictor; greedy with bias and penalties picks the float64 reference's
+    argmax over the engine's own uncached logits; a continuous batch's rows get generate's."""
+    from conftest import reference_adjusted
+    from moeprefetch.batching import ContinuousBatch
+    from moeprefetch.sampling import SamplingParams
+
+    path = checkpoint_factory("v3")
+    prompts = [[3, 4, 5, 6], [9, 10]]
+    bias = {7: 2.0, 4: -100.0}
+    kwargs = dict(max_new_tokens=14, stop_at_eos=False, logit_bias=bias, presence_penalty=0.6,
+                  frequency_penalty=0.4, logprobs=3)
+    eager = MoEPrefetchEngine.from_pretrained(path, device="cuda", cuda_graphs=False)
+    expected = eager.generate(prompts, **kwargs)
+    sequence = prompts[0] + expected.sequences[0]
+    logits = eager.forward([sequence])[0].cpu()
+    eager.close()
+    for i, token in enumerate(expected.sequences[0]):
+        row = logits[len(prompts[0]) - 1 + i]
+        assert token == int(reference_adjusted(row, sorted(bias.items()), 0.6, 0.4, expected.sequences[0][:i]).argmax())
+        assert abs(expected.logprobs[0][i].logprob - float(row.double().log_softmax(-1)[token])) < 1e-4
+    for slots in (None, 3, 7):
+        engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", expert_cache_slots=slots)
+        for predictor in ("none", "mtp+next_layer_gate", "oracle"):
+            got = engine.generate(prompts, predictor=predictor, **kwargs)
+            assert got.sequences == expected.sequences, (slots, predictor)
+            for a, b in zip(sum(got.logprobs, []), sum(expected.logprobs, [])):
+                assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-5
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            sampled = engine.generate(prompts, temperature=0.9, seed=5, predictor=predictor, **kwargs)
+            assert 4 not in sum(sampled.sequences, [])
+        assert all(step.captured for step in engine._steps.values())
+        engine.close()
+    engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", max_seq_len=128, max_batch_size=2)
+    alone = engine.generate([prompts[1]], **kwargs)
+    batch = ContinuousBatch(engine)
+    requests = [(prompts[0], 14, SamplingParams()),
+                (prompts[1], 14, SamplingParams(logit_bias=tuple(sorted(bias.items())), presence_penalty=0.6,
+                                                frequency_penalty=0.4, logprobs=3))]
+    assert serve_in_turn(batch, requests, [1])[1] == alone.sequences[0]  # alone: generate's one-row step
+    together = serve_in_turn(batch, requests, [0, 1])  # two rows, one adjusted: its bias holds
+    assert 4 not in together[1] and len(together[0]) == 14
+    assert any(kind[1] and kind[2] for kind in batch.step_kinds)
+    engine.close()

@@ -132,6 +132,10 @@ def test_cli_bad_arguments_exit_without_traceback(checkpoint_factory, capsys):
         (["generate", path, "--prompt-ids", "1,2", "--max-batch-size", "0"], "max_batch_size must be a positive"),
         (["generate", path, "--prompt-ids", "1,2", "--lrfu-halflife", "0"], "lrfu_halflife must be a number of steps"),
         (["generate", path, "--prompt-ids", "1,2", "--policy", "mru"], "unknown cache policy 'mru'"),
+        (["generate", path, "--prompt-ids", "1,2", "--logit-bias", "5"], "--logit-bias takes ID=BIAS"),
+        (["generate", path, "--prompt-ids", "1,2", "--logit-bias", "99999=1"], "not a token id of the vocabulary"),
+        (["generate", path, "--prompt-ids", "1,2", "--logit-bias", "5=-300"], "must be a number in [-100, 100]"),
+        (["generate", path, "--prompt-ids", "1,2", "--presence-penalty", "3"], "presence_penalty must be a number"),
     ]:
         assert main(argv) == 2
         captured = capsys.readouterr()

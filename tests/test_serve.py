@@ -4,7 +4,8 @@ their single-request answers, bad requests get OpenAI-style errors, disconnects 
 an engine error fails one request only, a bounded load test loses nothing, SIGTERM drains. Issue 40: body limits,
 tokenisation off the event loop, the drain's cut answered, a second signal exits cleanly, JSON 404/405, deep JSON and
 lone surrogates, the chat fallback template, parameters refused by name, API keys, Host and Content-Type checks,
-Retry-After, 503 while draining, aborted and stalled uploads, queued clients gone, max_tokens clamped, seed range."""
+Retry-After, 503 while draining, aborted and stalled uploads, queued clients gone, max_tokens clamped, seed range;
+logprobs (both shapes, streamed and not), logit_bias and the penalties as `engine.generate` gives them."""
 
 from __future__ import annotations
 
@@ -568,12 +569,13 @@ def test_a_prompt_that_cannot_fit_is_refused_without_tokenising(caplog):
             parse(body, Untouchable(), limits)
         assert (err.value.status, err.value.param) == (400, param) and "max_seq_len=64" in err.value.message
     # the server reads the bound from the vocabulary, and says when chat falls back to the role lines
-    engine = SimpleNamespace(tokenizer=Untouchable(), options=SimpleNamespace(max_seq_len=64))
+    engine = SimpleNamespace(tokenizer=Untouchable(), options=SimpleNamespace(max_seq_len=64),
+                             args=SimpleNamespace(vocab_size=2))
     scheduler = SimpleNamespace(batch=SimpleNamespace(spec=SimpleNamespace(chain=1)))
     with caplog.at_level(logging.WARNING, logger="moeprefetch.serve.app"):
         server = Server(engine, "m", scheduler)
     server.workers.shutdown()
-    assert server.limits.max_token_chars == 4 and server.limits.reserve == 2
+    assert server.limits.max_token_chars == 4 and server.limits.reserve == 2 and server.limits.vocab == 2
     assert any("no chat template" in r.getMessage() and "assistant:" in r.getMessage() for r in caplog.records)
 
 
@@ -716,17 +718,25 @@ def test_chat_without_a_template_uses_role_lines_and_joins_text_parts(guarded, r
 
 
 def test_parameters_the_server_cannot_honour_are_refused_by_name(live):
-    refused = {"logprobs": 2, "top_logprobs": 3, "logit_bias": {"5": 10}, "presence_penalty": 0.5,
-               "frequency_penalty": -1, "suffix": " the end", "best_of": 3, "response_format": {"type": "json_object"},
+    refused = {"top_logprobs": 3, "suffix": " the end", "best_of": 3, "response_format": {"type": "json_object"},
                "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}
     for name, value in refused.items():
         response = httpx.post(live.url + "/v1/completions", timeout=30,
                               json={"model": "tiny", "prompt": "x", name: value})
         assert name in _error_of(response, 400, name)["message"]
-    for name, value in (("logprobs", True), ("echo", True), ("presence_penalty", 1)):
+    for name, value in (("echo", True), ("logprobs", 3), ("top_logprobs", 2)):
         response = httpx.post(live.url + "/v1/chat/completions", timeout=30,
                               json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], name: value})
         _error_of(response, 400, name)
+    # honoured parameters out of range, or of the wrong shape, are named too
+    for name, value in (("logprobs", 21), ("logprobs", True), ("logit_bias", {"5": 101}), ("logit_bias", [5]),
+                        ("logit_bias", {"99999999": 1}), ("presence_penalty", 2.5), ("frequency_penalty", "x")):
+        response = httpx.post(live.url + "/v1/completions", timeout=30,
+                              json={"model": "tiny", "prompt": "x", name: value})
+        _error_of(response, 400, name)
+    response = httpx.post(live.url + "/v1/completions", timeout=30,
+                          json={"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1})
+    assert "prompt's log-probabilities" in _error_of(response, 400, "echo")["message"]
     # the values that ask for nothing pass
     noops = {"logprobs": None, "presence_penalty": 0, "frequency_penalty": 0.0, "best_of": 1, "logit_bias": {},
              "response_format": {"type": "text"}, "suffix": None, "tools": [], "tool_choice": "none"}
@@ -955,3 +965,51 @@ def test_a_disconnect_storm_leaves_the_server_healthy_and_memory_flat(live, monk
     assert sum(type(o) is Handle for o in gc.get_objects()) == 0  # nothing holds the dropped requests
     assert httpx.get(live.url + "/health", timeout=30).json() == {"status": "ok", "active": 0, "queue_depth": 0}
     assert live.client.completions.create(model="tiny", prompt="x", max_tokens=3, temperature=0).choices
+
+
+def test_logprobs_bias_and_penalties_are_what_engine_generate_gives(live, reference):
+    """Completions' logprobs (with text offsets) and chat's (with bytes), streamed and not, logit_bias and both
+    penalties: the tokens and log-probabilities of `engine.generate` with the same arguments."""
+    prompt, tokenizer = PROMPTS[1], reference.tokenizer
+    plain = reference.generate([prompt], 8, stop_at_eos=False).sequences[0]
+    bias = {plain[0]: -100.0, plain[2]: 4.0}
+    kwargs = dict(logit_bias=bias, presence_penalty=0.7, frequency_penalty=0.5)
+    alone = reference.generate([prompt], 8, logprobs=3, **kwargs)
+    assert alone.sequences[0] != plain and plain[0] not in alone.sequences[0]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 3,
+            "logit_bias": {str(k): v for k, v in bias.items()}, "presence_penalty": 0.7, "frequency_penalty": 0.5}
+    answer = httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    expected_tokens = [tokenizer.decode([e.token]) for e in alone.logprobs[0]]
+    logprobs = answer["logprobs"]
+    assert answer["text"] == alone.texts[0] and logprobs["tokens"] == expected_tokens
+    assert max(abs(a - e.logprob) for a, e in zip(logprobs["token_logprobs"], alone.logprobs[0])) < 1e-5
+    assert [len(top) for top in logprobs["top_logprobs"]] == [len({tokenizer.decode([t]) for t, _ in e.top})
+                                                               for e in alone.logprobs[0]]
+    assert logprobs["text_offset"] == [sum(map(len, expected_tokens[:i])) for i in range(len(expected_tokens))]
+    chunks = list(live.client.completions.create(stream=True, **{k: v for k, v in body.items()}))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == expected_tokens
+    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == logprobs["text_offset"]
+
+    messages = [{"role": "user", "content": prompt}]
+    chat_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(chat_prompt, "keys"):
+        chat_prompt = chat_prompt["input_ids"]
+    chat_alone = reference.generate([list(chat_prompt)], 6, logprobs=2, **kwargs)
+    chat = live.client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                               logprobs=True, top_logprobs=2, logit_bias=body["logit_bias"],
+                                               presence_penalty=0.7, frequency_penalty=0.5)
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [tokenizer.decode([e.token]) for e in chat_alone.logprobs[0]]
+    assert all(c.bytes == list(c.token.encode()) and len(c.top_logprobs) <= 2 for c in content)
+    assert max(abs(c.logprob - e.logprob) for c, e in zip(content, chat_alone.logprobs[0])) < 1e-5
+    streamed = live.client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                                   logprobs=True, top_logprobs=2, stream=True,
+                                                   logit_bias=body["logit_bias"], presence_penalty=0.7,
+                                                   frequency_penalty=0.5)
+    tokens = [c.token for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+              for c in chunk.choices[0].logprobs.content]
+    assert tokens == [c.token for c in content]
+    no_logprobs = live.client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert no_logprobs.choices[0].logprobs is None

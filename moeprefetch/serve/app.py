@@ -22,9 +22,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..sampling import TokenLogprob
 from .guards import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, ErrorResponse, Guard, read_body
 from .protocol import FALLBACK_CHAT_END, FALLBACK_CHAT_LINE, APIError, Job, Limits, decode_body, parse_chat, \
     parse_completion
+from .logprobs import chat_logprobs, completion_logprobs, token_text
 from .scheduler import Handle, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -43,11 +45,21 @@ class Settings:
     body_timeout: float = DEFAULT_BODY_TIMEOUT
 
 
-def _choice(job: Job, text: str, reason: str | None, delta: bool) -> dict[str, Any]:
+def _choice(job: Job, text: str, reason: str | None, delta: bool, logprobs: dict[str, Any] | None = None
+            ) -> dict[str, Any]:
     if job.kind == "chat.completion":
         body = {"role": "assistant", "content": text} if not delta else ({"content": text} if text else {})
-        return {"index": 0, "delta" if delta else "message": body, "finish_reason": reason}
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return {"index": 0, "delta" if delta else "message": body, "logprobs": logprobs, "finish_reason": reason}
+    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+
+def _logprobs(job: Job, entries: list[TokenLogprob], tokenizer: Any, offset: int) -> dict[str, Any] | None:
+    """The choice's logprobs object for these tokens (None when the request did not ask)."""
+    if job.sampling.logprobs is None:
+        return None
+    if job.kind == "chat.completion":
+        return chat_logprobs(entries, tokenizer)
+    return completion_logprobs(entries, tokenizer, offset)
 
 
 def _object(job: Job, chunk: bool) -> str:
@@ -63,7 +75,7 @@ def limits_of(engine, scheduler: Scheduler, model_name: str, default_max_tokens:
         longest = max(map(len, tokenizer.get_vocab()), default=None)
     return Limits(model=model_name, context=engine.options.max_seq_len,
                   reserve=1 + max(1, scheduler.batch.spec.chain),  # as the engine's own check counts them
-                  max_token_chars=longest, default_max_tokens=default_max_tokens)
+                  max_token_chars=longest, default_max_tokens=default_max_tokens, vocab=engine.args.vocab_size)
 
 
 class Server:
@@ -157,25 +169,30 @@ class Server:
         handle.cancelled = True
 
     async def _collect(self, handle: Handle) -> Response:
-        job, text = handle.job, [handle.job.echo]
+        job, text, entries = handle.job, [handle.job.echo], []
         while True:
             event = await handle.events.get()
             if event[0] == "text":
                 text.append(event[1])
+                if event[3] is not None:
+                    entries.append(event[3])
             elif event[0] == "error":
                 raise event[1]
             else:
                 _, reason, usage = event
+                logprobs = _logprobs(job, entries, self.engine.tokenizer, len(job.echo))
                 return JSONResponse({"id": job.id, "object": _object(job, False), "created": job.created,
                                      "model": self.model_name,
-                                     "choices": [_choice(job, "".join(text), reason, delta=False)], "usage": usage})
+                                     "choices": [_choice(job, "".join(text), reason, False, logprobs)],
+                                     "usage": usage})
 
     async def _stream(self, handle: Handle, first: tuple) -> AsyncIterator[str]:
-        job = handle.job
+        job, offset = handle.job, len(handle.job.echo)
 
-        def chunk(text: str, reason: str | None) -> str:
+        def chunk(text: str, reason: str | None, logprob: TokenLogprob | None = None) -> str:
+            logprobs = _logprobs(job, [logprob], self.engine.tokenizer, offset) if logprob is not None else None
             body = {"id": job.id, "object": _object(job, True), "created": job.created, "model": self.model_name,
-                    "choices": [_choice(job, text, reason, delta=True)]}
+                    "choices": [_choice(job, text, reason, True, logprobs)]}
             return f"data: {json.dumps(body)}\n\n"
 
         try:
@@ -189,7 +206,9 @@ class Server:
             event = first
             while True:
                 if event[0] == "text":  # one chunk per token, even when its text is held back or empty
-                    yield chunk(event[1], None)
+                    yield chunk(event[1], None, event[3])
+                    if event[3] is not None:
+                        offset += len(token_text(self.engine.tokenizer, event[3].token))
                 elif event[0] == "error":  # after the stream began (a shutdown's cut too): an error event
                     yield f"data: {json.dumps(event[1].body())}\n\n"
                     break

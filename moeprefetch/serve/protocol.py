@@ -7,10 +7,11 @@ import math
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..sampling import SamplingParams
+from ..errors import RequestError
+from ..sampling import LOGPROBS_MAX, PENALTY_LIMIT, SamplingParams, bias_pairs
 
 MAX_STOP_STRINGS = 4
 SEED_LIMIT = 2**62  # the sampler hashes a seed's low 62 bits: a larger seed would silently repeat a smaller one
@@ -19,14 +20,11 @@ FALLBACK_CHAT_LINE = "{role}: {content}\n"
 FALLBACK_CHAT_END = "assistant:"
 
 # OpenAI parameters this server cannot honour, each with the values that ask for nothing (those pass); any other
-# value is refused with a 400 naming it, so that no client believes it got what it asked for. Why not honoured:
-# logprobs, the batch's prefill samples the first token without keeping its logits; logit_bias and the penalties,
-# the decode step's sampler (captured once for every row) has no per-row hook for them; the rest are features the
-# engine does not have (suffix insertion, best_of ranking, tool calls, constrained output, audio).
+# value is refused with a 400 naming it, so that no client believes it got what it asked for: features the engine
+# does not have (suffix insertion, best_of ranking, tool calls, constrained output, audio). logprobs, top_logprobs,
+# logit_bias and the penalties are honoured (`parse_common`, `parse_completion`, `parse_chat`).
 NOT_HONOURED: tuple[tuple[str, tuple[Any, ...]], ...] = (
-    ("logprobs", (None, False)), ("top_logprobs", (None, 0)), ("logit_bias", (None, {})),
-    ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)), ("suffix", (None, "")), ("best_of", (None, 1)),
-    ("tools", (None, [])), ("tool_choice", (None, "none", "auto")), ("functions", (None, [])),
+    ("suffix", (None, "")), ("best_of", (None, 1)), ("tools", (None, [])), ("tool_choice", (None, "none", "auto")), ("functions", (None, [])),
     ("function_call", (None, "none", "auto")), ("response_format", (None, {"type": "text"})),
     ("modalities", (None, ["text"])), ("audio", (None,)), ("prediction", (None,)),
 )
@@ -55,6 +53,7 @@ class Limits:
     reserve: int = 2  # positions the decode step writes beyond the prompt and the new tokens (shadow, drafts)
     max_token_chars: int | None = None  # the longest vocabulary entry: no token covers more characters
     default_max_tokens: int = 256
+    vocab: int | None = None  # token ids a logit_bias may name are below it
 
     @property
     def max_prompt_chars(self) -> int | None:
@@ -198,9 +197,22 @@ def parse_common(body: Any, limits: Limits) -> dict[str, Any]:
         raise APIError(400, "stream_options must be an object like {\"include_usage\": true}", "stream_options")
     if seed is None:  # as engine.generate: a fresh seed, so that unseeded requests differ
         seed = secrets.randbits(62)
+    sampling = SamplingParams(temperature=temperature, top_k=top_k or 0, top_p=top_p, seed=seed,
+                              presence_penalty=_number(body, "presence_penalty", 0.0, -PENALTY_LIMIT, PENALTY_LIMIT),
+                              frequency_penalty=_number(body, "frequency_penalty", 0.0, -PENALTY_LIMIT,
+                                                        PENALTY_LIMIT))
+    try:
+        sampling = replace(sampling, logit_bias=bias_pairs(body.get("logit_bias")))
+        sampling.validate(limits.vocab)
+    except RequestError as exc:  # the logit_bias's keys or values (every other field is checked above)
+        raise APIError(400, str(exc), "logit_bias") from None
     return dict(max_tokens=max_tokens, stream=stream, stop=_stop(body), ignore_eos=ignore_eos,
-                include_usage=bool(options.get("include_usage", False)),
-                sampling=SamplingParams(temperature=temperature, top_k=top_k or 0, top_p=top_p, seed=seed))
+                include_usage=bool(options.get("include_usage", False)), sampling=sampling)
+
+
+def _with_logprobs(common: dict[str, Any], count: int | None) -> dict[str, Any]:
+    common["sampling"] = replace(common["sampling"], logprobs=count)
+    return common
 
 
 def _job(kind: str, ids: list[int], common: dict[str, Any], limits: Limits, param: str, **extra: Any) -> Job:
@@ -215,7 +227,9 @@ def _job(kind: str, ids: list[int], common: dict[str, Any], limits: Limits, para
 
 def parse_completion(body: Any, tokenizer, limits: Limits) -> Job:
     common = parse_common(body, limits)
-    refuse_not_honoured(body)
+    refuse_not_honoured(body, extra=("top_logprobs",))  # chat's parameter; completions' logprobs is the count
+    logprobs = None if body.get("logprobs") is False else _integer(body, "logprobs", None, 0, LOGPROBS_MAX + 1)
+    _with_logprobs(common, logprobs)
     echo = _flag(body, "echo")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -230,6 +244,9 @@ def parse_completion(body: Any, tokenizer, limits: Limits) -> Job:
         ids = list(prompt)
     else:
         raise APIError(400, "prompt must be a non-empty string or a non-empty list of token ids (one prompt)", "prompt")
+    if echo and logprobs is not None:
+        raise APIError(400, "echo with logprobs would return the prompt's log-probabilities too, which this server "
+                            "does not compute: ask for one or the other", "echo")
     if echo and not isinstance(prompt, str) and tokenizer is None:
         raise APIError(400, "echo needs a tokenizer to turn the prompt's token ids into text", "echo")
     text = (prompt if isinstance(prompt, str) else tokenizer.decode(ids, skip_special_tokens=True)) if echo else ""
@@ -270,6 +287,10 @@ def fallback_chat_prompt(messages: list[dict[str, str]]) -> str:
 def parse_chat(body: Any, tokenizer, limits: Limits) -> Job:
     common = parse_common(body, limits)
     refuse_not_honoured(body, extra=("echo",))  # echo is a completions parameter; chat has none
+    wanted, top = _flag(body, "logprobs"), _integer(body, "top_logprobs", None, 0, LOGPROBS_MAX + 1)
+    if top and not wanted:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    _with_logprobs(common, (top or 0) if wanted else None)
     messages = _messages(body.get("messages"))
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids", "messages")

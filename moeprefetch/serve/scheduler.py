@@ -22,6 +22,7 @@ from ..accounting import LayerCounters, Stats
 from ..batching import ContinuousBatch
 from ..errors import MoEPrefetchError
 from ..residency import counters_by_layer
+from ..sampling import TokenLogprob
 from ..session import TextStream
 from .protocol import APIError, Job
 
@@ -44,6 +45,7 @@ class Handle:
     tokens: list[int] = field(default_factory=list)
     text: TextStream | None = None
     pending_text: str = ""  # decoded but held back: it could be the start of a stop string
+    logprob: TokenLogprob | None = None  # the latest token's, when the request asked for log-probabilities
 
     def send(self, event: tuple) -> None:
         try:
@@ -95,7 +97,7 @@ class Scheduler:
                 raise APIError(429, f"the request queue is full ({self.max_queue} waiting); retry later",
                                kind="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
             try:
-                self.batch.check(handle.job.prompt_ids, handle.job.max_tokens)
+                self.batch.check(handle.job.prompt_ids, handle.job.max_tokens, handle.job.sampling)
             except MoEPrefetchError as exc:  # too long, ids outside the vocabulary: this request fails now
                 raise APIError(400, str(exc)) from None
             self.queue.append(handle)
@@ -197,7 +199,7 @@ class Scheduler:
             self.rows[row] = handle
             self.counters.prompt_tokens += len(job.prompt_ids)
             self.counters.prefill_seconds += time.perf_counter() - started
-        self._token(handle, first)
+        self._token(handle, first, self.batch.logprobs.get(row))
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -217,13 +219,15 @@ class Scheduler:
         for row, token in new.items():
             handle = self.rows.get(row)
             if handle is not None:
-                self._token(handle, token)
+                self._token(handle, token, self.batch.logprobs.get(row))
         if self.batch.steps % METRICS_EVERY_STEPS == 0:
             self._refresh_expert_metrics()
 
-    def _token(self, handle: Handle, token: int) -> None:
-        """A row's new token: text, stop strings, end of sequence, max_tokens."""
+    def _token(self, handle: Handle, token: int, logprob: TokenLogprob | None = None) -> None:
+        """A row's new token (with its log-probabilities when asked): text, stop strings, end of sequence,
+        max_tokens."""
         handle.tokens.append(token)
+        handle.logprob = logprob
         with self._cond:
             self.counters.completion_tokens += 1
         eos = token in self._stop_ids(handle.job)
@@ -262,7 +266,8 @@ class Scheduler:
         keep = 0 if everything else self._held_back(handle)
         piece = handle.pending_text[: len(handle.pending_text) - keep]
         handle.pending_text = handle.pending_text[len(piece):]
-        handle.send(("text", piece, len(handle.tokens)))  # one event per token (streams time them), text or not
+        # one event per token (streams time them), text or not, with the token's log-probabilities when asked
+        handle.send(("text", piece, len(handle.tokens), handle.logprob))
 
     def _complete(self, handle: Handle, reason: str) -> None:
         self._release(handle)
