@@ -157,9 +157,12 @@ class TokenLogprob:
 def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw logits [B, V] and chosen ids [B] -> (values [B, 1 + n] fp32: the chosen token's log-probability, then the
     n most likely tokens', ids [B, n] int64). Fixed shapes: runs inside a captured step."""
-    logp = logits.float().log_softmax(dim=-1)
-    top, ids = logp.topk(n, dim=-1)
-    return torch.cat((logp.gather(-1, chosen[:, None]), top), dim=-1), ids
+    # log-softmax is the logits less their log-sum-exp: the most likely tokens are the largest logits, so the [B, V]
+    # log-probabilities are never written (at a 102,400-token vocabulary, one reduction and one top-k)
+    logits = logits.float()
+    total = logits.logsumexp(dim=-1, keepdim=True)
+    top, ids = logits.topk(n, dim=-1)
+    return torch.cat((logits.gather(-1, chosen[:, None]), top), dim=-1) - total, ids
 
 
 def read_logprobs(tokens: list[int], values: list[list[float]], ids: list[list[int]]) -> list[TokenLogprob]:
