@@ -20,7 +20,6 @@ experts protected for the running rows' next decode steps are first deferred by 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,7 +28,7 @@ from .build import predictor_spec
 from .predictors import default_lookahead
 from .decode import DecodeStep, RowState, run_rows
 from .errors import RequestError
-from .sampling import RowSampler, SamplingParams, TokenLogprob, read_logprobs, sample, token_logprobs
+from .sampling import RowSampler, SamplingParams, TokenLogprob, read_logprobs, row_paths, sample, token_logprobs
 from .session import configure_residency, prefill_mtp_row, prefill_row, prefill_steps, step_shape
 
 if TYPE_CHECKING:
@@ -70,8 +69,8 @@ class ContinuousBatch:
                             options.min_confidence if min_confidence is None else min_confidence)
         self.batch_invariant = batch_invariant
         self._mode = "shadow" if spec.shadow and not res.preloaded else "none"
-        # by (rows computed (`step_rows`), bias or penalties, log-probabilities), made when first needed
-        self._steps: dict[tuple[int, bool, bool], DecodeStep] = {}
+        # by (rows computed (`step_rows`), the sampling paths its rows take (`row_paths`)), made when first needed
+        self._steps: dict[tuple[int, SamplingParams], DecodeStep] = {}
         self.state: list[RowState | None] = [None] * self.rows
         self.sampling: list[SamplingParams | None] = [None] * self.rows  # each row's request's
         # the latest token's log-probabilities of each row whose request asked (`admit` and `step` refresh it)
@@ -139,23 +138,31 @@ class ContinuousBatch:
     @property
     def step_sizes(self) -> list[int]:
         """The step shapes' rows computed, of the steps run so far."""
-        return sorted({rows for rows, _, _ in self._steps})
+        return sorted({rows for rows, _ in self._steps})
 
     @property
-    def step_kinds(self) -> list[tuple[int, bool, bool]]:
-        """The steps run so far: (rows computed, bias or penalties on, log-probabilities on)."""
-        return sorted(self._steps)
+    def step_kinds(self) -> list[tuple[int, str, bool, bool]]:
+        """The steps run so far: (rows computed, "greedy" | "sampled" | "filtered", bias or penalties on,
+        log-probabilities on)."""
+        def kind(paths: SamplingParams) -> str:
+            return "greedy" if paths.greedy else "filtered" if paths.top_k or paths.top_p < 1.0 else "sampled"
 
-    def decode_step(self, rows: int, adjust: bool = False, logprobs: bool = False) -> DecodeStep:
-        """The step computing the first `rows` rows (their caches and sampling parameters are views of the batch's),
-        with bias and penalties and with log-probabilities when a row among them asks for them."""
-        key = (rows, adjust, logprobs)
+        return sorted((rows, kind(p), p.adjusts, p.logprobs is not None) for rows, p in self._steps)
+
+    @property
+    def decode_steps(self) -> list[DecodeStep]:
+        """The decode steps made so far (each shape's own, captured as a graph on CUDA)."""
+        return list(self._steps.values())
+
+    def decode_step(self, rows: int, paths: SamplingParams = SamplingParams(temperature=1.0, top_k=1, top_p=0.5)
+                    ) -> DecodeStep:
+        """The step computing the first `rows` rows (their caches and sampling parameters are views of the batch's)
+        with the sampling paths `paths` (`row_paths` of its rows; by default every path but bias and
+        log-probabilities)."""
+        key = (rows, paths)
         if key not in self._steps:
             engine = self.engine
-            # every sampling path on: each row's values are the sampler's (`set_row`)
-            shape = replace(step_shape(engine, rows, self.spec, self._mode, self.uses_mtp,
-                                       SamplingParams(temperature=1.0, top_k=1, top_p=0.5)),
-                            adjust=adjust, logprobs=logprobs)
+            shape = step_shape(engine, rows, self.spec, self._mode, self.uses_mtp, paths)
             caches = self.caches if rows == self.rows else self.caches.first_rows(rows)
             sampler = self.sampler if rows == self.rows else self.sampler.first_rows(rows)
             self._steps[key] = DecodeStep(engine.runner, caches, sampler, shape, engine.options.cuda_graphs)
@@ -167,9 +174,9 @@ class ContinuousBatch:
         if not any(live):
             return {}
         rows = step_rows(max(r for r, on in enumerate(live) if on) + 1, self.rows, self.batch_invariant)
-        states, sampling = self.state[:rows], [s for s in self.sampling[:rows] if s is not None]
-        step = self.decode_step(rows, any(s.adjusts for s in sampling),
-                                any(s.logprobs is not None for s in sampling))
+        states = self.state[:rows]
+        paths = row_paths([s for s in self.sampling[:rows] if s is not None], self.engine.args.vocab_size)
+        step = self.decode_step(rows, paths)
         out = run_rows(step, states)
         self.steps += 1
         new = {}

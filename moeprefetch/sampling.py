@@ -280,8 +280,8 @@ class DeviceSampler:
 
 
 class RowSampler(DeviceSampler):
-    """Each row with its own parameters (a continuous batch: requests with their own temperature, top-k, top-p and
-    seed share a step). A row draws exactly what the same request draws alone through `DeviceSampler` (as row 0 of
+    """Each row with its own parameters (a continuous batch: requests with their own temperature, top-k, top-p,
+    seed, bias and penalties share a step). A row draws exactly what the same request draws alone through `DeviceSampler` (as row 0 of
     its own call): the same scaled and filtered logits, and noise from (its seed, stream 0, position); greedy rows
     take the argmax."""
 
@@ -326,12 +326,19 @@ class RowSampler(DeviceSampler):
                             self.row_seed[:, 1])
 
     def filter(self, logits: torch.Tensor, use_top_k: bool = True, use_top_p: bool = True) -> torch.Tensor:
+        """Each row's temperature, and its top-k and top-p where its flags say; `use_top_k` / `use_top_p` False
+        skip a filter no row uses (the result is the same: every row's flag is off), and with both off the
+        vocabulary is not sorted."""
         scaled = logits / self.temperature
+        if not (use_top_k or use_top_p):
+            return scaled
         ordered, order = scaled.sort(dim=-1, descending=True)
-        kth = ordered.gather(-1, (self.top_k - 1).clamp(min=0))
-        cut_k = self.use_top_k & (scaled < kth)
-        scaled = scaled.masked_fill(cut_k, float("-inf"))
-        ordered = ordered.masked_fill(self.use_top_k & (ordered < kth), float("-inf"))
+        if use_top_k:
+            kth = ordered.gather(-1, (self.top_k - 1).clamp(min=0))
+            scaled = scaled.masked_fill(self.use_top_k & (scaled < kth), float("-inf"))
+            ordered = ordered.masked_fill(self.use_top_k & (ordered < kth), float("-inf"))
+        if not use_top_p:
+            return scaled
         probs = ordered.softmax(-1)
         before = probs.cumsum(-1) - probs
         drop_sorted = self.use_top_p & (before >= self.top_p)
@@ -340,11 +347,15 @@ class RowSampler(DeviceSampler):
 
     def __call__(self, logits: torch.Tensor, params: SamplingParams, rows: torch.Tensor,
                  positions: torch.Tensor, adjust: bool | None = None) -> torch.Tensor:
-        """logits [B, V] -> token ids [B]; of `params` only `adjusts` is read, unless `adjust` says (every row has
-        its own values, set by `set_row`)."""
+        """logits [B, V] -> token ids [B]. Every row has its own values (`set_row`); `params` says which paths some
+        row may take (a step's shape: greedy when no row samples; top-k, top-p when a row filters), and bias and
+        penalties unless `adjust` says."""
         if params.adjusts if adjust is None else adjust:
             logits = self.adjust(logits)
-        sampled = (self.filter(logits.float()) + self.gumbel(rows, positions)).argmax(dim=-1)
+        if params.greedy:
+            return logits.argmax(dim=-1)
+        scaled = self.filter(logits.float(), 0 < params.top_k < self.vocab, params.top_p < 1.0)
+        sampled = (scaled + self.gumbel(rows, positions)).argmax(dim=-1)
         return torch.where(self.greedy, logits.argmax(dim=-1), sampled)
 
 
@@ -362,3 +373,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, rows: list[int], positi
     sampler.set_params(params)
     dev = logits.device
     return sampler(logits, params, torch.tensor(rows, device=dev), torch.tensor(positions, device=dev))
+
+
+def row_paths(params: list[SamplingParams], vocab: int) -> SamplingParams:
+    """The sampling paths a step of these rows needs, as the flags a step shape reads (`decode.StepShape`): greedy
+    when no row samples, top-k / top-p when a row filters so, bias and penalties and log-probabilities when a row asks.
+    Rows keep their own values (`RowSampler.set_row`); a path no row takes changes no row's token."""
+    sampled = [p for p in params if not p.greedy]
+    return SamplingParams(temperature=1.0 if sampled else 0.0,
+                          top_k=1 if any(0 < p.top_k < vocab for p in sampled) else 0,
+                          top_p=0.5 if any(p.top_p < 1.0 for p in sampled) else 1.0,
+                          presence_penalty=1.0 if any(p.adjusts for p in params) else 0.0,
+                          logprobs=0 if any(p.logprobs is not None for p in params) else None)

@@ -1,9 +1,11 @@
 """What logit bias, penalties and log-probabilities add to a decode step: the sampler's device work alone, captured in
 a CUDA graph as the decode step captures it, at real vocabularies and batch rows.
 
-Rows: greedy argmax (what every step pays), + bias and penalties (`LogitAdjuster`: count the input token, adjust),
-+ log-probabilities (log-softmax and the 20 most likely), and seeded top-p sampling with all of them. Each is the
-median of `--replays` graph replays timed by CUDA events, after warm-up replays.
+Rows (a `RowSampler`, as a continuous batch's step runs it): greedy rows (the argmax), with bias and penalties
+(`LogitAdjuster`: count the input token, adjust), with log-probabilities too (log-sum-exp and the 20 most likely);
+greedy rows on a step with every path on (a served step before `row_paths`); seeded sampling at a temperature, with
+top-p, and with top-p, bias, penalties and log-probabilities. Each is the median of `--replays` graph replays timed
+by CUDA events, after warm-up replays.
 
     python3 scripts/bench_sampling.py --out experiments/results/sampling_h200.json
 """
@@ -20,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moeprefetch.sampling import LOGPROBS_MAX, RowSampler, SamplingParams, token_logprobs  # noqa: E402
+from moeprefetch.sampling import LOGPROBS_MAX, RowSampler, SamplingParams, row_paths, token_logprobs  # noqa: E402
 
 VOCABS = {"deepseek_v2_lite": 102400, "qwen3": 151936, "deepseek_v3": 129280}
 
@@ -55,35 +57,39 @@ def rows_for(vocab: int, batch: int, replays: int) -> list[dict]:
     active = torch.ones(batch, dtype=torch.bool, device=dev)
     positions = torch.arange(batch, device=dev) + 100
     rows = torch.arange(batch, device=dev)
-    sampler = RowSampler(vocab, dev, batch)
+    out = torch.zeros(batch, dtype=torch.int64, device=dev)
+
+    def sampler_of(params: SamplingParams) -> RowSampler:
+        sampler = RowSampler(vocab, dev, batch)
+        for row in range(batch):
+            sampler.set_row(row, params)
+        return sampler
+
+    greedy = sampler_of(SamplingParams())
+    hot = sampler_of(SamplingParams(temperature=0.8, seed=3))
+    top_p = sampler_of(SamplingParams(temperature=0.8, top_p=0.9, seed=3))
     adjusted = SamplingParams(temperature=0.8, top_p=0.9, seed=3, logit_bias=((5, 2.0), (9, -100.0)),
                               presence_penalty=0.5, frequency_penalty=0.3, logprobs=5)
-    for row in range(batch):
-        sampler.set_row(row, adjusted)
-    out = torch.zeros(batch, dtype=torch.int64, device=dev)
-    greedy = SamplingParams()
+    everything = sampler_of(adjusted)
+    every_path = SamplingParams(temperature=1.0, top_k=1, top_p=0.5)  # a served step's paths before `row_paths`
 
-    def argmax():
-        out.copy_(logits.argmax(-1))
+    def draw(sampler: RowSampler, paths: SamplingParams, adjust: bool = False, logprobs: bool = False):
+        def body():
+            if adjust:
+                sampler.logit_adjuster().count(tokens, active)
+            out.copy_(sampler(logits, paths, rows, positions, adjust=adjust))
+            if logprobs:
+                token_logprobs(logits, out, LOGPROBS_MAX)
+        return body
 
-    def adjust():
-        sampler.logit_adjuster().count(tokens, active)
-        out.copy_(sampler.adjust(logits).argmax(-1))
-
-    def adjust_logprobs():
-        adjust()
-        token_logprobs(logits, out, LOGPROBS_MAX)
-
-    def sampled_all():
-        sampler.logit_adjuster().count(tokens, active)
-        chosen = sampler(logits, greedy, rows, positions, adjust=True)
-        token_logprobs(logits, chosen, LOGPROBS_MAX)
-
-    def sampled_plain():
-        out.copy_(sampler(logits, greedy, rows, positions, adjust=False))
-
-    cases = {"greedy_argmax": argmax, "greedy_bias_penalties": adjust, "greedy_bias_penalties_logprobs": adjust_logprobs,
-             "sampled_top_p": sampled_plain, "sampled_top_p_bias_penalties_logprobs": sampled_all}
+    cases = {"greedy": draw(greedy, SamplingParams()),
+             "greedy_bias_penalties": draw(everything, SamplingParams(), adjust=True),
+             "greedy_bias_penalties_logprobs": draw(everything, SamplingParams(), adjust=True, logprobs=True),
+             "greedy_rows_every_path": draw(greedy, every_path),
+             "temperature": draw(hot, row_paths([SamplingParams(temperature=0.8)], vocab)),
+             "top_p": draw(top_p, row_paths([SamplingParams(temperature=0.8, top_p=0.9)], vocab)),
+             "top_p_bias_penalties_logprobs": draw(everything, row_paths([adjusted], vocab), adjust=True,
+                                                   logprobs=True)}
     return [{"vocab": vocab, "batch": batch, "case": name, "us_per_step": round(timed_graph(body, replays), 2)}
             for name, body in cases.items()]
 

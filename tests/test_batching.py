@@ -12,7 +12,7 @@ from moeprefetch import MoEPrefetchEngine
 from moeprefetch.batching import ContinuousBatch, step_rows
 from moeprefetch.errors import RequestError
 from moeprefetch.residency.state import C
-from moeprefetch.sampling import DeviceSampler, RowSampler, SamplingParams
+from moeprefetch.sampling import DeviceSampler, RowSampler, SamplingParams, row_paths
 
 
 def test_row_sampler_draws_what_each_request_draws_alone():
@@ -98,6 +98,8 @@ def test_a_step_computes_only_the_rows_in_use_and_keeps_the_tokens(checkpoint_fa
     got = serve_in_turn(batch, requests, range(len(requests)))
     assert [got[i] for i in range(len(requests))] == expected
     assert batch.step_sizes == ([4] if batch_invariant else [1, 2, 4])
+    # a step samples, filters or only takes the argmax as its rows need: the last row left alone is greedy
+    assert {kind[1] for kind in batch.step_kinds} >= {"greedy", "filtered"}
     assert not engine.residency.problems()
 
 
@@ -135,7 +137,7 @@ def test_row_sampler_matches_device_sampler_on_random_parameters():
         sampler = RowSampler(64, torch.device("cpu"), len(rows))
         for row, p in enumerate(rows):
             sampler.set_row(row, p)
-        got = sampler(logits, SamplingParams(), torch.arange(len(rows)), positions)
+        got = sampler(logits, row_paths(rows, 64), torch.arange(len(rows)), positions)  # the paths a step takes
         for row, p in enumerate(rows):
             alone = DeviceSampler(64, torch.device("cpu"))
             alone.set_params(p)
@@ -224,4 +226,28 @@ def test_bias_penalties_and_logprobs_in_a_running_batch_are_each_requests_own(ch
                 assert got.token == ref.token and len(got.top) == len(ref.top) == requests[i][2].logprobs
                 assert abs(got.logprob - ref.logprob) < 1e-5
     assert 6 not in tokens[0]
-    assert {kind[1:] for kind in batch.step_kinds} >= {(True, True), (False, False)}
+    assert {kind[2:] for kind in batch.step_kinds} >= {(True, True), (False, False)}
+
+
+def test_a_step_without_a_path_draws_what_a_step_with_every_path_draws():
+    """`row_paths`: a step's shape turns sampling, top-k and top-p off when no row takes them; every row's token is
+    the one the step with every path on draws (the skipped work changes no row)."""
+    generator = torch.Generator().manual_seed(4)
+    mixes = [[SamplingParams(), SamplingParams(seed=3)],
+             [SamplingParams(temperature=0.7, seed=5), SamplingParams()],
+             [SamplingParams(temperature=1.2, top_k=7, seed=1), SamplingParams(temperature=0.5, seed=2)],
+             [SamplingParams(temperature=0.9, top_p=0.6, seed=8), SamplingParams(temperature=1.0, seed=9)]]
+    every = SamplingParams(temperature=1.0, top_k=1, top_p=0.5)
+    for mix in mixes:
+        sampler = RowSampler(100, torch.device("cpu"), len(mix))
+        for row, p in enumerate(mix):
+            sampler.set_row(row, p)
+        paths = row_paths(mix, 100)
+        for position in range(20):
+            logits = torch.randn(len(mix), 100, generator=generator) * 2
+            positions = torch.full((len(mix),), position)
+            rows = torch.arange(len(mix))
+            assert torch.equal(sampler(logits, paths, rows, positions), sampler(logits, every, rows, positions))
+    assert row_paths(mixes[0], 100).greedy and not row_paths(mixes[1], 100).greedy
+    assert row_paths(mixes[2], 100).top_k and row_paths(mixes[2], 100).top_p == 1.0
+    assert row_paths(mixes[3], 100).top_p < 1.0 and not row_paths(mixes[3], 100).top_k
