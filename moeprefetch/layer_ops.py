@@ -1,5 +1,4 @@
-"""The decoder layer's pieces computed by fused Triton kernels, for the device's decode step (and, for prefill, their
-elementwise part: `PrefillOps`).
+"""The decoder layer's pieces computed by fused Triton kernels, for the device's decode step.
 
 `FusedOps` overrides the definitions of `model.LayerOps` (which the CPU path and prefill run): residual add and
 RMSNorm in one kernel, the router's selection in one kernel, the MLP's activation-times-up in one kernel, and MLA
@@ -153,25 +152,3 @@ class FusedOps(LayerOps):
         out = self.gqa.attend(q.reshape(b * length, args.num_attention_heads, args.qk_head_dim).contiguous(),
                               kv.key, kv.value, slots.reshape(-1).contiguous(), length, args.softmax_scale)
         return linear(out.view(b, length, -1), w.o_proj)
-
-
-class PrefillOps(LayerOps):
-    """Prefill's and the uncached forward's layer pieces on CUDA: the definitions, with the elementwise work that
-    `FusedOps` fuses (residual adds with RMSNorm, the MLP's activation-times-up, projections that read the same input
-    as one GEMM). A short prompt's time to first token is its host's kernel launches, not the GPU's work (V2-Lite's
-    shape, 16 tokens, all resident, H100: 2,632 launches, 18 ms of device time in a 77 ms first token); an unfused
-    residual add with its norm is about ten launches, fused one. Attention and routing stay the definitions."""
-
-    def __init__(self, fused: FusedOps):
-        super().__init__(fused.args, fused.act, fused.rope)
-        self.fused = fused
-
-    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self.fused.norm(x, weight)
-
-    def residual_norm(self, x: torch.Tensor, deltas: list[torch.Tensor], weight: torch.Tensor | None
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.fused.residual_norm(x, deltas, weight)
-
-    def mlp(self, w: MLPWeights, h: torch.Tensor) -> torch.Tensor:
-        return self.fused.mlp(w, h)

@@ -17,7 +17,7 @@ from .config import ModelArgs
 from .experts import activation
 from .kernels import INTERPRET, kernels_usable
 from .kernels.gather import HostRows
-from .layer_ops import FusedOps, PrefillOps
+from .layer_ops import FusedOps
 from .model import GQAKV, LayerKV, LayerOps, Routing, attention_block, block, mtp_input, rms_norm
 from .residency import Residency
 from .rope import RotaryEmbedding
@@ -117,7 +117,6 @@ class ModelRunner:
                                        fused_decode.max_rows, device,
                                        fuse=weights.layers + ([weights.mtp.layer] if weights.mtp is not None else []),
                                        streamed=frozenset(streamer.order) if streamer is not None else frozenset())
-            self.ops = PrefillOps(self.decode_ops)  # prefill's elementwise work fused too (fewer launches)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids [...] -> the main embedding's rows [..., H]."""
