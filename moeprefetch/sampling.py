@@ -3,12 +3,10 @@ bias and presence / frequency penalties before either; the chosen token's log-pr
 alternatives beside it.
 
 Each sampled token uses Gumbel noise computed from a hash of (seed, sequence index, position, vocabulary index) with
-plain integer tensor ops, so it needs no generator state: it runs inside a CUDA graph, gives the same token on the
-CPU and the GPU, and the token drawn at a position depends only on its logits. Batched and one-by-one generation, and
+integer arithmetic, so it needs no generator state: it runs inside a CUDA graph, and the token drawn at a position
+depends only on its logits. On CUDA the noise and its arg-max are one kernel (`kernels/sampling.py`), elsewhere its
+torch reference, which the kernel matches. Batched and one-by-one generation, and
 speculative and plain decoding, draw the same tokens.
-
-The hash is PCG's output permutation on 32-bit values held in int64 tensors; every product stays below 2**62, so
-nothing overflows on any device.
 
 Bias and penalties (OpenAI's and vLLM's meaning) change the logits every choice is made from, greedy included:
 logits + bias - presence * [token generated before] - frequency * (times generated before), counting the call's
@@ -26,8 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from .errors import RequestError
+from .kernels import kernels_usable
+from .kernels.sampling import gumbel_argmax, pcg
 
-_MASK32 = 0xFFFFFFFF
 LOGPROBS_MAX = 20  # most alternatives a request may ask for (OpenAI's top_logprobs limit)
 LOGIT_BIAS_LIMIT = 100.0  # |bias| per token, as OpenAI bounds it
 PENALTY_LIMIT = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI bounds them
@@ -121,26 +120,6 @@ def bias_pairs(logit_bias: object) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs.items()))
 
 
-def _pcg(x: torch.Tensor) -> torch.Tensor:
-    """PCG-RXS-M-XS hash of 32-bit values (int64 tensor in, int64 tensor of 32-bit values out)."""
-    state = (x * 747796405 + 2891336453) & _MASK32
-    word = (((state >> ((state >> 28) + 4)) ^ state) * 277803737) & _MASK32
-    return (word >> 22) ^ word
-
-
-def gumbel_noise(vocab_hash: torch.Tensor, streams: torch.Tensor, positions: torch.Tensor, seed_hi: torch.Tensor,
-                 seed_lo: torch.Tensor) -> torch.Tensor:
-    """Gumbel noise [B, V] fp32 hashed from (seed, stream, position, vocabulary index): streams and positions [B],
-    the seed's two 31-bit halves [1] or [B]."""
-    h = _pcg(positions & _MASK32)
-    h = _pcg(streams ^ h)
-    h = _pcg(seed_hi ^ h)
-    h = _pcg(seed_lo ^ h)
-    bits = _pcg(h[:, None] ^ vocab_hash[None, :])
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), 24 bits
-    return -torch.log(-torch.log(uniform))
-
-
 @dataclass(frozen=True)
 class TokenLogprob:
     """A chosen token's log-probability under the model and the most likely tokens at its position."""
@@ -217,7 +196,8 @@ class DeviceSampler:
         self.max_rows = rows
         self.adjuster: LogitAdjuster | None = None
         self.owner: DeviceSampler | None = None  # a view's sampler (`RowSampler.first_rows`): its adjuster is shared
-        self.vocab_hash = _pcg(torch.arange(vocab, dtype=torch.int64, device=device))
+        self.vocab_hash = pcg(torch.arange(vocab, dtype=torch.int64, device=device))
+        self.use_kernels = kernels_usable(device.type)  # the noise and its arg-max in one pass (kernels/sampling.py)
         self.temperature = torch.ones(1, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(1, dtype=torch.int64, device=device)
         self.top_p = torch.ones(1, dtype=torch.float32, device=device)
@@ -245,9 +225,9 @@ class DeviceSampler:
     def adjust(self, logits: torch.Tensor) -> torch.Tensor:
         return self.logit_adjuster()(logits.float())
 
-    def gumbel(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """rows, positions [B] int64 -> Gumbel noise [B, V] fp32."""
-        return gumbel_noise(self.vocab_hash, rows, positions, self.seed[0], self.seed[1])
+    def draw(self, scaled: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """argmax(scaled + Gumbel noise) -> [B] int64; each row's noise stream is its index, the seed the call's."""
+        return gumbel_argmax(scaled, self.vocab_hash, rows, positions, self.seed[0], self.seed[1], self.use_kernels)
 
     def filter(self, logits: torch.Tensor, use_top_k: bool, use_top_p: bool) -> torch.Tensor:
         """logits [B, V] fp32 -> temperature-scaled, with tokens outside top-k / top-p set to -inf."""
@@ -276,7 +256,7 @@ class DeviceSampler:
         if params.greedy:
             return logits.argmax(dim=-1)
         scaled = self.filter(logits.float(), 0 < params.top_k < self.vocab, params.top_p < 1.0)
-        return (scaled + self.gumbel(rows, positions)).argmax(dim=-1)
+        return self.draw(scaled, rows, positions)
 
 
 class RowSampler(DeviceSampler):
@@ -320,10 +300,10 @@ class RowSampler(DeviceSampler):
             setattr(view, name, getattr(self, name)[:rows])
         return view
 
-    def gumbel(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def draw(self, scaled: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # stream 0 and each row's own seed: what the request draws alone
-        return gumbel_noise(self.vocab_hash, torch.zeros_like(rows), positions, self.row_seed[:, 0],
-                            self.row_seed[:, 1])
+        return gumbel_argmax(scaled, self.vocab_hash, torch.zeros_like(rows), positions, self.row_seed[:, 0],
+                             self.row_seed[:, 1], self.use_kernels)
 
     def filter(self, logits: torch.Tensor, use_top_k: bool = True, use_top_p: bool = True) -> torch.Tensor:
         """Each row's temperature, and its top-k and top-p where its flags say; `use_top_k` / `use_top_p` False
@@ -355,8 +335,7 @@ class RowSampler(DeviceSampler):
         if params.greedy:
             return logits.argmax(dim=-1)
         scaled = self.filter(logits.float(), 0 < params.top_k < self.vocab, params.top_p < 1.0)
-        sampled = (scaled + self.gumbel(rows, positions)).argmax(dim=-1)
-        return torch.where(self.greedy, logits.argmax(dim=-1), sampled)
+        return torch.where(self.greedy, logits.argmax(dim=-1), self.draw(scaled, rows, positions))
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -165,6 +165,10 @@ def layer_launches(hidden: int, experts: int, top_k: int, heads: int = 16, laten
     stamps = torch.zeros(2, dtype=torch.int64)
     launches.update(clock_start=stamp_launch(stamps, add=False), clock_stop=stamp_launch(stamps, add=True))
     launches["embed_gather"] = gather_launch(slots, x[0], slots[:1], x)
+    from moeprefetch.kernels.sampling import gumbel_argmax_launch
+
+    scaled, seeds = torch.zeros(rows, 102400), torch.zeros(rows, 2, dtype=torch.int64)  # V2-Lite's vocabulary
+    launches["gumbel_argmax"] = gumbel_argmax_launch(scaled, slots, slots, seeds[:, 0], seeds[:, 1], slots)
     return launches
 
 

@@ -545,3 +545,21 @@ def test_bias_penalties_and_logprobs_in_captured_steps_match_eager_and_every_cac
     assert 4 not in together[1] and len(together[0]) == 14
     assert any(kind[2] and kind[3] for kind in batch.step_kinds)
     engine.close()
+
+
+def test_the_sampling_kernel_draws_the_references_tokens_at_a_real_vocabulary():
+    """The one-pass Gumbel arg-max on the device against the reference's noise tensor and argmax at V2-Lite's
+    vocabulary: 1,536 draws, every one the same token (the noise's logarithms round alike on both paths)."""
+    from moeprefetch.kernels.sampling import gumbel_argmax, pcg
+
+    vocab, rows = 102400, 512
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    vocab_hash = pcg(torch.arange(vocab, dtype=torch.int64, device="cuda"))
+    seeds = torch.randint(0, 2**31, (rows, 2), generator=generator, device="cuda")
+    for trial in range(3):
+        scaled = torch.randn(rows, vocab, generator=generator, device="cuda") * (1.0 + trial)
+        streams = torch.zeros(rows, dtype=torch.int64, device="cuda")
+        positions = torch.randint(0, 4096, (rows,), generator=generator, device="cuda")
+        expected = gumbel_argmax(scaled, vocab_hash, streams, positions, seeds[:, 0], seeds[:, 1], use_kernel=False)
+        got = gumbel_argmax(scaled, vocab_hash, streams, positions, seeds[:, 0], seeds[:, 1], use_kernel=True)
+        assert int((got != expected).sum()) == 0, trial

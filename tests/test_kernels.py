@@ -746,3 +746,30 @@ def test_the_tile_table_is_what_the_kernels_run(tmp_path):
     broken.write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="gemv names"):
         tiles.load_table(broken)
+
+
+# ---- sampling: the Gumbel noise and its arg-max in one pass ----------------------------------------------------------
+def test_gumbel_argmax_draws_the_references_token():
+    """`gumbel_argmax` (one pass: hash, noise, running maximum) against the reference's noise tensor and argmax: a
+    ragged vocabulary over three blocks, filtered (-inf) entries, one seed for every row (a call's) and each row's
+    own (a batch's strided seeds), rows with every entry filtered but one, and positions past 2**32."""
+    from moeprefetch.kernels.sampling import SAMPLE_BLOCK, gumbel_argmax, pcg
+
+    generator = torch.Generator().manual_seed(11)
+    vocab, rows = 2 * SAMPLE_BLOCK + 77, 5
+    vocab_hash = pcg(torch.arange(vocab, dtype=torch.int64)).to(DEVICE)
+    row_seeds = torch.randint(0, 2**31, (rows, 2), generator=generator, dtype=torch.int64).to(DEVICE)
+    for trial in range(6):
+        scaled = (torch.randn(rows, vocab, generator=generator) * (0.3 + trial)).to(DEVICE)
+        scaled[1, torch.randperm(vocab, generator=generator)[: vocab // 2].to(DEVICE)] = float("-inf")
+        scaled[2] = float("-inf")
+        scaled[2, vocab - 3] = 0.0  # one survivor, in the last, ragged block
+        streams = torch.arange(rows, device=DEVICE) if trial % 2 else torch.zeros(rows, dtype=torch.int64,
+                                                                                   device=DEVICE)
+        positions = torch.randint(0, 2**34, (rows,), generator=generator).to(DEVICE)
+        shared = row_seeds[0, 0].clone(), row_seeds[0, 1].clone()  # 0-dim: one seed for every row
+        for hi, lo in (shared, (row_seeds[:, 0], row_seeds[:, 1])):
+            expected = gumbel_argmax(scaled, vocab_hash, streams, positions, hi, lo, use_kernel=False)
+            got = gumbel_argmax(scaled, vocab_hash, streams, positions, hi, lo, use_kernel=True)
+            assert torch.equal(got, expected), (trial, got.tolist(), expected.tolist())
+            assert int(got[2]) == vocab - 3

@@ -1,0 +1,113 @@
+"""Gumbel-max sampling in one pass: counter-based noise hashed per (seed, stream, position, vocabulary index), added
+to the scaled logits, and the arg-max, per row.
+
+The reference (`gumbel_noise`, then `argmax`) runs five PCG rounds over the whole vocabulary as separate int64
+tensor ops, writing the [B, V] noise: 146 µs a step at V2-Lite's 102,400-token vocabulary on an H100
+(BENCHMARKS.md "Serving"). The kernel computes the same hash and the same fp32 noise in registers, block by block,
+and keeps the running maximum: one read of the logits. It draws the reference's token: the hash is integer
+arithmetic, the noise the same fp32 operations, and ties go to the lowest index as `torch.argmax`'s do.
+
+The hash is PCG's output permutation on 32-bit values held in int64; every product stays below 2**62.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import HAS_TRITON, Launch
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+MASK32 = 0xFFFFFFFF
+SAMPLE_BLOCK = 2048  # vocabulary entries per iteration of a row's program
+
+
+# ---- references -----------------------------------------------------------------------------------------------------
+
+
+def pcg(x: torch.Tensor) -> torch.Tensor:
+    """PCG-RXS-M-XS hash of 32-bit values (int64 tensor in, int64 tensor of 32-bit values out)."""
+    state = (x * 747796405 + 2891336453) & MASK32
+    word = (((state >> ((state >> 28) + 4)) ^ state) * 277803737) & MASK32
+    return (word >> 22) ^ word
+
+
+def gumbel_noise(vocab_hash: torch.Tensor, streams: torch.Tensor, positions: torch.Tensor, seed_hi: torch.Tensor,
+                 seed_lo: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise [B, V] fp32 hashed from (seed, stream, position, vocabulary index): streams and positions [B],
+    the seed's two 31-bit halves [1] or [B], `vocab_hash` = pcg(arange(V))."""
+    h = pcg(positions & MASK32)
+    h = pcg(streams ^ h)
+    h = pcg(seed_hi ^ h)
+    h = pcg(seed_lo ^ h)
+    bits = pcg(h[:, None] ^ vocab_hash[None, :])
+    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), 24 bits
+    return -torch.log(-torch.log(uniform))
+
+
+def gumbel_argmax_reference(scaled: torch.Tensor, vocab_hash: torch.Tensor, streams: torch.Tensor,
+                            positions: torch.Tensor, seed_hi: torch.Tensor, seed_lo: torch.Tensor) -> torch.Tensor:
+    return (scaled + gumbel_noise(vocab_hash, streams, positions, seed_hi, seed_lo)).argmax(dim=-1)
+
+
+# ---- kernel ---------------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _pcg(x):
+        state = (x * 747796405 + 2891336453) & 0xFFFFFFFF
+        word = (((state >> ((state >> 28) + 4)) ^ state) * 277803737) & 0xFFFFFFFF
+        return (word >> 22) ^ word
+
+    @triton.jit
+    def _gumbel_argmax_kernel(scaled_ptr, stream_ptr, pos_ptr, hi_ptr, lo_ptr, out_ptr, V, seed_stride,
+                              BLOCK: tl.constexpr):
+        r = tl.program_id(0)
+        pos = tl.load(pos_ptr + r).to(tl.int64)
+        h = _pcg(pos & 0xFFFFFFFF)
+        h = _pcg(tl.load(stream_ptr + r).to(tl.int64) ^ h)
+        h = _pcg(tl.load(hi_ptr + r * seed_stride).to(tl.int64) ^ h)
+        h = _pcg(tl.load(lo_ptr + r * seed_stride).to(tl.int64) ^ h)
+        best = tl.full((), float("-inf"), tl.float32)
+        best_at = tl.full((), 0, tl.int32)
+        row = scaled_ptr + r.to(tl.int64) * V
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            on = cols < V
+            bits = _pcg(h ^ _pcg(cols.to(tl.int64)))
+            uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            noise = -tl.log(-tl.log(uniform))
+            score = tl.load(row + cols, mask=on, other=float("-inf")) + noise
+            score = tl.where(on, score, float("-inf"))
+            top = tl.max(score, axis=0)
+            at = tl.argmax(score, axis=0) + start
+            better = top > best  # strictly: an equal maximum later in the row loses, as in torch.argmax
+            best_at = tl.where(better, at, best_at)
+            best = tl.where(better, top, best)
+        tl.store(out_ptr + r, best_at.to(tl.int64))
+
+
+def gumbel_argmax(scaled: torch.Tensor, vocab_hash: torch.Tensor, streams: torch.Tensor, positions: torch.Tensor,
+                  seed_hi: torch.Tensor, seed_lo: torch.Tensor, use_kernel: bool) -> torch.Tensor:
+    """argmax(scaled + Gumbel noise) per row -> [B] int64. scaled [B, V] fp32 (filtered entries -inf); streams and
+    positions [B] int64; the seed's halves [1] (every row's) or [B] (each row's own)."""
+    if not use_kernel:
+        return gumbel_argmax_reference(scaled, vocab_hash, streams, positions, seed_hi, seed_lo)
+    scaled = scaled.contiguous()
+    out = torch.empty(scaled.shape[0], dtype=torch.int64, device=scaled.device)
+    gumbel_argmax_launch(scaled, streams, positions, seed_hi, seed_lo, out)()
+    return out
+
+
+def gumbel_argmax_launch(scaled: torch.Tensor, streams: torch.Tensor, positions: torch.Tensor, seed_hi: torch.Tensor,
+                         seed_lo: torch.Tensor, out: torch.Tensor) -> Launch:
+    rows, vocab = scaled.shape
+    # one seed for every row (a call's: 0-dim or [1]), or each row's own (a batch's, possibly a strided column)
+    seed_stride = seed_hi.stride(0) if seed_hi.numel() > 1 else 0
+    assert seed_lo.numel() == seed_hi.numel() and (seed_stride == 0 or seed_lo.stride(0) == seed_stride)
+    return Launch(_gumbel_argmax_kernel, (rows,), num_warps=8, num_stages=1, scaled_ptr=scaled, stream_ptr=streams,
+                  pos_ptr=positions, hi_ptr=seed_hi, lo_ptr=seed_lo, out_ptr=out, V=vocab, seed_stride=seed_stride,
+                  BLOCK=SAMPLE_BLOCK)
