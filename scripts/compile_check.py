@@ -168,7 +168,8 @@ def layer_launches(hidden: int, experts: int, top_k: int, heads: int = 16, laten
     from moeprefetch.kernels.sampling import gumbel_argmax_launch
 
     scaled, seeds = torch.zeros(rows, 102400), torch.zeros(rows, 2, dtype=torch.int64)  # V2-Lite's vocabulary
-    launches["gumbel_argmax"] = gumbel_argmax_launch(scaled, slots, slots, seeds[:, 0], seeds[:, 1], slots)
+    launches["gumbel_argmax"] = gumbel_argmax_launch(scaled, slots, slots, seeds[:, 0], seeds[:, 1],
+                                                     torch.zeros(rows, 50), torch.zeros(rows, 50, dtype=torch.int64))
     return launches
 
 
