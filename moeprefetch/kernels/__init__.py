@@ -4,6 +4,7 @@
   PCIe), with admission of a missed expert into a victim slot as it streams;
 - `grouped.py`, `attention.py`, `gqa_attention.py`, `norm.py`, `router.py`, `gather.py`, `clock.py`: prefill's grouped
   experts and the decode layer's fused pieces;
+- `sampling.py`: the sampler's Gumbel noise and its arg-max in one pass;
 - `tiles.py` and `tiles.json`: the expert kernels' tile choices as data, each with the measurement behind it.
 
 The residency table's own kernels (the per-layer plan and the prefetch fills) live beside their torch reference in
