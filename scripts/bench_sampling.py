@@ -14,40 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_kernels import timed  # noqa: E402
 from moeprefetch.sampling import LOGPROBS_MAX, RowSampler, SamplingParams, row_paths, token_logprobs  # noqa: E402
 
 VOCABS = {"deepseek_v2_lite": 102400, "qwen3": 151936, "deepseek_v3": 129280}
-
-
-def timed_graph(body, replays: int) -> float:
-    """Median microseconds of one replay of `body` captured as a graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            body()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    for _ in range(20):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0)
-    return statistics.median(times)
 
 
 def rows_for(vocab: int, batch: int, replays: int) -> list[dict]:
@@ -90,7 +68,7 @@ def rows_for(vocab: int, batch: int, replays: int) -> list[dict]:
              "top_p": draw(top_p, row_paths([SamplingParams(temperature=0.8, top_p=0.9)], vocab)),
              "top_p_bias_penalties_logprobs": draw(everything, row_paths([adjusted], vocab), adjust=True,
                                                    logprobs=True)}
-    return [{"vocab": vocab, "batch": batch, "case": name, "us_per_step": round(timed_graph(body, replays), 2)}
+    return [{"vocab": vocab, "batch": batch, "case": name, "us_per_step": round(1000.0 * timed(body, repeats=replays, warmup=20, graph=True), 2)}
             for name, body in cases.items()]
 
 

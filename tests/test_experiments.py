@@ -191,3 +191,22 @@ def test_table_stress_checks_every_product_and_finds_a_torn_slot(tmp_path):
     detail = table_stress.corrupt_detail(res, 0, table_stress.host_chunk_sums(store, torch.device("cpu")))
     assert detail["key"] == 6 and detail["wrong_chunks"] == [[0, 0]]
     assert detail["sources"][0]["keys_matching_the_differing_words"][0] == [5, 1.0]
+
+
+def test_bench_batch_steps_times_each_mix_with_its_paths_and_every_path(tmp_path, monkeypatch):
+    """scripts/bench_batch_steps.py on the CPU (tiny V2-Lite): a row per (mix, rows, variant), each with a time."""
+    import json
+    import sys
+
+    from conftest import load_script
+
+    script = load_script("bench_batch_steps")
+    out = tmp_path / "steps.json"
+    monkeypatch.setattr(sys, "argv", ["bench_batch_steps.py", "--device", "cpu", "--scale", "tiny", "--rows", "1,2",
+                                      "--steps", "2", "--expert-dtype", "model", "--workdir", str(tmp_path),
+                                      "--out", str(out)])
+    assert script.main() == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["mix"], r["rows"], r["variant"]) for r in rows} == {
+        (m, n, v) for m in ("greedy", "temperature", "top_p") for n in (1, 2) for v in ("row_paths", "every_path")}
+    assert all(r["ms_per_step"] > 0 for r in rows)
