@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -96,7 +97,12 @@ class SamplingParams:
 
 
 def _finite_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer beyond any float
+        return False
 
 
 def bias_pairs(logit_bias: object) -> tuple[tuple[int, float], ...]:
@@ -110,13 +116,13 @@ def bias_pairs(logit_bias: object) -> tuple[tuple[int, float], ...]:
     pairs = {}
     for key, bias in logit_bias.items():
         token = key
-        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        if isinstance(key, str) and re.fullmatch(r"\s*-?[0-9]+\s*", key, flags=re.ASCII):
             token = int(key)
         if not isinstance(token, int) or isinstance(token, bool):
             raise RequestError(f"logit_bias keys must be token ids (integers), got {key!r}")
         if token in pairs:
             raise RequestError(f"logit_bias names token {token} twice")
-        pairs[token] = bias if isinstance(bias, bool) or not isinstance(bias, (int, float)) else float(bias)
+        pairs[token] = float(bias) if _finite_number(bias) else bias  # what is not a finite number: validate says
     return tuple(sorted(pairs.items()))
 
 

@@ -158,3 +158,45 @@ def test_flags_say_what_a_request_adjusts():
     assert not SamplingParams().adjusts and not SamplingParams(logprobs=3).adjusts
     assert SamplingParams(logit_bias=((1, 0.5),)).adjusts and not SamplingParams(logit_bias=((1, 0.5),)).penalises
     assert SamplingParams(frequency_penalty=-0.1).penalises and SamplingParams(presence_penalty=0.1).adjusts
+
+
+def test_the_noise_is_finite_everywhere_so_a_ban_holds():
+    """The noise's uniform value stays below 1 in fp32: with 24 bits it rounded up to 1 once in 2**24 entries and
+    gave +inf noise, and that entry won a draw against a -100 bias or a top-k cut (seed 5, stream 0, position 37
+    of a 102,400-token vocabulary hit one at index 21,897)."""
+    from moeprefetch.kernels.sampling import gumbel_noise, pcg
+    from moeprefetch.sampling import sample
+
+    vocab = 102400
+    vocab_hash = pcg(torch.arange(vocab, dtype=torch.int64))
+    zero = torch.zeros(1, dtype=torch.int64)
+    noise = gumbel_noise(vocab_hash, zero, torch.tensor([37]), zero, torch.tensor([5]))
+    assert bool(noise.isfinite().all())
+    bits = torch.arange(2**23 - 4, 2**23, dtype=torch.int64) << 9 | 511  # the largest hashes the noise can see
+    largest = ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    assert bool((largest < 1.0).all())
+    logits = torch.zeros(1, vocab)
+    logits[0, 0] = 50.0
+    banned = SamplingParams(temperature=1.0, seed=5, logit_bias=((0, -100.0),))
+    assert int(sample(logits, SamplingParams(temperature=1.0, seed=5), [0], [37])[0]) == 0  # the logit decides
+    assert int(sample(logits, banned, [0], [37])[0]) != 0
+    assert int(sample(logits, SamplingParams(temperature=1.0, top_k=1, seed=5), [0], [37])[0]) == 0
+
+
+def test_token_bytes_are_the_bytes_of_a_character_split_over_tokens(tiny_tokenizer_dir):
+    """A byte-level token holding part of a character decodes alone to U+FFFD; its `bytes` (chat logprobs) are its
+    own, so a character's tokens join to its UTF-8."""
+    from transformers import AutoTokenizer
+
+    from moeprefetch.serve.logprobs import chat_logprobs, token_bytes
+    from moeprefetch.sampling import TokenLogprob
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    text = "éñü"  # bytes within the tiny tokenizer's alphabet (its first 200 byte characters)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids)  # the tiny corpus is ASCII: the bytes are split
+    assert bytes(b for t in ids for b in token_bytes(tokenizer, t)) == text.encode()
+    content = chat_logprobs([TokenLogprob(t, -1.0, ()) for t in ids], tokenizer)["content"]
+    assert bytes(b for c in content for b in c["bytes"]) == text.encode()
+    assert token_bytes(None, 7) == list(b"token_id:7")

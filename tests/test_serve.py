@@ -737,8 +737,17 @@ def test_parameters_the_server_cannot_honour_are_refused_by_name(live):
     response = httpx.post(live.url + "/v1/completions", timeout=30,
                           json={"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1})
     assert "prompt's log-probabilities" in _error_of(response, 400, "echo")["message"]
+    # keys that only look like integers and numbers beyond any float are 400s too, not 500s
+    huge = json.loads("1" + "0" * 400)
+    for name, value in (("logit_bias", {"--1": 1}), ("logit_bias", {"\u00b2": 1}), ("logit_bias", {"1": huge}),
+                        ("presence_penalty", huge), ("temperature", huge)):
+        response = httpx.post(live.url + "/v1/completions", timeout=30,
+                              content=json.dumps({"model": "tiny", "prompt": "x", name: value}),
+                              headers={"Content-Type": "application/json"})
+        _error_of(response, 400, name)
     # the values that ask for nothing pass
-    noops = {"logprobs": None, "presence_penalty": 0, "frequency_penalty": 0.0, "best_of": 1, "logit_bias": {},
+    noops = {"logprobs": None, "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0.0, "best_of": 1,
+             "logit_bias": {},
              "response_format": {"type": "text"}, "suffix": None, "tools": [], "tool_choice": "none"}
     response = httpx.post(live.url + "/v1/completions", timeout=30,
                           json={"model": "tiny", "prompt": "x", "max_tokens": 2, **noops})
@@ -983,9 +992,13 @@ def test_logprobs_bias_and_penalties_are_what_engine_generate_gives(live, refere
     logprobs = answer["logprobs"]
     assert answer["text"] == alone.texts[0] and logprobs["tokens"] == expected_tokens
     assert max(abs(a - e.logprob) for a, e in zip(logprobs["token_logprobs"], alone.logprobs[0])) < 1e-5
-    assert [len(top) for top in logprobs["top_logprobs"]] == [len({tokenizer.decode([t]) for t, _ in e.top})
-                                                               for e in alone.logprobs[0]]
-    assert logprobs["text_offset"] == [sum(map(len, expected_tokens[:i])) for i in range(len(expected_tokens))]
+    # each top_logprobs holds the alternatives and the chosen token (OpenAI's up to logprobs + 1)
+    assert [set(top) for top in logprobs["top_logprobs"]] == [
+        {tokenizer.decode([t]) for t, _ in e.top} | {tokenizer.decode([e.token])} for e in alone.logprobs[0]]
+    # each token's text stands at its offset in the choice's text
+    assert all(answer["text"].startswith(token, offset)
+               for token, offset in zip(expected_tokens, logprobs["text_offset"]))
+    assert logprobs["text_offset"] == sorted(logprobs["text_offset"]) and logprobs["text_offset"][0] == 0
     chunks = list(live.client.completions.create(stream=True, **{k: v for k, v in body.items()}))
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     assert streamed == expected_tokens
@@ -1002,7 +1015,11 @@ def test_logprobs_bias_and_penalties_are_what_engine_generate_gives(live, refere
                                                presence_penalty=0.7, frequency_penalty=0.5)
     content = chat.choices[0].logprobs.content
     assert [c.token for c in content] == [tokenizer.decode([e.token]) for e in chat_alone.logprobs[0]]
-    assert all(c.bytes == list(c.token.encode()) and len(c.top_logprobs) <= 2 for c in content)
+    from moeprefetch.serve.logprobs import token_bytes
+
+    assert [c.bytes for c in content] == [token_bytes(tokenizer, e.token) for e in chat_alone.logprobs[0]]
+    assert all(c.bytes == list(c.token.encode()) or "\ufffd" in c.token for c in content)  # whole characters' own
+    assert all(len(c.top_logprobs) <= 2 for c in content)
     assert max(abs(c.logprob - e.logprob) for c, e in zip(content, chat_alone.logprobs[0])) < 1e-5
     streamed = live.client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
                                                    logprobs=True, top_logprobs=2, stream=True,

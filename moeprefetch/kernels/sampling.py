@@ -44,7 +44,9 @@ def gumbel_noise(vocab_hash: torch.Tensor, streams: torch.Tensor, positions: tor
     h = pcg(seed_hi ^ h)
     h = pcg(seed_lo ^ h)
     bits = pcg(h[:, None] ^ vocab_hash[None, :])
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), 24 bits
+    # 23 bits, so that every value is below 1 in fp32: with 24 (bits >> 8), 2**24 - 0.5 rounded up to 2**24, the
+    # noise was +inf once in 2**24 entries, and that entry won whatever its logit, bias or filter said
+    uniform = ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))  # in [2**-24, 1 - 2**-24]
     return -torch.log(-torch.log(uniform))
 
 
@@ -83,7 +85,7 @@ if HAS_TRITON:
             cols = first + start + tl.arange(0, BLOCK)
             on = (cols < V) & (cols < first + SPAN)
             bits = _pcg(h ^ _pcg(cols.to(tl.int64)))
-            uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            uniform = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # below 1: see gumbel_noise
             noise = -tl.log(-tl.log(uniform))
             score = tl.load(row + cols, mask=on, other=float("-inf")) + noise
             score = tl.where(on, score, float("-inf"))

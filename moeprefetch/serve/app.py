@@ -26,7 +26,7 @@ from ..sampling import TokenLogprob
 from .guards import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, ErrorResponse, Guard, read_body
 from .protocol import FALLBACK_CHAT_END, FALLBACK_CHAT_LINE, APIError, Job, Limits, decode_body, parse_chat, \
     parse_completion
-from .logprobs import chat_logprobs, completion_logprobs, token_text
+from .logprobs import chat_logprobs, completion_logprobs
 from .scheduler import Handle, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -53,13 +53,14 @@ def _choice(job: Job, text: str, reason: str | None, delta: bool, logprobs: dict
     return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
 
-def _logprobs(job: Job, entries: list[TokenLogprob], tokenizer: Any, offset: int) -> dict[str, Any] | None:
-    """The choice's logprobs object for these tokens (None when the request did not ask)."""
+def _logprobs(job: Job, entries: list[TokenLogprob], offsets: list[int], tokenizer: Any) -> dict[str, Any] | None:
+    """The choice's logprobs object for these tokens at these offsets in the completion's text (None when the
+    request did not ask); completions' offsets count the echoed prompt too."""
     if job.sampling.logprobs is None:
         return None
     if job.kind == "chat.completion":
         return chat_logprobs(entries, tokenizer)
-    return completion_logprobs(entries, tokenizer, offset)
+    return completion_logprobs(entries, [len(job.echo) + o for o in offsets], tokenizer)
 
 
 def _object(job: Job, chunk: bool) -> str:
@@ -169,28 +170,29 @@ class Server:
         handle.cancelled = True
 
     async def _collect(self, handle: Handle) -> Response:
-        job, text, entries = handle.job, [handle.job.echo], []
+        job, text, entries, offsets = handle.job, [handle.job.echo], [], []
         while True:
             event = await handle.events.get()
             if event[0] == "text":
                 text.append(event[1])
                 if event[3] is not None:
                     entries.append(event[3])
+                    offsets.append(event[4])
             elif event[0] == "error":
                 raise event[1]
             else:
                 _, reason, usage = event
-                logprobs = _logprobs(job, entries, self.engine.tokenizer, len(job.echo))
+                logprobs = _logprobs(job, entries, offsets, self.engine.tokenizer)
                 return JSONResponse({"id": job.id, "object": _object(job, False), "created": job.created,
                                      "model": self.model_name,
                                      "choices": [_choice(job, "".join(text), reason, False, logprobs)],
                                      "usage": usage})
 
     async def _stream(self, handle: Handle, first: tuple) -> AsyncIterator[str]:
-        job, offset = handle.job, len(handle.job.echo)
+        job = handle.job
 
-        def chunk(text: str, reason: str | None, logprob: TokenLogprob | None = None) -> str:
-            logprobs = _logprobs(job, [logprob], self.engine.tokenizer, offset) if logprob is not None else None
+        def chunk(text: str, reason: str | None, logprob: TokenLogprob | None = None, offset: int = 0) -> str:
+            logprobs = _logprobs(job, [logprob], [offset], self.engine.tokenizer) if logprob is not None else None
             body = {"id": job.id, "object": _object(job, True), "created": job.created, "model": self.model_name,
                     "choices": [_choice(job, text, reason, True, logprobs)]}
             return f"data: {json.dumps(body)}\n\n"
@@ -206,9 +208,7 @@ class Server:
             event = first
             while True:
                 if event[0] == "text":  # one chunk per token, even when its text is held back or empty
-                    yield chunk(event[1], None, event[3])
-                    if event[3] is not None:
-                        offset += len(token_text(self.engine.tokenizer, event[3].token))
+                    yield chunk(event[1], None, event[3], event[4])
                 elif event[0] == "error":  # after the stream began (a shutdown's cut too): an error event
                     yield f"data: {json.dumps(event[1].body())}\n\n"
                     break

@@ -130,12 +130,19 @@ def refuse_not_honoured(body: dict[str, Any], extra: tuple[str, ...] = ()) -> No
             raise APIError(400, f"{name} is not supported by this server; leave it out", name)
 
 
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer beyond any float (JSON allows 10**400)
+        return False
+
+
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise APIError(400, f"{name} must be a number, got {value!r}", name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        raise APIError(400, f"{name} must be a number, got {str(value)[:40]}", name)
     if not low <= value <= high:
         raise APIError(400, f"{name} must lie in [{low}, {high}], got {value!r}", name)
     return float(value)
@@ -227,7 +234,11 @@ def _job(kind: str, ids: list[int], common: dict[str, Any], limits: Limits, para
 
 def parse_completion(body: Any, tokenizer, limits: Limits) -> Job:
     common = parse_common(body, limits)
-    refuse_not_honoured(body, extra=("top_logprobs",))  # chat's parameter; completions' logprobs is the count
+    refuse_not_honoured(body)
+    if "top_logprobs" in body and not any(_same(body["top_logprobs"], v) for v in (None, False, 0)):
+        # chat's parameter; completions' logprobs is the count
+        raise APIError(400, "top_logprobs is not supported by /v1/completions, whose logprobs is the count of "
+                            "alternatives; leave it out", "top_logprobs")
     logprobs = None if body.get("logprobs") is False else _integer(body, "logprobs", None, 0, LOGPROBS_MAX + 1)
     _with_logprobs(common, logprobs)
     echo = _flag(body, "echo")

@@ -46,6 +46,8 @@ class Handle:
     text: TextStream | None = None
     pending_text: str = ""  # decoded but held back: it could be the start of a stop string
     logprob: TokenLogprob | None = None  # the latest token's, when the request asked for log-probabilities
+    chars: int = 0  # characters of text the tokens so far produced (stop strings not yet cut)
+    offset: int = 0  # where the latest token's text begins: its text_offset in the completion
 
     def send(self, event: tuple) -> None:
         try:
@@ -228,12 +230,15 @@ class Scheduler:
         max_tokens."""
         handle.tokens.append(token)
         handle.logprob = logprob
+        handle.offset = self._text_offset(handle)
         with self._cond:
             self.counters.completion_tokens += 1
         eos = token in self._stop_ids(handle.job)
         done = self.batch.finished(handle.row)  # end of sequence (unless ignored) or max_tokens
         if handle.text is not None:
-            handle.pending_text += handle.text.piece(handle.tokens, final=done)
+            piece = handle.text.piece(handle.tokens, final=done)
+            handle.pending_text += piece
+            handle.chars += len(piece)
         stop_at = self._stop_index(handle)
         if stop_at is not None:
             handle.pending_text = handle.pending_text[:stop_at]
@@ -243,6 +248,14 @@ class Scheduler:
         self._flush(handle, everything=done)
         if done:
             self._complete(handle, "stop" if eos else "length")
+
+    def _text_offset(self, handle: Handle) -> int:
+        """Where the latest token's text begins in the completion: the characters emitted so far, plus those of the
+        tokens still held back (part of a character) before it, decoded on their own."""
+        if handle.text is None:
+            return 0
+        pending = handle.tokens[handle.text.read : -1]
+        return handle.chars + (len(self.tokenizer.decode(pending, skip_special_tokens=True)) if pending else 0)
 
     def _stop_ids(self, job: Job) -> frozenset[int]:
         return frozenset() if job.ignore_eos else self.stop_ids
@@ -267,7 +280,7 @@ class Scheduler:
         piece = handle.pending_text[: len(handle.pending_text) - keep]
         handle.pending_text = handle.pending_text[len(piece):]
         # one event per token (streams time them), text or not, with the token's log-probabilities when asked
-        handle.send(("text", piece, len(handle.tokens), handle.logprob))
+        handle.send(("text", piece, len(handle.tokens), handle.logprob, handle.offset))
 
     def _complete(self, handle: Handle, reason: str) -> None:
         self._release(handle)
