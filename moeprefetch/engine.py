@@ -174,7 +174,7 @@ class MoEPrefetchEngine:
         """Empty the expert cache (a cold start for the next call); no effect when every expert is resident. The
         routing history that the lfu and lrfu policies rank by (and `routing_profile` reports) is kept unless
         `forget_routing`."""
-        self._check_idle()
+        self.check_idle()
         self.residency.reset(forget_routing)
 
     # ---- resources ------------------------------------------------------------------------------------------------
@@ -214,7 +214,9 @@ class MoEPrefetchEngine:
         if self._closed:
             raise RequestError("this engine has been closed; load a new one with MoEPrefetchEngine.from_pretrained")
 
-    def _check_idle(self) -> None:
+    def check_idle(self) -> None:
+        """One `RequestError` sentence when the engine is closed or a call is still running on it (every call, and
+        whoever drives the runner directly, asks first)."""
         self._check_open()
         if self._active:
             raise RequestError("another generate/stream/forward call is still running on this engine; finish it or "
@@ -225,7 +227,7 @@ class MoEPrefetchEngine:
     def forward(self, input_ids: Any, return_mtp: bool = False):
         """Main-head logits [B, T, vocab] (fp32) of one full, uncached forward; with `return_mtp`, also the MTP
         logits [B, T-1, vocab], where position i predicts token i+2 from the main hidden state at i and token i+1."""
-        self._check_idle()
+        self.check_idle()
         ids = as_batch_tensor(input_ids, self.args, self.device)
         if return_mtp and not self.has_mtp:
             raise RequestError("return_mtp=True needs an MTP layer, and this checkpoint has none")
@@ -333,7 +335,7 @@ class MoEPrefetchEngine:
                     presence_penalty=0.0, frequency_penalty=0.0, logprobs=None) -> Request:
         """A validated request of this engine (what `generate` and `stream` build; continuous batches and
         analyses build theirs here too). Bad input raises `RequestError` and changes nothing."""
-        self._check_idle()
+        self.check_idle()
         request = build_request(self.args, self.tokenizer, self.options, self.path, self.has_mtp, prompts,
                                 max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead, speculative,
                                 stop_at_eos, event_log, min_confidence, self.runner.learned_config, logit_bias,

@@ -62,7 +62,7 @@ class _RecordingOps(LayerOps):
 def _recording(engine: "MoEPrefetchEngine") -> Iterator[_RecordingOps]:
     """The runner's ops swapped for recording ones, and one residency call around the forward (as `forward` does)."""
     runner, res = engine.runner, engine.residency
-    engine._check_idle()
+    engine.check_idle()
     ops, original = _RecordingOps(runner.ops), runner.ops
     res.configure(policy=engine.options.policy, frequency_halflife=engine.options.lrfu_halflife)
     res.begin_call()

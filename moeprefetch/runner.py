@@ -21,6 +21,7 @@ from .layer_ops import FusedOps
 from .model import GQAKV, LayerKV, LayerOps, Routing, attention_block, block, mtp_input, rms_norm
 from .residency import Residency
 from .rope import RotaryEmbedding
+from .store import pin_in_place
 from .weights import LayerWeights, ModelWeights
 
 if TYPE_CHECKING:
@@ -106,7 +107,8 @@ class ModelRunner:
         self.device = device
         # an embedding table the plan left in host memory is read row by row over PCIe (kernels/gather.py)
         self.host_embed = (HostRows(weights.embed, device, kernels_usable(device.type) or INTERPRET,
-                                    pin=device.type == "cuda") if weights.embed.device != device else None)
+                                    pin_in_place(weights.embed) if device.type == "cuda" else None)
+                           if weights.embed.device != device else None)
         self.rope = RotaryEmbedding(args.rope, args.qk_rope_head_dim, device)
         self.act = activation(args.hidden_act)
         self.ops = LayerOps(args, self.act, self.rope)

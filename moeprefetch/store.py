@@ -91,6 +91,12 @@ def unpin_when_freed(tensor: torch.Tensor) -> Callable[[], None]:
     return weakref.finalize(tensor, _unregister, tensor.data_ptr())
 
 
+def pin_in_place(tensor: torch.Tensor) -> Callable[[], None] | None:
+    """Page-lock a host tensor where it lies -> its unpin (`unpin_when_freed`), or None when it could not be pinned
+    (no CUDA, or the driver refused)."""
+    return unpin_when_freed(tensor) if register_pinned(tensor).pinned else None
+
+
 def _unregister(ptr: int) -> None:
     if torch.cuda.is_available():
         torch.cuda.cudart().cudaHostUnregister(ptr)

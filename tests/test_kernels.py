@@ -686,7 +686,10 @@ def test_host_embedding_rows_are_exactly_the_tables_rows(dtype, hidden):
 
     generator = torch.Generator().manual_seed(hidden)
     table = torch.randn(500, hidden, generator=generator).to(dtype)
-    rows = HostRows(table, torch.device(DEVICE), use_kernel=True, pin=DEVICE == "cuda")
+    from moeprefetch.store import pin_in_place
+
+    rows = HostRows(table, torch.device(DEVICE), use_kernel=True,
+                    unpin=pin_in_place(table) if DEVICE == "cuda" else None)
     ids = torch.randint(0, 500, (3, 5), generator=generator)
     ids[0, :2] = 499
     ids = ids.to(DEVICE)

@@ -8,6 +8,8 @@ token, inside the step's CUDA graph, with no host decision. The definition is `F
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -42,13 +44,14 @@ class HostRows:
     there). The kernel reads through a fixed device anchor and the table's distance from it, so a launch captured in
     a CUDA graph stays valid."""
 
-    def __init__(self, table: torch.Tensor, device: torch.device, use_kernel: bool, pin: bool):
-        from ..store import register_pinned, unpin_when_freed
-
+    def __init__(self, table: torch.Tensor, device: torch.device, use_kernel: bool,
+                 unpin: Callable[[], None] | None = None):
+        """`unpin`: the table's page-lock undone (given when the caller pinned it: a GPU reads only pinned memory);
+        `close` calls it."""
         self.table = table
         self.device = device
-        self.pinned = pin and register_pinned(table).pinned
-        self._unpin = unpin_when_freed(table) if self.pinned else None
+        self.pinned = unpin is not None
+        self._unpin = unpin
         self.use_kernel = use_kernel and (self.pinned or device.type == "cpu")  # the CPU (interpreter) reads it too
         if self.use_kernel:
             self._anchor = torch.zeros(1, dtype=table.dtype, device=device)
