@@ -81,14 +81,14 @@ class SamplingParams:
     def _validate_sampling(self) -> None:
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
             raise RequestError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
+        if not _finite_number(self.temperature) or self.temperature < 0:
             raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise RequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if (
             not isinstance(self.top_p, (int, float))
             or isinstance(self.top_p, bool)
-            or not math.isfinite(self.top_p)
+            or not _finite_number(self.top_p)
             or not 0 < self.top_p <= 1
         ):
             raise RequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")

@@ -148,7 +148,10 @@ def test_bias_pairs_accept_json_keys_and_sort():
     (SamplingParams(frequency_penalty=float("inf")), "frequency_penalty must be a number"),
     (SamplingParams(frequency_penalty=True), "frequency_penalty must be a number"),
     (SamplingParams(logprobs=LOGPROBS_MAX + 1), r"logprobs must be None or an integer in \[0, 20\]"),
-    (SamplingParams(logprobs=-1), "logprobs must be"), (SamplingParams(logprobs=1.5), "logprobs must be")])
+    (SamplingParams(logprobs=-1), "logprobs must be"), (SamplingParams(logprobs=1.5), "logprobs must be"),
+    (SamplingParams(temperature=10**400), "temperature must be a finite number"),
+    (SamplingParams(top_p=10**400), "top_p must be a number"),
+    (SamplingParams(presence_penalty=10**400), "presence_penalty must be a number")])
 def test_bad_bias_penalties_and_logprobs_are_one_sentence(params, message):
     with pytest.raises(RequestError, match=message):
         params.validate(50)
