@@ -107,7 +107,8 @@ class Scheduler:
 
     def snapshot(self) -> dict[str, Any]:
         with self._cond:
-            return {"queue_depth": len(self.queue), "active": len(self.rows), "alive": self._thread.is_alive(),
+            return {"queue_depth": len(self.queue), "active": len(self.rows), "admitting": len(self._admitting),
+                    "alive": self._thread.is_alive(),
                     "requests": dict(self.counters.requests), "prompt_tokens": self.counters.prompt_tokens,
                     "completion_tokens": self.counters.completion_tokens, "decode_steps": self.counters.decode_steps,
                     "prefill_seconds": self.counters.prefill_seconds, "decode_seconds": self.counters.decode_seconds,
