@@ -28,7 +28,7 @@ from .build import predictor_spec
 from .predictors import default_lookahead
 from .decode import DecodeStep, RowState, run_rows
 from .errors import RequestError
-from .sampling import RowSampler, SamplingParams, TokenLogprob, read_logprobs, row_paths, sample, token_logprobs
+from .sampling import RowSampler, SamplingParams, TokenLogprob, logprobs_of, row_paths, sample
 from .session import configure_residency, prefill_mtp_row, prefill_row, prefill_steps, step_shape
 
 if TYPE_CHECKING:
@@ -114,8 +114,7 @@ class ContinuousBatch:
         first = int(chosen[0])
         self.logprobs.pop(row, None)
         if sampling.logprobs is not None:
-            values, ids = token_logprobs(logits, chosen, min(sampling.logprobs, engine.args.vocab_size))
-            self.logprobs[row] = read_logprobs([first], values.tolist(), ids.tolist())[0]
+            self.logprobs[row] = logprobs_of(logits, chosen, sampling.logprobs)[0]
         state = RowState(len(prompt), max_new_tokens, [first], stop_ids)
         if self.uses_mtp:
             state.draft, state.draft_prob = prefill_mtp_row(engine, self.caches, row, prompt, first, hidden)

@@ -155,6 +155,13 @@ def read_logprobs(tokens: list[int], values: list[list[float]], ids: list[list[i
     return [TokenLogprob(t, v[0], tuple(zip(i, v[1:]))) for t, v, i in zip(tokens, values, ids)]
 
 
+def logprobs_of(logits: torch.Tensor, chosen: torch.Tensor, n: int) -> list[TokenLogprob]:
+    """Raw logits [B, V] and chosen ids [B] -> each row's `TokenLogprob` with its n most likely alternatives (at
+    most V), read to the host now (a prefill's first tokens; decode steps read theirs with the step's outputs)."""
+    values, ids = token_logprobs(logits, chosen, min(n, logits.shape[-1]))
+    return read_logprobs(chosen.tolist(), values.tolist(), ids.tolist())
+
+
 class LogitAdjuster:
     """Each row's logit bias and presence / frequency penalties, with the counts of the tokens the row generated, in
     fixed device tensors (captured steps read them; `set_row` writes a request's values before its first draw)."""

@@ -21,7 +21,7 @@ from .accounting import LayerCounters, Stats
 from .decode import DecodeStep, RowState, StepOutput, StepShape, run_rows
 from .predictors import PredictorSpec
 from .residency import counters_by_layer
-from .sampling import SamplingParams, TokenLogprob, read_logprobs, token_logprobs
+from .sampling import SamplingParams, TokenLogprob, logprobs_of
 
 if TYPE_CHECKING:
     from .config import ModelArgs
@@ -209,10 +209,7 @@ class Session:
         positions = torch.tensor([len(p) for p in self.request.prompts], device=engine.device)
         chosen = engine.sampler(logits, self.request.sampling, rows, positions)
         first = chosen.tolist()
-        first_logprobs = None
-        if self.top_logprobs is not None:
-            values, ids = token_logprobs(logits, chosen, min(self.top_logprobs, logits.shape[-1]))
-            first_logprobs = read_logprobs(first, values.tolist(), ids.tolist())
+        first_logprobs = logprobs_of(logits, chosen, self.top_logprobs) if self.top_logprobs is not None else None
         if self.uses_mtp:
             for b, prompt in enumerate(self.request.prompts):
                 row = self.rows[b]
