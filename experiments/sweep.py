@@ -51,13 +51,14 @@ def _predictor_path(cfg: DictConfig) -> str | None:
 def engine_config(cfg: DictConfig) -> EngineConfig:
     """The composed config groups as the engine's one option type (the API and the CLI build the same)."""
     device = cfg.device.name
+    # the cache group gives at most one size (conf/cache: quarter, slots, budget, resident); an override that adds
+    # another is refused by EngineConfig's one rule (options.check_one_cache_size), never resolved silently here
     slots = int(cfg.cache.slots) if cfg.cache.slots is not None else None
-    fraction = float(cfg.cache.fraction) if cfg.cache.fraction is not None and slots is None else None
-    budget = cfg.cache.budget
+    fraction = float(cfg.cache.fraction) if cfg.cache.fraction is not None else None
     return EngineConfig(
         device=device, dtype=cfg.model.dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
-        expert_cache_slots=slots if not budget else None, expert_cache_fraction=fraction if not budget else None,
-        vram_budget=budget or None, policy=cfg.cache.policy, expert_dtype=cfg.model.expert_dtype,
+        expert_cache_slots=slots, expert_cache_fraction=fraction,
+        vram_budget=cfg.cache.budget or None, policy=cfg.cache.policy, expert_dtype=cfg.model.expert_dtype,
         int4_group_size=cfg.model.get("int4_group_size", EngineConfig.int4_group_size),
         int4_symmetric=cfg.model.get("int4_symmetric", EngineConfig.int4_symmetric),
         lrfu_halflife=float(cfg.cache.get("lrfu_halflife", EngineConfig.lrfu_halflife)),

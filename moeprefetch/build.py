@@ -17,7 +17,7 @@ import torch
 from .checkpoint import CheckpointReader
 from .config import ModelArgs, load_model_args
 from .errors import CheckpointError, RequestError, ResourceError
-from .experts import INT4_GROUP_SIZE, INT4_SCALE_DTYPE, CheckpointExperts, ExpertFormat
+from .expert_records import INT4_GROUP_SIZE, INT4_SCALE_DTYPE, CheckpointExperts, ExpertFormat
 from .int4_checkpoints import Int4Tensors, present_int4_weights
 from .learned_predictor import HeadConfig, RoutingHead, load_predictor
 from .kernels import kernels_usable

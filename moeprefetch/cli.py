@@ -28,7 +28,7 @@ EXIT_INTERRUPTED = 130
 
 def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine options `generate` and `serve` share."""
-    from .experts import EXPERT_DTYPES
+    from .expert_records import EXPERT_DTYPES
     from .options import DRAFT_EXPERTS, FILL_LINK, LATE_PREFETCH, EngineConfig
     from .predictors import PREDICTOR_NAMES
 

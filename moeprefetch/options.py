@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .errors import RequestError
-from .experts import EXPERT_DTYPES, INT4_GROUP_SIZE
+from .expert_records import EXPERT_DTYPES, INT4_GROUP_SIZE
 from .residency.state import POLICIES, ResidencyConfig
 
 # how the MTP head reads its routed experts: only those in VRAM (drafts steer speed, never tokens), or all of them

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelArgs
-from .experts import activation
+from .expert_records import activation
 from .kernels import INTERPRET, kernels_usable
 from .kernels.gather import HostRows
 from .layer_ops import FusedOps

@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 import torch
 
 from .errors import ResourceError
-from .experts import ExpertFormat
+from .expert_records import ExpertFormat
 
 logger = logging.getLogger(__name__)
 

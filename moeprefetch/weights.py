@@ -1,6 +1,6 @@
-"""Checkpoint tensors -> typed weight objects for everything except routed experts (see experts.py).
+"""Checkpoint tensors -> typed weight objects for everything except routed experts (see expert_records.py).
 
-With experts.py (the routed experts' names) this is the only place that knows Hugging Face tensor names. Each tensor is checked against the shape
+With expert_records.py (the routed experts' names) this is the only place that knows Hugging Face tensor names. Each tensor is checked against the shape
 the config implies and its dtype before it is used; FP8 block-quantised tensors are dequantised with their
 `*_scale_inv` here, so the compute code only ever sees the engine's dtype (routers and their bias stay fp32).
 """

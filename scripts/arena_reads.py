@@ -33,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_kernels import timed  # noqa: E402
-from moeprefetch.experts import ExpertFormat  # noqa: E402
+from moeprefetch.expert_records import ExpertFormat  # noqa: E402
 from moeprefetch.kernels.experts import RoutedExperts  # noqa: E402
 from moeprefetch.store import register_pinned  # noqa: E402
 

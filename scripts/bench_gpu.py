@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from moeprefetch import MoEPrefetchEngine  # noqa: E402
 from moeprefetch.analysis import belady_bytes_per_token  # noqa: E402
 from moeprefetch.checkpoint import CheckpointReader  # noqa: E402
-from moeprefetch.experts import EXPERT_DTYPES  # noqa: E402
+from moeprefetch.expert_records import EXPERT_DTYPES  # noqa: E402
 from moeprefetch.options import FILL_LINK, LATE_PREFETCH, POLICIES, EngineConfig, check_fraction  # noqa: E402
 
 logger = logging.getLogger("bench_gpu")
@@ -192,7 +192,7 @@ def scale_placement(device: torch.device) -> dict[str, float]:
     """Do FP8 block scales need to stay in VRAM while the payload streams? Time moving 8 FP8 experts of
     V2-Lite shape (payload + scales in one record) against moving the payload alone (scales kept resident) and
     against payload and scales as two copies each."""
-    from moeprefetch.experts import ExpertFormat
+    from moeprefetch.expert_records import ExpertFormat
 
     fmt = ExpertFormat.build(2048, 1408, torch.bfloat16, "fp8")
     n = 8

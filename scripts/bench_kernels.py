@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from moeprefetch.experts import ExpertFormat, gathered_expert_ffn  # noqa: E402
+from moeprefetch.expert_records import ExpertFormat, gathered_expert_ffn  # noqa: E402
 from moeprefetch.kernels.experts import RoutedExperts, Tiles  # noqa: E402
 from moeprefetch.residency.fill import Filler  # noqa: E402
 from moeprefetch.residency.plan_kernel import LayerPlanner  # noqa: E402

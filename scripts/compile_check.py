@@ -69,7 +69,7 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
     dtypes and constants matter for compiling."""
     import torch.nn.functional as F
 
-    from moeprefetch.experts import ExpertFormat
+    from moeprefetch.expert_records import ExpertFormat
     from moeprefetch.residency.state import ResidencyConfig, TableState
     from moeprefetch.kernels.experts import DEFAULT_TILES, RoutedExperts
     from moeprefetch.kernels.grouped import LONG_BLOCK_TILES, GroupedExperts, GroupedTiles

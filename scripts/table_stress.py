@@ -40,7 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moeprefetch.experts import ExpertFormat  # noqa: E402
+from moeprefetch.expert_records import ExpertFormat  # noqa: E402
 from moeprefetch.predictors import PredictionRing  # noqa: E402
 from moeprefetch.residency import PlanBuffers, Residency  # noqa: E402
 from moeprefetch.residency.fill import FILL_PROGRAMS, FILL_WARPS  # noqa: E402

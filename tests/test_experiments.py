@@ -49,6 +49,29 @@ def test_prompts_are_held_out_text():
     assert "held-out" in card.lower()
 
 
+
+def test_a_sweep_with_two_cache_sizes_is_refused_with_the_engines_one_rule():
+    """The sweep resolves no precedence of its own: a size added over the cache group's is the engine's error."""
+    import importlib.util
+
+    from moeprefetch.errors import RequestError
+
+    spec = importlib.util.spec_from_file_location("sweep_config", ROOT / "experiments" / "sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        both = sweep.engine_config(compose(config_name="config", overrides=["cache.slots=16"]))
+        with pytest.raises(RequestError, match="give one of expert_cache_slots or expert_cache_fraction"):
+            both.check()
+        for overrides, field, value in ((["cache=slots", "cache.slots=16"], "expert_cache_slots", 16),
+                                        ([], "expert_cache_fraction", 0.25),
+                                        (["cache=budget"], "vram_budget", "12GiB")):
+            config = sweep.engine_config(compose(config_name="config", overrides=overrides))
+            config.check()
+            assert getattr(config, field) == value
+            assert [name for name in ("expert_cache_slots", "expert_cache_fraction", "vram_budget")
+                    if getattr(config, name) is not None] == [field]
+
 @pytest.mark.slow
 def test_tiny_sweep_end_to_end(tmp_path, checkpoint_factory, tiny_tokenizer_dir):
     model = checkpoint_factory("v3", tokenizer_from=str(tiny_tokenizer_dir))
@@ -71,7 +94,7 @@ def test_tiny_sweep_end_to_end(tmp_path, checkpoint_factory, tiny_tokenizer_dir)
     assert all(r["prediction_recall_main_layers"] == 1.0 for r in oracle)
 
     # a point that fails is recorded and the sweep goes on; earlier rows stay
-    bad = command[:3] + ["model=custom", f"model.path={model}", "cache.slots=1,16", "predictor=none",
+    bad = command[:3] + ["model=custom", f"model.path={model}", "cache=slots", "cache.slots=1,16", "predictor=none",
                          "workload.num_prompts=1", "workload.new_tokens=3", f"hydra.sweep.dir={sweep_dir}",
                          "hydra.output_subdir=null"]
     done = subprocess.run(bad, capture_output=True, text=True, cwd=ROOT, timeout=600)

@@ -374,7 +374,7 @@ def test_grouped_mm_rows_do_not_depend_on_the_call(hidden, intermediate):
     """Prefill's experts as CUTLASS grouped GEMMs give every cache size the same bits only if a pair's result depends
     on its row and its expert alone: the same pairs in one call over a layer's consecutive slots (large tiles), in
     batches over copies of the records (other groupings), and a few rows per group (the small-tile kernel)."""
-    from moeprefetch.experts import ExpertFormat
+    from moeprefetch.expert_records import ExpertFormat
     from moeprefetch.kernels.grouped import grouped_mm_experts, grouped_mm_usable
 
     fmt = ExpertFormat.build(hidden, intermediate, torch.bfloat16)

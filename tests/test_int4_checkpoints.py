@@ -528,7 +528,7 @@ def test_a_4bit_checkpoint_in_other_groups_or_dtypes_is_converted(checkpoint_fac
     prompt = [[3, 4, 5, 6]]
     with MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=64) as verbatim:
         logits = verbatim.forward(prompt)
-    with caplog.at_level("INFO", logger="moeprefetch.experts"):
+    with caplog.at_level("INFO", logger="moeprefetch.expert_records"):
         with MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=64, int4_group_size=16,
                                                int4_symmetric=False) as regrouped:
             regrouped_logits = regrouped.forward(prompt)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import full_only
-from moeprefetch.experts import ExpertFormat
+from moeprefetch.expert_records import ExpertFormat
 from moeprefetch.kernels import HAS_TRITON
 from moeprefetch.residency.state import E_ACTIVE, ResidencyConfig, TableState
 

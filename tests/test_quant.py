@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moeprefetch import MoEPrefetchEngine
-from moeprefetch.experts import ExpertFormat
+from moeprefetch.expert_records import ExpertFormat
 from moeprefetch.errors import RequestError
 from moeprefetch.quant import (dequantize_blocks, dequantize_int4_groups, pack_nibbles, quantize_fp8_blocks,
                                quantize_int4_groups, quantize_int8_blocks, scale_grid_shape, unpack_nibbles)

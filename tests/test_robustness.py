@@ -169,7 +169,7 @@ def test_cli_report_on_bad_results_and_verbose_anywhere(checkpoint_factory, tmp_
 
 
 def test_host_ram_too_small_fails_before_allocating(checkpoint_factory):
-    from moeprefetch.experts import ExpertFormat
+    from moeprefetch.expert_records import ExpertFormat
 
     fmt = ExpertFormat.build(64, 32, torch.float32)
     with pytest.raises(ResourceError, match=r"host RAM is too small: the expert store .* needs"):
@@ -177,7 +177,7 @@ def test_host_ram_too_small_fails_before_allocating(checkpoint_factory):
 
 
 def test_pinning_refused_falls_back_to_pageable_with_a_warning(caplog):
-    from moeprefetch.experts import ExpertFormat
+    from moeprefetch.expert_records import ExpertFormat
 
     fmt = ExpertFormat.build(64, 32, torch.float32)
     store = HostExpertStore(fmt, [1, 2], 4, pin=True, pin_fn=lambda t: PinResult(False, 0.0, "cudaErrorNotPermitted"))
@@ -194,7 +194,7 @@ def test_a_pinned_store_is_unpinned_once_whether_closed_or_dropped(monkeypatch):
     import gc
 
     from moeprefetch import store as store_module
-    from moeprefetch.experts import ExpertFormat
+    from moeprefetch.expert_records import ExpertFormat
 
     unpinned: list[int] = []
     monkeypatch.setattr(store_module, "_unregister", unpinned.append)

@@ -31,7 +31,7 @@ from .experts import ACTIVATIONS, RecordLayout, record_views
 from .tiles import LONG_BLOCK_PAIRS, LONG_BLOCK_TILES, SHORT_BLOCK_TILES, GroupedTiles
 
 if TYPE_CHECKING:  # a record format (`experts.ExpertFormat`) is read only through its attributes here
-    from ..experts import ExpertFormat
+    from ..expert_records import ExpertFormat
 
 if HAS_TRITON:
     import triton

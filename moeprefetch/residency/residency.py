@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..experts import ExpertFormat, activation
+from ..expert_records import ExpertFormat, activation
 from ..kernels import kernels_usable
 from ..kernels.experts import RoutedExperts, combine_in_k_order, row_pad
 from ..kernels.grouped import GroupedExperts, grouped_mm_usable
