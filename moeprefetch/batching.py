@@ -26,7 +26,7 @@ import torch
 
 from .build import predictor_spec
 from .predictors import default_lookahead
-from .decode import DecodeStep, RowState, run_rows
+from .decode import DecodeStep, RowState, advance_rows, run_rows
 from .errors import RequestError
 from .sampling import RowSampler, SamplingParams, TokenLogprob, logprobs_of, row_paths, sample
 from .session import configure_residency, prefill_mtp_row, prefill_row, prefill_steps, step_shape
@@ -180,13 +180,12 @@ class ContinuousBatch:
         self.steps += 1
         new = {}
         self.logprobs.clear()
-        for row, state in enumerate(states):
-            if state is None:
+        for row, tokens in enumerate(advance_rows(out, states, check_drafts=False).tokens):
+            if not tokens:
                 continue
-            state.generated.append(out.next_tokens[row])
-            if out.drafts is not None:
-                state.draft, state.draft_prob = out.drafts[row][0], out.draft_probs[row][0]
-            new[row] = out.next_tokens[row]
+            (token,) = tokens  # no verify rows: one token a row
+            self.state[row].generated.append(token)
+            new[row] = token
             asked = self.sampling[row].logprobs
             if asked is not None:
                 self.logprobs[row] = out.logprobs[row][0].first(asked)

@@ -112,6 +112,47 @@ def run_rows(step: "DecodeStep", rows: list[RowState | None]) -> StepOutput:
                 [s.draft_prob if s is not None else 0.0 for s in rows] if extra else None)
 
 
+
+@dataclass
+class Advance:
+    """What a step gave its rows (`advance_rows`): each row's new tokens and the drafts' tallies."""
+
+    tokens: list[list[int]]  # per row: the sampled token, then a verified second one; [] for a free or finished row
+    drafts_checked: int = 0  # rows whose MTP draft could be compared with the token sampled (the `mtp` accounting)
+    drafts_correct: int = 0
+    proposed: int = 0  # rows whose verified draft row sampled a second token (speculation)
+    accepted: int = 0  # ... whose draft was the first token, so the second is kept
+
+
+def advance_rows(out: StepOutput, rows: list[RowState | None], check_drafts: bool) -> Advance:
+    """A step's output -> each active row's tokens, and the rows take their next drafts. The one place where a
+    step's samples become the rows' tokens, for a generate call (`session.Session`) and a continuous batch
+    (`batching.ContinuousBatch`) alike; the callers append the tokens (a call emits them one at a time).
+
+    With verify rows (speculation) a row keeps the second token when its draft was the first token and that first
+    token does not end the row; its next draft is then the one after the verified row."""
+    result = Advance([[] for _ in rows])
+    for b, state in enumerate(rows):
+        if state is None or not state.active:
+            continue
+        token = out.next_tokens[b]
+        tokens = [token]
+        if check_drafts:  # drafts exist (not when only the learned head reads the MTP head)
+            result.drafts_checked += 1
+            result.drafts_correct += int(state.draft == token)
+        accepted = False
+        if out.second_tokens is not None:
+            result.proposed += 1
+            if state.draft == token and not state.would_finish(token):
+                result.accepted += 1
+                accepted = True
+                tokens.append(out.second_tokens[b])
+        result.tokens[b] = tokens
+        if out.drafts is not None:
+            chosen = 1 if accepted else 0
+            state.draft, state.draft_prob = out.drafts[b][chosen], out.draft_probs[b][chosen]
+    return result
+
 class DecodeStep:
     """A decode step of one shape: static buffers, an eager first run, then capture and replay."""
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol
 import torch
 
 from .accounting import LayerCounters, Stats
-from .decode import DecodeStep, RowState, StepOutput, StepShape, run_rows
+from .decode import DecodeStep, RowState, StepOutput, StepShape, advance_rows, run_rows
 from .predictors import PredictorSpec
 from .residency import counters_by_layer
 from .sampling import SamplingParams, TokenLogprob, logprobs_of
@@ -224,28 +224,12 @@ class Session:
 
     def _advance(self, out: StepOutput) -> list[list[int]]:
         """Host bookkeeping after a step -> the tokens each sequence gets; the rows take their next drafts."""
-        next_tok, second, new_drafts, new_probs = out.next_tokens, out.second_tokens, out.drafts, out.draft_probs
-        accepted_tokens: list[list[int]] = [[] for _ in range(self.batch)]
-        for b, state in enumerate(self.rows):
-            if not state.active:
-                continue
-            tokens = [next_tok[b]]
-            accepted = False
-            if self.uses_mtp and self.drafts:  # drafts exist (not when only the learned head reads the MTP head)
-                self.stats.mtp_drafts_checked += 1
-                self.stats.mtp_drafts_correct += int(state.draft == next_tok[b])
-            if second is not None:
-                self.stats.draft_proposed += 1
-                # a verified second token is not used when the first ends the sequence
-                if state.draft == next_tok[b] and not state.would_finish(next_tok[b]):
-                    self.stats.draft_accepted += 1
-                    accepted = True
-                    tokens.append(second[b])
-            accepted_tokens[b] = tokens  # the rows' positions move with them as they are emitted
-            if new_drafts is not None:
-                row = 1 if accepted else 0
-                state.draft, state.draft_prob = new_drafts[b][row], new_probs[b][row]
-        return accepted_tokens
+        advance = advance_rows(out, self.rows, check_drafts=self.uses_mtp and self.drafts)
+        self.stats.mtp_drafts_checked += advance.drafts_checked
+        self.stats.mtp_drafts_correct += advance.drafts_correct
+        self.stats.draft_proposed += advance.proposed
+        self.stats.draft_accepted += advance.accepted
+        return advance.tokens
 
     def _emit(self, b: int, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> Iterator[TokenEvent]:
         """A row's new tokens (with their log-probabilities, one per token, when the call asked) as events."""
