@@ -257,6 +257,12 @@ def test_int4_experts_give_the_same_tokens_at_every_cache_size(checkpoint_factor
         expected = resident.generate(prompts, max_new_tokens=8, stop_at_eos=False).sequences
         int4_logits = resident.forward([prompts[0]])
         record = resident.residency.expert_bytes
+        memory = resident.memory_stats()
+        assert memory["expert_record_bytes"] == record
+        fmt = resident.residency.fmt
+        groups = -(-fmt.hidden // 16) * 2 * fmt.intermediate + -(-fmt.intermediate // 16) * fmt.hidden
+        # one fp16 scale a group, and a zero point when asymmetric, each region aligned to 64 bytes (rounded up)
+        assert groups * 2 * (1 if symmetric else 2) <= memory["expert_record_scale_bytes"] < record
     for slots in (2, 5):
         with MoEPrefetchEngine.from_pretrained(path, expert_cache_slots=slots, **options) as offloaded:
             for predictor in ("none", "next_layer_gate"):
@@ -265,6 +271,7 @@ def test_int4_experts_give_the_same_tokens_at_every_cache_size(checkpoint_factor
     with MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=64) as full:
         float_logits = full.forward([prompts[0]])
         float_record = full.residency.expert_bytes
+        assert full.memory_stats()["expert_record_scale_bytes"] == 0
     assert record < 0.3 * float_record
     error = ((int4_logits - float_logits).norm() / float_logits.norm()).item()
     assert 0 < error < 0.15, error
