@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moeprefetch.learned_predictor import TrainSettings, format_table, train_predictor
+from moeprefetch.predictor_training import TrainSettings, format_table, train_predictor
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,8 +7,10 @@ read one at a time through safetensors' `safe_open`; nothing here keeps a whole 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,3 +257,23 @@ class CheckpointReader:
 
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+
+# the routers' tensors (gate weights and DeepSeek-V3's score correction): what a routing predictor learned
+ROUTER_TENSOR = re.compile(r"\.gate\.(weight|e_score_correction_bias)$")
+
+
+def checkpoint_fingerprint(path: str | Path) -> str:
+    """sha256 over config.json and every router tensor's name and stored bytes: a predictor learned the routing of
+    exactly these routers (the experts' bytes may be requantised without changing it)."""
+    path = Path(path)
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    reader = CheckpointReader(path)
+    try:
+        for name in sorted(n for n in reader.tensors if ROUTER_TENSOR.search(n)):
+            tensor = reader.read(name).contiguous()
+            digest.update(name.encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())  # bf16 has no numpy dtype
+    finally:
+        reader.close()
+    return digest.hexdigest()

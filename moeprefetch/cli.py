@@ -1,6 +1,6 @@
 """Command line: `moeprefetch generate [PATH] --prompt ...`, `moeprefetch serve [PATH]` (the OpenAI HTTP API),
 `moeprefetch report RESULTS`, `moeprefetch replay TRACE --slots N`, `moeprefetch info PATH`,
-`moeprefetch train-predictor PATH --text FILE --out predictor.safetensors` (learned_predictor.py).
+`moeprefetch train-predictor PATH --text FILE --out predictor.safetensors` (predictor_training.py).
 
 Errors the engine raises on bad input are printed as one line (no traceback) with a non-zero exit status.
 """
@@ -409,7 +409,7 @@ def _replay(ns: argparse.Namespace) -> int:
 
 
 def _train_predictor(ns: argparse.Namespace) -> int:
-    from .learned_predictor import TrainSettings, format_table, train_predictor
+    from .predictor_training import TrainSettings, format_table, train_predictor
 
     if ns.json:
         _check_writable(Path(ns.json), "--json")

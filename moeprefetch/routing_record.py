@@ -1,23 +1,18 @@
 """Teacher-forced routing records: per token, the final hidden state, the MTP head's output and every MoE layer's
-top-k, from one uncached forward of the engine per window (what a learned predictor trains on, `learned_predictor.py`).
+top-k, from one uncached forward of the engine per window (what a learned predictor trains on, `predictor_training.py`).
 
 The routing is the engine's own: the forward is `ModelRunner.forward_block`, as `MoEPrefetchEngine.forward` runs it,
 with the runner's `LayerOps` swapped for one that also remembers what each router chose (nothing computed changes).
-The checkpoint fingerprint (config.json and the routers' stored bytes) ties a predictor to the routers it learned.
 """
 
 from __future__ import annotations
 
-import hashlib
-import re
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from .checkpoint import CheckpointReader
 from .errors import RequestError
 from .model import LayerOps, Routing, rms_norm, route
 
@@ -26,7 +21,6 @@ if TYPE_CHECKING:
 
 # the routers' tensors in every family's naming: mlp.gate (DeepSeek, Qwen3, GLM), block_sparse_moe.gate (Mixtral),
 # and V3's selection bias; `gate_proj` (an MLP's) does not match
-_ROUTER_TENSOR = re.compile(r"\.gate\.(weight|e_score_correction_bias)$")
 
 
 @dataclass
@@ -126,19 +120,3 @@ def record_routing(engine: "MoEPrefetchEngine", token_ids: list[list[int]], with
                          mtp_hidden=torch.cat([p[1] for p in parts]) if has_mtp else None,
                          ids=torch.cat([p[2] for p in parts]), window=windows,
                          mtp_router=torch.cat([p[3] for p in parts]) if has_mtp else None)
-
-
-def checkpoint_fingerprint(path: str | Path) -> str:
-    """sha256 over config.json and every router tensor's name and stored bytes: a predictor learned the routing of
-    exactly these routers (the experts' bytes may be requantised without changing it)."""
-    path = Path(path)
-    digest = hashlib.sha256((path / "config.json").read_bytes())
-    reader = CheckpointReader(path)
-    try:
-        for name in sorted(n for n in reader.tensors if _ROUTER_TENSOR.search(n)):
-            tensor = reader.read(name).contiguous()
-            digest.update(name.encode())
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())  # bf16 has no numpy dtype
-    finally:
-        reader.close()
-    return digest.hexdigest()

@@ -1255,7 +1255,7 @@ def learned_head_for(name: str, path: Path, args: argparse.Namespace) -> Path | 
     computed value (`write_padded_reference`), so the head predicts the same routing."""
     from moeprefetch.errors import CheckpointError
     from moeprefetch.learned_predictor import load_predictor, save_predictor
-    from moeprefetch.routing_record import checkpoint_fingerprint
+    from moeprefetch.checkpoint import checkpoint_fingerprint
 
     sources = {"ref17": ROOT / "moeprefetch/reference_model", "deep": args.deep_checkpoint}
     if args.predictor_path is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +12,11 @@ from safetensors.torch import load_file
 from moeprefetch import MoEPrefetchEngine
 from moeprefetch.cli import main
 from moeprefetch.errors import CheckpointError, RequestError
-from moeprefetch.learned_predictor import (HeadConfig, RoutingHead, TrainSettings, load_predictor, sample_index,
-                                           train_predictor)
+from moeprefetch.checkpoint import checkpoint_fingerprint
+from moeprefetch.learned_predictor import HeadConfig, RoutingHead, load_predictor
+from moeprefetch.predictor_training import TrainSettings, sample_index, train_predictor
 from moeprefetch.model import route
-from moeprefetch.routing_record import checkpoint_fingerprint, record_routing
+from moeprefetch.routing_record import record_routing
 
 from conftest import LEARNED_ROWS, ROOT, hf_model
 
@@ -179,7 +179,7 @@ def test_samples_stay_inside_their_window():
 def test_the_horizon_block_learns_any_use_within_the_horizon():
     """horizon H: one more block of targets, 1 where a layer used the expert at any of tokens t+1..t+H (checked
     against a loop over random routing), and predict's 'needed soon' is that block's sigmoid."""
-    from moeprefetch.learned_predictor import targets
+    from moeprefetch.predictor_training import targets
     from moeprefetch.routing_record import RoutingRecord
 
     g = torch.Generator().manual_seed(3)
