@@ -33,8 +33,8 @@ from . import HAS_TRITON, INTERPRET, Launch
 from .definitions import expert_ffn
 from .tiles import DOT_TILES, GEMV_TILES, INT4_GEMV_TILES, Tiles
 
-if TYPE_CHECKING:  # a record format (`experts.ExpertFormat`) is read only through its attributes here
-    from ..experts import ExpertFormat
+if TYPE_CHECKING:  # a record format (`expert_records.ExpertFormat`) is read only through its attributes here
+    from ..expert_records import ExpertFormat
 
 if HAS_TRITON:
     import triton

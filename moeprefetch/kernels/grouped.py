@@ -30,7 +30,7 @@ from .definitions import expert_ffn
 from .experts import ACTIVATIONS, RecordLayout, record_views
 from .tiles import LONG_BLOCK_PAIRS, LONG_BLOCK_TILES, SHORT_BLOCK_TILES, GroupedTiles
 
-if TYPE_CHECKING:  # a record format (`experts.ExpertFormat`) is read only through its attributes here
+if TYPE_CHECKING:  # a record format (`expert_records.ExpertFormat`) is read only through its attributes here
     from ..expert_records import ExpertFormat
 
 if HAS_TRITON:
