@@ -11,7 +11,7 @@
 # zero-copy reads with cold translations); STAGE=policies: issue 13's LRU / LRFU / LFU rows (ref17, V2-Lite) and the
 # GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU,
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
-# Usage: STAGE=qwen3|serve|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
+# Usage: STAGE=qwen3|serve|serve_all|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
 #   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace|int4_tests|int4_bench|int4_gemv|learned_deep| \
 #   divergence|table_stress \
 #   [LIMIT=seconds] \
@@ -50,6 +50,17 @@ case "${STAGE:-tests}" in
     # `--expert-dtype int4` again (one HTTP client per client process now), bf16 (`--concurrency 1,4,16`), and the
     # real trace forced (`--routing-trace .device-data/traces/nvmoe-dsv2lite-a.tokens.jsonl`, carry that folder)
     timeout "${LIMIT:-560}" python3 scripts/bench_serve.py --out "$out/serve_h200.json" "$@" 2>&1 | filter ;;
+  serve_all)
+    # issue 40's three serving workloads in one call over one random checkpoint (written once): int4 (every expert
+    # resident at 12 GiB), bf16 at 12 GiB, and bf16 with the real V2-Lite trace forced (carry .whl and
+    # .device-data/traces); each level beside the engine's own batches. INT4_S / BF16_S / TRACE_S bound each run.
+    pip install -q --no-index --find-links .whl uvicorn starlette httpx 2>&1 | tail -2
+    timeout "${INT4_S:-170}" python3 scripts/bench_serve.py --expert-dtype int4 --out "$out/serve_int4.json" "$@" \
+      2>&1 | filter
+    timeout "${BF16_S:-200}" python3 scripts/bench_serve.py --requests-per-client 2 --out "$out/serve_bf16.json" "$@" \
+      2>&1 | filter
+    timeout "${TRACE_S:-180}" python3 scripts/bench_serve.py --requests-per-client 2 --out "$out/serve_bf16_trace.json" \
+      --routing-trace .device-data/traces/nvmoe-dsv2lite-a.tokens.jsonl "$@" 2>&1 | filter ;;
   lead)
     timeout 560 python3 scripts/bench_gpu.py --out "$out/bench_lead.json" --workloads ref17 \
       --systems all_resident,none,mtp,mtp_la2,mtp_la3,mtp+next_layer_gate,mtp+next_layer_gate_la2,mtp+next_layer_gate_la3 \
