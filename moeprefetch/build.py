@@ -73,6 +73,7 @@ class ResolvedConfig:
     spare_recent: int
     prefetch_lead: int  # MoE layers: a fill is reserved at most this far before its need (0: no limit)
     draft_experts: str
+    verify_confidence: float  # speculative='mtp': drafts below it are not verified (their experts not read)
     late_prefetch: str
     cuda_graphs: bool
     fused_kernels: bool
@@ -297,7 +298,8 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
         reuse_weight=float(config.reuse_weight), bypass=bool(config.bypass),
         routing_trace=str(config.routing_trace) if config.routing_trace is not None else None,
         spare_recent=config.spare_recent, prefetch_lead=config.prefetch_lead,
-        draft_experts=config.draft_experts, late_prefetch=config.late_prefetch, cuda_graphs=graphs,
+        draft_experts=config.draft_experts, verify_confidence=float(config.verify_confidence),
+        late_prefetch=config.late_prefetch, cuda_graphs=graphs,
         fused_kernels=bool(config.fused_kernels), progress=bool(config.progress))
 
 

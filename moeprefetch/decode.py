@@ -101,7 +101,13 @@ class RowState:
         return token in self.stop_ids or len(self.generated) + 1 >= self.max_new_tokens
 
 
-def run_rows(step: "DecodeStep", rows: list[RowState | None]) -> StepOutput:
+def verified(state: RowState, verify_cut: float) -> bool:
+    """Whether a verify step checks this row's draft: the MTP head gave it at least `verify_cut` (speculation's
+    `verify_confidence`); an unchecked draft row reads none of its routed experts."""
+    return state.active and state.draft_prob >= verify_cut
+
+
+def run_rows(step: "DecodeStep", rows: list[RowState | None], verify_cut: float = 0.0) -> StepOutput:
     """One step over the rows' states -> what it sampled; `None` is a free row (token 0 at position 0, masked). The
     one place where host rows become a step's inputs."""
     extra = step.shape.extra
@@ -109,7 +115,8 @@ def run_rows(step: "DecodeStep", rows: list[RowState | None]) -> StepOutput:
                 [s.position if s is not None else 0 for s in rows],
                 [s is not None and s.active for s in rows],
                 [s.draft if s is not None else 0 for s in rows] if extra else None,
-                [s.draft_prob if s is not None else 0.0 for s in rows] if extra else None)
+                [s.draft_prob if s is not None else 0.0 for s in rows] if extra else None,
+                [s is not None and verified(s, verify_cut) for s in rows] if step.shape.mode == "verify" else None)
 
 
 
@@ -124,13 +131,15 @@ class Advance:
     accepted: int = 0  # ... whose draft was the first token, so the second is kept
 
 
-def advance_rows(out: StepOutput, rows: list[RowState | None], check_drafts: bool) -> Advance:
+def advance_rows(out: StepOutput, rows: list[RowState | None], check_drafts: bool, verify_cut: float = 0.0
+                 ) -> Advance:
     """A step's output -> each active row's tokens, and the rows take their next drafts. The one place where a
     step's samples become the rows' tokens, for a generate call (`session.Session`) and a continuous batch
     (`batching.ContinuousBatch`) alike; the callers append the tokens (a call emits them one at a time).
 
-    With verify rows (speculation) a row keeps the second token when its draft was the first token and that first
-    token does not end the row; its next draft is then the one after the verified row."""
+    With verify rows (speculation) a row whose draft was checked (`verified`, with the `verify_cut` the step ran
+    with) keeps the second token when its draft was the first token and that first token does not end the row; its
+    next draft is then the one after the verified row."""
     result = Advance([[] for _ in rows])
     for b, state in enumerate(rows):
         if state is None or not state.active:
@@ -141,7 +150,7 @@ def advance_rows(out: StepOutput, rows: list[RowState | None], check_drafts: boo
             result.drafts_checked += 1
             result.drafts_correct += int(state.draft == token)
         accepted = False
-        if out.second_tokens is not None:
+        if out.second_tokens is not None and verified(state, verify_cut):
             result.proposed += 1
             if state.draft == token and not state.would_finish(token):
                 result.accepted += 1
@@ -178,7 +187,8 @@ class DecodeStep:
         self._ring_step: RingStep | None = None  # what the captured graph does to the streamed layers' ring
         self._runs = 0
         m = shape.mtp_rows
-        self.inputs = torch.zeros(b, 3 + shape.extra, dtype=torch.int64, device=dev)
+        # per row: token, position, active, then the extra row's token, then (verify) whether its draft is checked
+        self.inputs = torch.zeros(b, 3 + shape.extra + (shape.mode == "verify"), dtype=torch.int64, device=dev)
         self.draft_conf = torch.zeros(b, dtype=torch.float32, device=dev)
         self.outputs = torch.zeros(b, 2 + m, dtype=torch.int64, device=dev)
         self.probs = torch.zeros(b, m, dtype=torch.float32, device=dev)
@@ -214,10 +224,15 @@ class DecodeStep:
 
     # ---- host side ------------------------------------------------------------------------------------------------
     def __call__(self, tokens: list[int], positions: list[int], active: list[bool],
-                 extra_tokens: list[int] | None = None, draft_conf: list[float] | None = None) -> StepOutput:
-        """One step; inputs per sequence. Returns the sampled ids after one device->host synchronisation."""
-        rows = [[t, p, int(a)] + ([e] if self.shape.extra else []) for t, p, a, e in
-                zip(tokens, positions, active, extra_tokens if extra_tokens is not None else tokens)]
+                 extra_tokens: list[int] | None = None, draft_conf: list[float] | None = None,
+                 verify: list[bool] | None = None) -> StepOutput:
+        """One step; inputs per sequence (`verify`: which drafts a verify step checks, default all active rows').
+        Returns the sampled ids after one device->host synchronisation."""
+        if self.shape.mode == "verify" and verify is None:
+            verify = list(active)
+        rows = [[t, p, int(a)] + ([e] if self.shape.extra else []) + ([int(v)] if self.shape.mode == "verify" else [])
+                for t, p, a, e, v in zip(tokens, positions, active, extra_tokens if extra_tokens is not None else tokens,
+                                         verify if verify is not None else active)]
         self.inputs_host.copy_(torch.tensor(rows, dtype=torch.int64))
         self.inputs.copy_(self.inputs_host, non_blocking=True)
         if draft_conf is not None:
@@ -307,6 +322,8 @@ class DecodeStep:
             res.plan_step()
         tokens, pos = self.inputs[:, 0], self.inputs[:, 1]
         self.active = self.inputs[:, 2] != 0
+        # verify: the draft rows checked this step (the others compute without their routed experts: no bytes)
+        self.checked = self.active & (self.inputs[:, 4] != 0) if shape.mode == "verify" else None
         if shape.adjust:  # a row's input token is its latest generated one: penalties count it from now on
             self.sampler.logit_adjuster().count(tokens, self.active)
         groups = [self.runner.embed(tokens[:, None])]
@@ -373,7 +390,7 @@ class DecodeStep:
             ids_x, act_x, ids_s, act_s, weights = real.ids, active, None, None, real.weights
         elif shape.mode == "verify":
             ids_x = torch.cat((real.ids, routings[1].ids))
-            act_x = torch.cat((active, active))
+            act_x = torch.cat((active, self.checked))
             ids_s = act_s = None
             weights = torch.cat((real.weights, routings[1].weights))
         else:
@@ -454,7 +471,10 @@ class DecodeStep:
             return self.ops.attend_decode(mtp.layer.attn, normed, positions, kv, positions - 1)
 
         def routed(layer: int, flat: list[torch.Tensor], routings: list[Routing]) -> list[torch.Tensor]:
-            act = self.active.repeat_interleave(rows)
+            if rows == 2 and self.checked is not None:  # the second row follows the draft: only a checked one's
+                act = torch.stack((self.active, self.checked), 1).reshape(-1)
+            else:
+                act = self.active.repeat_interleave(rows)
             ids, weights = routings[0].ids, routings[0].weights
             if not self.shape.draft_cached and not chained:
                 out = self.res.decode_experts(layer, flat[0].contiguous(), ids, act, None, None, weights,

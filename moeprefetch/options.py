@@ -74,6 +74,10 @@ class EngineConfig:
     draft_experts: str = _opt("cached", "the MTP head drafts with the routed experts in VRAM, fetching none (cached: "
                                         "offloaded, mostly its shared expert alone), or reads every one it routes "
                                         "to (all)")
+    verify_confidence: float = _opt(0.0, "speculative='mtp': a draft is verified only when the MTP head gave it at "
+                                         "least this probability; below it the step computes the draft row without "
+                                         "its routed experts, so an unlikely draft moves no expert bytes (0: verify "
+                                         "every draft)")
     # shapes and formats
     max_seq_len: int | None = _opt(None, "longest sequence (default min(model limit, 4096))")
     max_batch_size: int = _opt(8, "largest batch of a call")
@@ -171,6 +175,7 @@ class EngineConfig:
                 check_positive_int(name, getattr(self, name))
         check_fraction("min_confidence", self.min_confidence, upper_open=False)
         check_fraction("fill_confidence", self.fill_confidence, upper_open=False)
+        check_fraction("verify_confidence", self.verify_confidence, upper_open=False)
         check_fraction("reuse_weight", self.reuse_weight, upper_open=False)
         if not isinstance(self.bypass, bool):
             raise RequestError(f"bypass must be True or False, got {self.bypass!r}")

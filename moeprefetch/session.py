@@ -124,6 +124,8 @@ class Session:
         self.batch = len(request.prompts)
         self.spec = request.predictor
         self.speculative = request.speculative == "mtp"
+        # drafts the MTP head gave less than this are not verified (their rows read no routed expert)
+        self.verify_cut = engine.options.verify_confidence if self.speculative else 0.0
         self.uses_mtp = engine.has_mtp and (self.speculative or self.spec.needs_mtp)
         self.drafts = self.speculative or self.spec.needs_drafts
         # with every expert resident a shadow row predicts nothing worth fetching: skip its compute
@@ -184,7 +186,7 @@ class Session:
         t1 = time.perf_counter()
         step = self._step(caches)
         while any(row.active for row in self.rows):
-            out = run_rows(step, self.rows)
+            out = run_rows(step, self.rows, self.verify_cut)
             self.stats.decode_syncs += 1
             self.stats.decode_steps += 1
             for b, tokens in enumerate(self._advance(out)):
@@ -224,7 +226,7 @@ class Session:
 
     def _advance(self, out: StepOutput) -> list[list[int]]:
         """Host bookkeeping after a step -> the tokens each sequence gets; the rows take their next drafts."""
-        advance = advance_rows(out, self.rows, check_drafts=self.uses_mtp and self.drafts)
+        advance = advance_rows(out, self.rows, check_drafts=self.uses_mtp and self.drafts, verify_cut=self.verify_cut)
         self.stats.mtp_drafts_checked += advance.drafts_checked
         self.stats.mtp_drafts_correct += advance.drafts_correct
         self.stats.draft_proposed += advance.proposed

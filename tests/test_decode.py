@@ -12,6 +12,7 @@ import torch
 
 import moeprefetch
 from moeprefetch import EngineConfig, MoEPrefetchEngine
+from moeprefetch.errors import RequestError
 from moeprefetch.residency import Residency
 
 PREDICTORS = ["none", "previous", "next_layer_gate", "mtp", "mtp_router", "oracle", "mtp+next_layer_gate",
@@ -63,6 +64,38 @@ def test_every_cache_size_policy_and_predictor_gives_identical_tokens(reference,
         assert spec.sequences == expected
         assert 0 <= spec.stats.to_dict()["draft_acceptance"] <= 1
 
+
+
+def test_drafts_below_verify_confidence_are_not_checked_and_move_no_expert_bytes():
+    """speculative='mtp' with verify_confidence: the tokens stay plain decode's at every cut and cache size; a
+    higher cut checks fewer drafts (tokens per step fall towards 1) and reads fewer draft experts (bytes per token
+    fall towards plain decode's). The shipped reference model: its MTP head is trained, so drafts' confidences
+    spread over (0, 1)."""
+    reference_model = Path(moeprefetch.__file__).parent / "reference_model"
+    prompts = [[5, 17, 29, 41, 53, 65, 77, 89], [7, 11, 13]]
+    with MoEPrefetchEngine.from_pretrained(reference_model, progress=False) as resident:
+        expected = resident.generate(prompts, max_new_tokens=16, stop_at_eos=False).sequences
+        total = resident.plan.total_experts
+    for slots in (total // 4,):  # offloaded, where unchecked drafts save bytes
+        with MoEPrefetchEngine.from_pretrained(reference_model, progress=False, expert_cache_slots=slots) as engine:
+            runs = {}
+            for cut in (0.0, 0.5, 1.0):
+                engine.options = dataclasses.replace(engine.options, verify_confidence=cut)
+                engine.reset_expert_cache(forget_routing=True)
+                result = engine.generate(prompts, max_new_tokens=16, stop_at_eos=False, speculative="mtp")
+                assert result.sequences == expected, (slots, cut)
+                stats = result.stats.to_dict()
+                check_invariants(stats, engine.residency.expert_bytes)
+                assert stats["draft_accepted"] <= stats["draft_proposed"] <= 2 * stats["decode_steps"]
+                runs[cut] = stats
+            checked = [runs[cut]["draft_proposed"] for cut in (0.0, 0.5, 1.0)]
+            assert checked[0] > checked[1] > checked[2] >= 0, checked
+            steps = [runs[cut]["decode_steps"] for cut in (0.0, 0.5, 1.0)]
+            assert steps[0] < steps[2], steps  # fewer drafts checked: fewer tokens per step
+            moved = [runs[cut]["decode_bytes_h2d_per_token"] for cut in (0.0, 1.0)]
+            assert moved[1] < moved[0], moved  # unchecked drafts read none of their experts
+    with pytest.raises(RequestError, match="verify_confidence must be a number in \\[0, 1\\]"):
+        EngineConfig(verify_confidence=1.5).check()
 
 def test_batch_of_four_matches_all_resident_at_every_cache_size(reference):
     path, _, _, _, total = reference
