@@ -128,7 +128,7 @@ def _rank_disagreeing(rank: int, world: int, port: int, path: str, out: str, sce
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("scenario", ["sampling", "mismatch"])
+@pytest.mark.parametrize("scenario", [pytest.param("sampling", marks=pytest.mark.slow), "mismatch"])
 def test_ranks_agree_on_seeds_and_placement_and_refuse_other_differences(checkpoint_factory, tmp_path, scenario):
     path = checkpoint_factory("v3")
     mp.start_processes(_rank_disagreeing, args=(2, _free_port(), str(path), str(tmp_path), scenario), nprocs=2,
@@ -171,6 +171,7 @@ def test_distributed_needs_a_launch_and_profiles_need_it(checkpoint_factory, mon
     MoEPrefetchEngine.from_pretrained(path, expert_cache_slots=3).close()  # still usable
 
 
+@pytest.mark.slow
 def test_two_ranks_on_the_reference_model_with_mtp_prefetch(tmp_path):
     """The trained reference model (learned routing, MTP head), a quarter of the experts cached, the default MTP
     predictor: both ranks produce the one-process tokens and logits."""

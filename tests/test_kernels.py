@@ -420,6 +420,7 @@ def test_kernels_compile_for_hopper():
         assert shared <= 228 * 1024, line  # fits one Hopper multiprocessor
 
 
+@pytest.mark.slow
 def test_the_plan_kernel_does_not_spill_at_large_models_shapes():
     """The prefetch reservation over 48-58 layers of 128-256 experts, 2 and 3 steps ahead, compiled for sm_90: no
     local-memory traffic (the window in one block spilled 1,206-34,222 local loads and stores per launch)."""

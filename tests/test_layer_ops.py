@@ -10,6 +10,8 @@ from moeprefetch import MoEPrefetchEngine
 from moeprefetch.kernels import HAS_TRITON
 from moeprefetch.layer_ops import FusedOps
 
+from conftest import full_only
+
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -29,10 +31,10 @@ def _last_logits(engine: MoEPrefetchEngine) -> torch.Tensor:
 @pytest.mark.parametrize("variant,predictor,slots", [
     ("v3_groups_qlora_yarn", "none", None),  # grouped sigmoid router, q LoRA, YaRN, interleaved rope
     ("v3_nogroup_plainrope", "mtp", 5),  # shared experts x2, de-interleaved rope, the MTP head and its shadow row
-    ("v2_group_limited", "next_layer_gate", 7),  # softmax router, group-limited greedy, q_proj
+    full_only("v2_group_limited", "next_layer_gate", 7),  # softmax router, group-limited greedy, q_proj
     ("qwen3", "next_layer_gate", 5),  # grouped-query attention with q/k norm (gqa_attention.py)
-    ("mixtral_window", "none", None),  # one key-value head, head dim 8, a 5-key sliding window
-    ("glm4", "mtp", 6),  # GQA with bias and half rotary, the MTP head
+    full_only("mixtral_window", "none", None),  # one key-value head, head dim 8, a 5-key sliding window
+    full_only("glm4", "mtp", 6),  # GQA with bias and half rotary, the MTP head
 ])
 def test_fused_decode_matches_the_definitions(checkpoint_factory, variant, predictor, slots):
     path = checkpoint_factory(variant)

@@ -222,6 +222,7 @@ def test_cli_exits_2_on_a_missing_text_file(tmp_path, capsys):
 # ---- predictor="learned" in the engine ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_learned_predictor_changes_no_token_and_finds_the_next_tokens_experts(trained):
     """predictor='learned' inside the decode step: its guesses (1 and 2 tokens ahead, from the final hidden state
     and the MTP head's output) steer prefetches and protection, never tokens, at every cache size; its recall of the
