@@ -124,8 +124,9 @@ class Stats:
     prefill_seconds: float = 0.0
     ttft_seconds: float = 0.0  # from the call's start to its first tokens (every sequence's, after prefill)
     decode_seconds: float = 0.0
-    draft_proposed: int = 0
-    draft_accepted: int = 0
+    draft_offered: int = 0  # speculation: live rows of verify steps (each could check its draft)
+    draft_proposed: int = 0  # ... whose draft was checked (verify_confidence: the MTP head's probability >= the cut)
+    draft_accepted: int = 0  # ... and kept (the draft was the token sampled)
     speculative: bool = False
     predictor: str = "none"
     lookahead: int = 1
@@ -206,8 +207,10 @@ class Stats:
             }
         )
         if self.speculative:
+            out["draft_offered"] = self.draft_offered
             out["draft_proposed"] = self.draft_proposed
             out["draft_accepted"] = self.draft_accepted
+            # of the drafts checked; the tokens a verify step adds per row are draft_accepted / draft_offered
             out["draft_acceptance"] = self.draft_accepted / self.draft_proposed if self.draft_proposed else 0.0
         out.update(self.extra)
         return out
@@ -247,7 +250,7 @@ def merge_stats(runs: list[Stats]) -> Stats:
             for layer, counters in source.items():
                 target[layer] = target[layer] + counters if layer in target else counters
         for name in ("prompt_tokens", "generated_tokens", "sequences", "decode_steps", "decode_syncs",
-                     "prefill_seconds", "ttft_seconds", "decode_seconds", "draft_proposed", "draft_accepted",
+                     "prefill_seconds", "ttft_seconds", "decode_seconds", "draft_offered", "draft_proposed", "draft_accepted",
                      "mtp_drafts_checked", "mtp_drafts_correct", "prefill_stream_bytes",
                      "prefill_stream_stall_seconds", "decode_stream_bytes", "decode_stream_stall_seconds"):
             setattr(merged, name, getattr(merged, name) + getattr(run, name))

@@ -259,7 +259,8 @@ class CheckpointReader:
         return sum(t.nbytes for t in self.tensors.values())
 
 
-# the routers' tensors (gate weights and DeepSeek-V3's score correction): what a routing predictor learned
+# the routers' tensors in every family's naming: mlp.gate (DeepSeek, Qwen3, GLM), block_sparse_moe.gate (Mixtral),
+# and V3's selection bias; `gate_proj` (an MLP's) does not match. What a routing predictor learned.
 ROUTER_TENSOR = re.compile(r"\.gate\.(weight|e_score_correction_bias)$")
 
 

@@ -1,8 +1,8 @@
 """One decode step, captured as one CUDA graph: all layers, the routed experts through the residency table, sampling,
 the MTP head, the predictors and the prefetch fills on a side branch.
 
-Per step the host writes the step's inputs (token, position and activity per sequence, and the extra rows' tokens)
-into a pinned buffer, launches the graph and reads the sampled ids back: one synchronisation per token, none per
+Per step the host writes the step's inputs (token, position and activity per sequence, the extra rows' tokens, and
+whether a verify row checks its draft: `verify_confidence`) into a pinned buffer, launches the graph and reads the sampled ids back: one synchronisation per token, none per
 layer. Every MoE layer runs `plan -> fill launch (side stream) -> routed experts` on the device.
 
 Extra rows ride along with the real ones (`model.block` gives them their own attention calls, so the real rows'
@@ -127,7 +127,8 @@ class Advance:
     tokens: list[list[int]]  # per row: the sampled token, then a verified second one; [] for a free or finished row
     drafts_checked: int = 0  # rows whose MTP draft could be compared with the token sampled (the `mtp` accounting)
     drafts_correct: int = 0
-    proposed: int = 0  # rows whose verified draft row sampled a second token (speculation)
+    offered: int = 0  # live rows of a verify step (speculation)
+    proposed: int = 0  # ... whose draft was checked (`verified`), its row sampling a second token
     accepted: int = 0  # ... whose draft was the first token, so the second is kept
 
 
@@ -150,6 +151,7 @@ def advance_rows(out: StepOutput, rows: list[RowState | None], check_drafts: boo
             result.drafts_checked += 1
             result.drafts_correct += int(state.draft == token)
         accepted = False
+        result.offered += out.second_tokens is not None
         if out.second_tokens is not None and verified(state, verify_cut):
             result.proposed += 1
             if state.draft == token and not state.would_finish(token):
@@ -471,10 +473,7 @@ class DecodeStep:
             return self.ops.attend_decode(mtp.layer.attn, normed, positions, kv, positions - 1)
 
         def routed(layer: int, flat: list[torch.Tensor], routings: list[Routing]) -> list[torch.Tensor]:
-            if rows == 2 and self.checked is not None:  # the second row follows the draft: only a checked one's
-                act = torch.stack((self.active, self.checked), 1).reshape(-1)
-            else:
-                act = self.active.repeat_interleave(rows)
+            act = self._mtp_rows_live(rows)
             ids, weights = routings[0].ids, routings[0].weights
             if not self.shape.draft_cached and not chained:
                 out = self.res.decode_experts(layer, flat[0].contiguous(), ids, act, None, None, weights,
@@ -489,12 +488,19 @@ class DecodeStep:
 
         return block(self.ops, mtp.layer, [x], attend, routed)[0]
 
+    def _mtp_rows_live(self, rows: int) -> torch.Tensor:
+        """[B * rows] which MTP rows are live: a verify step's second row follows the draft, so it is live only
+        where the draft was checked (an unchecked one reads no expert and steers no prefetch)."""
+        if rows == 2 and self.checked is not None:
+            return torch.stack((self.active, self.checked), 1).reshape(-1)
+        return self.active.repeat_interleave(rows)
+
     def _route_ahead(self, x: torch.Tensor, lead: int, reach: torch.Tensor | None) -> None:
         """An MTP output [B, M, H] through every main router: guesses for the step `lead` ahead, their confidence
         scaled by `reach` [B] (the chained drafts' probability)."""
         rows = x.shape[1]
         flat = x.reshape(-1, x.shape[-1])
-        live = self.active.repeat_interleave(rows).float()[:, None]
+        live = self._mtp_rows_live(rows).float()[:, None]
         if reach is not None:
             live = live * reach.repeat_interleave(rows)[:, None]
         for lw in self.routers.values():

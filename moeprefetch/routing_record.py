@@ -19,9 +19,6 @@ from .model import LayerOps, Routing, rms_norm, route
 if TYPE_CHECKING:
     from .engine import MoEPrefetchEngine
 
-# the routers' tensors in every family's naming: mlp.gate (DeepSeek, Qwen3, GLM), block_sparse_moe.gate (Mixtral),
-# and V3's selection bias; `gate_proj` (an MLP's) does not match
-
 
 @dataclass
 class RoutingRecord:

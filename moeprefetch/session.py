@@ -229,6 +229,7 @@ class Session:
         advance = advance_rows(out, self.rows, check_drafts=self.uses_mtp and self.drafts, verify_cut=self.verify_cut)
         self.stats.mtp_drafts_checked += advance.drafts_checked
         self.stats.mtp_drafts_correct += advance.drafts_correct
+        self.stats.draft_offered += advance.offered
         self.stats.draft_proposed += advance.proposed
         self.stats.draft_accepted += advance.accepted
         return advance.tokens

@@ -107,7 +107,9 @@ class AutoSpeculation:
         sequences = max(stats.sequences, 1)
         if decision.mode == "mtp":  # ms per verify step and sequence; a token costs that / (1 + acceptance)
             ms = 1000.0 * stats.decode_seconds / (steps * sequences)
-            acceptance, table = stats.draft_accepted / max(stats.draft_proposed, 1), self.speculative
+            # tokens a row gains per verify step: drafts kept over the rows that could check one (with
+            # verify_confidence, unchecked drafts gain nothing; over the checked ones alone it would overstate)
+            acceptance, table = stats.draft_accepted / max(stats.draft_offered, 1), self.speculative
         else:
             ms, acceptance, table = 1000.0 * stats.decode_seconds / tokens, 0.0, self.plain
         if decision.key in table:

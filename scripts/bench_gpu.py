@@ -240,7 +240,9 @@ def write_random_checkpoint(out: Path, shape: dict[str, Any], device: torch.devi
 
     # the index is written last and names what was generated: a complete checkpoint of the same shape, seed and
     # expert format is reused (one device call runs several benches over it; writing V2-Lite's takes ~60 s)
-    made = json.loads(json.dumps({"shape": shape, "seed": seed, "fp8_experts": fp8_experts}))
+    # (the device too: one seed draws other numbers on the CPU and on CUDA)
+    made = json.loads(json.dumps({"shape": shape, "seed": seed, "fp8_experts": fp8_experts,
+                                  "device": torch.device(device).type}))
     index_path = out / "model.safetensors.index.json"
     if index_path.is_file():
         try:
@@ -248,6 +250,7 @@ def write_random_checkpoint(out: Path, shape: dict[str, Any], device: torch.devi
                 return out
         except ValueError:
             pass
+        index_path.unlink()  # a rewrite cut short must never pass for the checkpoint the old index names
     out.mkdir(parents=True, exist_ok=True)
     cfg = dict(shape)
     architecture = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",

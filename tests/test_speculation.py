@@ -12,9 +12,12 @@ from moeprefetch.speculation import MIN_DECODE_TOKENS, REMEASURE_EVERY, AutoSpec
 KEY = (1, "none", True)
 
 
-def stats(decode_seconds: float, tokens: int, steps: int, proposed: int = 0, accepted: int = 0) -> Stats:
+def stats(decode_seconds: float, tokens: int, steps: int, proposed: int = 0, accepted: int = 0,
+          offered: int | None = None) -> Stats:
+    """A call's statistics; `offered` (rows that could check a draft) defaults to every draft checked."""
     return Stats(generated_tokens=tokens + 1, sequences=1, decode_steps=steps, decode_seconds=decode_seconds,
-                 draft_proposed=proposed, draft_accepted=accepted)
+                 draft_offered=proposed if offered is None else offered, draft_proposed=proposed,
+                 draft_accepted=accepted)
 
 
 def measure_both(auto: AutoSpeculation, plain_ms: float, verify_ms: float, acceptance: float) -> None:
@@ -46,6 +49,21 @@ def test_the_faster_mode_by_measured_step_cost_and_acceptance(plain_ms, verify_m
     assert decision.acceptance == pytest.approx(round(acceptance * steps) / steps)
     assert decision.speculative_ms_per_token == pytest.approx(verify_ms / (1 + decision.acceptance))
 
+
+
+def test_drafts_left_unchecked_count_as_steps_that_gained_nothing():
+    """With verify_confidence, 100 verify steps checked 40 drafts and kept 30: a step gains 0.3 tokens, not the 0.75
+    of the checked drafts alone, so speculation at 12 ms a step (9.2 ms a token) loses to plain decode at 8."""
+    auto = AutoSpeculation()
+    first = auto.choose(KEY)
+    auto.record(first, stats(8.0 * 100 / 1000, 100, 100), warm=True)
+    second = auto.choose(KEY)
+    assert second.mode == "mtp"
+    assert auto.record(second, stats(12.0 * 100 / 1000, 130, 100, proposed=40, accepted=30, offered=100), warm=True)
+    decision = auto.choose(KEY)
+    assert decision.acceptance == pytest.approx(0.3)
+    assert decision.speculative_ms_per_token == pytest.approx(12.0 / 1.3)
+    assert decision.mode == "none"
 
 def test_the_other_mode_is_re_measured_and_an_estimate_that_changed_flips_the_choice():
     auto = AutoSpeculation()
