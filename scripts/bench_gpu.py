@@ -529,6 +529,11 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
         "prefetch_late": med("prefetch_late"),
         "prefetch_wasted": med("prefetch_wasted"),
         "draft_acceptance": med("draft_acceptance") if speculative else None,
+        # speculation: the share of verify rows whose draft was checked (verify_confidence), and tokens per step
+        "drafts_checked_share": statistics.median(r["draft_proposed"] / max(r["draft_offered"], 1) for r in results)
+        if speculative else None,
+        "tokens_per_step": statistics.median((r["generated_tokens"] - 1) / max(r["decode_steps"], 1)
+                                             for r in results),  # batch 1, as decode_tokens above
         "mtp_draft_accuracy": med("mtp_draft_accuracy"),
         "cache_slots": engine.residency.n_slots,
         "peak_vram_gib": torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None,
@@ -1294,14 +1299,15 @@ def learned_head_for(name: str, path: Path, args: argparse.Namespace) -> Path | 
 ROW_MODIFIERS = {"fill": ("fill_confidence", float), "reuse": ("reuse_weight", float),
                  "spare": ("spare_recent", int), "inflight": ("max_inflight_experts", int),
                  "budget": ("prefetch_budget", float), "lead": ("prefetch_lead", int),
-                 "halflife": ("lrfu_halflife", float)}
+                 "halflife": ("lrfu_halflife", float), "verify": ("verify_confidence", float)}
 
 
 def modified_row(name: str, known: dict[str, tuple]) -> tuple:
-    """A row named '<row>~fillC~idle~reuseW~spareN~inflightN~budgetB~leadL~halflifeH~bypass' (any of the modifiers,
-    any order): the known row <row> with fill_confidence C, fill_link='idle', reuse_weight W, spare_recent N,
-    max_inflight_experts N, prefetch_budget B (0: protection only, and the plans skip their reservation passes),
-    prefetch_lead L (fills reserved at most L MoE layers before their need), lrfu_halflife H and/or bypass=True."""
+    """A row named '<row>~fillC~idle~reuseW~spareN~inflightN~budgetB~leadL~halflifeH~verifyV~bypass' (any of the
+    modifiers, any order): the known row <row> with fill_confidence C, fill_link='idle', reuse_weight W, spare_recent
+    N, max_inflight_experts N, prefetch_budget B (0: protection only, and the plans skip their reservation passes),
+    prefetch_lead L (fills reserved at most L MoE layers before their need), lrfu_halflife H, verify_confidence V
+    (speculative rows: drafts below V are not verified) and/or bypass=True."""
     base, *mods = name.split("~")
     system, predictor, speculative, lookahead, cut, overrides = known[base]
     overrides = dict(overrides)
@@ -1319,9 +1325,10 @@ def modified_row(name: str, known: dict[str, tuple]) -> tuple:
                 raise SystemExit(f"--systems: {mod!r} in {name!r} needs a number after {prefix!r}") from None
         else:
             raise SystemExit(f"--systems: unknown modifier {mod!r} in {name!r} (fillC, idle, reuseW, spareN, "
-                             f"inflightN, budgetB, leadL, halflifeH or bypass)")
-    if "reuse_weight" in overrides:
-        check_fraction("reuse_weight", overrides["reuse_weight"], upper_open=False)
+                             f"inflightN, budgetB, leadL, halflifeH, verifyV or bypass)")
+    for option in ("reuse_weight", "verify_confidence"):
+        if option in overrides:
+            check_fraction(option, overrides[option], upper_open=False)
     return (name, predictor, speculative, lookahead, cut, overrides)
 
 
