@@ -46,6 +46,34 @@ def test_engine_tokens_identical_across_cache_sizes_on_gpu(checkpoint_factory, b
             engine.close()
 
 
+
+def test_drafts_below_verify_confidence_keep_the_tokens_on_gpu():
+    """speculative='mtp' with verify_confidence on the GPU (the plan kernels mask the unchecked draft rows): the
+    tokens are plain decode's at every cut, fewer drafts are checked at a higher cut, and they move fewer bytes.
+    The shipped reference model, whose trained MTP head spreads its drafts' probabilities over (0, 1)."""
+    import dataclasses
+
+    import moeprefetch
+
+    path = Path(moeprefetch.__file__).parent / "reference_model"
+    prompts = [[5, 17, 29, 41, 53, 65, 77, 89], [7, 11, 13]]
+    with MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16) as resident:
+        expected = resident.generate(prompts, max_new_tokens=24, stop_at_eos=False).sequences
+        total = resident.plan.total_experts
+    with MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16,
+                                           expert_cache_slots=total // 4) as engine:
+        runs = {}
+        for cut in (0.0, 0.5, 1.0):
+            engine.options = dataclasses.replace(engine.options, verify_confidence=cut)
+            engine.reset_expert_cache(forget_routing=True)
+            result = engine.generate(prompts, max_new_tokens=24, stop_at_eos=False, speculative="mtp")
+            assert result.sequences == expected, cut
+            runs[cut] = result.stats.to_dict()
+            assert runs[cut]["syncs_per_token"] <= 1.0 and not engine.residency.problems()
+        checked = [runs[cut]["draft_proposed"] for cut in (0.0, 0.5, 1.0)]
+        assert checked[0] > checked[1] > checked[2] >= 0, checked
+        assert runs[1.0]["decode_bytes_h2d_per_token"] < runs[0.0]["decode_bytes_h2d_per_token"]
+
 def test_offloaded_decode_never_synchronises_inside_a_step(checkpoint_factory, monkeypatch):
     """Everything between a step's upload and its one read-back runs without a device->host synchronisation: any
     synchronising call in the step (a per-layer read of the routing, say) raises under the sync debug mode."""
