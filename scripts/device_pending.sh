@@ -11,7 +11,7 @@
 # zero-copy reads with cold translations); STAGE=policies: issue 13's LRU / LRFU / LFU rows (ref17, V2-Lite) and the
 # GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU,
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
-# Usage: STAGE=qwen3|serve|serve_all|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
+# Usage: STAGE=qwen3|serve|serve_all|verify|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
 #   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace|int4_tests|int4_bench|int4_gemv|learned_deep| \
 #   divergence|table_stress \
 #   [LIMIT=seconds] \
@@ -50,6 +50,14 @@ case "${STAGE:-tests}" in
     # `--expert-dtype int4` again (one HTTP client per client process now), bf16 (`--concurrency 1,4,16`), and the
     # real trace forced (`--routing-trace .device-data/traces/nvmoe-dsv2lite-a.tokens.jsonl`, carry that folder)
     timeout "${LIMIT:-560}" python3 scripts/bench_serve.py --out "$out/serve_h200.json" "$@" 2>&1 | filter ;;
+  verify)
+    # issue 39's verify_confidence on the GPU: its test and the engine's tokens across cache sizes and continuous
+    # batching, then ref17's rows at 25 % cached: reactive, speculation checking every draft and from 0.3 / 0.5 / 0.7
+    timeout "${TESTS_S:-200}" python3 -m pytest "$(junit)" tests/test_gpu.py -q -p no:cacheprovider --tb=short \
+      -k "verify_confidence or cache_sizes or continuous" 2>&1 | tail -5
+    timeout "${LIMIT:-200}" python3 scripts/bench_gpu.py --out "$out/bench_verify.json" --workloads ref17 --runs 3 \
+      --systems all_resident,none,speculative_mtp,speculative_mtp~verify0.3,speculative_mtp~verify0.5,speculative_mtp~verify0.7 \
+      "$@" 2>&1 | filter ;;
   serve_all)
     # issue 40's three serving workloads in one call over one random checkpoint (written once): int4 (every expert
     # resident at 12 GiB), bf16 at 12 GiB, and bf16 with the real V2-Lite trace forced (carry .whl and
