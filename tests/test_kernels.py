@@ -266,7 +266,7 @@ def _same(tables, where: str) -> None:
 
 
 @pytest.mark.parametrize("seed,policy,slots,spare,wait,ring,foreign,lead", [
-    (0, "lru", 7, 1, False, 2, 0.0, 0), (1, "lfu", 20, 0, False, 2, 0.0, 0),
+    (0, "lru", 7, 1, False, 2, 0.0, 0), full_only(1, "lfu", 20, 0, False, 2, 0.0, 0),
     full_only(2, "static", 14, 1, False, 2, 0.0, 0), full_only(3, "lru", 30, 0, False, 2, 0.0, 0),
     full_only(4, "lru", 12, 2, False, 2, 0.0, 0), full_only(11, "lru", 12, 0, True, 2, 0.0, 0),
     full_only(6, "lru", 20, 0, True, 2, 0.0, 0), full_only(12, "lru", 20, 0, True, 3, 0.0, 0),
