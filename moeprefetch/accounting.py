@@ -250,8 +250,8 @@ def merge_stats(runs: list[Stats]) -> Stats:
             for layer, counters in source.items():
                 target[layer] = target[layer] + counters if layer in target else counters
         for name in ("prompt_tokens", "generated_tokens", "sequences", "decode_steps", "decode_syncs",
-                     "prefill_seconds", "ttft_seconds", "decode_seconds", "draft_offered", "draft_proposed", "draft_accepted",
-                     "mtp_drafts_checked", "mtp_drafts_correct", "prefill_stream_bytes",
+                     "prefill_seconds", "ttft_seconds", "decode_seconds", "draft_offered", "draft_proposed",
+                     "draft_accepted", "mtp_drafts_checked", "mtp_drafts_correct", "prefill_stream_bytes",
                      "prefill_stream_stall_seconds", "decode_stream_bytes", "decode_stream_stall_seconds"):
             setattr(merged, name, getattr(merged, name) + getattr(run, name))
     merged.extra = {"main_moe_layers": list(merged.main_layers), "runs": len(runs)}

@@ -2,8 +2,9 @@
 the MTP head, the predictors and the prefetch fills on a side branch.
 
 Per step the host writes the step's inputs (token, position and activity per sequence, the extra rows' tokens, and
-whether a verify row checks its draft: `verify_confidence`) into a pinned buffer, launches the graph and reads the sampled ids back: one synchronisation per token, none per
-layer. Every MoE layer runs `plan -> fill launch (side stream) -> routed experts` on the device.
+whether a verify row checks its draft: `verify_confidence`) into a pinned buffer, launches the graph and reads the
+sampled ids back: one synchronisation per token, none per layer. Every MoE layer runs `plan -> fill launch (side
+stream) -> routed experts` on the device.
 
 Extra rows ride along with the real ones (`model.block` gives them their own attention calls, so the real rows'
 shapes never change): `shadow` rows carry the MTP draft and use only experts that are published or read anyway
@@ -119,7 +120,6 @@ def run_rows(step: "DecodeStep", rows: list[RowState | None], verify_cut: float 
                 [s is not None and verified(s, verify_cut) for s in rows] if step.shape.mode == "verify" else None)
 
 
-
 @dataclass
 class Advance:
     """What a step gave its rows (`advance_rows`): each row's new tokens and the drafts' tallies."""
@@ -163,6 +163,7 @@ def advance_rows(out: StepOutput, rows: list[RowState | None], check_drafts: boo
             chosen = 1 if accepted else 0
             state.draft, state.draft_prob = out.drafts[b][chosen], out.draft_probs[b][chosen]
     return result
+
 
 class DecodeStep:
     """A decode step of one shape: static buffers, an eager first run, then capture and replay."""
@@ -230,11 +231,10 @@ class DecodeStep:
                  verify: list[bool] | None = None) -> StepOutput:
         """One step; inputs per sequence (`verify`: which drafts a verify step checks, default all active rows').
         Returns the sampled ids after one device->host synchronisation."""
-        if self.shape.mode == "verify" and verify is None:
-            verify = list(active)
-        rows = [[t, p, int(a)] + ([e] if self.shape.extra else []) + ([int(v)] if self.shape.mode == "verify" else [])
-                for t, p, a, e, v in zip(tokens, positions, active, extra_tokens if extra_tokens is not None else tokens,
-                                         verify if verify is not None else active)]
+        checks = self.shape.mode == "verify"
+        extra = extra_tokens if extra_tokens is not None else tokens
+        rows = [[t, p, int(a)] + ([e] if self.shape.extra else []) + ([int(v)] if checks else [])
+                for t, p, a, e, v in zip(tokens, positions, active, extra, verify if verify is not None else active)]
         self.inputs_host.copy_(torch.tensor(rows, dtype=torch.int64))
         self.inputs.copy_(self.inputs_host, non_blocking=True)
         if draft_conf is not None:
