@@ -26,7 +26,7 @@ from .runner import FusedDecodeShape, KVCaches, ModelRunner
 from .sampling import DeviceSampler
 from .requests import as_batch_tensor, build_request, speculation_unavailable
 from .session import GenerationResult, Request, Session, TokenEvent
-from .speculation import AutoSpeculation, Decision
+from .speculation import AutoDraftExperts, AutoSpeculation, Decision
 from .streaming import LayerStreamer
 from .traces import ForcedRouting
 from .weights import ModelWeights, weights_nbytes
@@ -64,6 +64,7 @@ class MoEPrefetchEngine:
         self._steps: dict[tuple, DecodeStep] = {}
         self._trace: torch.Tensor | None = None
         self._speculation = AutoSpeculation()  # `speculative="auto"`: this engine's measurements of both modes
+        self._draft_modes = AutoDraftExperts()  # `draft_experts="auto"`: the same for the MTP head's experts
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device | None = None,
@@ -342,9 +343,18 @@ class MoEPrefetchEngine:
                                 presence_penalty, frequency_penalty, logprobs)
         if request.speculative == "auto":
             request = self._auto_speculation(request)
+        if self.options.draft_experts == "auto":
+            request = self._auto_draft_experts(request)
         group = self.residency.group
         if group is not None and seed is None:  # every rank samples with rank 0's seed, or their tokens part
             request = replace(request, sampling=replace(request.sampling, seed=group.agree(request.sampling.seed)))
+        if group is not None and (request.speculation is not None or request.draft_choice is not None):
+            # an auto choice decides the step's shape (and so its collectives): every rank runs rank 0's, whose
+            # timings may have come out on the other side of a close call
+            agreed = group.agree((request.speculative, request.speculation, request.draft_experts,
+                                  request.draft_choice))
+            request = replace(request, speculative=agreed[0], speculation=agreed[1], draft_experts=agreed[2],
+                              draft_choice=agreed[3])
         return request
 
     def _auto_speculation(self, request: Request) -> Request:
@@ -354,6 +364,17 @@ class MoEPrefetchEngine:
         key = (len(request.prompts), "+".join(request.predictor.names), request.sampling.temperature == 0)
         decision = self._speculation.choose(key, unavailable)
         return replace(request, speculative="mtp" if decision.mode == "mtp" else None, speculation=decision)
+
+    def _auto_draft_experts(self, request: Request) -> Request:
+        """`draft_experts="auto"` resolved for this call: the MTP head's routed experts from VRAM only or read
+        wherever they are, whichever this engine measured faster in this configuration."""
+        drafts = self.has_mtp and (request.speculative == "mtp" or request.predictor.needs_mtp)
+        inapplicable = ("no MTP head runs in this call" if not drafts else
+                        "every expert is in VRAM" if self.residency.preloaded else None)
+        key = (len(request.prompts), "+".join(request.predictor.names), request.sampling.temperature == 0,
+               request.speculative)
+        decision = self._draft_modes.choose(key, inapplicable)
+        return replace(request, draft_experts=decision.mode, draft_choice=decision)
 
     def decode_text(self, ids: list[int]) -> str:
         """Generated ids as text, special tokens skipped (needs a tokenizer)."""
@@ -368,8 +389,12 @@ class MoEPrefetchEngine:
                 return recorded
         known = set(self._steps)
         result = yield from self.run_session(Session(self, request, trace=trace, want_text=want_text))
+        warm = set(self._steps) <= known  # no new decode graph was captured: the call's time measures decoding
         if request.speculation is not None:
-            self._report_speculation(request.speculation, result, warm=set(self._steps) <= known)
+            self._report_speculation(request.speculation, result, warm)
+        if request.draft_choice is not None:
+            measured = not result.interrupted and self._draft_modes.record(request.draft_choice, result.stats, warm)
+            result.stats.extra["draft_experts_auto"] = {**request.draft_choice.as_dict(), "measured": measured}
         return result
 
     def _report_speculation(self, decision: Decision, result: GenerationResult, warm: bool) -> None:

@@ -20,7 +20,7 @@ from .expert_records import EXPERT_DTYPES, INT4_GROUP_SIZE
 from .residency.state import POLICIES, ResidencyConfig
 
 # how the MTP head reads its routed experts: only those in VRAM (drafts steer speed, never tokens), or all of them
-DRAFT_EXPERTS = ("cached", "all")
+DRAFT_EXPERTS = ("cached", "all", "auto")
 LATE_PREFETCH = ("reread", "wait")
 FILL_LINK = ("shared", "idle")
 
@@ -72,8 +72,10 @@ class EngineConfig:
                                       "bounded time for the fill (wait), or read it from host memory again (reread; "
                                       "slower on the H200: BENCHMARKS.md)")
     draft_experts: str = _opt("cached", "the MTP head drafts with the routed experts in VRAM, fetching none (cached: "
-                                        "offloaded, mostly its shared expert alone), or reads every one it routes "
-                                        "to (all)")
+                                        "offloaded, mostly its shared expert alone), reads every one it routes to "
+                                        "(all), or runs whichever this engine measured faster per token on its own "
+                                        "calls (auto; the choice, each mode's acceptance and bytes per token are in "
+                                        "the statistics as draft_experts_auto)")
     verify_confidence: float = _opt(0.0, "speculative='mtp': a draft is verified only when the MTP head gave it at "
                                          "least this probability; below it the step computes the draft row without "
                                          "its routed experts, so an unlikely draft moves no expert bytes (0: verify "

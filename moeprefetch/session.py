@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .residency import Residency
     from .runner import KVCaches, ModelRunner
     from .sampling import DeviceSampler
-    from .speculation import Decision
+    from .speculation import Decision, DraftDecision
     from .streaming import LayerStreamer
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,8 @@ class Request:
     event_log: str | Path | None
     min_confidence: float = 0.0  # predictions below it are neither fetched nor counted
     speculation: Decision | None = None  # how `speculative="auto"` was resolved for this call
+    draft_experts: str | None = None  # the MTP head's experts for this call (None: the engine's option)
+    draft_choice: DraftDecision | None = None  # how `draft_experts="auto"` was resolved for this call
 
 
 @dataclass
@@ -221,7 +223,7 @@ class Session:
     def _step(self, caches) -> DecodeStep:
         mode = "verify" if self.speculative else ("shadow" if self.shadow else "none")
         shape = step_shape(self.engine, self.batch, self.spec, mode, self.uses_mtp, self.request.sampling,
-                           record=self.record)
+                           record=self.record, draft_experts=self.request.draft_experts)
         return self.engine.decode_step(caches, shape, self.trace)
 
     def _advance(self, out: StepOutput) -> list[list[int]]:
@@ -362,12 +364,14 @@ def configure_residency(engine: SessionEngine, spec: PredictorSpec, rows: int, m
 
 
 def step_shape(engine: SessionEngine, batch: int, spec: PredictorSpec, mode: str, uses_mtp: bool,
-               sampling: SamplingParams, record: bool = False) -> StepShape:
-    """The decode step a call (or a continuous batch) runs: its rows, predictor signals and sampling paths."""
+               sampling: SamplingParams, record: bool = False, draft_experts: str | None = None) -> StepShape:
+    """The decode step a call (or a continuous batch) runs: its rows, predictor signals and sampling paths;
+    `draft_experts` is the call's resolved mode (default: the engine's option, "auto" drafting from VRAM)."""
     res = engine.residency
+    draft = draft_experts or engine.options.draft_experts
     return StepShape(batch=batch, mode=mode, spec=spec, run_mtp=uses_mtp,
                      drafts=uses_mtp and (mode != "none" or spec.needs_drafts), greedy=sampling.greedy,
                      top_k=0 < sampling.top_k < engine.args.vocab_size, top_p=sampling.top_p < 1.0,
                      adjust=sampling.adjusts, logprobs=sampling.logprobs is not None,
                      reserve=spec.active and not res.preloaded, record=record,
-                     draft_cached=uses_mtp and not res.preloaded and engine.options.draft_experts == "cached")
+                     draft_cached=uses_mtp and not res.preloaded and draft in ("cached", "auto"))

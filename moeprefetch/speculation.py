@@ -1,4 +1,5 @@
-"""`speculative="auto"`: MTP speculation on for a call when this engine's own measurements say it is faster.
+"""`speculative="auto"` and `draft_experts="auto"`: MTP speculation on for a call, and the MTP head's experts read from
+VRAM only or from wherever they are, when this engine's own measurements say it is faster.
 
 Speculation pays when a verify step (the real row and the draft row in one forward) costs less than 1 + acceptance
 plain steps: a verify step yields one token plus the draft when it is accepted. Both sides depend on the machine,
@@ -116,4 +117,101 @@ class AutoSpeculation:
             table[decision.key].update(ms, acceptance)
         else:
             table[decision.key] = ModeCost(ms, acceptance)
+        return True
+
+
+# ---- draft_experts="auto" ----------------------------------------------------------------------------------------
+#
+# Offloaded, the MTP head's routed experts either come from VRAM only (`cached`: no link bytes, but a draft computed
+# without its missing experts is right less often) or are read like the real rows' (`all`: better drafts, more
+# bytes). Which is faster depends on the cache, the text and the link, so "auto" measures both per configuration on
+# this engine's own calls (ms per generated token, with the drafts' acceptance and the link bytes per token that
+# explain it) and runs the faster, re-measuring the other every REMEASURE_EVERY calls, as `AutoSpeculation` does.
+
+DRAFT_MODES = ("cached", "all")
+
+
+@dataclass
+class DraftCost:
+    """One draft mode's running estimate in one configuration."""
+
+    ms_per_token: float
+    acceptance: float | None  # the drafts' share that was right (speculation: kept), when the call had drafts
+    mb_per_token: float  # expert bytes over the link per generated token
+    samples: int = 1
+
+    def update(self, ms: float, acceptance: float | None, mb: float) -> None:
+        self.ms_per_token += SMOOTHING * (ms - self.ms_per_token)
+        if acceptance is not None:
+            old = self.acceptance if self.acceptance is not None else acceptance
+            self.acceptance = old + SMOOTHING * (acceptance - old)
+        self.mb_per_token += SMOOTHING * (mb - self.mb_per_token)
+        self.samples += 1
+
+    def as_dict(self) -> dict:
+        return {"ms_per_token": self.ms_per_token, "draft_acceptance": self.acceptance,
+                "mb_per_token": self.mb_per_token, "samples": self.samples}
+
+
+@dataclass
+class DraftDecision:
+    """What an auto call's MTP head reads and why (its statistics report `as_dict()` as `draft_experts_auto`)."""
+
+    key: tuple
+    mode: str  # cached | all
+    reason: str
+    estimates: dict[str, dict] = field(default_factory=dict)  # per mode measured so far (`DraftCost.as_dict`)
+    measures: bool = True  # False when the call's MTP head reads no offloaded expert: the mode changes nothing
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "reason": self.reason, "estimates": self.estimates}
+
+
+@dataclass
+class AutoDraftExperts:
+    """One engine's draft-mode estimates and decisions (no state outside the engine that owns it)."""
+
+    costs: dict[tuple, dict[str, DraftCost]] = field(default_factory=dict)
+    calls: dict[tuple, int] = field(default_factory=dict)
+
+    def choose(self, key: tuple, inapplicable: str | None = None) -> DraftDecision:
+        """The draft mode of the next call of configuration `key`; `inapplicable` says why the mode cannot matter
+        (no MTP head runs, or every expert is resident)."""
+        if inapplicable is not None:
+            return DraftDecision(key, "cached", inapplicable, measures=False)
+        known = self.costs.setdefault(key, {})
+        for mode in DRAFT_MODES:
+            if mode not in known:
+                return self._decision(key, mode, f"measuring draft_experts={mode} (no estimate yet)")
+        calls = self.calls.get(key, 0) + 1
+        self.calls[key] = calls
+        faster = min(DRAFT_MODES, key=lambda mode: known[mode].ms_per_token)
+        if calls % REMEASURE_EVERY == 0:
+            other = next(mode for mode in DRAFT_MODES if mode != faster)
+            return self._decision(key, other, f"re-measuring draft_experts={other} (every {REMEASURE_EVERY} calls)")
+        return self._decision(key, faster, f"draft_experts={faster} is faster here")
+
+    def _decision(self, key: tuple, mode: str, reason: str) -> DraftDecision:
+        known = self.costs.get(key, {})
+        return DraftDecision(key, mode, reason, {m: c.as_dict() for m, c in known.items()})
+
+    def record(self, decision: DraftDecision, stats: "Stats", warm: bool) -> bool:
+        """Fold a finished call's statistics into its mode's estimate; False when the call measured nothing (too
+        short, not `warm`, or a mode that could not matter)."""
+        tokens = stats.decode_tokens
+        if not decision.measures or not warm or tokens < MIN_DECODE_TOKENS:
+            return False
+        ms = 1000.0 * stats.decode_seconds / tokens
+        if stats.draft_offered:  # speculation: the drafts kept
+            acceptance: float | None = stats.draft_accepted / stats.draft_offered
+        elif stats.mtp_drafts_checked:  # the mtp predictor's shadow row: the drafts that were the next token
+            acceptance = stats.mtp_drafts_correct / stats.mtp_drafts_checked
+        else:
+            acceptance = None
+        mb = stats.to_dict()["decode_bytes_h2d_per_token"] / 1e6
+        known = self.costs.setdefault(decision.key, {})
+        if decision.mode in known:
+            known[decision.mode].update(ms, acceptance, mb)
+        else:
+            known[decision.mode] = DraftCost(ms, acceptance, mb)
         return True

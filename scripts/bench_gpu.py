@@ -1398,7 +1398,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streaming", action="store_true",
                         help="v2lite: only the layer-streaming rows (no_stream, stream8, min_budget)")
     parser.add_argument("--max-inflight", type=int, default=None, help="fills in flight at most (engine default)")
-    parser.add_argument("--draft-experts", choices=["cached", "all"], default="cached",
+    parser.add_argument("--draft-experts", choices=["cached", "all", "auto"], default="cached",
                         help="the MTP head's routed experts (engine option draft_experts)")
     parser.add_argument("--spare-recent", type=int, default=1, help="engine option spare_recent (steps)")
     parser.add_argument("--prefetch-lead", type=int, default=EngineConfig.prefetch_lead,

@@ -11,7 +11,7 @@
 # zero-copy reads with cold translations); STAGE=policies: issue 13's LRU / LRFU / LFU rows (ref17, V2-Lite) and the
 # GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU,
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
-# Usage: STAGE=qwen3|serve|serve_all|verify|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
+# Usage: STAGE=qwen3|serve|serve_all|verify|spec_deep|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
 #   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace|int4_tests|int4_bench|int4_gemv|learned_deep| \
 #   divergence|table_stress \
 #   [LIMIT=seconds] \
@@ -175,6 +175,16 @@ case "${STAGE:-tests}" in
       --temperature "${TEMPERATURE:-1.0}" "$@" 2>&1 | filter
     [ -n "${TESTS:-}" ] && timeout "${TESTS_LIMIT:-150}" python3 -m pytest "$(junit)" tests/test_gpu.py -q -p no:cacheprovider \
       --tb=short -k "$TESTS" 2>&1 | grep -v -E "Warning:|warnings.warn" | tail -6 ;;
+  spec_deep)
+    # issue 39 on the deep model with every expert resident: plain decode against speculation checking every draft
+    # and from verify_confidence 0.3 / 0.5 (greedy; TEMPERATURE to sample). The model is trained first when
+    # .device-data/deep holds none (carry .device-data/corpus_min, built offline by reference/build_corpus.py) and
+    # comes back in 15 MB parts. --cache-fraction 1.0 gives the offloaded rows a table holding every expert.
+    [ -f .device-data/deep/model.safetensors.index.json ] || \
+      { train_deep; tar -C .device-data -cf - deep | split -b 15M - "$out/deep.tar.part-"; }
+    timeout "${LIMIT:-330}" python3 scripts/bench_gpu.py --out "$out/bench_spec_deep.json" --workloads deep \
+      --runs "${RUNS:-3}" --temperature "${TEMPERATURE:-0}" --cache-fraction 1.0 --variant resident \
+      --systems all_resident,none,speculative_mtp,speculative_mtp~verify0.3,speculative_mtp~verify0.5 "$@" 2>&1 | filter ;;
   v2lite_trace)
     # issue 36's V2-Lite-shape rows with the real V2-Lite routing trace forced (.device-data/traces, carried)
     timeout "${LIMIT:-560}" python3 scripts/bench_gpu.py --out "$out/bench_v2lite_trace.json" --workloads v2lite_trace \

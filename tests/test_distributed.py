@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from moeprefetch import MoEPrefetchEngine
 from moeprefetch.errors import RequestError
 from moeprefetch.placement import ExpertPlacement
+from moeprefetch.speculation import DraftCost, ModeCost
 
 CASES = [  # (cache slots or None for all-resident, predictor)
     (None, "none"), (3, "none"), (3, "mtp+next_layer_gate"), (6, "previous"), (6, "mtp"), (6, "oracle"),
@@ -115,10 +116,22 @@ def _rank_disagreeing(rank: int, world: int, port: int, path: str, out: str, sce
     try:
         if scenario == "sampling":
             engine = MoEPrefetchEngine.from_pretrained(path, distributed=True, expert_cache_slots=4, max_seq_len=128,
-                                                       placement_profile={(1, rank): 100.0, (2, 3 - rank): 50.0})
+                                                       placement_profile={(1, rank): 100.0, (2, 3 - rank): 50.0},
+                                                       draft_experts="auto")
             result["sampled"] = engine.generate(PROMPTS, max_new_tokens=10, stop_at_eos=False, temperature=1.0,
                                                 speculative="mtp").sequences
             result["profile"] = sorted(map(list, engine.routing_profile))
+            # the auto choices from timings that differ between the ranks (here: opposite ones): every rank runs
+            # rank 0's, or their steps (and collectives) would differ
+            key = (len(PROMPTS), "+".join(engine.options.predictor.split("+")), True)
+            fast, slow = (ModeCost(1.0), ModeCost(9.0)) if rank == 0 else (ModeCost(9.0), ModeCost(1.0))
+            engine._speculation.speculative[key], engine._speculation.plain[key] = fast, slow
+            for speculative in ("mtp", None):
+                engine._draft_modes.costs[key + (speculative,)] = {
+                    "all": DraftCost(*(1.0, 0.5, 1.0) if rank == 0 else (9.0, 0.5, 1.0)),
+                    "cached": DraftCost(*(9.0, 0.5, 1.0) if rank == 0 else (1.0, 0.5, 1.0))}
+            auto = engine.generate(PROMPTS, max_new_tokens=10, stop_at_eos=False, speculative="auto").stats.to_dict()
+            result["auto"] = [auto["speculative_auto"]["mode"], auto["draft_experts_auto"]["mode"]]
             engine.close()
         else:
             MoEPrefetchEngine.from_pretrained(path, distributed=True, expert_cache_slots=4, max_seq_len=64 + 64 * rank)
@@ -137,6 +150,7 @@ def test_ranks_agree_on_seeds_and_placement_and_refuse_other_differences(checkpo
     if scenario == "sampling":  # rank 0's seed and placement: the same tokens, and one profile over all experts
         assert "error" not in ranks[0] and ranks[0]["sampled"] == ranks[1]["sampled"]
         assert ranks[0]["profile"] == ranks[1]["profile"] and len(ranks[0]["profile"]) > 4
+        assert ranks[0]["auto"] == ranks[1]["auto"] == ["mtp", "all"]  # rank 0's estimates decide
     else:
         assert all("the ranks disagree on the model, the memory plan" in r["error"] for r in ranks)
 

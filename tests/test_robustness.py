@@ -76,7 +76,7 @@ def test_bad_request_then_the_same_engine_serves(engine, expected, kwargs, messa
         (dict(expert_dtype="fp4"), RequestError, "expert_dtype must be one of"),
         (dict(max_seq_len=100000), RequestError, "exceeds the model's max_position_embeddings"),
         (dict(prefetch_budget=-1), RequestError, "prefetch_budget must be a number >= 0"),
-        (dict(draft_experts="some"), RequestError, "draft_experts must be one of cached, all"),
+        (dict(draft_experts="some"), RequestError, "draft_experts must be one of cached, all, auto"),
         (dict(spare_recent=-1), RequestError, "spare_recent must be an integer from 0 to 64"),
         (dict(prefetch_lead=-1), RequestError, "prefetch_lead must be an integer from 0 to 4096"),
         (dict(prefetch_lead=2.5), RequestError, "prefetch_lead must be an integer from 0 to 4096"),

@@ -1,13 +1,15 @@
-"""`speculative="auto"` (speculation.py): each mode measured on the engine's own calls, then the faster one."""
+"""`speculative="auto"` and `draft_experts="auto"` (speculation.py): each mode measured on the engine's own calls,
+then the faster one."""
 
 from __future__ import annotations
 
 import pytest
 
 from moeprefetch import MoEPrefetchEngine
-from moeprefetch.accounting import Stats
+from moeprefetch.accounting import LayerCounters, Stats
 from moeprefetch.errors import RequestError
-from moeprefetch.speculation import MIN_DECODE_TOKENS, REMEASURE_EVERY, AutoSpeculation
+from moeprefetch.speculation import (MIN_DECODE_TOKENS, REMEASURE_EVERY, AutoDraftExperts, AutoSpeculation,
+                                     DraftDecision)
 
 KEY = (1, "none", True)
 
@@ -127,3 +129,86 @@ def test_auto_without_an_mtp_layer_runs_plain_decode_and_says_why(checkpoint_fac
         engine.generate([[1, 2]], max_new_tokens=4, speculative="fast")
     assert engine.generate([[1, 2]], max_new_tokens=4, stop_at_eos=False).sequences == result.sequences
     engine.close()
+
+
+# ---- draft_experts="auto" ----------------------------------------------------------------------------------------
+
+DRAFT_KEY = (1, "mtp", True, None)
+
+
+def draft_stats(ms_per_token: float, tokens: int, checked: int, correct: int, mb_per_token: float) -> Stats:
+    """A call of the mtp predictor: `tokens` decode tokens at `ms_per_token`, its drafts' tally, and its link bytes
+    (one layer's counters: experts of 1 MB read in place)."""
+    decode = {1: LayerCounters(zero_copy=round(mb_per_token * tokens), record_bytes=1_000_000)}
+    return Stats(generated_tokens=tokens + 1, sequences=1, decode_steps=tokens,
+                 decode_seconds=ms_per_token * tokens / 1000, mtp_drafts_checked=checked, mtp_drafts_correct=correct,
+                 per_layer=decode, decode_per_layer=decode)
+
+
+def test_draft_modes_are_each_measured_then_the_faster_per_token_runs_with_its_acceptance_and_bytes():
+    auto = AutoDraftExperts()
+    first = auto.choose(DRAFT_KEY)
+    assert (first.mode, first.reason) == ("cached", "measuring draft_experts=cached (no estimate yet)")
+    assert auto.record(first, draft_stats(9.0, 100, 100, 50, 40.0), warm=True)
+    second = auto.choose(DRAFT_KEY)
+    assert (second.mode, second.reason) == ("all", "measuring draft_experts=all (no estimate yet)")
+    # reading the head's experts: drafts right 75 % of the time instead of 50 %, but 12 MB more a token, slower here
+    assert auto.record(second, draft_stats(10.5, 100, 100, 75, 52.0), warm=True)
+    decision = auto.choose(DRAFT_KEY)
+    assert (decision.mode, decision.reason) == ("cached", "draft_experts=cached is faster here")
+    assert decision.estimates["all"]["draft_acceptance"] == pytest.approx(0.75)
+    assert decision.estimates["all"]["mb_per_token"] == pytest.approx(52.0)
+    assert decision.estimates["cached"]["ms_per_token"] == pytest.approx(9.0)
+    # every REMEASURE_EVERY calls the other mode runs once; a faster measurement of it flips the choice
+    modes = [decision.mode] + [auto.choose(DRAFT_KEY).mode for _ in range(REMEASURE_EVERY - 1)]
+    assert modes[-1] == "all" and set(modes[:-1]) == {"cached"}
+    for _ in range(3):
+        auto.record(DraftDecision(DRAFT_KEY, "all", "re-measuring"), draft_stats(6.0, 100, 100, 80, 30.0), warm=True)
+    assert auto.choose(DRAFT_KEY).mode == "all"
+
+
+def test_draft_modes_that_cannot_matter_or_calls_that_measure_nothing_leave_the_estimates_alone():
+    auto = AutoDraftExperts()
+    resident = auto.choose(DRAFT_KEY, "every expert is in VRAM")
+    assert (resident.mode, resident.measures) == ("cached", False)
+    assert not auto.record(resident, draft_stats(9.0, 100, 100, 50, 0.0), warm=True)
+    first = auto.choose(DRAFT_KEY)
+    assert not auto.record(first, draft_stats(9.0, 100, 100, 50, 40.0), warm=False)  # it captured a graph
+    assert not auto.record(first, draft_stats(9.0, MIN_DECODE_TOKENS - 1, 3, 1, 40.0), warm=True)
+    assert auto.choose(DRAFT_KEY).reason == "measuring draft_experts=cached (no estimate yet)"
+    # speculation's acceptance is the drafts kept over the rows that could check one
+    spec = Stats(generated_tokens=101, sequences=1, decode_steps=70, decode_seconds=0.7, draft_offered=70,
+                 draft_proposed=70, draft_accepted=30)
+    assert auto.record(first, spec, warm=True)
+    assert auto.costs[DRAFT_KEY]["cached"].acceptance == pytest.approx(30 / 70)
+
+
+def test_draft_experts_auto_keeps_the_tokens_and_reports_each_calls_choice(checkpoint_factory):
+    path = checkpoint_factory("v3_groups_qlora_yarn")
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=5, draft_experts="auto")
+    prompt = [[3, 4, 5, 6, 7]]
+    expected = engine.generate(prompt, max_new_tokens=12, stop_at_eos=False).sequences
+    plain = engine.generate(prompt, max_new_tokens=12, stop_at_eos=False).stats.to_dict()
+    assert plain["draft_experts_auto"]["reason"] == "no MTP head runs in this call"
+    reports = []
+    for speculative in [None] * 6 + ["mtp"]:
+        result = engine.generate(prompt, max_new_tokens=12, stop_at_eos=False, predictor="mtp",
+                                 speculative=speculative)
+        assert result.sequences == expected
+        reports.append(result.stats.to_dict()["draft_experts_auto"])
+    modes = [r["mode"] for r in reports[:6]]
+    # each mode's first call builds its own decode step (no measurement), so it runs again
+    assert modes[:4] == ["cached", "cached", "all", "all"]
+    assert [r["measured"] for r in reports[:4]] == [False, True, False, True]
+    for report in reports[4:6]:
+        costs = {mode: e["ms_per_token"] for mode, e in report["estimates"].items()}
+        assert set(costs) == {"cached", "all"} and report["mode"] == min(costs, key=costs.get)
+        assert all(e["draft_acceptance"] is not None and e["mb_per_token"] >= 0 for e in report["estimates"].values())
+    assert reports[6]["reason"] == "measuring draft_experts=cached (no estimate yet)"  # speculation: its own key
+    engine.close()
+    resident = MoEPrefetchEngine.from_pretrained(path, progress=False, draft_experts="auto")
+    report = resident.generate(prompt, max_new_tokens=4, stop_at_eos=False, predictor="mtp").stats.to_dict()
+    assert report["draft_experts_auto"]["reason"] == "every expert is in VRAM"
+    assert not report["draft_experts_auto"]["measured"]
+    resident.close()
+
