@@ -723,6 +723,8 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
             if args.profile:
                 emit({**base, "system": "all_resident_mtp_timeline",
                       **timeline(engine, prompts[0], args.new_tokens, "mtp", **sampling)})
+        if engine.has_mtp and args.systems:  # speculation with every expert resident (issue 39's first aim)
+            resident_speculation_rows(engine, base, prompts, args, sampling, reference_sequences, emit)
         if engine.runner.learned_head is not None and (not args.systems or
                                                        "all_resident_learned" in args.systems.split(",")):
             # the learned head's own cost (and link 1 of the MTP head, when the head reads it) at no link bytes
@@ -763,7 +765,8 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
 
     try:
         # only resident rows asked for: a budget that holds every expert needs no offloaded engine after its row
-        resident_only = bool(args.systems) and set(args.systems.split(",")) <= {"all_resident", "resident_at_budget"}
+        resident_only = bool(args.systems) and all(name.startswith("all_resident") or name == "resident_at_budget"
+                                                   for name in args.systems.split(","))
         engine = load_offloaded(path, offload_kwargs, args.cache_fraction,
                                 when_resident=resident_at_budget if budget is not None else None,
                                 reload=not resident_only)
@@ -773,12 +776,16 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
     if engine is None:
         return
     store = engine.residency.store
-    fraction = engine.residency.n_slots / engine.plan.total_experts
-    emit({**base, "system": "plan", "plan": engine.plan.describe(), "cache_fraction": fraction,
-          "cache_slots": engine.residency.n_slots, "store_load_seconds": store.load_seconds,
-          "pin_seconds": store.pin_seconds, "host_expert_gib": store.nbytes / GiB,
-          "host_pinned_gib": store.pinned_bytes / GiB,
-          "store_fill_gbps": store.nbytes / max(store.load_seconds, 1e-9) / 1e9})
+    if store is None:  # --cache-fraction 1.0: every expert resident (speculation's resident rows, say)
+        fraction = 1.0
+        emit({**base, "system": "plan", "plan": engine.plan.describe(), "cache_fraction": fraction})
+    else:
+        fraction = engine.residency.n_slots / engine.plan.total_experts
+        emit({**base, "system": "plan", "plan": engine.plan.describe(), "cache_fraction": fraction,
+              "cache_slots": engine.residency.n_slots, "store_load_seconds": store.load_seconds,
+              "pin_seconds": store.pin_seconds, "host_expert_gib": store.nbytes / GiB,
+              "host_pinned_gib": store.pinned_bytes / GiB,
+              "store_fill_gbps": store.nbytes / max(store.load_seconds, 1e-9) / 1e9})
     cuts = [float(v) for v in str(args.min_confidence).split(",") if v]
 
     def with_cuts(name: str) -> list[tuple]:
@@ -1330,6 +1337,28 @@ def modified_row(name: str, known: dict[str, tuple]) -> tuple:
         if option in overrides:
             check_fraction(option, overrides[option], upper_open=False)
     return (name, predictor, speculative, lookahead, cut, overrides)
+
+
+def resident_speculation_rows(engine: MoEPrefetchEngine, base: dict, prompts: list, args: argparse.Namespace,
+                               sampling: dict, reference: list | None,
+                               emit: Callable[[dict[str, Any]], None]) -> None:
+    """The rows named 'all_resident_speculative' (any ROW_MODIFIERS, e.g. '~verify0.3') in --systems: speculative
+    decoding on the all-resident engine, every expert in VRAM, beside its plain row."""
+    known = {"all_resident_speculative": ("all_resident_speculative", "none", "mtp", None, 0.0, {})}
+    options = engine.options
+    for name in args.systems.split(","):
+        if name.split("~")[0] not in known:
+            continue
+        system, predictor, speculative, _, _, overrides = modified_row(name, known)
+        engine.options = dataclasses.replace(options, **overrides)
+        try:
+            row = run_row(engine, system, prompts, args.new_tokens, predictor=predictor, speculative=speculative,
+                          runs=args.runs, **sampling)
+            if reference is not None:
+                row["same_tokens_as_all_resident"] = row["sequences"] == reference
+            emit({**base, **row, "vram_budget_gib": None, "cache_fraction": 1.0})
+        finally:
+            engine.options = options
 
 
 def load_offloaded(path: Path, options: dict[str, Any], cache_fraction: float,
