@@ -148,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     rpl.add_argument("trace", help="a routing trace (JSON lines of [layer, expert] pairs per token, as in "
                      "../shared/traces, or a checkpoint's own from scripts/record_trace.py)")
     rpl.add_argument("--slots", type=int, required=True, help="expert cache slots (across all layers)")
-    rpl.add_argument("--policy", default="lru,lrfu", help="cache policies, comma list (lrfu, lru, lfu, static)")
+    rpl.add_argument("--policy", default="lru,lrfu", help="cache policies, comma list (lrfu, lru, lfu)")
     rpl.add_argument("--predictor", default="none,oracle_next",
                      help="what predictions protect, comma list: none, previous, oracle_next, ahead:K, oracle")
     rpl.add_argument("--fills", action="store_true", help="also prefetch what is predicted (fills land at once)")
@@ -170,6 +170,9 @@ def _parser() -> argparse.ArgumentParser:
                      "need (victims by predicted reuse, reuse_weight; 0: none)")
     trn.add_argument("--steps", type=int, default=1500, help="optimizer steps")
     trn.add_argument("--device", default="cpu")
+    trn.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                     help="the dtype the checkpoint runs in while its routing is recorded (default: bfloat16 on "
+                          "CUDA, float32 on the CPU, as decode runs there)")
     trn.add_argument("--eval-share", type=float, default=0.1, help="share of the text's windows held out")
     trn.add_argument("--max-tokens", type=int, default=1 << 20, help="tokens of text recorded at most")
     trn.add_argument("--no-resume", action="store_true", help="start afresh even if a resume state exists")
@@ -386,8 +389,10 @@ def _replay(ns: argparse.Namespace) -> int:
         trace = trace.head(ns.tokens)
     try:
         aheads = tuple(int(a) for a in ns.ahead.split(",") if a.strip())
+        if any(not 1 <= a <= 64 for a in aheads):
+            raise ValueError
     except ValueError:
-        raise MoEPrefetchError(f"--ahead must be a comma list of token counts, got {ns.ahead!r}") from None
+        raise MoEPrefetchError(f"--ahead must be a comma list of token counts from 1 to 64, got {ns.ahead!r}") from None
     if ns.expert_mb <= 0:
         raise MoEPrefetchError(f"--expert-mb must be positive, got {ns.expert_mb}")
     runs = setups(ns.slots, ns.policy.split(","), ns.predictor.split(","), ns.fills, halflife=ns.lrfu_halflife,
@@ -450,8 +455,10 @@ def _info(ns: argparse.Namespace) -> int:
           f"{args.n_shared_experts} shared; router {args.scoring_func}/{args.topk_method}, groups "
           f"{args.n_group}/{args.topk_group}")
     print(f"MTP layer: {'present (model.layers.%d)' % args.mtp_layer_index if has_mtp else 'absent'}")
-    print(f"experts: {moe_layers * args.n_routed_experts} x {expert_bytes / 1e6:.2f} MB (bf16) = "
-          f"{moe_layers * args.n_routed_experts * expert_bytes / 1e9:.2f} GB; checkpoint {reader.total_bytes() / 1e9:.2f} GB")
+    print(f"experts: {moe_layers * args.n_routed_experts} x {expert_bytes / 1e6:.2f} MB as bf16 records = "
+          f"{moe_layers * args.n_routed_experts * expert_bytes / 1e9:.2f} GB (whatever the checkpoint stores; "
+          f"--expert-dtype fp8 halves the records, int4 makes them about a quarter); checkpoint "
+          f"{reader.total_bytes() / 1e9:.2f} GB on disk")
     return 0
 
 

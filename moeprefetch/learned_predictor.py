@@ -141,12 +141,18 @@ def load_predictor(path: str | Path, engine_or_checkpoint: "MoEPrefetchEngine | 
     path = Path(path)
     if not path.is_file():
         raise RequestError(f"predictor {path} is not a file")
-    with safe_open(str(path), "pt") as handle:
-        metadata = handle.metadata() or {}
-        if "config" not in metadata:
-            raise CheckpointError(f"{path} holds no predictor config in its metadata")
-        config = HeadConfig.from_json(metadata["config"])
-        state = {name: handle.get_tensor(name) for name in handle.keys()}
+    try:
+        with safe_open(str(path), "pt") as handle:
+            metadata = handle.metadata() or {}
+            if "config" not in metadata:
+                raise CheckpointError(f"{path} holds no predictor config in its metadata")
+            config = HeadConfig.from_json(metadata["config"])
+            state = {name: handle.get_tensor(name) for name in handle.keys()}
+    except CheckpointError:
+        raise
+    except Exception as exc:  # safetensors' own errors (a header it cannot read) name no file
+        raise CheckpointError(f"predictor {path} is not a safetensors file this engine can read "
+                              f"({type(exc).__name__})") from None
     checkpoint = getattr(engine_or_checkpoint, "path", engine_or_checkpoint)
     if checkpoint_fingerprint(checkpoint) != config.fingerprint:
         raise CheckpointError(f"predictor {path} was trained on another checkpoint (its fingerprint differs from "

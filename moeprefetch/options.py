@@ -151,9 +151,7 @@ class EngineConfig:
             raise RequestError(f"routing_trace must be the path of a trace file, got {self.routing_trace!r}")
         if self.policy not in POLICIES:
             raise RequestError(f"unknown cache policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        halflife = self.lrfu_halflife
-        if not isinstance(halflife, (int, float)) or isinstance(halflife, bool) or not 0 < halflife <= 1e6:
-            raise RequestError(f"lrfu_halflife must be a number of steps above 0 and at most 1e6, got {halflife!r}")
+        check_halflife("lrfu_halflife", self.lrfu_halflife)
         if self.expert_dtype is not None and self.expert_dtype not in EXPERT_DTYPES:
             raise RequestError(f"expert_dtype must be one of {', '.join(EXPERT_DTYPES)}, got {self.expert_dtype!r}")
         group = self.int4_group_size
@@ -207,6 +205,12 @@ def check_one_cache_size(given: Sequence[str]) -> None:
 def check_positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise RequestError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_halflife(name: str, value: Any) -> None:
+    """LRFU's half-life: a number of steps above 0 and at most 1e6 (the engine's option and `replay`'s)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1e6:
+        raise RequestError(f"{name} must be a number of steps above 0 and at most 1e6, got {value!r}")
 
 
 def check_fraction(name: str, value: Any, upper_open: bool = True) -> None:

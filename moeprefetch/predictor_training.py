@@ -188,8 +188,11 @@ def _token_stream(engine: "MoEPrefetchEngine", texts_or_ids: Any, max_tokens: in
         if isinstance(item, Path):
             if not item.is_file():
                 raise RequestError(f"text file {item} does not exist")
-            with item.open(encoding="utf-8", errors="replace") as handle:
-                item = handle.read(max(0, max_tokens - len(stream)) * 8)  # ~4 characters per token, twice over
+            try:
+                with item.open(encoding="utf-8") as handle:
+                    item = handle.read(max(0, max_tokens - len(stream)) * 8)  # ~4 characters per token, twice over
+            except UnicodeDecodeError:
+                raise RequestError(f"text file {item} is not UTF-8 text: the routing is recorded over text") from None
         stream += list(engine.tokenizer(item, add_special_tokens=False)["input_ids"])
         if len(stream) >= max_tokens:
             break

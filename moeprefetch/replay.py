@@ -27,6 +27,7 @@ import torch
 from .accounting import LayerCounters
 from .analysis import ahead_misses, belady_bypass_misses, belady_misses
 from .errors import RequestError
+from .options import check_halflife
 from .residency import plan as table
 from .residency.state import E_ACTIVE, POLICIES, ResidencyConfig, TableState
 from .traces import DecodeTrace
@@ -52,6 +53,10 @@ class ReplaySetup:
             raise RequestError(f"slots must be an integer from 1 to the trace's {keys} experts, got {self.slots!r}")
         if self.policy not in POLICIES:
             raise RequestError(f"unknown cache policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.policy == "static":
+            raise RequestError("policy static pins a hot set, and a replay has none (it would replay LRU): choose "
+                               "lrfu, lru or lfu")
+        check_halflife("the LRFU half-life (--lrfu-halflife)", self.halflife)
         self.ahead  # noqa: B018 (validates the predictor's name)
 
     @property

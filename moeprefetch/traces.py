@@ -66,19 +66,22 @@ def load_trace(path: str | Path, n_experts: int | None = None) -> DecodeTrace:
         raise TraceError(f"routing trace {path} is not a file")
     tokens: list[list[list[int]]] = []
     layers: list[int] | None = None
-    with path.open() as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            token_layers, chosen = _parse_line(path, number, line)
-            if layers is None:
-                layers = token_layers
-            elif token_layers != layers:
-                raise TraceError(f"{path} line {number} routes layers {_span(token_layers)}, but line 1 routes "
-                                 f"{_span(layers)}: every token must route the same MoE layers")
-            if any(len(c) != len(chosen[0]) for c in chosen) or (tokens and len(chosen[0]) != len(tokens[0][0])):
-                raise TraceError(f"{path} line {number} does not choose the same number of experts in every layer")
-            tokens.append(chosen)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"routing trace {path} is not UTF-8 text (byte {exc.start}): a trace is JSON lines") from None
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        token_layers, chosen = _parse_line(path, number, line)
+        if layers is None:
+            layers = token_layers
+        elif token_layers != layers:
+            raise TraceError(f"{path} line {number} routes layers {_span(token_layers)}, but line 1 routes "
+                             f"{_span(layers)}: every token must route the same MoE layers")
+        if any(len(c) != len(chosen[0]) for c in chosen) or (tokens and len(chosen[0]) != len(tokens[0][0])):
+            raise TraceError(f"{path} line {number} does not choose the same number of experts in every layer")
+        tokens.append(chosen)
     if not tokens or layers is None:
         raise TraceError(f"routing trace {path} holds no tokens")
     experts = torch.tensor(tokens, dtype=torch.int64)

@@ -219,6 +219,32 @@ def test_cli_exits_2_on_a_missing_text_file(tmp_path, capsys):
     assert "is not a file" in capsys.readouterr().err
 
 
+def test_cli_trains_a_head_that_generate_then_loads_and_refuses_binary_text(tmp_path, capsys):
+    """The command end to end (it once failed on every run, reading an option its parser did not have): a few
+    steps on a text file, the head written with its evaluation, then loaded by `generate --predictor learned`;
+    bytes that are not UTF-8 are refused as text, and a file that is not safetensors as a predictor."""
+    text = tmp_path / "text.txt"
+    text.write_text((REFERENCE / "README.md").read_text() * 2)
+    out, report = tmp_path / "head.safetensors", tmp_path / "eval.json"
+    code = main(["train-predictor", str(REFERENCE), "--text", str(text), "--out", str(out), "--steps", "3",
+                 "--max-tokens", "3000", "--dtype", "float32", "--json", str(report)])
+    assert code == 0, capsys.readouterr().err
+    assert out.is_file() and json.loads(report.read_text())["steps"] == 3
+    capsys.readouterr()
+    code = main(["generate", str(REFERENCE), "--prompt-ids", "5,6,7", "--max-new-tokens", "3", "--cache-slots",
+                 "40", "--predictor", "learned", "--predictor-path", str(out)])
+    assert code == 0, capsys.readouterr().err
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(bytes(range(128, 256)) * 8)
+    assert main(["train-predictor", str(REFERENCE), "--text", str(binary), "--out", str(tmp_path / "b.safetensors"),
+                 "--steps", "1"]) == 2
+    assert "is not UTF-8 text" in capsys.readouterr().err
+    assert main(["generate", str(REFERENCE), "--prompt-ids", "5,6", "--max-new-tokens", "2", "--cache-slots", "40",
+                 "--predictor", "learned", "--predictor-path", str(binary)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a safetensors file" in err and "Traceback" not in err
+
+
 # ---- predictor="learned" in the engine ------------------------------------------------------------------------------
 
 

@@ -72,7 +72,11 @@ def test_bad_replay_settings_are_one_sentence():
     for setup, message in ((ReplaySetup(slots=0), "slots must be an integer from 1"),
                            (ReplaySetup(slots=4, policy="fifo"), "unknown cache policy"),
                            (ReplaySetup(slots=4, predictor="mtp"), "unknown replay predictor"),
-                           (ReplaySetup(slots=4, predictor="ahead:0"), "K from 1 to 8")):
+                           (ReplaySetup(slots=4, predictor="ahead:0"), "K from 1 to 8"),
+                           (ReplaySetup(slots=4, policy="static"), "a replay has none"),
+                           (ReplaySetup(slots=4, policy="lrfu", halflife=0.0), "above 0 and at most 1e6"),
+                           (ReplaySetup(slots=4, halflife=float("nan")), "above 0 and at most 1e6"),
+                           (ReplaySetup(slots=4, halflife=-2.0), "above 0 and at most 1e6")):
         with pytest.raises(RequestError, match=message):
             replay(trace, setup)
 
@@ -92,5 +96,7 @@ def test_the_replay_command_prints_rows_and_bounds_and_refuses_bad_input(tmp_pat
     assert main(["replay", str(tmp_path / "t.jsonl"), "--slots", "0"]) == 2
     assert main(["replay", str(tmp_path / "missing.jsonl"), "--slots", "3"]) == 2
     assert main(["replay", str(tmp_path / "t.jsonl"), "--slots", "3", "--predictor", "magic"]) == 2
+    assert main(["replay", str(tmp_path / "t.jsonl"), "--slots", "3", "--ahead", "0"]) == 2
+    assert main(["replay", str(tmp_path / "t.jsonl"), "--slots", "3", "--lrfu-halflife", "0"]) == 2
     err = capsys.readouterr().err
-    assert err.count("error:") == 3 and "Traceback" not in err
+    assert err.count("error:") == 5 and "Traceback" not in err

@@ -57,6 +57,14 @@ def test_a_malformed_trace_is_one_sentence(tmp_path, lines, message):
     assert "\n" not in str(info.value) and isinstance(info.value, RequestError)
 
 
+def test_a_trace_that_is_not_utf8_text_is_one_sentence(tmp_path):
+    path = tmp_path / "garbage.jsonl"
+    path.write_bytes(b"\xff\xfe[[1, 2]]\n" + bytes(range(128, 200)))
+    with pytest.raises(TraceError, match="is not UTF-8 text") as info:
+        load_trace(path)
+    assert "\n" not in str(info.value)
+
+
 def test_trace_ids_must_fit_the_experts(tmp_path):
     write_trace(tmp_path / "t.jsonl", [0], torch.tensor([[[9, 2]]]))
     with pytest.raises(TraceError, match="names expert 9, but the layers have 8 experts"):
