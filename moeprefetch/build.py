@@ -19,7 +19,7 @@ from .config import ModelArgs, load_model_args
 from .errors import CheckpointError, RequestError, ResourceError
 from .expert_records import INT4_GROUP_SIZE, INT4_SCALE_DTYPE, CheckpointExperts, ExpertFormat
 from .int4_checkpoints import Int4Tensors, present_int4_weights
-from .learned_predictor import HeadConfig, RoutingHead, load_predictor
+from .learned_predictor import HeadConfig, load_predictor
 from .kernels import kernels_usable
 from .kernels.attention import MLADecode
 from .kernels.gqa_attention import GQADecode
