@@ -4,9 +4,13 @@ are not verified, so their rows read no routed expert; fewer tokens per step, fe
 
 Runs the checkpoint offloaded (a share of its experts cached) on held-out prompts: plain decode, then
 `speculative="mtp"` at each cut, each generation from an empty cache, the tokens checked against all-resident plain
-decode. Counts only (bytes and steps, the same on any device); time is the GPU bench's.
+decode. With `--draft-experts cached,all` every row runs with the MTP head drafting from VRAM only and reading its
+experts wherever they are (what `draft_experts="auto"` chooses between by time): the drafts' acceptance against the
+bytes. Counts only (bytes and steps, the same on any device); time is the GPU bench's.
 
     python experiments/verify_confidence.py --out experiments/results/verify_confidence_reference_cpu.json
+    python experiments/verify_confidence.py --draft-experts cached,all --cuts 0,0.5 \
+        --out experiments/results/draft_experts_reference_cpu.json
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--fraction", type=float, default=0.25, help="share of the experts cached")
     parser.add_argument("--cuts", default="0,0.3,0.5,0.7,0.9")
+    parser.add_argument("--draft-experts", default="cached", help="the MTP head's experts, comma list (cached, all)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -73,12 +78,14 @@ def main(argv: list[str] | None = None) -> int:
                                            expert_cache_fraction=args.fraction) as engine:
         rows.append({"speculative": None, **run(engine, prompts, expected, args.new_tokens, None)})
         logger.info("%s", rows[-1])
-        for cut in (float(c) for c in args.cuts.split(",")):
-            # the option is the engine's: one engine serves every cut (its options, not its weights, change)
-            engine.options = dataclasses.replace(engine.options, verify_confidence=cut)
-            rows.append({"speculative": "mtp", "verify_confidence": cut,
-                         **run(engine, prompts, expected, args.new_tokens, "mtp")})
-            logger.info("%s", rows[-1])
+        for mode in args.draft_experts.split(","):
+            # the options are the engine's: one engine serves every row (its options, not its weights, change)
+            engine.options = dataclasses.replace(engine.options, draft_experts=mode)
+            for cut in (float(c) for c in args.cuts.split(",")):
+                engine.options = dataclasses.replace(engine.options, verify_confidence=cut)
+                rows.append({"speculative": "mtp", "verify_confidence": cut, "draft_experts": mode,
+                             **run(engine, prompts, expected, args.new_tokens, "mtp")})
+                logger.info("%s", rows[-1])
         slots = engine.residency.n_slots
     report = {"checkpoint": args.checkpoint.name, "cache_slots": slots, "prompts": len(prompts),
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "tokens_identical": True,
