@@ -62,7 +62,8 @@ case "${STAGE:-tests}" in
     # issue 40's three serving workloads in one call over one random checkpoint (written once): int4 (every expert
     # resident at 12 GiB), bf16 at 12 GiB, and bf16 with the real V2-Lite trace forced (carry .whl and
     # .device-data/traces); each level beside the engine's own batches. INT4_S / BF16_S / TRACE_S bound each run.
-    pip install -q --no-index --find-links .whl uvicorn starlette httpx 2>&1 | tail -2
+    python3 -m pip install -q --no-index --find-links .whl uvicorn starlette httpx 2>&1 | grep -v "root. user" | tail -2
+    python3 -c "import uvicorn, starlette, httpx" || echo "the serving packages did not install"
     timeout "${INT4_S:-170}" python3 scripts/bench_serve.py --expert-dtype int4 --out "$out/serve_int4.json" "$@" \
       2>&1 | filter
     timeout "${BF16_S:-200}" python3 scripts/bench_serve.py --requests-per-client 2 --out "$out/serve_bf16.json" "$@" \
