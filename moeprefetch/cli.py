@@ -311,7 +311,7 @@ def _serve(ns: argparse.Namespace) -> int:
 
         from .serve.app import build_app
         from .serve.guards import default_allowed_hosts
-        from .serve.lifecycle import DrainingServer, server_config
+        from .serve.lifecycle import DrainingServer, listen_problem, server_config
     except ImportError:
         raise MoEPrefetchError("serving needs the optional extra: pip install -e \".[serve]\"") from None
     from .engine import MoEPrefetchEngine
@@ -332,6 +332,8 @@ def _serve(ns: argparse.Namespace) -> int:
     if kwargs["distributed"]:
         raise MoEPrefetchError("serve runs in one process: --distributed is for generate (the ranks would need one "
                                "scheduler between them)")
+    if problem := listen_problem(ns.host, ns.port):  # before the engine loads (seconds to minutes)
+        raise MoEPrefetchError(problem)
     kwargs.setdefault("max_batch_size", 8)
     engine = MoEPrefetchEngine.from_pretrained(ns.path, config=EngineConfig.from_mapping(kwargs))
     name = ns.model_name or Path(ns.path).resolve().name

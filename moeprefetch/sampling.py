@@ -31,6 +31,7 @@ from .kernels.sampling import gumbel_argmax, pcg
 LOGPROBS_MAX = 20  # most alternatives a request may ask for (OpenAI's top_logprobs limit)
 LOGIT_BIAS_LIMIT = 100.0  # |bias| per token, as OpenAI bounds it
 PENALTY_LIMIT = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI bounds them
+SEED_LIMIT = 2**62  # the sampler hashes a seed's low 62 bits: a larger seed would repeat a smaller one's draws
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,9 @@ class SamplingParams:
             or not 0 < self.top_p <= 1
         ):
             raise RequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise RequestError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < SEED_LIMIT:
+            raise RequestError(f"seed must be an integer in [0, 2**62), got {self.seed!r} (the sampler hashes a "
+                               f"seed's low 62 bits: a larger or negative one would repeat another seed's draws)")
 
 
 def _finite_number(value: object) -> bool:

@@ -141,7 +141,8 @@ def _rank_disagreeing(rank: int, world: int, port: int, path: str, out: str, sce
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("scenario", [pytest.param("sampling", marks=pytest.mark.slow), "mismatch"])
+@pytest.mark.parametrize("scenario", [pytest.param("sampling", marks=pytest.mark.slow),
+                                      pytest.param("mismatch", marks=pytest.mark.slow)])  # the fast lane: two ranks' tokens
 def test_ranks_agree_on_seeds_and_placement_and_refuse_other_differences(checkpoint_factory, tmp_path, scenario):
     path = checkpoint_factory("v3")
     mp.start_processes(_rank_disagreeing, args=(2, _free_port(), str(path), str(tmp_path), scenario), nprocs=2,

@@ -93,6 +93,7 @@ def test_recorded_hidden_states_give_the_engines_logits(reference_engine):
     assert {key for key in used if key[0] in layers} == recorded
 
 
+@pytest.mark.slow  # the fast lane trains through the CLI (test_cli_trains_a_head_...)
 def test_training_beats_previous_and_chance(trained):
     _, result = trained
     rows = {(r["predictor"], r["lead"], r["guesses"]): r for r in result["rows"]}
@@ -105,6 +106,7 @@ def test_training_beats_previous_and_chance(trained):
     assert result["tokens"] > 500 and result["start_step"] == 0
 
 
+@pytest.mark.slow  # the fast lane trains through the CLI (test_cli_trains_a_head_...)
 def test_save_load_round_trip_and_predict(trained):
     out, _ = trained
     head = load_predictor(out, REFERENCE)
@@ -124,6 +126,7 @@ def test_save_load_round_trip_and_predict(trained):
     assert sum(p.numel() for p in head.parameters()) * 2 <= 0.05 * 8.4e6 * 2
 
 
+@pytest.mark.slow  # the fast lane trains through the CLI (test_cli_trains_a_head_...)
 def test_a_predictor_of_another_checkpoint_is_refused(trained, checkpoint_factory, tmp_path):
     out, _ = trained
     with pytest.raises(CheckpointError, match="another checkpoint"):

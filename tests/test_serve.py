@@ -387,6 +387,7 @@ def _cli_server(model_dir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
         time.sleep(0.2)
 
 
+@pytest.mark.slow  # the fast lane drains in-process (test_requests_cut_by_the_drain_...) and signals twice
 def test_sigterm_drains_requests_in_flight_then_exits(model_dir):
     process, url = _cli_server(model_dir, "--drain-seconds", "20")
     try:
@@ -543,6 +544,47 @@ def test_a_long_prompt_is_refused_early_off_the_event_loop_and_streams_go_on(liv
     error = _error_of(response, 400, "prompt")
     assert "no room" in error["message"] and "max_seq_len=256" in error["message"]
     assert len(threads) == 6 and all(name.startswith("moeprefetch-parse") for name in threads)  # with the stream
+
+
+def test_a_body_longer_than_any_acceptable_request_is_refused_unread_whatever_the_body_limit(live, monkeypatch):
+    """With --max-body-bytes raised to 64 MiB, a 5 MB list of token ids (more than any request this model could
+    accept) is a 413 before its JSON is decoded, and a stream going on meanwhile is not held up by it."""
+    import dataclasses
+
+    server = live.app.state.server
+    monkeypatch.setattr(server, "settings", dataclasses.replace(server.settings, max_body_bytes=64 << 20))
+    largest = server.limits.largest_body
+    assert largest < 4 << 20
+    decoded = []
+    parse = server._parse
+    monkeypatch.setattr(server, "_parse", lambda raw, p: (decoded.append(len(raw)), parse(raw, p))[1])
+    _slow_steps(monkeypatch, live.scheduler, 0.01)
+    gaps: list[float] = []
+
+    def stream():
+        with httpx.stream("POST", live.url + "/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 80, "temperature": 0,
+                                "ignore_eos": True, "stream": True}) as response:
+            last = time.perf_counter()
+            for _ in response.iter_lines():
+                gaps.append(time.perf_counter() - last)
+                last = time.perf_counter()
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    _wait_for(lambda: live.scheduler.snapshot()["active"] == 1)
+    body = json.dumps({"model": "tiny", "prompt": [7] * 1_700_000}).encode()  # 5.1 MB
+    for _ in range(3):
+        response = httpx.post(live.url + "/v1/completions", content=body, timeout=30,
+                              headers={"Content-Type": "application/json"})
+        error = _error_of(response, 413, None)
+        assert "any request this model could accept" in error["message"] and str(largest) in error["message"]
+    streaming.join(timeout=60)
+    assert len(decoded) == 1 and decoded[0] < 200  # only the stream's body was decoded
+    assert len(gaps) > 60 and max(gaps[1:]) < 1.0
+    # a list of ids longer than the context is refused by its length, before its ids are looked at
+    response = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": [1] * 300}, timeout=30)
+    assert "300 token ids" in _error_of(response, 400, "prompt")["message"]
 
 
 def test_a_prompt_that_cannot_fit_is_refused_without_tokenising(caplog):
@@ -808,6 +850,24 @@ def test_serve_options_and_the_api_key_from_the_environment(monkeypatch):
     assert main(["serve", "--max-body-bytes", "0"]) == 2  # refused before the model loads
     assert main(["serve", "--body-timeout", "0"]) == 2
     assert main(["serve", "--allowed-hosts", " , "]) == 2
+
+
+def test_serve_on_a_port_in_use_is_one_sentence_before_the_model_loads(monkeypatch, capsys):
+    from moeprefetch import engine as engine_module
+    from moeprefetch.cli import main
+
+    monkeypatch.setattr(engine_module.MoEPrefetchEngine, "from_pretrained",
+                        classmethod(lambda *a, **k: (_ for _ in ()).throw(AssertionError("the model loaded"))))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
+    captured = capsys.readouterr()
+    assert f"cannot listen on 127.0.0.1:{port}" in captured.err and "serving" not in captured.out
+    monkeypatch.undo()  # the CLI's generate refuses a seed outside the sampler's range (it used to alias it)
+    assert main(["generate", "--prompt", "x", "--seed", str(2**63)]) == 2
+    assert "seed must be an integer in [0, 2**62)" in capsys.readouterr().err
 
 
 def test_foreign_host_headers_and_non_json_bodies_are_refused(guarded):

@@ -132,7 +132,13 @@ class Server:
         return parse(decode_body(raw), self.engine.tokenizer, self.limits)
 
     async def _generate(self, request: Request, parse) -> Response:
-        raw = await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout)
+        largest = self.limits.largest_body
+        if largest < self.settings.max_body_bytes:
+            raw = await read_body(request, largest, self.settings.body_timeout,
+                                  f"any request this model could accept ({{max_bytes}} bytes at most: its context is "
+                                  f"max_seq_len={self.limits.context} tokens)")
+        else:
+            raw = await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout)
         if raw is None:  # the client left during its upload: nobody reads an answer
             return Response(status_code=400)
         loop = asyncio.get_running_loop()

@@ -90,16 +90,17 @@ class Guard:
         return None
 
 
-async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes | None:
+async def read_body(request: Request, max_bytes: int, timeout: float,
+                    limit: str = "this server's limit of {max_bytes} bytes (see --max-body-bytes)") -> bytes | None:
     """The request's JSON body, checked: 415 if it is not declared JSON, 413 past `max_bytes` (from Content-Length
-    before any byte is read, else as it arrives), 408 if it has not all come within `timeout` seconds; None if the
-    client went away meanwhile (logged in one line: nobody is left to answer)."""
+    before any byte is read, else as it arrives; `limit` says whose limit that is), 408 if it has not all come within
+    `timeout` seconds; None if the client went away meanwhile (logged in one line: nobody is left to answer)."""
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type != "application/json":
         raise APIError(415, f"the request body must be sent as Content-Type: application/json, not "
                             f"{media_type or 'none'!r}", code="unsupported_media_type")
-    too_large = APIError(413, f"the request body is larger than this server's limit of {max_bytes} bytes "
-                              "(see --max-body-bytes)", code="request_too_large")
+    too_large = APIError(413, f"the request body is larger than {limit.format(max_bytes=max_bytes)}",
+                         code="request_too_large")
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > max_bytes:
         raise too_large

@@ -25,6 +25,24 @@ ANSWER_GRACE_SECONDS = 2.0  # after the drain: for the handlers of cut requests 
 KEEP_ALIVE_SECONDS = 75
 
 
+def listen_problem(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port (in use, an address this machine lacks), or None: checked before
+    the engine loads, as uvicorn binds as it does (SO_REUSEADDR), so a busy port is one sentence, not a traceback
+    after a success line."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot listen on {host}:{port}: {exc.strerror}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
+
+
 def server_config(app, host: str, port: int, log_level: str = "warning") -> uvicorn.Config:
     """The uvicorn settings of `moeprefetch serve` (and of the tests' live server)."""
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,

@@ -11,10 +11,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import RequestError
-from ..sampling import LOGPROBS_MAX, PENALTY_LIMIT, SamplingParams, bias_pairs
+from ..sampling import LOGPROBS_MAX, PENALTY_LIMIT, SEED_LIMIT, SamplingParams, bias_pairs
 
 MAX_STOP_STRINGS = 4
-SEED_LIMIT = 2**62  # the sampler hashes a seed's low 62 bits: a larger seed would silently repeat a smaller one
 # the chat prompt of a tokenizer without a chat template (the shipped reference model has none)
 FALLBACK_CHAT_LINE = "{role}: {content}\n"
 FALLBACK_CHAT_END = "assistant:"
@@ -61,10 +60,20 @@ class Limits:
         # it tokenises to: refused before the tokenizer spends seconds on it
         return None if self.max_token_chars is None else self.context * self.max_token_chars
 
+    @property
+    def largest_body(self) -> int:
+        """Bytes no request this server could accept exceeds (a longer body is refused unread, however high
+        --max-body-bytes is: decoding tens of MB of JSON holds the interpreter for seconds, which stalls every stream):
+        a prompt within the context (text at up to 12 JSON bytes a character, a \\uXXXX pair; token ids at up to 12
+        bytes each), 64 bytes of each message's framing per context position, a logit_bias over the whole vocabulary,
+        and a MiB for every other field."""
+        chars = max(self.max_prompt_chars or 0, self.context)
+        return 12 * chars + 64 * self.context + 24 * (self.vocab or 0) + (1 << 20)
+
     def check_chars(self, chars: int, param: str) -> None:
         limit = self.max_prompt_chars
         if limit is not None and chars > limit:
-            raise APIError(400, f"the {param} is {chars} characters long, more than this server's context of "
+            raise APIError(400, f"{param}: {chars} characters, more than this server's context of "
                                 f"max_seq_len={self.context} tokens can hold", param)
 
 
@@ -226,7 +235,7 @@ def _job(kind: str, ids: list[int], common: dict[str, Any], limits: Limits, para
     """The job, its max_tokens clamped to the room the prompt leaves in the context (400 when it leaves none)."""
     room = limits.context - limits.reserve - len(ids)
     if room < 1:
-        raise APIError(400, f"the {param} has {len(ids)} tokens, which leaves no room for new tokens in this "
+        raise APIError(400, f"{param}: {len(ids)} tokens, which leaves no room for new tokens in this "
                             f"server's context of max_seq_len={limits.context}", param)
     common["max_tokens"] = min(common["max_tokens"], room)
     return Job(kind=kind, prompt_ids=ids, **common, **extra)
@@ -251,6 +260,9 @@ def parse_completion(body: Any, tokenizer, limits: Limits) -> Job:
             raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids", "prompt")
         limits.check_chars(len(prompt), "prompt")
         ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    elif isinstance(prompt, list) and len(prompt) > limits.context:  # before looking at each id
+        raise APIError(400, f"the prompt has {len(prompt)} token ids, more than this server's context of "
+                            f"max_seq_len={limits.context} tokens", "prompt")
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
     else:
@@ -274,7 +286,9 @@ def _content(content: Any, index: int) -> str:
                             "parts", param)
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if isinstance(part, dict) and part.get("type") == "text" and not isinstance(part.get("text"), str):
+            raise APIError(400, f"{param}[{j}] is a text part without a \"text\" string", param)
+        if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise APIError(400, f"{param}[{j}] is a {kind!r} part; this model takes only text parts "
                                 "({\"type\": \"text\", \"text\": ...})", param)
