@@ -25,7 +25,7 @@ from .kernels.attention import MLADecode
 from .kernels.gqa_attention import GQADecode
 from .kernels.grouped import grouped_mm_usable
 from .memory_plan import MemoryPlan, parse_bytes, plan_memory
-from .options import EngineConfig, check_positive_int
+from .options import ROWS_PER_SEQUENCE, EngineConfig, check_positive_int
 from .predictors import MTP_PREDICTORS, PredictorSpec, default_lookahead
 from .residency import Residency, prefill_staging_rows
 from .runner import KVCaches
@@ -78,6 +78,11 @@ class ResolvedConfig:
     cuda_graphs: bool
     fused_kernels: bool
     progress: bool
+
+    @property
+    def max_step_rows(self) -> int:
+        """Rows a decode step computes at most: every sequence's real row and its shadow or draft row."""
+        return ROWS_PER_SEQUENCE * self.max_batch_size
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -336,7 +341,7 @@ def _load(reader: CheckpointReader, args: ModelArgs, options: ResolvedConfig, pl
         store = HostExpertStore(fmt, expert_layers, n_experts, pin=pin_memory and dev.type == "cuda")
         store.fill(pack, progress)
     residency = Residency(fmt, expert_layers, len(args.moe_layers), n_experts, args.num_experts_per_tok,
-                          plan.expert_slots, dev, args.hidden_act, store, max_rows=2 * options.max_batch_size,
+                          plan.expert_slots, dev, args.hidden_act, store, max_rows=options.max_step_rows,
                           policy=policy, frequency_halflife=options.lrfu_halflife, hot_set=hot, stage_rows=staging_rows,
                           placement=placement, group=group)
     if store is None:
@@ -457,7 +462,7 @@ def plan_engine_memory(
     room = max(budget_bytes - resident - kv, 0) if budget_bytes is not None else None
     per_layer = total_experts // max(len(args.moe_layers) + int(has_mtp), 1)  # a rank's own, when distributed
     staging_rows = prefill_staging_rows(fmt.record_bytes, per_layer, room)
-    rows = options.max_batch_size * 2
+    rows = options.max_step_rows
     workspace = (
         rows * args.num_experts_per_tok * max(rows, 16) * (args.moe_intermediate_size * element + args.hidden_size * 4)
         + prefill_workspace_bytes(args, options.prefill_chunk, options.max_seq_len, options.device, element,

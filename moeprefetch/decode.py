@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .model import Routing, block, mtp_input
+from .options import ROWS_PER_SEQUENCE
 from .predictors import PredictionRing, PredictorSpec, routing_confidence
 from .residency import PlanBuffers
 from .runner import KVCaches, ModelRunner
@@ -209,7 +210,7 @@ class DecodeStep:
         self.probs_host = torch.zeros(self.probs.shape, dtype=torch.float32, pin_memory=pin)
         self.rows = torch.arange(b, device=dev)
         self.buffers = PlanBuffers(self.res.max_rows, self.res.max_experts, self.args.num_experts_per_tok, h, dev,
-                                   step_rows=2 * b)
+                                   step_rows=ROWS_PER_SEQUENCE * b)
         head = runner.learned_head  # its layers' positions and keys in the table (made before any capture)
         self._learned_positions = None if head is None else torch.tensor(
             [[self.res.position[layer]] for layer in head.config.layers], dtype=torch.int64, device=dev)

@@ -52,7 +52,7 @@ class MoEPrefetchEngine:
         self.residency = residency
         self.streamer = streamer
         self.runner = ModelRunner(args, weights, residency, options.device, streamer,
-                                  fused_decode=FusedDecodeShape(options.max_seq_len, 2 * options.max_batch_size)
+                                  fused_decode=FusedDecodeShape(options.max_seq_len, options.max_step_rows)
                                   if options.fused_kernels else None, forced_routing=forced_routing)
         self.sampler = DeviceSampler(args.vocab_size, options.device, options.max_batch_size)
         self.tokenizer = tokenizer
@@ -164,7 +164,7 @@ class MoEPrefetchEngine:
         counts = profile if profile is not None else self.routing_profile
         if self.residency.placement is not None:  # each rank pins the hottest of its own experts
             counts = {key: c for key, c in counts.items() if self.residency.owns(*key)}
-        room = max(self.residency.n_slots - self.args.num_experts_per_tok * self.options.max_batch_size * 2, 0)
+        room = max(self.residency.n_slots - self.args.num_experts_per_tok * self.options.max_step_rows, 0)
         size = min(int(share * self.residency.n_slots), room)
         hot = [key for key, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]]
         self.residency.set_hot_set(hot)

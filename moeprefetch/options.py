@@ -21,6 +21,7 @@ from .residency.state import POLICIES, ResidencyConfig
 
 # how the MTP head reads its routed experts: only those in VRAM (drafts steer speed, never tokens), or all of them
 DRAFT_EXPERTS = ("cached", "all", "auto")
+ROWS_PER_SEQUENCE = 2  # rows a decode step computes per sequence at most: its real row and a shadow or draft row
 LATE_PREFETCH = ("reread", "wait")
 FILL_LINK = ("shared", "idle")
 

@@ -286,8 +286,8 @@ def test_the_learned_predictor_changes_no_token_and_finds_the_next_tokens_expert
     assert recalls[(40, "learned", 1)] > recalls[(40, "previous", 1)]
 
 
-def test_the_learned_predictor_needs_its_head(trained, checkpoint_factory):
-    out, _ = trained
+def test_the_learned_predictor_needs_its_head(checkpoint_factory):
+    out = REFERENCE / "routing_head.safetensors"  # the shipped head: two tokens ahead
     with MoEPrefetchEngine.from_pretrained(REFERENCE, progress=False, expert_cache_slots=8) as engine:
         with pytest.raises(RequestError, match="predictor_path"):
             engine.generate([[5, 6]], max_new_tokens=2, predictor="learned")
