@@ -708,7 +708,7 @@ def test_unknown_paths_and_wrong_methods_are_openai_json_errors(live):
     card = live.client.models.retrieve("tiny")
     assert (card.id, card.object, card.owned_by) == ("tiny", "model", "moeprefetch")
     error = _error_of(httpx.get(live.url + "/v1/models/other", timeout=30), 404, "model")
-    assert error["code"] == "model_not_found" and "'other'" in error["message"]
+    assert error["code"] == "model_not_found" and error["type"] == "not_found_error" and "'other'" in error["message"]
     with pytest.raises(openai.NotFoundError):
         live.client.models.retrieve("org/other")
 

@@ -108,7 +108,7 @@ class Server:
         name = request.path_params["model_id"]
         if name != self.model_name:
             raise APIError(404, f"model {name!r} is not served here; this server serves {self.model_name!r}",
-                           "model", code="model_not_found")
+                           "model", "not_found_error", code="model_not_found")
         return JSONResponse(self._card())
 
     async def health(self, request: Request) -> Response:
