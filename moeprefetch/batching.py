@@ -93,7 +93,7 @@ class ContinuousBatch:
         # the engine's own checks: token ids in the vocabulary, the prompt and its new tokens (and chained drafts)
         # within the context
         self.engine.new_request([prompt], max_new_tokens, 0.0, 0, 1.0, None, self.spec.name, self.spec.lookahead,
-                                 None, False, None)
+                                None, False, None, resolve_auto=False)
         if sampling is not None:
             sampling.validate(self.engine.args.vocab_size)
 

@@ -231,11 +231,13 @@ def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev
     for note in plan.notes:
         logger.info(note)
     if group is not None:  # what decides the number and shapes of the collectives must be the same on every rank
-        # verify_confidence decides how many tokens a verify step keeps, so how many steps (and collectives) run
+        # verify_confidence decides how many tokens a verify step keeps, so how many steps (and collectives) run;
+        # draft_experts="auto" agrees on each call's choice (a collective the other ranks must make too)
         group.check_same("the model, the memory plan, the step shapes and the drafts verified", (
             args.model_type, args.num_hidden_layers, args.n_routed_experts, has_mtp, plan.all_resident,
             options.max_seq_len, options.max_batch_size, options.prefill_chunk, options.prefill_window,
-            options.dtype, options.expert_dtype, options.cuda_graphs, str(dev.type), options.verify_confidence))
+            options.dtype, options.expert_dtype, options.cuda_graphs, str(dev.type), options.verify_confidence,
+            options.draft_experts))
 
     hot = validate_hot_set(config.hot_set, expert_layers, args.n_routed_experts)
     if hot and config.policy != "static":

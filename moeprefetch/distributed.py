@@ -5,7 +5,8 @@ torch.distributed carries everything: NCCL between GPUs, gloo on the CPU (tests)
 routed outputs across ranks with one all-reduce (`Residency`), and its statistics once per call.
 
 Every rank must issue the same collectives in the same order, so whatever decides their number is agreed at load
-(`agree`: rank 0's placement; `check_same`: the plan and options) and per call (rank 0's seed). The group stays joined
+(`agree`: rank 0's placement; `check_same`: the plan and options) and per call (rank 0's seed and its "auto"
+choices of speculation and draft experts, which its own timings decide). The group stays joined
 after an engine closes (a later engine reuses it; re-joining on the same port races the old store's shutdown); the
 process leaves it with `torch.distributed.destroy_process_group()` (the CLI does).
 """

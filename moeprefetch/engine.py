@@ -82,7 +82,8 @@ class MoEPrefetchEngine:
         the next call when `options` change. `prefetch_budget` caps fills per (step, layer) at that multiple of
         top-k per row, `max_inflight_experts` the fills in flight.
         `draft_experts="cached"` lets the MTP head draft with the experts already in VRAM (drafts change speed, never
-        tokens); `"all"` reads every expert it routes to, from host when missing. When the non-expert weights do not
+        tokens); `"all"` reads every expert it routes to, from host when missing; `"auto"` runs whichever this
+        engine measured faster per token (`speculation.py`). When the non-expert weights do not
         fit the budget, the largest layers stream from host RAM `stream_ahead` layers ahead of the compute;
         `stream_layers=N` asks for N streamed layers explicitly.
         """
@@ -333,17 +334,18 @@ class MoEPrefetchEngine:
 
     def new_request(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead,
                     speculative, stop_at_eos, event_log, min_confidence=None, *, logit_bias=None,
-                    presence_penalty=0.0, frequency_penalty=0.0, logprobs=None) -> Request:
+                    presence_penalty=0.0, frequency_penalty=0.0, logprobs=None, resolve_auto=True) -> Request:
         """A validated request of this engine (what `generate` and `stream` build; continuous batches and
-        analyses build theirs here too). Bad input raises `RequestError` and changes nothing."""
+        analyses build theirs here too). Bad input raises `RequestError` and changes nothing. `resolve_auto=False`
+        leaves "auto" choices alone (a continuous batch checks requests it runs its own way)."""
         self.check_idle()
         request = build_request(self.args, self.tokenizer, self.options, self.path, self.has_mtp, prompts,
                                 max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead, speculative,
                                 stop_at_eos, event_log, min_confidence, self.runner.learned_config, logit_bias,
                                 presence_penalty, frequency_penalty, logprobs)
-        if request.speculative == "auto":
+        if request.speculative == "auto" and resolve_auto:
             request = self._auto_speculation(request)
-        if self.options.draft_experts == "auto":
+        if self.options.draft_experts == "auto" and resolve_auto:
             request = self._auto_draft_experts(request)
         group = self.residency.group
         if group is not None and seed is None:  # every rank samples with rank 0's seed, or their tokens part

@@ -144,19 +144,24 @@ def load_predictor(path: str | Path, engine_or_checkpoint: "MoEPrefetchEngine | 
     try:
         with safe_open(str(path), "pt") as handle:
             metadata = handle.metadata() or {}
-            if "config" not in metadata:
-                raise CheckpointError(f"{path} holds no predictor config in its metadata")
-            config = HeadConfig.from_json(metadata["config"])
             state = {name: handle.get_tensor(name) for name in handle.keys()}
-    except CheckpointError:
-        raise
     except Exception as exc:  # safetensors' own errors (a header it cannot read) name no file
         raise CheckpointError(f"predictor {path} is not a safetensors file this engine can read "
                               f"({type(exc).__name__})") from None
+    if "config" not in metadata:
+        raise CheckpointError(f"{path} holds no predictor config in its metadata")
+    try:
+        config = HeadConfig.from_json(metadata["config"])
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"predictor {path}'s config cannot be read by this version ({exc})") from None
     checkpoint = getattr(engine_or_checkpoint, "path", engine_or_checkpoint)
     if checkpoint_fingerprint(checkpoint) != config.fingerprint:
         raise CheckpointError(f"predictor {path} was trained on another checkpoint (its fingerprint differs from "
                               f"{checkpoint}'s config and routers)")
     head = RoutingHead(config)
-    head.load_state_dict(state)
+    try:
+        head.load_state_dict(state)
+    except RuntimeError as exc:  # tensors missing or of other shapes than the config says
+        raise CheckpointError(f"predictor {path}'s weights do not match its config: "
+                              f"{str(exc).splitlines()[0]}") from None
     return head.eval()

@@ -76,7 +76,8 @@ class EngineConfig:
                                         "offloaded, mostly its shared expert alone), reads every one it routes to "
                                         "(all), or runs whichever this engine measured faster per token on its own "
                                         "calls (auto; the choice, each mode's acceptance and bytes per token are in "
-                                        "the statistics as draft_experts_auto)")
+                                        "the statistics as draft_experts_auto; continuous batches and serve draft "
+                                        "from VRAM)")
     verify_confidence: float = _opt(0.0, "speculative='mtp': a draft is verified only when the MTP head gave it at "
                                          "least this probability; below it the step computes the draft row without "
                                          "its routed experts, so an unlikely draft moves no expert bytes (0: verify "

@@ -19,6 +19,7 @@ import torch
 
 from .accounting import LayerCounters, Stats
 from .decode import DecodeStep, RowState, StepOutput, StepShape, advance_rows, run_rows
+from .options import ROWS_PER_SEQUENCE
 from .predictors import PredictorSpec
 from .residency import counters_by_layer
 from .sampling import SamplingParams, TokenLogprob, logprobs_of
@@ -159,7 +160,8 @@ class Session:
     def run(self) -> Iterator[TokenEvent]:
         started = time.perf_counter()
         engine, res, request = self.engine, self.res, self.request
-        configure_residency(engine, self.spec, self.batch * (2 if self.speculative else 1), request.min_confidence)
+        configure_residency(engine, self.spec, self.batch * (ROWS_PER_SEQUENCE if self.speculative else 1),
+                            request.min_confidence)
         res.begin_call()
         if self.record:
             res.trace = engine.trace_buffer()

@@ -67,21 +67,12 @@ def load_trace(path: str | Path, n_experts: int | None = None) -> DecodeTrace:
     tokens: list[list[list[int]]] = []
     layers: list[int] | None = None
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open(encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                layers = _read_line(path, number, line, layers, tokens)
     except UnicodeDecodeError as exc:
-        raise TraceError(f"routing trace {path} is not UTF-8 text (byte {exc.start}): a trace is JSON lines") from None
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        token_layers, chosen = _parse_line(path, number, line)
-        if layers is None:
-            layers = token_layers
-        elif token_layers != layers:
-            raise TraceError(f"{path} line {number} routes layers {_span(token_layers)}, but line 1 routes "
-                             f"{_span(layers)}: every token must route the same MoE layers")
-        if any(len(c) != len(chosen[0]) for c in chosen) or (tokens and len(chosen[0]) != len(tokens[0][0])):
-            raise TraceError(f"{path} line {number} does not choose the same number of experts in every layer")
-        tokens.append(chosen)
+        raise TraceError(f"routing trace {path} is not UTF-8 text (byte {exc.start} of a block): a trace is JSON "
+                         f"lines") from None
     if not tokens or layers is None:
         raise TraceError(f"routing trace {path} holds no tokens")
     experts = torch.tensor(tokens, dtype=torch.int64)
@@ -93,6 +84,22 @@ def load_trace(path: str | Path, n_experts: int | None = None) -> DecodeTrace:
     elif largest >= n_experts:
         raise TraceError(f"{path} names expert {largest}, but the layers have {n_experts} experts")
     return DecodeTrace(tuple(layers), experts, n_experts, str(path))
+
+
+def _read_line(path: Path, number: int, line: str, layers: list[int] | None, tokens: list) -> list[int] | None:
+    """One line of a trace appended to `tokens` (a blank one skipped) -> the layers every line must route."""
+    if not line.strip():
+        return layers
+    token_layers, chosen = _parse_line(path, number, line)
+    if layers is None:
+        layers = token_layers
+    elif token_layers != layers:
+        raise TraceError(f"{path} line {number} routes layers {_span(token_layers)}, but line 1 routes "
+                         f"{_span(layers)}: every token must route the same MoE layers")
+    if any(len(c) != len(chosen[0]) for c in chosen) or (tokens and len(chosen[0]) != len(tokens[0][0])):
+        raise TraceError(f"{path} line {number} does not choose the same number of experts in every layer")
+    tokens.append(chosen)
+    return layers
 
 
 def _parse_line(path: Path, number: int, line: str) -> tuple[list[int], list[list[int]]]:

@@ -703,7 +703,8 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
     # all-resident: the compute-only bound
     resident_ms = None
     try:
-        if args.systems and "all_resident" not in args.systems.split(","):
+        if args.systems and not any(name.split("~")[0] in ("all_resident", "all_resident_speculative")
+                                    for name in args.systems.split(",")):
             raise RuntimeError("all_resident skipped (--systems)")
         engine = MoEPrefetchEngine.from_pretrained(path, **common)
         row = run_row(engine, "all_resident", prompts, args.new_tokens, runs=args.runs, **sampling)
@@ -1351,12 +1352,15 @@ def resident_speculation_rows(engine: MoEPrefetchEngine, base: dict, prompts: li
             continue
         system, predictor, speculative, _, _, overrides = modified_row(name, known)
         engine.options = dataclasses.replace(options, **overrides)
-        try:
+        try:  # a failed row is its own (the resident row's tokens stay every later row's reference)
             row = run_row(engine, system, prompts, args.new_tokens, predictor=predictor, speculative=speculative,
                           runs=args.runs, **sampling)
             if reference is not None:
                 row["same_tokens_as_all_resident"] = row["sequences"] == reference
             emit({**base, **row, "vram_budget_gib": None, "cache_fraction": 1.0})
+        except Exception as exc:
+            emit({**base, "system": system, "failed": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc(limit=4)})
         finally:
             engine.options = options
 

@@ -133,6 +133,9 @@ def _rank_disagreeing(rank: int, world: int, port: int, path: str, out: str, sce
             auto = engine.generate(PROMPTS, max_new_tokens=10, stop_at_eos=False, speculative="auto").stats.to_dict()
             result["auto"] = [auto["speculative_auto"]["mode"], auto["draft_experts_auto"]["mode"]]
             engine.close()
+        elif scenario == "draft_mismatch":  # "auto" agrees on each call's choice, a collective the others lack
+            MoEPrefetchEngine.from_pretrained(path, distributed=True, expert_cache_slots=4,
+                                              draft_experts="auto" if rank else "cached")
         else:
             MoEPrefetchEngine.from_pretrained(path, distributed=True, expert_cache_slots=4, max_seq_len=64 + 64 * rank)
     except RequestError as exc:
@@ -141,8 +144,8 @@ def _rank_disagreeing(rank: int, world: int, port: int, path: str, out: str, sce
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("scenario", [pytest.param("sampling", marks=pytest.mark.slow),
-                                      pytest.param("mismatch", marks=pytest.mark.slow)])  # the fast lane: two ranks' tokens
+@pytest.mark.parametrize("scenario", [pytest.param(name, marks=pytest.mark.slow)  # the fast lane: two ranks' tokens
+                                      for name in ("sampling", "mismatch", "draft_mismatch")])
 def test_ranks_agree_on_seeds_and_placement_and_refuse_other_differences(checkpoint_factory, tmp_path, scenario):
     path = checkpoint_factory("v3")
     mp.start_processes(_rank_disagreeing, args=(2, _free_port(), str(path), str(tmp_path), scenario), nprocs=2,

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from moeprefetch import MoEPrefetchEngine
@@ -137,6 +138,24 @@ def test_a_predictor_of_another_checkpoint_is_refused(trained, checkpoint_factor
     config["rms_norm_eps"] = 1e-5
     (changed / "config.json").write_text(json.dumps(config))
     assert checkpoint_fingerprint(changed) != checkpoint_fingerprint(REFERENCE)
+
+
+def test_a_predictor_whose_config_or_weights_do_not_fit_is_one_sentence(tmp_path):
+    from safetensors.torch import save_file
+
+    shipped = REFERENCE / "routing_head.safetensors"
+    with safe_open(str(shipped), "pt") as handle:
+        metadata = dict(handle.metadata())
+        state = {name: handle.get_tensor(name) for name in handle.keys()}
+    broken = tmp_path / "config.safetensors"
+    save_file(state, str(broken), {**metadata, "config": "{not json"})
+    with pytest.raises(CheckpointError, match="config cannot be read by this version"):
+        load_predictor(broken, REFERENCE)
+    first = next(iter(state))
+    shapes = tmp_path / "shapes.safetensors"
+    save_file({**state, first: torch.zeros(3, 3)}, str(shapes), metadata)
+    with pytest.raises(CheckpointError, match="weights do not match its config"):
+        load_predictor(shapes, REFERENCE)
 
 
 def test_resume_continues_the_step_count(reference_engine, tmp_path):

@@ -585,6 +585,25 @@ def test_a_body_longer_than_any_acceptable_request_is_refused_unread_whatever_th
     # a list of ids longer than the context is refused by its length, before its ids are looked at
     response = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": [1] * 300}, timeout=30)
     assert "300 token ids" in _error_of(response, 400, "prompt")["message"]
+    response = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": ["a"] * 300}, timeout=30)
+    assert "has 300 token ids" not in _error_of(response, 400, "prompt")["message"]  # not ids: the general one
+
+
+def test_the_largest_body_holds_every_request_the_model_could_accept():
+    import random
+
+    from moeprefetch.serve.lifecycle import listen_problem
+    from moeprefetch.serve.protocol import MAX_STOP_STRINGS, Limits
+
+    limits = Limits(model="m", context=64, max_token_chars=4, vocab=5000)
+    rng = random.Random(0)
+    widest = {"model": "m", "prompt": "\U0001f600" * limits.max_prompt_chars,  # each a 12-byte escape pair
+              "logit_bias": {str(i): rng.uniform(-100, 100) for i in range(limits.vocab)},
+              "stop": ["\U0001f600" * limits.max_prompt_chars] * MAX_STOP_STRINGS, "max_tokens": 8}
+    assert len(json.dumps(widest, indent=1).encode()) <= limits.largest_body
+    chat = {"model": "m", "messages": [{"role": "user", "content": ""}] * limits.context}
+    assert len(json.dumps(chat, indent=2).encode()) <= limits.largest_body
+    assert "not a host name" in listen_problem("a..b", 8000)  # the resolver's UnicodeError is one sentence too
 
 
 def test_a_prompt_that_cannot_fit_is_refused_without_tokenising(caplog):

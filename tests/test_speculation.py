@@ -7,6 +7,7 @@ import pytest
 
 from moeprefetch import MoEPrefetchEngine
 from moeprefetch.accounting import LayerCounters, Stats
+from moeprefetch.batching import ContinuousBatch
 from moeprefetch.errors import RequestError
 from moeprefetch.speculation import (MIN_DECODE_TOKENS, REMEASURE_EVERY, AutoDraftExperts, AutoSpeculation,
                                      DraftDecision)
@@ -205,6 +206,9 @@ def test_draft_experts_auto_keeps_the_tokens_and_reports_each_calls_choice(check
         assert set(costs) == {"cached", "all"} and report["mode"] == min(costs, key=costs.get)
         assert all(e["draft_acceptance"] is not None and e["mb_per_token"] >= 0 for e in report["estimates"].values())
     assert reports[6]["reason"] == "measuring draft_experts=cached (no estimate yet)"  # speculation: its own key
+    calls = dict(engine._draft_modes.calls)
+    ContinuousBatch(engine, predictor="mtp").check([3, 4, 5], 4)  # checks a request it runs its own way
+    assert engine._draft_modes.calls == calls
     engine.close()
     resident = MoEPrefetchEngine.from_pretrained(path, progress=False, draft_experts="auto")
     report = resident.generate(prompt, max_new_tokens=4, stop_at_eos=False, predictor="mtp").stats.to_dict()

@@ -31,15 +31,15 @@ def listen_problem(host: str, port: int) -> str | None:
     after a success line."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        return f"cannot listen on {host}:{port}: {exc.strerror}"
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    except (socket.gaierror, UnicodeError) as exc:  # UnicodeError: a label the resolver cannot encode ("a..b")
+        return f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or 'not a host name'}"
+    for family, kind, proto, _, address in infos:  # the server binds every address the name resolves to
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
     return None
 
 

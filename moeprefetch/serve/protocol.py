@@ -65,10 +65,11 @@ class Limits:
         """Bytes no request this server could accept exceeds (a longer body is refused unread, however high
         --max-body-bytes is: decoding tens of MB of JSON holds the interpreter for seconds, which stalls every stream):
         a prompt within the context (text at up to 12 JSON bytes a character, a \\uXXXX pair; token ids at up to 12
-        bytes each), 64 bytes of each message's framing per context position, a logit_bias over the whole vocabulary,
+        bytes each) and as much again for each stop string, 64 bytes of each message's framing per context position,
+        a logit_bias over the whole vocabulary (an entry like `"151935": -0.5488135039273248, ` at up to 40 bytes),
         and a MiB for every other field."""
         chars = max(self.max_prompt_chars or 0, self.context)
-        return 12 * chars + 64 * self.context + 24 * (self.vocab or 0) + (1 << 20)
+        return 12 * chars * (1 + MAX_STOP_STRINGS) + 64 * self.context + 40 * (self.vocab or 0) + (1 << 20)
 
     def check_chars(self, chars: int, param: str) -> None:
         limit = self.max_prompt_chars
@@ -260,7 +261,7 @@ def parse_completion(body: Any, tokenizer, limits: Limits) -> Job:
             raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids", "prompt")
         limits.check_chars(len(prompt), "prompt")
         ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
-    elif isinstance(prompt, list) and len(prompt) > limits.context:  # before looking at each id
+    elif isinstance(prompt, list) and len(prompt) > limits.context and isinstance(prompt[0], int):  # before each id
         raise APIError(400, f"the prompt has {len(prompt)} token ids, more than this server's context of "
                             f"max_seq_len={limits.context} tokens", "prompt")
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
