@@ -511,17 +511,13 @@ def test_a_body_over_the_limit_is_a_413_json_error(guarded):
     assert httpx.get(guarded.url + "/health", timeout=30).status_code == 200
 
 
-def test_a_long_prompt_is_refused_early_off_the_event_loop_and_streams_go_on(live, monkeypatch):
-    server = live.app.state.server
-    threads, parse = [], server._parse
-    monkeypatch.setattr(server, "_parse", lambda raw, p: (threads.append(threading.current_thread().name),
-                                                           parse(raw, p))[1])
-    _slow_steps(monkeypatch, live.scheduler, 0.01)
+def _timed_stream(live, tokens: int) -> tuple[threading.Thread, list[float]]:
+    """A stream of `tokens` tokens in a thread, started and active on return; the gaps between its chunks."""
     gaps: list[float] = []
 
     def stream():
         with httpx.stream("POST", live.url + "/v1/completions", timeout=60,
-                          json={"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 120, "temperature": 0,
+                          json={"model": "tiny", "prompt": [3, 4, 5], "max_tokens": tokens, "temperature": 0,
                                 "ignore_eos": True, "stream": True}) as response:
             last = time.perf_counter()
             for _ in response.iter_lines():
@@ -531,6 +527,16 @@ def test_a_long_prompt_is_refused_early_off_the_event_loop_and_streams_go_on(liv
     streaming = threading.Thread(target=stream)
     streaming.start()
     _wait_for(lambda: live.scheduler.snapshot()["active"] == 1)
+    return streaming, gaps
+
+
+def test_a_long_prompt_is_refused_early_off_the_event_loop_and_streams_go_on(live, monkeypatch):
+    server = live.app.state.server
+    threads, parse = [], server._parse
+    monkeypatch.setattr(server, "_parse", lambda raw, p: (threads.append(threading.current_thread().name),
+                                                           parse(raw, p))[1])
+    _slow_steps(monkeypatch, live.scheduler, 0.01)
+    streaming, gaps = _timed_stream(live, 120)
     huge = "the quick brown fox " * 45_000  # 900,000 characters, under the 1 MiB body limit
     for _ in range(4):
         response = httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": huge}, timeout=30)
@@ -559,20 +565,7 @@ def test_a_body_longer_than_any_acceptable_request_is_refused_unread_whatever_th
     parse = server._parse
     monkeypatch.setattr(server, "_parse", lambda raw, p: (decoded.append(len(raw)), parse(raw, p))[1])
     _slow_steps(monkeypatch, live.scheduler, 0.01)
-    gaps: list[float] = []
-
-    def stream():
-        with httpx.stream("POST", live.url + "/v1/completions", timeout=60,
-                          json={"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 80, "temperature": 0,
-                                "ignore_eos": True, "stream": True}) as response:
-            last = time.perf_counter()
-            for _ in response.iter_lines():
-                gaps.append(time.perf_counter() - last)
-                last = time.perf_counter()
-
-    streaming = threading.Thread(target=stream)
-    streaming.start()
-    _wait_for(lambda: live.scheduler.snapshot()["active"] == 1)
+    streaming, gaps = _timed_stream(live, 80)
     body = json.dumps({"model": "tiny", "prompt": [7] * 1_700_000}).encode()  # 5.1 MB
     for _ in range(3):
         response = httpx.post(live.url + "/v1/completions", content=body, timeout=30,
