@@ -80,8 +80,6 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .options import EngineConfig
-
     common = argparse.ArgumentParser(add_help=False)  # -v works before or after the sub-command
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="log progress and memory plans")
@@ -143,8 +141,20 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("results", help="results.jsonl of a sweep, or a stats JSON written by generate --stats-json")
     rep.add_argument("--out", default=None, help="output directory (default: next to the results)")
 
-    rpl = sub.add_parser("replay", parents=[common], help="replay a routing trace through the residency's own "
-                         "victim code (CPU): hits, misses and bytes per token, Belady's floor, k-tokens-ahead lines")
+    _replay_arguments(sub.add_parser("replay", parents=[common], help="replay a routing trace through the "
+                                     "residency's own victim code (CPU): hits, misses and bytes per token, Belady's "
+                                     "floor, k-tokens-ahead lines"))
+    _train_arguments(sub.add_parser("train-predictor", parents=[common], help="train a learned routing predictor "
+                                    "from the checkpoint's own routing over text (CPU is enough for small models)"))
+
+    info = sub.add_parser("info", parents=[common], help="describe a checkpoint: architecture, experts, memory")
+    info.add_argument("path", nargs="?", default=str(REFERENCE_MODEL))
+    return parser
+
+
+def _replay_arguments(rpl: argparse.ArgumentParser) -> None:
+    from .options import EngineConfig
+
     rpl.add_argument("trace", help="a routing trace (JSON lines of [layer, expert] pairs per token, as in "
                      "../shared/traces, or a checkpoint's own from scripts/record_trace.py)")
     rpl.add_argument("--slots", type=int, required=True, help="expert cache slots (across all layers)")
@@ -160,8 +170,8 @@ def _parser() -> argparse.ArgumentParser:
     rpl.add_argument("--tokens", type=int, default=None, help="replay only the first N tokens")
     rpl.add_argument("--json", default=None, help="also write the rows here")
 
-    trn = sub.add_parser("train-predictor", parents=[common], help="train a learned routing predictor from the "
-                         "checkpoint's own routing over text (CPU is enough for small models)")
+
+def _train_arguments(trn: argparse.ArgumentParser) -> None:
     trn.add_argument("path", help="checkpoint directory")
     trn.add_argument("--text", nargs="+", required=True, help="UTF-8 text files to record routing over")
     trn.add_argument("--out", required=True, help="the predictor file to write (.safetensors)")
@@ -177,10 +187,6 @@ def _parser() -> argparse.ArgumentParser:
     trn.add_argument("--max-tokens", type=int, default=1 << 20, help="tokens of text recorded at most")
     trn.add_argument("--no-resume", action="store_true", help="start afresh even if a resume state exists")
     trn.add_argument("--json", default=None, help="also write the evaluation here")
-
-    info = sub.add_parser("info", parents=[common], help="describe a checkpoint: architecture, experts, memory")
-    info.add_argument("path", nargs="?", default=str(REFERENCE_MODEL))
-    return parser
 
 
 def _generate(ns: argparse.Namespace) -> int:
