@@ -30,6 +30,13 @@ SMOOTHING = 0.5  # weight of a new measurement in a mode's running estimate
 MIN_DECODE_TOKENS = 4  # shorter calls measure launch overheads more than decoding
 
 
+def remeasure_due(calls: dict[tuple, int], key: tuple) -> bool:
+    """Count a decided call of configuration `key`; True on every REMEASURE_EVERY-th, which runs the mode not chosen
+    (the one rule of both auto choices)."""
+    calls[key] = calls.get(key, 0) + 1
+    return calls[key] % REMEASURE_EVERY == 0
+
+
 @dataclass
 class ModeCost:
     """A mode's running estimate: ms per generated token (plain) or per verify step and its acceptance."""
@@ -83,10 +90,8 @@ class AutoSpeculation:
             return self._decision(key, "none", "measuring plain decode (no estimate yet)")
         if spec is None:
             return self._decision(key, "mtp", "measuring speculation (no estimate yet)")
-        calls = self.calls.get(key, 0) + 1
-        self.calls[key] = calls
         faster = "mtp" if spec.per_token < plain.per_token else "none"
-        if calls % REMEASURE_EVERY == 0:
+        if remeasure_due(self.calls, key):
             other = "none" if faster == "mtp" else "mtp"
             return self._decision(key, other, f"re-measuring {'speculation' if other == 'mtp' else 'plain decode'}"
                                               f" (every {REMEASURE_EVERY} calls)")
@@ -183,10 +188,8 @@ class AutoDraftExperts:
         for mode in DRAFT_MODES:
             if mode not in known:
                 return self._decision(key, mode, f"measuring draft_experts={mode} (no estimate yet)")
-        calls = self.calls.get(key, 0) + 1
-        self.calls[key] = calls
         faster = min(DRAFT_MODES, key=lambda mode: known[mode].ms_per_token)
-        if calls % REMEASURE_EVERY == 0:
+        if remeasure_due(self.calls, key):
             other = next(mode for mode in DRAFT_MODES if mode != faster)
             return self._decision(key, other, f"re-measuring draft_experts={other} (every {REMEASURE_EVERY} calls)")
         return self._decision(key, faster, f"draft_experts={faster} is faster here")
