@@ -552,18 +552,20 @@ KERNEL_GROUPS = (("plan", ("_plan_kernel", "_step_start_kernel")), ("experts", (
 
 
 def timeline(engine: MoEPrefetchEngine, prompt: list[int] | list[list[int]], new_tokens: int,
-             predictor: str, temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
+             predictor: str, temperature: float = 0.0, seed: int = 0, speculative: str | None = None
+             ) -> dict[str, Any]:
     """Where a decode token's time goes, from a CUDA trace of the replayed step graphs (torch.profiler/CUPTI).
 
     Per decode step (ms; one step is one token of every row, so per token at batch 1): wall time; busy time of the
     main stream; the plan, routed-expert and other kernels on it; fill kernels on the side stream, and how much of
     them overlapped main-stream work. Also the kernel list of one step (start offset and duration in microseconds,
-    stream) for a picture of a single step. `prompt`: one prompt, or a batch of them."""
+    stream) for a picture of a single step. `prompt`: one prompt, or a batch of them. `speculative="mtp"`: a step is a
+    verify step (tokens per step reported beside it)."""
     prompts = prompt if prompt and isinstance(prompt[0], list) else [prompt]
     from torch.profiler import ProfilerActivity, profile
 
     engine.reset_expert_cache(forget_routing=True)
-    sampling = dict(temperature=temperature, seed=seed)
+    sampling = dict(temperature=temperature, seed=seed, speculative=speculative)
     engine.generate(prompts, max_new_tokens=min(8, new_tokens), predictor=predictor, stop_at_eos=False, **sampling)
     engine.reset_expert_cache(forget_routing=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -605,7 +607,8 @@ def timeline(engine: MoEPrefetchEngine, prompt: list[int] | list[list[int]], new
                               key=lambda row: -row[2])[:30]  # [name, launches/token, ms/token]
     out.update(wall_ms_per_token=(last - decode_start) / 1000 / tokens, main_busy_ms_per_token=busy / 1000 / tokens,
                fill_ms_per_token=fills / 1000 / tokens, fill_overlapped_ms_per_token=overlap / 1000 / tokens,
-               decode_steps=tokens, batch=len(prompts),
+               decode_steps=tokens, batch=len(prompts), speculative=speculative,
+               tokens_per_step=(result.stats.generated_tokens - 1) / tokens,
                ms_per_token_untraced=result.stats.to_dict()["ms_per_token"],
                ms_per_step_untraced=result.stats.decode_seconds * 1000 / tokens)
     if len(steps) >= 2:  # one whole step, for a picture
@@ -726,6 +729,9 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
                       **timeline(engine, prompts[0], args.new_tokens, "mtp", **sampling)})
         if engine.has_mtp and args.systems:  # speculation with every expert resident (issue 39's first aim)
             resident_speculation_rows(engine, base, prompts, args, sampling, reference_sequences, emit)
+            if args.profile and "all_resident_speculative" in args.systems.split(","):  # where a verify step goes
+                emit({**base, "system": "all_resident_speculative_timeline",
+                      **timeline(engine, prompts[0], args.new_tokens, "none", speculative="mtp", **sampling)})
         if engine.runner.learned_head is not None and (not args.systems or
                                                        "all_resident_learned" in args.systems.split(",")):
             # the learned head's own cost (and link 1 of the MTP head, when the head reads it) at no link bytes
@@ -842,9 +848,12 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
     if args.profile:
         default = ("none", "oracle", "mtp+next_layer_gate" if engine.has_mtp else "next_layer_gate")
         for predictor in args.profile_predictors.split(",") if args.profile_predictors else default:
-            try:
+            try:  # 'speculative_mtp' (or 'speculative_mtp+<predictor>'): verify steps
+                speculative = "mtp" if predictor.startswith("speculative_mtp") else None
+                chosen = predictor.removeprefix("speculative_mtp").removeprefix("+") or "none" if speculative \
+                    else predictor
                 emit({**base, "system": f"timeline_{predictor}",
-                      **timeline(engine, prompts[0], args.new_tokens, predictor, **sampling)})
+                      **timeline(engine, prompts[0], args.new_tokens, chosen, speculative=speculative, **sampling)})
             except Exception as exc:
                 emit({**base, "system": f"timeline_{predictor}", "failed": f"{type(exc).__name__}: {exc}",
                       "traceback": traceback.format_exc(limit=4)})

@@ -11,7 +11,7 @@
 # zero-copy reads with cold translations); STAGE=policies: issue 13's LRU / LRFU / LFU rows (ref17, V2-Lite) and the
 # GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU,
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
-# Usage: STAGE=qwen3|serve|serve_all|verify|spec_deep|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
+# Usage: STAGE=qwen3|serve|serve_all|verify|spec_deep|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
 #   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace|int4_tests|int4_bench|int4_gemv|learned_deep| \
 #   divergence|table_stress \
 #   [LIMIT=seconds] \
@@ -186,10 +186,15 @@ case "${STAGE:-tests}" in
     timeout "${LIMIT:-330}" python3 scripts/bench_gpu.py --out "$out/bench_spec_deep.json" --workloads deep \
       --runs "${RUNS:-3}" --temperature "${TEMPERATURE:-0}" --cache-fraction 0.3 --variant speculation \
       --systems all_resident,all_resident_speculative,all_resident_speculative~verify0.3,all_resident_speculative~verify0.5,none,speculative_mtp,speculative_mtp~verify0.3,speculative_mtp~verify0.5 \
-      "$@" 2>&1 | filter
+      --profile --profile-predictors none,speculative_mtp "$@" 2>&1 | filter
     # GPU tests not run on the latest code: an embedding table in host memory
     timeout "${TESTS_S:-90}" python3 -m pytest "$(junit)" tests/test_streaming.py -q -p no:cacheprovider --tb=short \
       -k "embedding_table_in_host_memory" 2>&1 | tail -3 ;;
+  spec_v2lite)
+    # issue 39's first aim at V2-Lite's shape (random weights, so the draft is never accepted): a 2-row verify step
+    # against a 1-row step, every expert resident, each with its kernel timeline
+    timeout "${LIMIT:-400}" python3 scripts/bench_gpu.py --out "$out/bench_spec_v2lite.json" --workloads v2lite \
+      --runs "${RUNS:-3}" --systems all_resident,all_resident_speculative --profile "$@" 2>&1 | filter ;;
   v2lite_trace)
     # issue 36's V2-Lite-shape rows with the real V2-Lite routing trace forced (.device-data/traces, carried)
     timeout "${LIMIT:-560}" python3 scripts/bench_gpu.py --out "$out/bench_v2lite_trace.json" --workloads v2lite_trace \
