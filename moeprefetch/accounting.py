@@ -124,9 +124,15 @@ class Stats:
     prefill_seconds: float = 0.0
     ttft_seconds: float = 0.0  # from the call's start to its first tokens (every sequence's, after prefill)
     decode_seconds: float = 0.0
-    draft_offered: int = 0  # speculation: live rows of verify steps (each could check its draft)
-    draft_proposed: int = 0  # ... whose draft was checked (verify_confidence: the MTP head's probability >= the cut)
-    draft_accepted: int = 0  # ... and kept (the draft was the token sampled)
+    draft_offered: int = 0  # speculation: live rows of verify steps (each could check its drafts)
+    # ... drafts reached (those before them kept) and checked (verify_confidence: their chance >= the cut), summed
+    # over the draft positions; and kept (the draft was the token sampled before it)
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+    # the same per draft position (draft_tokens > 1: position j's acceptance is of the drafts whose j - 1 before
+    # them were kept)
+    draft_proposed_by_position: list[int] = field(default_factory=list)
+    draft_accepted_by_position: list[int] = field(default_factory=list)
     speculative: bool = False
     predictor: str = "none"
     lookahead: int = 1
@@ -212,8 +218,23 @@ class Stats:
             out["draft_accepted"] = self.draft_accepted
             # of the drafts checked; the tokens a verify step adds per row are draft_accepted / draft_offered
             out["draft_acceptance"] = self.draft_accepted / self.draft_proposed if self.draft_proposed else 0.0
+            out["draft_proposed_by_position"] = list(self.draft_proposed_by_position)
+            out["draft_accepted_by_position"] = list(self.draft_accepted_by_position)
+            out["draft_acceptance_by_position"] = [a / p if p else None for a, p in zip(
+                self.draft_accepted_by_position, self.draft_proposed_by_position)]
+            out["tokens_per_verify_step"] = 1.0 + self.draft_accepted / self.draft_offered \
+                if self.draft_offered else None
         out.update(self.extra)
         return out
+
+    def count_drafts(self, offered: int, proposed: list[int], accepted: list[int]) -> None:
+        """A verify step's tallies (`decode.Advance`): live rows, and per draft position the drafts checked and
+        kept."""
+        self.draft_offered += offered
+        self.draft_proposed += sum(proposed)
+        self.draft_accepted += sum(accepted)
+        self.draft_proposed_by_position = _add_lists(self.draft_proposed_by_position, proposed)
+        self.draft_accepted_by_position = _add_lists(self.draft_accepted_by_position, accepted)
 
     def prediction(self, main_layers: tuple[int, ...]) -> dict[str, float | None]:
         """Recall/precision over the model's main MoE layers: the MTP head's own layer is the drafter, and no
@@ -254,8 +275,18 @@ def merge_stats(runs: list[Stats]) -> Stats:
                      "draft_accepted", "mtp_drafts_checked", "mtp_drafts_correct", "prefill_stream_bytes",
                      "prefill_stream_stall_seconds", "decode_stream_bytes", "decode_stream_stall_seconds"):
             setattr(merged, name, getattr(merged, name) + getattr(run, name))
+        merged.draft_proposed_by_position = _add_lists(merged.draft_proposed_by_position,
+                                                       run.draft_proposed_by_position)
+        merged.draft_accepted_by_position = _add_lists(merged.draft_accepted_by_position,
+                                                       run.draft_accepted_by_position)
     merged.extra = {"main_moe_layers": list(merged.main_layers), "runs": len(runs)}
     return merged
+
+
+def _add_lists(a: list[int], b: list[int]) -> list[int]:
+    """Element-wise sums of two count lists of any lengths."""
+    longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
+    return [x + (shorter[i] if i < len(shorter) else 0) for i, x in enumerate(longer)]
 
 
 def _sum(items) -> LayerCounters:

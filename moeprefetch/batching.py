@@ -117,7 +117,7 @@ class ContinuousBatch:
             self.logprobs[row] = logprobs_of(logits, chosen, sampling.logprobs)[0]
         state = RowState(len(prompt), max_new_tokens, [first], stop_ids)
         if self.uses_mtp:
-            state.draft, state.draft_prob = prefill_mtp_row(engine, self.caches, row, prompt, first, hidden)
+            state.set_drafts(*prefill_mtp_row(engine, self.caches, row, prompt, first, hidden))
         self.sampler.set_row(row, sampling)
         self.state[row], self.sampling[row] = state, sampling
         return row, first

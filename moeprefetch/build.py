@@ -25,7 +25,7 @@ from .kernels.attention import MLADecode
 from .kernels.gqa_attention import GQADecode
 from .kernels.grouped import grouped_mm_usable
 from .memory_plan import MemoryPlan, parse_bytes, plan_memory
-from .options import ROWS_PER_SEQUENCE, EngineConfig, check_positive_int
+from .options import EngineConfig, check_positive_int
 from .predictors import MTP_PREDICTORS, PredictorSpec, default_lookahead
 from .residency import Residency, prefill_staging_rows
 from .runner import KVCaches
@@ -74,15 +74,21 @@ class ResolvedConfig:
     prefetch_lead: int  # MoE layers: a fill is reserved at most this far before its need (0: no limit)
     draft_experts: str
     verify_confidence: float  # speculative='mtp': drafts below it are not verified (their experts not read)
+    draft_tokens: int  # speculative='mtp': chained drafts a verify step checks
     late_prefetch: str
     cuda_graphs: bool
     fused_kernels: bool
     progress: bool
 
     @property
+    def rows_per_sequence(self) -> int:
+        """Rows a decode step computes per sequence at most: its real row and a shadow row or its draft rows."""
+        return 1 + max(self.draft_tokens, 1)
+
+    @property
     def max_step_rows(self) -> int:
-        """Rows a decode step computes at most: every sequence's real row and its shadow or draft row."""
-        return ROWS_PER_SEQUENCE * self.max_batch_size
+        """Rows a decode step computes at most: every sequence's real row and its shadow or draft rows."""
+        return self.rows_per_sequence * self.max_batch_size
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -237,7 +243,7 @@ def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev
             args.model_type, args.num_hidden_layers, args.n_routed_experts, has_mtp, plan.all_resident,
             options.max_seq_len, options.max_batch_size, options.prefill_chunk, options.prefill_window,
             options.dtype, options.expert_dtype, options.cuda_graphs, str(dev.type), options.verify_confidence,
-            options.draft_experts))
+            options.draft_experts, options.draft_tokens))
 
     hot = validate_hot_set(config.hot_set, expert_layers, args.n_routed_experts)
     if hot and config.policy != "static":
@@ -307,6 +313,7 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
         routing_trace=str(config.routing_trace) if config.routing_trace is not None else None,
         spare_recent=config.spare_recent, prefetch_lead=config.prefetch_lead,
         draft_experts=config.draft_experts, verify_confidence=float(config.verify_confidence),
+        draft_tokens=config.draft_tokens,
         late_prefetch=config.late_prefetch, cuda_graphs=graphs,
         fused_kernels=bool(config.fused_kernels), progress=bool(config.progress))
 

@@ -8,7 +8,9 @@ stream) -> routed experts` on the device.
 
 Extra rows ride along with the real ones (`model.block` gives them their own attention calls, so the real rows'
 shapes never change): `shadow` rows carry the MTP draft and use only experts that are published or read anyway
-(the `mtp` predictor); `verify` rows carry the draft exactly (speculative decoding).
+(the `mtp` predictor); `verify` rows carry the drafts exactly (speculative decoding): one, or a chain of
+`draft_tokens` drafts checked together (draft j + 1 is the MTP head chained on draft j's output, as vLLM and SGLang
+reuse DeepSeek's one MTP module for several draft tokens).
 
 On the CPU the same step runs eagerly through the reference implementations.
 """
@@ -22,7 +24,6 @@ import torch
 import torch.nn.functional as F
 
 from .model import Routing, block, mtp_input
-from .options import ROWS_PER_SEQUENCE
 from .predictors import PredictionRing, PredictorSpec, routing_confidence
 from .residency import PlanBuffers
 from .runner import KVCaches, ModelRunner
@@ -53,14 +54,31 @@ class StepShape:
     drafts: bool = True
     adjust: bool = False  # logit bias or penalties: rows count their tokens and every draw reads the adjuster
     logprobs: bool = False  # each sampled token's log-probability and its LOGPROBS_MAX alternatives come back
+    draft_tokens: int = 1  # verify: the drafts a step checks (a chain of MTP drafts), one extra row each
+    # rows per sequence the engine fixes its kernels for (1 + its draft_tokens): every step of every mode multiplies
+    # the same way, so a row's bits never depend on the mode
+    rows_per_sequence: int = 2
 
     @property
     def extra(self) -> int:
-        return 0 if self.mode == "none" else 1
+        """Extra rows per sequence: the shadow row, or the verified drafts."""
+        return {"none": 0, "shadow": 1, "verify": self.draft_tokens}[self.mode]
+
+    @property
+    def sampled(self) -> int:
+        """Tokens sampled per sequence: after the real row, and after each verified draft."""
+        return 1 + self.draft_tokens if self.mode == "verify" else 1
 
     @property
     def mtp_rows(self) -> int:
-        return 2 if self.mode == "verify" else 1
+        """MTP rows per sequence: one after each sampled token."""
+        return self.sampled
+
+    @property
+    def chain(self) -> int:
+        """Drafts a step puts out per sequence: the MTP row after the last token kept, chained (verify) to as many
+        drafts as the next step checks."""
+        return self.draft_tokens if self.mode == "verify" else 1
 
 
 @dataclass
@@ -68,10 +86,12 @@ class StepOutput:
     """What the host reads back after a step (plain lists)."""
 
     next_tokens: list[int]  # [B] sampled after the real rows
-    second_tokens: list[int] | None  # [B] sampled after the verified draft rows
-    drafts: list[list[int]] | None  # [B][M] MTP drafts (greedy) after each MTP row
-    draft_probs: list[list[float]] | None  # [B][M] their probabilities
-    logprobs: list[list[TokenLogprob]] | None = None  # [B][1 or 2] the sampled tokens' (next, then second)
+    later_tokens: list[list[int]] | None  # [B][D] verify: sampled after each draft row
+    # [B][C] the next drafts (greedy): the MTP row after the last token kept, chained C long, and the chance that
+    # each is right with those before it
+    drafts: list[list[int]] | None
+    draft_probs: list[list[float]] | None
+    logprobs: list[list[TokenLogprob]] | None = None  # [B][1 + D] the sampled tokens' (next, then the later ones)
 
 
 @dataclass
@@ -83,8 +103,10 @@ class RowState:
     max_new_tokens: int
     generated: list[int] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()  # ids that end the row (empty: it runs to max_new_tokens)
-    draft: int = 0  # the MTP head's guess of the token after the next one (extra row input)
-    draft_prob: float = 0.0
+    # the MTP head's guesses of the tokens after the next one, in order (the extra rows' inputs), and the chance that
+    # each is right with those before it (the product of the head's probabilities along the chain)
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: list[float] = field(default_factory=list)
     active: bool = True  # a finished row of a call stays in its batch, computed but masked
 
     @property
@@ -98,39 +120,52 @@ class RowState:
         return len(self.generated) >= self.max_new_tokens or (bool(self.generated)
                                                                and self.generated[-1] in self.stop_ids)
 
-    def would_finish(self, token: int) -> bool:
-        """Whether appending `token` ends the row."""
-        return token in self.stop_ids or len(self.generated) + 1 >= self.max_new_tokens
+    def would_finish(self, token: int, pending: int = 0) -> bool:
+        """Whether appending `token` after `pending` tokens not yet appended ends the row."""
+        return token in self.stop_ids or len(self.generated) + pending + 1 >= self.max_new_tokens
+
+    def set_drafts(self, drafts: list[int], probs: list[float]) -> None:
+        self.drafts, self.draft_probs = list(drafts), list(probs)
+
+    def draft(self, j: int) -> tuple[int, float]:
+        """Draft j (0: the guess of the token after the next one) and its chance, (0, 0.0) when there is none."""
+        return (self.drafts[j], self.draft_probs[j]) if j < len(self.drafts) else (0, 0.0)
 
 
-def verified(state: RowState, verify_cut: float) -> bool:
-    """Whether a verify step checks this row's draft: the MTP head gave it at least `verify_cut` (speculation's
-    `verify_confidence`); an unchecked draft row reads none of its routed experts."""
-    return state.active and state.draft_prob >= verify_cut
+def verified(state: RowState, verify_cut: float, j: int = 0) -> bool:
+    """Whether a verify step checks this row's draft j: it exists and its chance (the MTP head's probabilities along
+    the chain) is at least `verify_cut` (speculation's `verify_confidence`); an unchecked draft row reads none of its
+    routed experts. The chances fall along a chain, so the drafts checked are always a prefix."""
+    return state.active and j < len(state.drafts) and state.draft_probs[j] >= verify_cut
 
 
 def run_rows(step: "DecodeStep", rows: list[RowState | None], verify_cut: float = 0.0) -> StepOutput:
     """One step over the rows' states -> what it sampled; `None` is a free row (token 0 at position 0, masked). The
     one place where host rows become a step's inputs."""
-    extra = step.shape.extra
+    extra = range(step.shape.extra)
+    free = [(0, 0.0)] * len(extra)
+    drafts = [[s.draft(j) for j in extra] if s is not None else free for s in rows]
     return step([s.generated[-1] if s is not None else 0 for s in rows],
                 [s.position if s is not None else 0 for s in rows],
                 [s is not None and s.active for s in rows],
-                [s.draft if s is not None else 0 for s in rows] if extra else None,
-                [s.draft_prob if s is not None else 0.0 for s in rows] if extra else None,
-                [s is not None and verified(s, verify_cut) for s in rows] if step.shape.mode == "verify" else None)
+                [[d for d, _ in row] for row in drafts] if extra else None,
+                [[p for _, p in row] for row in drafts] if extra else None,
+                [[s is not None and verified(s, verify_cut, j) for j in extra] for s in rows]
+                if step.shape.mode == "verify" else None)
 
 
 @dataclass
 class Advance:
     """What a step gave its rows (`advance_rows`): each row's new tokens and the drafts' tallies."""
 
-    tokens: list[list[int]]  # per row: the sampled token, then a verified second one; [] for a free or finished row
+    tokens: list[list[int]]  # per row: the sampled token, then the verified later ones; [] for a free or finished row
     drafts_checked: int = 0  # rows whose MTP draft could be compared with the token sampled (the `mtp` accounting)
     drafts_correct: int = 0
     offered: int = 0  # live rows of a verify step (speculation)
-    proposed: int = 0  # ... whose draft was checked (`verified`), its row sampling a second token
-    accepted: int = 0  # ... whose draft was the first token, so the second is kept
+    # speculation, per draft position j: drafts reached (those before them all kept) and checked (`verified`), and
+    # kept (the draft was the token sampled before it, which did not end the row)
+    proposed: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
 
 
 def advance_rows(out: StepOutput, rows: list[RowState | None], check_drafts: bool, verify_cut: float = 0.0
@@ -139,10 +174,12 @@ def advance_rows(out: StepOutput, rows: list[RowState | None], check_drafts: boo
     step's samples become the rows' tokens, for a generate call (`session.Session`) and a continuous batch
     (`batching.ContinuousBatch`) alike; the callers append the tokens (a call emits them one at a time).
 
-    With verify rows (speculation) a row whose draft was checked (`verified`, with the `verify_cut` the step ran
-    with) keeps the second token when its draft was the first token and that first token does not end the row; its
-    next draft is then the one after the verified row."""
-    result = Advance([[] for _ in rows])
+    With verify rows (speculation) a row keeps its drafts in order while each was checked (`verified`, with the
+    `verify_cut` the step ran with), is the token sampled before it and that token does not end the row; each kept
+    draft adds the token sampled after its row. The next drafts are the chain of the MTP row after the last token
+    kept."""
+    depth = len(out.later_tokens[0]) if out.later_tokens else 0
+    result = Advance([[] for _ in rows], proposed=[0] * depth, accepted=[0] * depth)
     for b, state in enumerate(rows):
         if state is None or not state.active:
             continue
@@ -150,19 +187,19 @@ def advance_rows(out: StepOutput, rows: list[RowState | None], check_drafts: boo
         tokens = [token]
         if check_drafts:  # drafts exist (not when only the learned head reads the MTP head)
             result.drafts_checked += 1
-            result.drafts_correct += int(state.draft == token)
-        accepted = False
-        result.offered += out.second_tokens is not None
-        if out.second_tokens is not None and verified(state, verify_cut):
-            result.proposed += 1
-            if state.draft == token and not state.would_finish(token):
-                result.accepted += 1
-                accepted = True
-                tokens.append(out.second_tokens[b])
+            result.drafts_correct += int(state.draft(0)[0] == token)
+        result.offered += out.later_tokens is not None
+        for j in range(depth):
+            if not verified(state, verify_cut, j):
+                break
+            result.proposed[j] += 1
+            if state.drafts[j] != tokens[-1] or state.would_finish(tokens[-1], pending=len(tokens) - 1):
+                break
+            result.accepted[j] += 1
+            tokens.append(out.later_tokens[b][j])
         result.tokens[b] = tokens
-        if out.drafts is not None:
-            chosen = 1 if accepted else 0
-            state.draft, state.draft_prob = out.drafts[b][chosen], out.draft_probs[b][chosen]
+        if out.drafts is not None:  # drafted on the device after the drafts it kept, as here unless the row ends
+            state.set_drafts(out.drafts[b], out.draft_probs[b])
     return result
 
 
@@ -190,14 +227,14 @@ class DecodeStep:
         self.streamer = runner.streamer
         self._ring_step: RingStep | None = None  # what the captured graph does to the streamed layers' ring
         self._runs = 0
-        m = shape.mtp_rows
-        # per row: token, position, active, then the extra row's token, then (verify) whether its draft is checked
-        self.inputs = torch.zeros(b, 3 + shape.extra + (shape.mode == "verify"), dtype=torch.int64, device=dev)
-        self.draft_conf = torch.zeros(b, dtype=torch.float32, device=dev)
-        self.outputs = torch.zeros(b, 2 + m, dtype=torch.int64, device=dev)
-        self.probs = torch.zeros(b, m, dtype=torch.float32, device=dev)
+        e, sampled = shape.extra, shape.sampled
+        # per row: token, position, active, then the extra rows' tokens, then (verify) whether each draft is checked
+        self.inputs = torch.zeros(b, 3 + e + (e if shape.mode == "verify" else 0), dtype=torch.int64, device=dev)
+        self.draft_conf = torch.zeros(b, max(e, 1), dtype=torch.float32, device=dev)
+        # per row: the sampled tokens, then the next drafts
+        self.outputs = torch.zeros(b, sampled + shape.chain, dtype=torch.int64, device=dev)
+        self.probs = torch.zeros(b, shape.chain, dtype=torch.float32, device=dev)
         self.logits = torch.zeros(b, self.args.vocab_size, dtype=torch.float32, device=dev)  # the last step's
-        sampled = 2 if shape.mode == "verify" else 1
         n = self.top_logprobs = min(LOGPROBS_MAX, self.args.vocab_size)
         self.lp_values = torch.zeros(b, sampled, 1 + n, dtype=torch.float32, device=dev)
         self.lp_ids = torch.zeros(b, sampled, n, dtype=torch.int64, device=dev)
@@ -205,12 +242,12 @@ class DecodeStep:
         self.lp_values_host = torch.zeros(self.lp_values.shape, dtype=torch.float32, pin_memory=pin)
         self.lp_ids_host = torch.zeros(self.lp_ids.shape, dtype=torch.int64, pin_memory=pin)
         self.inputs_host = torch.zeros(self.inputs.shape, dtype=torch.int64, pin_memory=pin)
-        self.conf_host = torch.zeros(b, dtype=torch.float32, pin_memory=pin)
+        self.conf_host = torch.zeros(self.draft_conf.shape, dtype=torch.float32, pin_memory=pin)
         self.outputs_host = torch.zeros(self.outputs.shape, dtype=torch.int64, pin_memory=pin)
         self.probs_host = torch.zeros(self.probs.shape, dtype=torch.float32, pin_memory=pin)
         self.rows = torch.arange(b, device=dev)
         self.buffers = PlanBuffers(self.res.max_rows, self.res.max_experts, self.args.num_experts_per_tok, h, dev,
-                                   step_rows=ROWS_PER_SEQUENCE * b)
+                                   step_rows=shape.rows_per_sequence * b)
         head = runner.learned_head  # its layers' positions and keys in the table (made before any capture)
         self._learned_positions = None if head is None else torch.tensor(
             [[self.res.position[layer]] for layer in head.config.layers], dtype=torch.int64, device=dev)
@@ -228,15 +265,17 @@ class DecodeStep:
 
     # ---- host side ------------------------------------------------------------------------------------------------
     def __call__(self, tokens: list[int], positions: list[int], active: list[bool],
-                 extra_tokens: list[int] | None = None, draft_conf: list[float] | None = None,
-                 verify: list[bool] | None = None) -> StepOutput:
-        """One step; inputs per sequence (`verify`: which drafts a verify step checks, default all active rows').
-        Returns the sampled ids after one device->host synchronisation."""
-        checks = self.shape.mode == "verify"
-        extra = extra_tokens if extra_tokens is not None else tokens
-        rows = [[t, p, int(a)] + ([e] if self.shape.extra else []) + ([int(v)] if checks else [])
-                for t, p, a, e, v in zip(tokens, positions, active, extra, verify if verify is not None else active)]
-        self.inputs_host.copy_(torch.tensor(rows, dtype=torch.int64))
+                 extra_tokens: list[list[int]] | None = None, draft_conf: list[list[float]] | None = None,
+                 verify: list[list[bool]] | None = None) -> StepOutput:
+        """One step; inputs per sequence: the extra rows' tokens and chances (`shape.extra` each), and `verify`:
+        which drafts a verify step checks (default: every draft of an active row). Returns the sampled ids after one
+        device->host synchronisation."""
+        e, checks = self.shape.extra, self.shape.mode == "verify"
+        extra = extra_tokens if extra_tokens is not None else [[t] * e for t in tokens]
+        verify = verify if verify is not None else [[a] * e for a in active]
+        rows = [[t, p, int(a)] + list(x[:e]) + ([int(c) for c in v[:e]] if checks else [])
+                for t, p, a, x, v in zip(tokens, positions, active, extra, verify)]
+        self.inputs_host.copy_(torch.tensor(rows, dtype=torch.int64).view(self.inputs_host.shape))
         self.inputs.copy_(self.inputs_host, non_blocking=True)
         if draft_conf is not None:
             self.conf_host.copy_(torch.tensor(draft_conf, dtype=torch.float32))
@@ -252,17 +291,19 @@ class DecodeStep:
             self._done.record()
             self._done.synchronize()  # the step's one synchronisation
         out = self.outputs_host.tolist()
-        m = self.shape.mtp_rows
+        shape = self.shape
+        s = shape.sampled
+        drafts = shape.run_mtp and shape.drafts
         return StepOutput(
             next_tokens=[row[0] for row in out],
-            second_tokens=[row[1] for row in out] if self.shape.mode == "verify" else None,
-            drafts=[row[2 : 2 + m] for row in out] if self.shape.run_mtp and self.shape.drafts else None,
-            draft_probs=self.probs_host.tolist() if self.shape.run_mtp and self.shape.drafts else None,
-            logprobs=self._read_logprobs(out) if self.shape.logprobs else None,
+            later_tokens=[row[1:s] for row in out] if shape.mode == "verify" else None,
+            drafts=[row[s:] for row in out] if drafts else None,
+            draft_probs=self.probs_host.tolist() if drafts else None,
+            logprobs=self._read_logprobs(out) if shape.logprobs else None,
         )
 
     def _read_logprobs(self, out: list[list[int]]) -> list[list[TokenLogprob]]:
-        """The step's log-probabilities per row: the next token's, then (verify) the second's."""
+        """The step's log-probabilities per row: the next token's, then (verify) the later ones'."""
         values, ids = self.lp_values_host.tolist(), self.lp_ids_host.tolist()
         sampled = self.lp_values.shape[1]
         return [read_logprobs(row[:sampled], v, i) for row, v, i in zip(out, values, ids)]
@@ -325,13 +366,14 @@ class DecodeStep:
             res.plan_step()
         tokens, pos = self.inputs[:, 0], self.inputs[:, 1]
         self.active = self.inputs[:, 2] != 0
-        # verify: the draft rows checked this step (the others compute without their routed experts: no bytes)
-        self.checked = self.active & (self.inputs[:, 4] != 0) if shape.mode == "verify" else None
+        e = shape.extra
+        # verify: [B, D] the draft rows checked this step (the others compute without their routed experts: no bytes)
+        self.checked = self.active[:, None] & (self.inputs[:, 3 + e : 3 + 2 * e] != 0) \
+            if shape.mode == "verify" else None
         if shape.adjust:  # a row's input token is its latest generated one: penalties count it from now on
             self.sampler.logit_adjuster().count(tokens, self.active)
         groups = [self.runner.embed(tokens[:, None])]
-        if shape.extra:
-            groups.append(self.runner.embed(self.inputs[:, 3:4]))
+        groups += [self.runner.embed(self.inputs[:, 3 + j : 4 + j]) for j in range(e)]
         for lw in self.weights.layers:
             self.runner.enter(lw.index)
             groups = block(self.ops, lw, groups, self._attend(lw, pos), self._routed)
@@ -342,13 +384,13 @@ class DecodeStep:
         self.outputs[:, 0].copy_(next_tokens)
         self._logprobs(0, self.logits, next_tokens)
         mtp_tokens, mtp_hidden = [next_tokens], [hidden]
-        if shape.mode == "verify":
-            draft_hidden = self.ops.norm(groups[1][:, 0], self.weights.final_norm)
+        for j in range(1, shape.sampled):  # verify: the token after each draft row, at its own position's seed
+            draft_hidden = self.ops.norm(groups[j][:, 0], self.weights.final_norm)
             draft_logits = self.runner.logits(draft_hidden)
-            second = self.sampler(draft_logits, self.params, self.rows, pos + 2, adjust=shape.adjust)
-            self.outputs[:, 1].copy_(second)
-            self._logprobs(1, draft_logits, second)
-            mtp_tokens.append(second)
+            later = self.sampler(draft_logits, self.params, self.rows, pos + 1 + j, adjust=shape.adjust)
+            self.outputs[:, j].copy_(later)
+            self._logprobs(j, draft_logits, later)
+            mtp_tokens.append(later)
             mtp_hidden.append(draft_hidden)
         mtp_out = self._mtp(torch.stack(mtp_tokens, 1), torch.stack(mtp_hidden, 1), pos) if shape.run_mtp else None
         if shape.spec.learned:
@@ -392,10 +434,10 @@ class DecodeStep:
         if len(flat) == 1:
             ids_x, act_x, ids_s, act_s, weights = real.ids, active, None, None, real.weights
         elif shape.mode == "verify":
-            ids_x = torch.cat((real.ids, routings[1].ids))
-            act_x = torch.cat((active, self.checked))
+            ids_x = torch.cat([r.ids for r in routings])
+            act_x = torch.cat((active, *self.checked.unbind(1)))
             ids_s = act_s = None
-            weights = torch.cat((real.weights, routings[1].weights))
+            weights = torch.cat([r.weights for r in routings])
         else:
             ids_x, act_x, ids_s, act_s = real.ids, active, routings[1].ids, active
             weights = torch.cat((real.weights, routings[1].weights))
@@ -414,34 +456,52 @@ class DecodeStep:
             guess = self.ops.route(self.routers[target].router, h)
             ring.write(0, self.res.position[target], guess.ids, routing_confidence(guess.weights) * live)
         if spec.shadow and self.shape.mode == "shadow":
-            conf = routing_confidence(routings[1].weights) * (live * self.draft_conf[:, None])
+            conf = routing_confidence(routings[1].weights) * (live * self.draft_conf[:, :1])
             ring.write(1, position, routings[1].ids, conf)
 
     def _mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """The MTP head over (token after row, row's final hidden) pairs: drafts and their probabilities; with
-        lookahead k > 1, the head chained k times (link j drafts from link j-1's output and draft), each link's
-        output routed through the main routers as predictions j steps ahead (`predictors.py`)."""
+        """The MTP head over (token after row, row's final hidden) pairs [B, M]: the next drafts and their chances,
+        from the MTP row after the last token the step keeps (verify: found here as on the host, from the drafts
+        checked and the tokens sampled), chained (link j drafts from link j-1's output and draft) to the verify
+        step's `draft_tokens`, or with lookahead k > 1 chained k times, each link's output routed through the main
+        routers as predictions j steps ahead (`predictors.py`)."""
+        shape, spec = self.shape, self.shape.spec
         rows = tokens.shape[1]
         positions = pos[:, None] + torch.arange(1, rows + 1, device=pos.device)
         x = self._mtp_link(tokens, hidden, positions, chained=False)
         first = x  # link 1's output [B, M, H], which the learned head reads
-        if not self.shape.drafts:
+        if not shape.drafts:
             return first
         probs, drafts = self.runner.mtp_logits(x).softmax(-1).max(-1)  # [B, M]
-        self.outputs[:, 2:].copy_(drafts)
-        self.probs.copy_(probs)
-        spec = self.shape.spec
         if spec.mtp_router:
             self._route_ahead(x, 1, None)
-        reach = probs[:, 0]  # the probability that the chain's drafts so far are right
-        links = spec.chain if rows == 1 else 1  # chained from one MTP row per sequence (not when verifying a draft)
+        kept = self._kept(tokens) if rows > 1 else torch.zeros_like(pos)  # [B]
+        x = x[self.rows, kept][:, None]  # [B, 1, H]
+        draft, reach = drafts[self.rows, kept], probs[self.rows, kept]
+        s = shape.sampled
+        self.outputs[:, s].copy_(draft)
+        self.probs[:, 0].copy_(reach)
+        links = max(spec.chain if rows == 1 else 1, shape.chain)  # prefetch chains only from one MTP row
         for lead in range(2, links + 1):
-            x = self._mtp_link(drafts[:, :1], x, pos[:, None] + lead, chained=True)
-            self._route_ahead(x, lead, reach)
-            if lead < links:  # the next link's draft (the last link's would go unused: the head reads V x H)
-                probs, drafts = self.runner.mtp_logits(x).softmax(-1).max(-1)
-                reach = reach * probs[:, 0]
+            x = self._mtp_link(draft[:, None], x, (pos + kept)[:, None] + lead, chained=True)
+            if spec.chain > 1:
+                self._route_ahead(x, lead, reach)
+            if lead < links or lead <= shape.chain:  # (the last prefetch link's draft would go unused)
+                p, draft = self.runner.mtp_logits(x)[:, 0].softmax(-1).max(-1)
+                reach = reach * p
+                if lead <= shape.chain:
+                    self.outputs[:, s + lead - 1].copy_(draft)
+                    self.probs[:, lead - 1].copy_(reach)
         return first
+
+    def _kept(self, sampled: torch.Tensor) -> torch.Tensor:
+        """[B] drafts a verify step keeps per row, as `advance_rows` counts them (a row that ends keeps fewer, but
+        then needs no drafts): draft j is kept while every draft up to it was checked and is the token sampled
+        before it."""
+        d = self.shape.extra
+        drafts = self.inputs[:, 3 : 3 + d]
+        right = self.checked & (drafts == sampled[:, :d])
+        return right.long().cumprod(1).sum(1)
 
     def _learned(self, hidden: torch.Tensor, mtp_out: torch.Tensor | None) -> None:
         """The learned routing head on the real rows' final hidden state (and link 1's MTP output, when it was
@@ -490,10 +550,10 @@ class DecodeStep:
         return block(self.ops, mtp.layer, [x], attend, routed)[0]
 
     def _mtp_rows_live(self, rows: int) -> torch.Tensor:
-        """[B * rows] which MTP rows are live: a verify step's second row follows the draft, so it is live only
-        where the draft was checked (an unchecked one reads no expert and steers no prefetch)."""
-        if rows == 2 and self.checked is not None:
-            return torch.stack((self.active, self.checked), 1).reshape(-1)
+        """[B * rows] which MTP rows are live: a verify step's row after draft j follows that draft, so it is live
+        only where the draft was checked (an unchecked one reads no expert and steers no prefetch)."""
+        if rows > 1 and self.checked is not None:
+            return torch.cat((self.active[:, None], self.checked), 1).reshape(-1)
         return self.active.repeat_interleave(rows)
 
     def _route_ahead(self, x: torch.Tensor, lead: int, reach: torch.Tensor | None) -> None:

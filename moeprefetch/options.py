@@ -21,7 +21,7 @@ from .residency.state import POLICIES, ResidencyConfig
 
 # how the MTP head reads its routed experts: only those in VRAM (drafts steer speed, never tokens), or all of them
 DRAFT_EXPERTS = ("cached", "all", "auto")
-ROWS_PER_SEQUENCE = 2  # rows a decode step computes per sequence at most: its real row and a shadow or draft row
+MAX_DRAFT_TOKENS = 4  # chained MTP drafts a verify step checks at most
 LATE_PREFETCH = ("reread", "wait")
 FILL_LINK = ("shared", "idle")
 
@@ -82,6 +82,9 @@ class EngineConfig:
                                          "least this probability; below it the step computes the draft row without "
                                          "its routed experts, so an unlikely draft moves no expert bytes (0: verify "
                                          "every draft)")
+    draft_tokens: int = _opt(1, f"speculative='mtp': drafts a verify step checks (1 to {MAX_DRAFT_TOKENS}): the MTP "
+                                f"draft, chained on its own output for each further one; each costs a row per step, "
+                                f"and every step of this engine computes its rows' kernels for 1 + draft_tokens rows")
     # shapes and formats
     max_seq_len: int | None = _opt(None, "longest sequence (default min(model limit, 4096))")
     max_batch_size: int = _opt(8, "largest batch of a call")
@@ -162,8 +165,10 @@ class EngineConfig:
             raise RequestError(f"int4_group_size must be an even number of inputs from 2 to 65536, got {group!r}")
         if self.int4_symmetric is not None and not isinstance(self.int4_symmetric, bool):
             raise RequestError(f"int4_symmetric must be True or False, got {self.int4_symmetric!r}")
-        for name in ("max_batch_size", "stream_ahead", "lookahead"):
+        for name in ("max_batch_size", "stream_ahead", "lookahead", "draft_tokens"):
             check_positive_int(name, getattr(self, name))
+        if self.draft_tokens > MAX_DRAFT_TOKENS:
+            raise RequestError(f"draft_tokens must be at most {MAX_DRAFT_TOKENS}, got {self.draft_tokens!r}")
         spare = self.spare_recent
         if not isinstance(spare, int) or isinstance(spare, bool) or not 0 <= spare <= 64:
             raise RequestError(f"spare_recent must be an integer from 0 to 64 (steps), got {spare!r}")

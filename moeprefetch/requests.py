@@ -86,9 +86,10 @@ def build_request(args: ModelArgs, tokenizer: Any, options: ResolvedConfig, path
         if len(prompt) > args.max_position_embeddings:
             raise RequestError(f"prompt {i} has {len(prompt)} tokens, more than the model's "
                                f"{args.max_position_embeddings} positions")
-        # the decode step writes the shadow/draft row one position ahead, an accepted draft one more, and chained
-        # MTP drafts (lookahead k) k - 1 more
-        needed = len(prompt) + max_new_tokens + 1 + max(1, spec.chain)
+        # the decode step writes the shadow/draft rows up to draft_tokens positions ahead, kept drafts as many more,
+        # and chained MTP drafts (lookahead k, or draft_tokens d from the last row kept) k - 1 (d - 1) more
+        reach = 2 * options.draft_tokens - 1 if speculative == "mtp" or speculative == "auto" else 1
+        needed = len(prompt) + max_new_tokens + 1 + max(reach, spec.chain)
         if needed > options.max_seq_len:
             raise RequestError(f"prompt {i} ({len(prompt)} tokens) plus max_new_tokens={max_new_tokens} needs "
                                f"{needed} positions, more than max_seq_len={options.max_seq_len}")

@@ -19,7 +19,6 @@ import torch
 
 from .accounting import LayerCounters, Stats
 from .decode import DecodeStep, RowState, StepOutput, StepShape, advance_rows, run_rows
-from .options import ROWS_PER_SEQUENCE
 from .predictors import PredictorSpec
 from .residency import counters_by_layer
 from .sampling import SamplingParams, TokenLogprob, logprobs_of
@@ -160,8 +159,8 @@ class Session:
     def run(self) -> Iterator[TokenEvent]:
         started = time.perf_counter()
         engine, res, request = self.engine, self.res, self.request
-        configure_residency(engine, self.spec, self.batch * (ROWS_PER_SEQUENCE if self.speculative else 1),
-                            request.min_confidence)
+        configure_residency(engine, self.spec, self.batch * (engine.options.rows_per_sequence
+                                                             if self.speculative else 1), request.min_confidence)
         res.begin_call()
         if self.record:
             res.trace = engine.trace_buffer()
@@ -219,7 +218,7 @@ class Session:
         if self.uses_mtp:
             for b, prompt in enumerate(self.request.prompts):
                 row = self.rows[b]
-                row.draft, row.draft_prob = prefill_mtp_row(engine, caches, b, prompt, first[b], hiddens[b], belady)
+                row.set_drafts(*prefill_mtp_row(engine, caches, b, prompt, first[b], hiddens[b], belady))
         return first, first_logprobs
 
     def _step(self, caches) -> DecodeStep:
@@ -233,9 +232,7 @@ class Session:
         advance = advance_rows(out, self.rows, check_drafts=self.uses_mtp and self.drafts, verify_cut=self.verify_cut)
         self.stats.mtp_drafts_checked += advance.drafts_checked
         self.stats.mtp_drafts_correct += advance.drafts_correct
-        self.stats.draft_offered += advance.offered
-        self.stats.draft_proposed += advance.proposed
-        self.stats.draft_accepted += advance.accepted
+        self.stats.count_drafts(advance.offered, advance.proposed, advance.accepted)
         return advance.tokens
 
     def _emit(self, b: int, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> Iterator[TokenEvent]:
@@ -334,9 +331,10 @@ def prefill_row(engine: SessionEngine, caches, row: int, prompt: list[int], bela
 
 
 def prefill_mtp_row(engine: SessionEngine, caches, row: int, prompt: list[int], first: int,
-                    hidden: torch.Tensor, belady: bool = False) -> tuple[int, float]:
+                    hidden: torch.Tensor, belady: bool = False) -> tuple[list[int], list[float]]:
     """The MTP layer over every (hidden at i, token i+1) pair of a prompt (the last pair's token is `first`, the
-    token sampled after it), into the MTP cache's row -> the first draft and its probability."""
+    token sampled after it), into the MTP cache's row -> the first draft and its probability (a chain of one: the
+    first verify step checks one draft, the later ones `draft_tokens`)."""
     nxt = torch.tensor(prompt[1:] + [first], device=engine.device)[None]
     last = None
     for starts, pieces, positions in prefill_windows(engine, nxt, 1):
@@ -344,7 +342,7 @@ def prefill_mtp_row(engine: SessionEngine, caches, row: int, prompt: list[int], 
         h = [hidden[s : s + p.shape[1]][None] for s, p in zip(starts, pieces)]
         last = engine.runner.mtp_window(pieces, h, positions, caches.mtp, row, starts)[-1][:, -1:]
     prob, draft = engine.runner.mtp_logits(last)[0, -1].softmax(-1).max(-1)
-    return int(draft), float(prob)
+    return [int(draft)], [float(prob)]
 
 
 def configure_residency(engine: SessionEngine, spec: PredictorSpec, rows: int, min_confidence: float) -> None:
@@ -371,7 +369,8 @@ def step_shape(engine: SessionEngine, batch: int, spec: PredictorSpec, mode: str
     `draft_experts` is the call's resolved mode (default: the engine's option, "auto" drafting from VRAM)."""
     res = engine.residency
     draft = draft_experts or engine.options.draft_experts
-    return StepShape(batch=batch, mode=mode, spec=spec, run_mtp=uses_mtp,
+    return StepShape(batch=batch, mode=mode, spec=spec, run_mtp=uses_mtp, draft_tokens=engine.options.draft_tokens,
+                     rows_per_sequence=engine.options.rows_per_sequence,
                      drafts=uses_mtp and (mode != "none" or spec.needs_drafts), greedy=sampling.greedy,
                      top_k=0 < sampling.top_k < engine.args.vocab_size, top_p=sampling.top_p < 1.0,
                      adjust=sampling.adjusts, logprobs=sampling.logprobs is not None,

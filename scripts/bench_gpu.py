@@ -529,6 +529,10 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
         "prefetch_late": med("prefetch_late"),
         "prefetch_wasted": med("prefetch_wasted"),
         "draft_acceptance": med("draft_acceptance") if speculative else None,
+        "tokens_per_verify_step": med("tokens_per_verify_step") if speculative else None,
+        "draft_tokens": engine.options.draft_tokens if speculative else None,
+        # per draft position over every run: of the drafts reached (those before kept) and checked, the share kept
+        "draft_acceptance_by_position": _acceptance_by_position(results) if speculative else None,
         # speculation: the share of verify rows whose draft was checked (verify_confidence), and tokens per step
         "drafts_checked_share": statistics.median(r["draft_proposed"] / max(r["draft_offered"], 1) for r in results)
         if speculative else None,
@@ -549,6 +553,18 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
 KERNEL_GROUPS = (("plan", ("_plan_kernel", "_step_start_kernel")), ("experts", ("_gate_up_kernel", "_down_kernel",
                                                                                   "_combine_kernel")),
                  ("await", ("_await_kernel",)), ("fill", ("_fill_kernel",)))
+
+
+def _acceptance_by_position(results: list[dict[str, Any]]) -> list[float | None]:
+    """Each draft position's acceptance over several calls' statistics (`Stats.to_dict()`), their counts summed."""
+    positions = max((len(r.get("draft_proposed_by_position") or []) for r in results), default=0)
+    reached, kept = [0] * positions, [0] * positions
+    for r in results:
+        for j, (n, k) in enumerate(zip(r.get("draft_proposed_by_position") or [],
+                                       r.get("draft_accepted_by_position") or [])):
+            reached[j] += n
+            kept[j] += k
+    return [k / n if n else None for k, n in zip(kept, reached)]
 
 
 def timeline(engine: MoEPrefetchEngine, prompt: list[int] | list[list[int]], new_tokens: int,
@@ -690,7 +706,8 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
     prompts = prompts_for(path, args.corpus if learned else None, config["vocab_size"], args.runs,
                           args.prompt_tokens, seed=1)
     common = dict(device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                  max_seq_len=args.max_seq_len, max_batch_size=1, progress=False, **format_settings(args))
+                  max_seq_len=args.max_seq_len, max_batch_size=1, progress=False, **format_settings(args),
+                  draft_tokens=longest_chain(args.systems))
     if name == "v2lite_trace":  # every engine, all-resident too, routes decode steps from the trace
         common["routing_trace"] = str(routing_trace_for(args, config))
     if head := learned_head_for(name, path, args):
@@ -709,7 +726,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         if args.systems and not any(name.split("~")[0] in ("all_resident", "all_resident_speculative")
                                     for name in args.systems.split(",")):
             raise RuntimeError("all_resident skipped (--systems)")
-        engine = MoEPrefetchEngine.from_pretrained(path, **common)
+        engine = one_draft(MoEPrefetchEngine.from_pretrained(path, **common))
         row = run_row(engine, "all_resident", prompts, args.new_tokens, runs=args.runs, **sampling)
         resident_ms = row["ms_per_token"]
         total_experts = engine.plan.total_experts
@@ -784,6 +801,7 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
         return
     if engine is None:
         return
+    one_draft(engine)
     store = engine.residency.store
     if store is None:  # --cache-fraction 1.0: every expert resident (speculation's resident rows, say)
         fraction = 1.0
@@ -1318,15 +1336,17 @@ def learned_head_for(name: str, path: Path, args: argparse.Namespace) -> Path | 
 ROW_MODIFIERS = {"fill": ("fill_confidence", float), "reuse": ("reuse_weight", float),
                  "spare": ("spare_recent", int), "inflight": ("max_inflight_experts", int),
                  "budget": ("prefetch_budget", float), "lead": ("prefetch_lead", int),
-                 "halflife": ("lrfu_halflife", float), "verify": ("verify_confidence", float)}
+                 "halflife": ("lrfu_halflife", float), "verify": ("verify_confidence", float),
+                 "drafts": ("draft_tokens", int)}
 
 
 def modified_row(name: str, known: dict[str, tuple]) -> tuple:
-    """A row named '<row>~fillC~idle~reuseW~spareN~inflightN~budgetB~leadL~halflifeH~verifyV~bypass' (any of the
-    modifiers, any order): the known row <row> with fill_confidence C, fill_link='idle', reuse_weight W, spare_recent
-    N, max_inflight_experts N, prefetch_budget B (0: protection only, and the plans skip their reservation passes),
-    prefetch_lead L (fills reserved at most L MoE layers before their need), lrfu_halflife H, verify_confidence V
-    (speculative rows: drafts below V are not verified) and/or bypass=True."""
+    """A row named '<row>~fillC~idle~reuseW~spareN~inflightN~budgetB~leadL~halflifeH~verifyV~draftsD~bypass' (any of
+    the modifiers, any order): the known row <row> with fill_confidence C, fill_link='idle', reuse_weight W,
+    spare_recent N, max_inflight_experts N, prefetch_budget B (0: protection only, and the plans skip their
+    reservation passes), prefetch_lead L (fills reserved at most L MoE layers before their need), lrfu_halflife H,
+    verify_confidence V (speculative rows: drafts below V are not verified), draft_tokens D (speculative rows: a
+    chain of D drafts checked per step; the engines are loaded for the largest D of --systems) and/or bypass=True."""
     base, *mods = name.split("~")
     system, predictor, speculative, lookahead, cut, overrides = known[base]
     overrides = dict(overrides)
@@ -1344,11 +1364,25 @@ def modified_row(name: str, known: dict[str, tuple]) -> tuple:
                 raise SystemExit(f"--systems: {mod!r} in {name!r} needs a number after {prefix!r}") from None
         else:
             raise SystemExit(f"--systems: unknown modifier {mod!r} in {name!r} (fillC, idle, reuseW, spareN, "
-                             f"inflightN, budgetB, leadL, halflifeH, verifyV or bypass)")
+                             f"inflightN, budgetB, leadL, halflifeH, verifyV, draftsD or bypass)")
     for option in ("reuse_weight", "verify_confidence"):
         if option in overrides:
             check_fraction(option, overrides[option], upper_open=False)
     return (name, predictor, speculative, lookahead, cut, overrides)
+
+
+def longest_chain(systems: str) -> int:
+    """The most drafts a row of --systems checks per step ('~draftsD'; 1 without): the engines are sized for it, and
+    every row without '~draftsD' runs with one draft, as a default engine does."""
+    chains = [int(mod[len("drafts"):]) for name in systems.split(",") for mod in name.split("~")[1:]
+              if mod.startswith("drafts") and mod[len("drafts"):].isdigit()]
+    return max(chains, default=1)
+
+
+def one_draft(engine: MoEPrefetchEngine) -> MoEPrefetchEngine:
+    """An engine loaded for longer chains (`longest_chain`) runs its rows with one draft unless a row says more."""
+    engine.options = dataclasses.replace(engine.options, draft_tokens=1)
+    return engine
 
 
 def resident_speculation_rows(engine: MoEPrefetchEngine, base: dict, prompts: list, args: argparse.Namespace,

@@ -177,19 +177,23 @@ case "${STAGE:-tests}" in
     [ -n "${TESTS:-}" ] && timeout "${TESTS_LIMIT:-150}" python3 -m pytest "$(junit)" tests/test_gpu.py -q -p no:cacheprovider \
       --tb=short -k "$TESTS" 2>&1 | grep -v -E "Warning:|warnings.warn" | tail -6 ;;
   spec_deep)
-    # issue 39 on the deep model: plain decode against speculation checking every draft and from verify_confidence
-    # 0.3 / 0.5, every expert resident, then at 30 % cached (greedy; TEMPERATURE to sample). The model is trained
+    # issue 39 on the deep model: plain decode against speculation checking every draft, chains of 2 and 3 drafts
+    # and verify_confidence cuts, every expert resident, then at 30 % cached (greedy; TEMPERATURE to sample), with
+    # the kernel timelines of a plain and a verify step. The model is trained
     # first when .device-data/deep holds none (carry .device-data/corpus_min, built offline by
     # reference/build_corpus.py) and comes back in 15 MB parts.
     [ -f .device-data/deep/model.safetensors.index.json ] || \
       { train_deep; tar -C .device-data -cf - deep | split -b 15M - "$out/deep.tar.part-"; }
     timeout "${LIMIT:-330}" python3 scripts/bench_gpu.py --out "$out/bench_spec_deep.json" --workloads deep \
       --runs "${RUNS:-3}" --temperature "${TEMPERATURE:-0}" --cache-fraction 0.3 --variant speculation \
-      --systems all_resident,all_resident_speculative,all_resident_speculative~verify0.3,all_resident_speculative~verify0.5,none,speculative_mtp,speculative_mtp~verify0.3,speculative_mtp~verify0.5 \
+      --systems "${SYSTEMS:-all_resident,all_resident_speculative,all_resident_speculative~drafts2,all_resident_speculative~drafts3,all_resident_speculative~verify0.3,none,speculative_mtp,speculative_mtp~drafts2,speculative_mtp~verify0.3,speculative_mtp~verify0.5}" \
       --profile --profile-predictors none,speculative_mtp "$@" 2>&1 | filter
-    # GPU tests not run on the latest code: an embedding table in host memory
-    timeout "${TESTS_S:-90}" python3 -m pytest "$(junit)" tests/test_streaming.py -q -p no:cacheprovider --tb=short \
-      -k "embedding_table_in_host_memory" 2>&1 | tail -3 ;;
+    # chained drafts on the GPU (3 and 4 rows a sequence): the tokens against plain decode's
+    timeout "${TESTS_S:-90}" python3 -m pytest "$(junit)" tests/test_gpu.py -q -p no:cacheprovider --tb=short \
+      -k "chained_drafts" 2>&1 | tail -3
+    # (EMBED_TEST=1) the GPU test of an embedding table in host memory
+    [ -n "${EMBED_TEST:-}" ] && timeout "${TESTS_S:-90}" python3 -m pytest "$(junit)" tests/test_streaming.py -q \
+      -p no:cacheprovider --tb=short -k "embedding_table_in_host_memory" 2>&1 | tail -3 ;;
   spec_v2lite)
     # issue 39's first aim at V2-Lite's shape (random weights, so the draft is never accepted): a 2-row verify step
     # against a 1-row step, every expert resident, each with its kernel timeline

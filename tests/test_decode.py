@@ -97,6 +97,48 @@ def test_drafts_below_verify_confidence_are_not_checked_and_move_no_expert_bytes
     with pytest.raises(RequestError, match="verify_confidence must be a number in \\[0, 1\\]"):
         EngineConfig(verify_confidence=1.5).check()
 
+@pytest.mark.parametrize("draft_tokens", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_chained_drafts_keep_plain_decodes_tokens_and_count_each_position(draft_tokens):
+    """speculative='mtp' with draft_tokens > 1 (the MTP head chained on its own output, every draft checked in one
+    step): greedy and sampled tokens are plain decode's, resident and offloaded. Every generated token after the
+    first is a live row's sampled one or a kept draft's; a draft is only kept after the ones before it, and with
+    the shipped model's trained head the chain adds tokens per step over one draft."""
+    reference_model = Path(moeprefetch.__file__).parent / "reference_model"
+    prompts = [[5, 17, 29, 41, 53, 65, 77, 89], [7, 11, 13]]
+    sampling = [dict(), dict(temperature=0.8, seed=3)]
+    with MoEPrefetchEngine.from_pretrained(reference_model, progress=False) as resident:  # draft_tokens=1
+        expected = [resident.generate(prompts, max_new_tokens=24, stop_at_eos=False, **kw).sequences
+                    for kw in sampling]
+        total = resident.plan.total_experts
+        one_draft = resident.generate(prompts, max_new_tokens=24, stop_at_eos=False, speculative="mtp")
+    per_step = {}
+    for slots in (None, total // 4):
+        sized = {} if slots is None else dict(expert_cache_slots=slots)
+        with MoEPrefetchEngine.from_pretrained(reference_model, progress=False, draft_tokens=draft_tokens,
+                                               **sized) as engine:
+            for kw, tokens in zip(sampling, expected):
+                result = engine.generate(prompts, max_new_tokens=24, stop_at_eos=False, speculative="mtp", **kw)
+                assert result.sequences == tokens, (slots, kw)
+                stats = result.stats.to_dict()
+                check_invariants(stats, engine.residency.expert_bytes)
+                assert stats["generated_tokens"] == len(prompts) + stats["draft_offered"] + stats["draft_accepted"]
+                proposed, accepted = (result.stats.draft_proposed_by_position,
+                                      result.stats.draft_accepted_by_position)
+                assert len(proposed) == draft_tokens and all(a <= p for a, p in zip(accepted, proposed))
+                # position j + 1 is reached only where position j was kept
+                assert all(proposed[j + 1] <= accepted[j] for j in range(draft_tokens - 1))
+                assert stats["draft_accepted"] == sum(accepted)
+                per_step[slots, bool(kw)] = stats["tokens_per_verify_step"]
+    # one draft (the default) gains less per step than the chain
+    assert per_step[None, False] > one_draft.stats.to_dict()["tokens_per_verify_step"]
+
+
+def test_draft_tokens_is_checked():
+    for bad in (0, 5, 1.5, True):
+        with pytest.raises(RequestError, match="draft_tokens must be"):
+            EngineConfig(draft_tokens=bad).check()
+
+
 def test_batch_of_four_matches_all_resident_at_every_cache_size(reference):
     path, _, _, _, total = reference
     prompts = [[3, 4, 5], [10, 11, 12, 13, 14, 15, 16], [7], [20, 21, 22, 23]]

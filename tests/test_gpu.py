@@ -74,6 +74,33 @@ def test_drafts_below_verify_confidence_keep_the_tokens_on_gpu():
         assert checked[0] > checked[1] > checked[2] >= 0, checked
         assert runs[1.0]["decode_bytes_h2d_per_token"] < runs[0.0]["decode_bytes_h2d_per_token"]
 
+@pytest.mark.parametrize("draft_tokens", [2, 3])
+def test_chained_drafts_keep_the_tokens_on_gpu(draft_tokens):
+    """speculative='mtp' with draft_tokens > 1 on the GPU (3 and 4 rows a sequence through the fused attention,
+    plan and expert kernels; the rows kept found on the device): greedy and sampled tokens are plain decode's
+    resident and offloaded, and every generated token is a live row's sampled one or a kept draft's."""
+    import moeprefetch
+
+    path = Path(moeprefetch.__file__).parent / "reference_model"
+    prompts = [[5, 17, 29, 41, 53, 65, 77, 89], [7, 11, 13]]
+    sampling = [dict(), dict(temperature=0.8, seed=3)]
+    options = dict(device="cuda", dtype=torch.bfloat16, draft_tokens=draft_tokens)
+    with MoEPrefetchEngine.from_pretrained(path, **options) as resident:
+        expected = [resident.generate(prompts, max_new_tokens=24, stop_at_eos=False, **kw).sequences
+                    for kw in sampling]
+        total = resident.plan.total_experts
+    for slots in (None, total // 4):
+        sized = {} if slots is None else dict(expert_cache_slots=slots)
+        with MoEPrefetchEngine.from_pretrained(path, **options, **sized) as engine:
+            for kw, tokens in zip(sampling, expected):
+                result = engine.generate(prompts, max_new_tokens=24, stop_at_eos=False, speculative="mtp", **kw)
+                assert result.sequences == tokens, (slots, kw)
+                stats = result.stats.to_dict()
+                assert stats["generated_tokens"] == len(prompts) + stats["draft_offered"] + stats["draft_accepted"]
+                assert len(stats["draft_acceptance_by_position"]) == draft_tokens
+                assert stats["syncs_per_token"] <= 1.0 and not engine.residency.problems()
+
+
 def test_offloaded_decode_never_synchronises_inside_a_step(checkpoint_factory, monkeypatch):
     """Everything between a step's upload and its one read-back runs without a device->host synchronisation: any
     synchronising call in the step (a per-layer read of the routing, say) raises under the sync debug mode."""
