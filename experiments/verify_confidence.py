@@ -6,11 +6,14 @@ Runs the checkpoint offloaded (a share of its experts cached) on held-out prompt
 `speculative="mtp"` at each cut, each generation from an empty cache, the tokens checked against all-resident plain
 decode. With `--draft-experts cached,all` every row runs with the MTP head drafting from VRAM only and reading its
 experts wherever they are (what `draft_experts="auto"` chooses between by time): the drafts' acceptance against the
-bytes. Counts only (bytes and steps, the same on any device); time is the GPU bench's.
+bytes. `--draft-tokens 1,2,3` runs each row with chains of that many drafts checked per step (the engine is loaded
+for the longest). Counts only (bytes and steps, the same on any device); time is the GPU bench's.
 
     python experiments/verify_confidence.py --out experiments/results/verify_confidence_reference_cpu.json
     python experiments/verify_confidence.py --draft-experts cached,all --cuts 0,0.5 \
         --out experiments/results/draft_experts_reference_cpu.json
+    python experiments/verify_confidence.py --draft-tokens 1,2,3 --draft-experts cached,all --cuts 0 \
+        --out experiments/results/draft_chains_reference_cpu.json
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ def run(engine: MoEPrefetchEngine, prompts: list[list[int]], expected: list[list
         speculative: str | None) -> dict[str, float]:
     """Each prompt from an empty cache -> expert bytes per decode token, tokens per step, drafts checked and kept."""
     moved = tokens = steps = proposed = accepted = 0
+    reached: list[int] = []
+    kept: list[int] = []
     for prompt, want in zip(prompts, expected):
         engine.reset_expert_cache(forget_routing=True)
         result = engine.generate([prompt], max_new_tokens=new_tokens, stop_at_eos=False, speculative=speculative)
@@ -51,9 +56,16 @@ def run(engine: MoEPrefetchEngine, prompts: list[list[int]], expected: list[list
         steps += stats["decode_steps"]
         proposed += stats.get("draft_proposed") or 0
         accepted += stats.get("draft_accepted") or 0
+        for j, (n, k) in enumerate(zip(stats.get("draft_proposed_by_position") or [],
+                                       stats.get("draft_accepted_by_position") or [])):
+            reached += [0] * (j + 1 - len(reached))
+            kept += [0] * (j + 1 - len(kept))
+            reached[j] += n
+            kept[j] += k
     return {"mb_per_token": moved / tokens / 1e6, "tokens_per_step": tokens / steps,
-            "checked_share": proposed / steps if speculative else 0.0,
-            "acceptance_of_checked": accepted / proposed if proposed else None}
+            "checked_per_step": proposed / steps if speculative else 0.0,
+            "acceptance_of_checked": accepted / proposed if proposed else None,
+            "acceptance_by_position": [k / n if n else None for k, n in zip(kept, reached)]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fraction", type=float, default=0.25, help="share of the experts cached")
     parser.add_argument("--cuts", default="0,0.3,0.5,0.7,0.9")
     parser.add_argument("--draft-experts", default="cached", help="the MTP head's experts, comma list (cached, all)")
+    parser.add_argument("--draft-tokens", default="1", help="drafts checked per verify step, comma list (1 to 4)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -74,18 +87,21 @@ def main(argv: list[str] | None = None) -> int:
         expected = [resident.generate([p], max_new_tokens=args.new_tokens, stop_at_eos=False).sequences[0]
                     for p in prompts]
     rows = []
-    with MoEPrefetchEngine.from_pretrained(args.checkpoint, progress=False,
-                                           expert_cache_fraction=args.fraction) as engine:
+    chains = [int(d) for d in args.draft_tokens.split(",")]
+    with MoEPrefetchEngine.from_pretrained(args.checkpoint, progress=False, expert_cache_fraction=args.fraction,
+                                           draft_tokens=max(chains)) as engine:
+        engine.options = dataclasses.replace(engine.options, draft_tokens=1)
         rows.append({"speculative": None, **run(engine, prompts, expected, args.new_tokens, None)})
         logger.info("%s", rows[-1])
         for mode in args.draft_experts.split(","):
             # the options are the engine's: one engine serves every row (its options, not its weights, change)
             engine.options = dataclasses.replace(engine.options, draft_experts=mode)
-            for cut in (float(c) for c in args.cuts.split(",")):
-                engine.options = dataclasses.replace(engine.options, verify_confidence=cut)
-                rows.append({"speculative": "mtp", "verify_confidence": cut, "draft_experts": mode,
-                             **run(engine, prompts, expected, args.new_tokens, "mtp")})
-                logger.info("%s", rows[-1])
+            for chain in chains:
+                for cut in (float(c) for c in args.cuts.split(",")):
+                    engine.options = dataclasses.replace(engine.options, verify_confidence=cut, draft_tokens=chain)
+                    rows.append({"speculative": "mtp", "verify_confidence": cut, "draft_experts": mode,
+                                 "draft_tokens": chain, **run(engine, prompts, expected, args.new_tokens, "mtp")})
+                    logger.info("%s", rows[-1])
         slots = engine.residency.n_slots
     report = {"checkpoint": args.checkpoint.name, "cache_slots": slots, "prompts": len(prompts),
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "tokens_identical": True,
