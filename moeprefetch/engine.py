@@ -57,6 +57,9 @@ class MoEPrefetchEngine:
         self.sampler = DeviceSampler(args.vocab_size, options.device, options.max_batch_size)
         self.tokenizer = tokenizer
         self.options = options
+        # the rows per sequence every decode step's kernels are sized and shaped for (1 + the most drafts a verify
+        # step may chain), fixed at load: options changed later never reshape a step
+        self.rows_per_sequence = options.rows_per_sequence
         self.plan = plan
         self._closed = False
         self._active = False  # a generate/stream/forward call is running
@@ -354,9 +357,9 @@ class MoEPrefetchEngine:
             # an auto choice decides the step's shape (and so its collectives): every rank runs rank 0's, whose
             # timings may have come out on the other side of a close call
             agreed = group.agree((request.speculative, request.speculation, request.draft_experts,
-                                  request.draft_choice))
+                                  request.draft_choice, request.draft_tokens))
             request = replace(request, speculative=agreed[0], speculation=agreed[1], draft_experts=agreed[2],
-                              draft_choice=agreed[3])
+                              draft_choice=agreed[3], draft_tokens=agreed[4])
         return request
 
     def _auto_speculation(self, request: Request) -> Request:
@@ -364,8 +367,9 @@ class MoEPrefetchEngine:
         why = speculation_unavailable(self.has_mtp, self.options.routing_trace, request.predictor, request.sampling)
         unavailable = why.reason if why is not None else None
         key = (len(request.prompts), "+".join(request.predictor.names), request.sampling.temperature == 0)
-        decision = self._speculation.choose(key, unavailable)
-        return replace(request, speculative="mtp" if decision.mode == "mtp" else None, speculation=decision)
+        decision = self._speculation.choose(key, unavailable, chains=self.options.draft_tokens)
+        return replace(request, speculative="mtp" if decision.mode == "mtp" else None, speculation=decision,
+                       draft_tokens=decision.draft_tokens)
 
     def _auto_draft_experts(self, request: Request) -> Request:
         """`draft_experts="auto"` resolved for this call: the MTP head's routed experts from VRAM only or read

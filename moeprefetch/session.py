@@ -19,6 +19,7 @@ import torch
 
 from .accounting import LayerCounters, Stats
 from .decode import DecodeStep, RowState, StepOutput, StepShape, advance_rows, run_rows
+from .errors import RequestError
 from .predictors import PredictorSpec
 from .residency import counters_by_layer
 from .sampling import SamplingParams, TokenLogprob, logprobs_of
@@ -48,6 +49,7 @@ class SessionEngine(Protocol):
     runner: "ModelRunner"
     sampler: "DeviceSampler"
     streamer: "LayerStreamer | None"
+    rows_per_sequence: int  # rows a decode step's kernels are shaped for per sequence (fixed at load)
 
     def kv_caches(self, batch: int) -> "KVCaches": ...
 
@@ -73,6 +75,7 @@ class Request:
     speculation: Decision | None = None  # how `speculative="auto"` was resolved for this call
     draft_experts: str | None = None  # the MTP head's experts for this call (None: the engine's option)
     draft_choice: DraftDecision | None = None  # how `draft_experts="auto"` was resolved for this call
+    draft_tokens: int | None = None  # speculation: the drafts chained per step (None: the engine's option)
 
 
 @dataclass
@@ -159,8 +162,8 @@ class Session:
     def run(self) -> Iterator[TokenEvent]:
         started = time.perf_counter()
         engine, res, request = self.engine, self.res, self.request
-        configure_residency(engine, self.spec, self.batch * (engine.options.rows_per_sequence
-                                                             if self.speculative else 1), request.min_confidence)
+        configure_residency(engine, self.spec, self.batch * (engine.rows_per_sequence if self.speculative else 1),
+                            request.min_confidence)
         res.begin_call()
         if self.record:
             res.trace = engine.trace_buffer()
@@ -224,7 +227,8 @@ class Session:
     def _step(self, caches) -> DecodeStep:
         mode = "verify" if self.speculative else ("shadow" if self.shadow else "none")
         shape = step_shape(self.engine, self.batch, self.spec, mode, self.uses_mtp, self.request.sampling,
-                           record=self.record, draft_experts=self.request.draft_experts)
+                           record=self.record, draft_experts=self.request.draft_experts,
+                           draft_tokens=self.request.draft_tokens)
         return self.engine.decode_step(caches, shape, self.trace)
 
     def _advance(self, out: StepOutput) -> list[list[int]]:
@@ -364,13 +368,19 @@ def configure_residency(engine: SessionEngine, spec: PredictorSpec, rows: int, m
 
 
 def step_shape(engine: SessionEngine, batch: int, spec: PredictorSpec, mode: str, uses_mtp: bool,
-               sampling: SamplingParams, record: bool = False, draft_experts: str | None = None) -> StepShape:
+               sampling: SamplingParams, record: bool = False, draft_experts: str | None = None,
+               draft_tokens: int | None = None) -> StepShape:
     """The decode step a call (or a continuous batch) runs: its rows, predictor signals and sampling paths;
-    `draft_experts` is the call's resolved mode (default: the engine's option, "auto" drafting from VRAM)."""
+    `draft_experts` is the call's resolved mode (default: the engine's option, "auto" drafting from VRAM) and
+    `draft_tokens` its chain (default: the engine's option, at most what the engine was loaded for)."""
     res = engine.residency
     draft = draft_experts or engine.options.draft_experts
-    return StepShape(batch=batch, mode=mode, spec=spec, run_mtp=uses_mtp, draft_tokens=engine.options.draft_tokens,
-                     rows_per_sequence=engine.options.rows_per_sequence,
+    chain = draft_tokens or engine.options.draft_tokens
+    if mode == "verify" and 1 + chain > engine.rows_per_sequence:
+        raise RequestError(f"draft_tokens={chain} needs {1 + chain} rows a sequence, but this engine was loaded "
+                           f"for {engine.rows_per_sequence}: load it with draft_tokens={chain}")
+    return StepShape(batch=batch, mode=mode, spec=spec, run_mtp=uses_mtp, draft_tokens=chain,
+                     rows_per_sequence=engine.rows_per_sequence,
                      drafts=uses_mtp and (mode != "none" or spec.needs_drafts), greedy=sampling.greedy,
                      top_k=0 < sampling.top_k < engine.args.vocab_size, top_p=sampling.top_p < 1.0,
                      adjust=sampling.adjusts, logprobs=sampling.logprobs is not None,

@@ -8,11 +8,13 @@ the engine measures each mode on its own calls and keeps a running estimate per 
 predictor, greedy or sampled):
 
     plain:        ms per generated token
-    speculative:  ms per verify step and the draft acceptance, so ms per token = step / (1 + acceptance)
+    speculative:  ms per verify step and the drafts kept per step, so ms per token = step / (1 + kept)
 
-A call with `speculative="auto"` first measures whichever mode has no estimate yet (plain, then speculative), then
-runs the one with the lower estimate, and every `REMEASURE_EVERY` calls runs the other once more, so an estimate
-that no longer holds (another text, a warmer cache) is corrected. A call that captured a new decode graph (or
+An engine loaded with `draft_tokens=d` > 1 may also chain 1 to d drafts a step: each chain length is a mode of its
+own (a longer chain keeps more tokens a step, and costs more rows). A call with `speculative="auto"` first measures
+whichever mode has no estimate yet (plain, then one draft, two, ...), then runs the one with the lowest estimate,
+and every `REMEASURE_EVERY` calls runs the least measured other once more, so an estimate that no longer holds
+(another text, a warmer cache) is corrected. A call that captured a new decode graph (or
 compiled kernels) is not a measurement: its time is mostly that one-off cost. The decision and the estimates it
 used are reported in the call's statistics (`speculative_auto`).
 """
@@ -64,13 +66,16 @@ class Decision:
     mode: str  # "mtp" or "none"
     reason: str
     plain_ms_per_token: float | None = None
-    speculative_ms_per_token: float | None = None
-    acceptance: float | None = None
+    speculative_ms_per_token: float | None = None  # the chain run (or the best one, when plain decode runs)
+    acceptance: float | None = None  # its drafts kept per verify step and row
     measures: bool = True  # False when speculation cannot run: the call says nothing about the choice
+    draft_tokens: int | None = None  # mtp: the drafts chained per step
+    by_chain: dict[int, float] = field(default_factory=dict)  # ms per token estimated for each chain length
 
     def as_dict(self) -> dict:
         return {"mode": self.mode, "reason": self.reason, "plain_ms_per_token": self.plain_ms_per_token,
-                "speculative_ms_per_token": self.speculative_ms_per_token, "acceptance": self.acceptance}
+                "speculative_ms_per_token": self.speculative_ms_per_token, "acceptance": self.acceptance,
+                "draft_tokens": self.draft_tokens, "ms_per_token_by_draft_tokens": dict(self.by_chain)}
 
 
 @dataclass
@@ -81,28 +86,43 @@ class AutoSpeculation:
     speculative: dict[tuple, ModeCost] = field(default_factory=dict)
     calls: dict[tuple, int] = field(default_factory=dict)
 
-    def choose(self, key: tuple, unavailable: str | None = None) -> Decision:
-        """The mode of the next call of configuration `key`; `unavailable` says why speculation cannot run."""
+    def choose(self, key: tuple, unavailable: str | None = None, chains: int = 1) -> Decision:
+        """The mode of the next call of configuration `key` (speculation chaining 1 to `chains` drafts a step);
+        `unavailable` says why speculation cannot run."""
         if unavailable is not None:
             return Decision(key, "none", unavailable, measures=False)
-        plain, spec = self.plain.get(key), self.speculative.get(key)
-        if plain is None:
-            return self._decision(key, "none", "measuring plain decode (no estimate yet)")
-        if spec is None:
-            return self._decision(key, "mtp", "measuring speculation (no estimate yet)")
-        faster = "mtp" if spec.per_token < plain.per_token else "none"
+        if key not in self.plain:
+            return self._decision(key, None, "measuring plain decode (no estimate yet)", chains)
+        for d in range(1, chains + 1):
+            if (key, d) not in self.speculative:
+                what = "speculation" if chains == 1 else f"speculation with {d} draft{'s' if d > 1 else ''} a step"
+                return self._decision(key, d, f"measuring {what} (no estimate yet)", chains)
+        costs = {None: self.plain[key].per_token, **{d: self.speculative[key, d].per_token
+                                                     for d in range(1, chains + 1)}}
+        best = min(costs, key=lambda d: (costs[d], d or 0))
         if remeasure_due(self.calls, key):
-            other = "none" if faster == "mtp" else "mtp"
-            return self._decision(key, other, f"re-measuring {'speculation' if other == 'mtp' else 'plain decode'}"
-                                              f" (every {REMEASURE_EVERY} calls)")
-        return self._decision(key, faster, "speculation is faster here" if faster == "mtp"
-                              else "plain decode is faster here")
+            samples = {d: (self.plain[key] if d is None else self.speculative[key, d]).samples for d in costs}
+            other = min((d for d in costs if d != best), key=lambda d: (samples[d], d or 0))
+            return self._decision(key, other, f"re-measuring {self._name(other, chains)} (every {REMEASURE_EVERY} "
+                                              f"calls)", chains)
+        return self._decision(key, best, f"{self._name(best, chains)} is faster here", chains)
 
-    def _decision(self, key: tuple, mode: str, reason: str) -> Decision:
-        plain, spec = self.plain.get(key), self.speculative.get(key)
-        return Decision(key, mode, reason, plain_ms_per_token=plain.per_token if plain else None,
-                        speculative_ms_per_token=spec.per_token if spec else None,
-                        acceptance=spec.acceptance if spec else None)
+    @staticmethod
+    def _name(chain: int | None, chains: int) -> str:
+        if chain is None:
+            return "plain decode"
+        return "speculation" if chains == 1 else f"speculation with {chain} draft{'s' if chain > 1 else ''} a step"
+
+    def _decision(self, key: tuple, chain: int | None, reason: str, chains: int) -> Decision:
+        plain = self.plain.get(key)
+        known = {d: self.speculative[key, d] for d in range(1, chains + 1) if (key, d) in self.speculative}
+        shown = known.get(chain) if chain is not None else \
+            min(known.values(), key=lambda c: c.per_token, default=None)
+        return Decision(key, "none" if chain is None else "mtp", reason,
+                        plain_ms_per_token=plain.per_token if plain else None,
+                        speculative_ms_per_token=shown.per_token if shown else None,
+                        acceptance=shown.acceptance if shown else None, draft_tokens=chain,
+                        by_chain={d: c.per_token for d, c in known.items()})
 
     def record(self, decision: Decision, stats: "Stats", warm: bool) -> bool:
         """Fold a finished call's statistics into its mode's estimate; False when the call measured nothing (too
@@ -116,12 +136,13 @@ class AutoSpeculation:
             # tokens a row gains per verify step: drafts kept over the rows that could check one (with
             # verify_confidence, unchecked drafts gain nothing; over the checked ones alone it would overstate)
             acceptance, table = stats.draft_accepted / max(stats.draft_offered, 1), self.speculative
+            entry: tuple = (decision.key, decision.draft_tokens or 1)
         else:
-            ms, acceptance, table = 1000.0 * stats.decode_seconds / tokens, 0.0, self.plain
-        if decision.key in table:
-            table[decision.key].update(ms, acceptance)
+            ms, acceptance, table, entry = 1000.0 * stats.decode_seconds / tokens, 0.0, self.plain, decision.key
+        if entry in table:
+            table[entry].update(ms, acceptance)
         else:
-            table[decision.key] = ModeCost(ms, acceptance)
+            table[entry] = ModeCost(ms, acceptance)
         return True
 
 

@@ -125,7 +125,7 @@ def _rank_disagreeing(rank: int, world: int, port: int, path: str, out: str, sce
             # rank 0's, or their steps (and collectives) would differ
             key = (len(PROMPTS), "+".join(engine.options.predictor.split("+")), True)
             fast, slow = (ModeCost(1.0), ModeCost(9.0)) if rank == 0 else (ModeCost(9.0), ModeCost(1.0))
-            engine._speculation.speculative[key], engine._speculation.plain[key] = fast, slow
+            engine._speculation.speculative[key, 1], engine._speculation.plain[key] = fast, slow
             for speculative in ("mtp", None):
                 engine._draft_modes.costs[key + (speculative,)] = {
                     "all": DraftCost(*(1.0, 0.5, 1.0) if rank == 0 else (9.0, 0.5, 1.0)),

@@ -68,6 +68,35 @@ def test_drafts_left_unchecked_count_as_steps_that_gained_nothing():
     assert decision.speculative_ms_per_token == pytest.approx(12.0 / 1.3)
     assert decision.mode == "none"
 
+def test_each_chain_length_is_measured_then_the_cheapest_per_token_runs():
+    """An engine loaded for chains of up to 3 drafts: plain decode, then 1, 2 and 3 drafts a step are each measured
+    once; then the lowest ms per token runs (3 ms a step keeping 1.2 drafts: 1.36 ms a token), and re-measurements
+    visit the least measured other mode."""
+    auto = AutoSpeculation()
+    costs = {1: (2.6, 0.7), 2: (3.0, 1.2), 3: (3.6, 1.4)}  # drafts a step: (ms a verify step, drafts kept a step)
+    first = auto.choose(KEY, chains=3)
+    assert (first.mode, first.draft_tokens) == ("none", None)
+    assert auto.record(first, stats(2.0 * 100 / 1000, 100, 100), warm=True)
+    for d in (1, 2, 3):
+        decision = auto.choose(KEY, chains=3)
+        assert (decision.mode, decision.draft_tokens) == ("mtp", d)
+        assert decision.reason == f"measuring speculation with {d} draft{'s' if d > 1 else ''} a step (no estimate yet)"
+        ms, kept = costs[d]
+        steps = 100
+        assert auto.record(decision, stats(ms * steps / 1000, round(steps * (1 + kept)), steps, proposed=steps,
+                                           accepted=round(steps * kept)), warm=True)
+    decision = auto.choose(KEY, chains=3)
+    assert (decision.mode, decision.draft_tokens) == ("mtp", 2)
+    assert decision.reason == "speculation with 2 drafts a step is faster here"
+    assert decision.by_chain == pytest.approx({1: 2.6 / 1.7, 2: 3.0 / 2.2, 3: 3.6 / 2.4})
+    assert decision.speculative_ms_per_token == pytest.approx(3.0 / 2.2)
+    assert decision.as_dict()["draft_tokens"] == 2
+    chosen = [auto.choose(KEY, chains=3) for _ in range(REMEASURE_EVERY - 1)]
+    remeasured = [d for d in chosen if "re-measuring" in d.reason]
+    assert len(remeasured) == 1 and remeasured[0].draft_tokens in (None, 1, 3)
+    assert all(d.draft_tokens == 2 for d in chosen if d not in remeasured)
+
+
 def test_the_other_mode_is_re_measured_and_an_estimate_that_changed_flips_the_choice():
     auto = AutoSpeculation()
     measure_both(auto, 10.0, 12.0, 0.75)
@@ -117,6 +146,28 @@ def test_auto_keeps_the_tokens_and_reports_each_calls_decision(checkpoint_factor
         assert report["plain_ms_per_token"] > 0 and report["speculative_ms_per_token"] > 0
         faster = "mtp" if report["speculative_ms_per_token"] < report["plain_ms_per_token"] else "none"
         assert report["mode"] == faster and report["measured"]
+    engine.close()
+
+
+def test_auto_chooses_among_chain_lengths_and_keeps_the_tokens(checkpoint_factory):
+    """An engine loaded with draft_tokens=2: speculative="auto" measures plain decode, one draft and two drafts a
+    step on its own calls, and every call's tokens are plain decode's."""
+    path = checkpoint_factory("v3_groups_qlora_yarn")
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, draft_tokens=2)
+    prompt = [[3, 4, 5, 6, 7]]
+    expected = engine.generate(prompt, max_new_tokens=12, stop_at_eos=False).sequences
+    chains = []
+    for _ in range(6):
+        result = engine.generate(prompt, max_new_tokens=12, stop_at_eos=False, speculative="auto")
+        assert result.sequences == expected
+        report = result.stats.to_dict()["speculative_auto"]
+        chains.append(report["draft_tokens"])
+        if report["mode"] == "mtp":
+            assert len(result.stats.draft_proposed_by_position) == report["draft_tokens"]
+    # plain decode's step exists: measured at once; each chain's first call captures its step and runs again
+    assert chains[:5] == [None, 1, 1, 2, 2]
+    assert set(engine.generate(prompt, max_new_tokens=12, stop_at_eos=False, speculative="auto").stats.to_dict()[
+        "speculative_auto"]["ms_per_token_by_draft_tokens"]) == {1, 2}
     engine.close()
 
 
