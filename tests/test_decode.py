@@ -133,10 +133,28 @@ def test_chained_drafts_keep_plain_decodes_tokens_and_count_each_position(draft_
     assert per_step[None, False] > one_draft.stats.to_dict()["tokens_per_verify_step"]
 
 
-def test_draft_tokens_is_checked():
+def test_draft_tokens_is_checked(checkpoint_factory, capsys):
+    """One sentence for a chain the engine cannot run: from the options, the command line, and a chain longer than
+    the engine was loaded for (its steps are shaped at load)."""
+    from moeprefetch.cli import main
+
     for bad in (0, 5, 1.5, True):
         with pytest.raises(RequestError, match="draft_tokens must be"):
             EngineConfig(draft_tokens=bad).check()
+    path = checkpoint_factory("v3_groups_qlora_yarn")
+    capsys.readouterr()
+    assert main(["generate", str(path), "--prompt-ids", "1,2", "--speculative", "mtp", "--draft-tokens", "9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "draft_tokens must be at most 4" in err and "Traceback" not in err
+    with MoEPrefetchEngine.from_pretrained(path, progress=False) as engine:  # loaded for one draft
+        expected = engine.generate([[3, 4, 5]], max_new_tokens=4, stop_at_eos=False).sequences
+        engine.options = dataclasses.replace(engine.options, draft_tokens=3)
+        with pytest.raises(RequestError, match="draft_tokens=3 needs 4 rows a sequence, but this engine was loaded "
+                                               "for 2: load it with draft_tokens=3"):
+            engine.generate([[3, 4, 5]], max_new_tokens=4, stop_at_eos=False, speculative="mtp")
+        engine.options = dataclasses.replace(engine.options, draft_tokens=1)  # still usable
+        assert engine.generate([[3, 4, 5]], max_new_tokens=4, stop_at_eos=False, speculative="mtp").sequences == \
+            expected
 
 
 def test_batch_of_four_matches_all_resident_at_every_cache_size(reference):
