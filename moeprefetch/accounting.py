@@ -136,7 +136,7 @@ class Stats:
     speculative: bool = False
     predictor: str = "none"
     lookahead: int = 1
-    policy: str = "lru"
+    policy: str = ResidencyConfig.policy
     lrfu_halflife: float = ResidencyConfig.frequency_halflife
     cache_slots: int = 0
     expert_bytes: int = 0
