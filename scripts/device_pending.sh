@@ -11,7 +11,7 @@
 # zero-copy reads with cold translations); STAGE=policies: issue 13's LRU / LRFU / LFU rows (ref17, V2-Lite) and the
 # GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU,
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
-# Usage: STAGE=qwen3|serve|serve_all|verify|spec_deep|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
+# Usage: STAGE=qwen3|serve|serve_all|verify|spec_deep|spec_ref17|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
 #   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace|int4_tests|int4_bench|int4_gemv|learned_deep| \
 #   divergence|table_stress \
 #   [LIMIT=seconds] \
@@ -194,6 +194,16 @@ case "${STAGE:-tests}" in
     # (EMBED_TEST=1) the GPU test of an embedding table in host memory
     [ -n "${EMBED_TEST:-}" ] && timeout "${TESTS_S:-90}" python3 -m pytest "$(junit)" tests/test_streaming.py -q \
       -p no:cacheprovider --tb=short -k "embedding_table_in_host_memory" 2>&1 | tail -3 ;;
+  spec_ref17)
+    # issue 39 on the shipped reference model (ref17: trained, its MTP head kept ~74 % of drafts on the CPU; nothing
+    # to train first): plain decode against chains of 1 to 3 drafts, every expert resident, with the timelines of a
+    # plain and a verify step; then the GPU test of chained drafts
+    timeout "${LIMIT:-200}" python3 scripts/bench_gpu.py --out "$out/bench_spec_ref17.json" --workloads ref17 \
+      --runs "${RUNS:-3}" --variant speculation --profile \
+      --systems all_resident,all_resident_speculative,all_resident_speculative~drafts2,all_resident_speculative~drafts3 \
+      "$@" 2>&1 | filter
+    timeout "${TESTS_S:-100}" python3 -m pytest "$(junit)" tests/test_gpu.py -q -p no:cacheprovider --tb=short \
+      -k "chained_drafts" 2>&1 | tail -3 ;;
   spec_v2lite)
     # issue 39's first aim at V2-Lite's shape (random weights, so the draft is never accepted): a 2-row verify step
     # against a 1-row step, every expert resident, each with its kernel timeline
