@@ -340,6 +340,7 @@ def test_a_full_queue_answers_429_and_loses_nothing_else(model_dir):
         server.close()
 
 
+@pytest.mark.slow  # the fast lane: every one of 64 concurrent requests answered (test_64_concurrent_...)
 def test_bounded_load_loses_no_request(live, capsys):
     """48 requests from 8 workers: every one answered in time; the latency percentiles and throughput are printed."""
     started = time.perf_counter()
@@ -1016,6 +1017,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.slow  # the fast lane: disconnected clients free their rows, queued ones are never prefilled
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident size from /proc")
 def test_a_disconnect_storm_leaves_the_server_healthy_and_memory_flat(live, monkeypatch):
     from moeprefetch.serve.scheduler import Handle

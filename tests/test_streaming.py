@@ -5,12 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import gpu
+from conftest import full_only, gpu
 from moeprefetch import MoEPrefetchEngine
 
 
-@pytest.mark.parametrize("layers,ahead,slots,depth", [(1, 1, 8, 3), (2, 1, 8, 3), (3, 2, 8, 3), (3, 1, 8, 3),
-                                                      (1, 2, None, 3), (3, 1, None, 3), (4, 2, 8, 4), (5, 2, None, 5)])
+# the fast lane: both branches (a ring smaller than the streamed layers, and one that holds them all), with and
+# without expert offload, look-ahead 1 and 2, and both rings that do not divide their layers
+@pytest.mark.parametrize("layers,ahead,slots,depth", [full_only(1, 1, 8, 3), full_only(2, 1, 8, 3),
+                                                      full_only(3, 2, 8, 3), (3, 1, 8, 3), (1, 2, None, 3),
+                                                      full_only(3, 1, None, 3), (4, 2, 8, 4), (5, 2, None, 5)])
 def test_streamed_layers_change_nothing(checkpoint_factory, layers, ahead, slots, depth):
     """Every number of streamed layers, with expert offload (8 slots) and without, and rings whose size does not
     divide the streamed layers (4 or 5 layers through 3 buffers: the look-ahead wraps into the next step without
