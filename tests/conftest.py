@@ -17,6 +17,10 @@ if not torch.cuda.is_available():
     # defined. The engine itself runs the references on the CPU either way.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One intra-op thread: the tests' tensors are tiny, and on a 2-core machine that runs anything else at the same time,
+# two OpenMP threads spin-waiting on each other made small ops tens of times slower (test_streaming 13 s -> 100 s).
+torch.set_num_threads(1)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
