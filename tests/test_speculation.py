@@ -124,19 +124,24 @@ def test_calls_that_measure_nothing_leave_the_estimates_alone():
     assert not auto.record(unavailable, stats(1.0, 100, 100), warm=True)
 
 
-def test_auto_keeps_the_tokens_and_reports_each_calls_decision(checkpoint_factory):
-    path = checkpoint_factory("v3_groups_qlora_yarn")
-    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=7)
+def auto_calls(engine: MoEPrefetchEngine, calls: int) -> list:
+    """`calls` speculative="auto" calls of one prompt, each checked against plain decode's tokens -> their results."""
     prompt = [[3, 4, 5, 6, 7]]
     expected = engine.generate(prompt, max_new_tokens=12, stop_at_eos=False).sequences
-    reports = []
-    for _ in range(6):
+    results = []
+    for _ in range(calls):
         result = engine.generate(prompt, max_new_tokens=12, stop_at_eos=False, speculative="auto")
         assert result.sequences == expected
         stats_ = result.stats.to_dict()
-        report = stats_["speculative_auto"]
-        assert stats_["speculative"] == (report["mode"] == "mtp")
-        reports.append(report)
+        assert stats_["speculative"] == (stats_["speculative_auto"]["mode"] == "mtp")
+        results.append(result)
+    return results
+
+
+def test_auto_keeps_the_tokens_and_reports_each_calls_decision(checkpoint_factory):
+    path = checkpoint_factory("v3_groups_qlora_yarn")
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=7)
+    reports = [r.stats.to_dict()["speculative_auto"] for r in auto_calls(engine, 6)]
     modes = [r["mode"] for r in reports]
     # plain decode's step exists (the call above built it): measured at once; speculation's first call builds its
     # step, which is no measurement, so it runs again
@@ -154,20 +159,16 @@ def test_auto_chooses_among_chain_lengths_and_keeps_the_tokens(checkpoint_factor
     step on its own calls, and every call's tokens are plain decode's."""
     path = checkpoint_factory("v3_groups_qlora_yarn")
     engine = MoEPrefetchEngine.from_pretrained(path, progress=False, draft_tokens=2)
-    prompt = [[3, 4, 5, 6, 7]]
-    expected = engine.generate(prompt, max_new_tokens=12, stop_at_eos=False).sequences
+    results = auto_calls(engine, 6)
     chains = []
-    for _ in range(6):
-        result = engine.generate(prompt, max_new_tokens=12, stop_at_eos=False, speculative="auto")
-        assert result.sequences == expected
+    for result in results:
         report = result.stats.to_dict()["speculative_auto"]
         chains.append(report["draft_tokens"])
         if report["mode"] == "mtp":
             assert len(result.stats.draft_proposed_by_position) == report["draft_tokens"]
     # plain decode's step exists: measured at once; each chain's first call captures its step and runs again
     assert chains[:5] == [None, 1, 1, 2, 2]
-    assert set(engine.generate(prompt, max_new_tokens=12, stop_at_eos=False, speculative="auto").stats.to_dict()[
-        "speculative_auto"]["ms_per_token_by_draft_tokens"]) == {1, 2}
+    assert set(results[-1].stats.to_dict()["speculative_auto"]["ms_per_token_by_draft_tokens"]) == {1, 2}
     engine.close()
 
 
