@@ -66,13 +66,9 @@ class StepShape:
 
     @property
     def sampled(self) -> int:
-        """Tokens sampled per sequence: after the real row, and after each verified draft."""
+        """Tokens sampled per sequence: after the real row, and after each verified draft (the MTP head runs one row
+        after each)."""
         return 1 + self.draft_tokens if self.mode == "verify" else 1
-
-    @property
-    def mtp_rows(self) -> int:
-        """MTP rows per sequence: one after each sampled token."""
-        return self.sampled
 
     @property
     def chain(self) -> int:

@@ -88,7 +88,7 @@ def build_request(args: ModelArgs, tokenizer: Any, options: ResolvedConfig, path
                                f"{args.max_position_embeddings} positions")
         # the decode step writes the shadow/draft rows up to draft_tokens positions ahead, kept drafts as many more,
         # and chained MTP drafts (lookahead k, or draft_tokens d from the last row kept) k - 1 (d - 1) more
-        reach = 2 * options.draft_tokens - 1 if speculative == "mtp" or speculative == "auto" else 1
+        reach = 2 * options.draft_tokens - 1 if speculative in ("mtp", "auto") else 1
         needed = len(prompt) + max_new_tokens + 1 + max(reach, spec.chain)
         if needed > options.max_seq_len:
             raise RequestError(f"prompt {i} ({len(prompt)} tokens) plus max_new_tokens={max_new_tokens} needs "
