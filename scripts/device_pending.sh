@@ -11,7 +11,7 @@
 # zero-copy reads with cold translations); STAGE=policies: issue 13's LRU / LRFU / LFU rows (ref17, V2-Lite) and the
 # GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU,
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
-# Usage: STAGE=qwen3|serve|serve_all|verify|spec_deep|spec_ref17|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
+# Usage: STAGE=qwen3|serve|serve_all|verify|spec_deep|deep_model|spec_ref17|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
 #   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace|int4_tests|int4_bench|int4_gemv|learned_deep| \
 #   divergence|table_stress \
 #   [LIMIT=seconds] \
@@ -194,6 +194,11 @@ case "${STAGE:-tests}" in
     # (EMBED_TEST=1) the GPU test of an embedding table in host memory
     [ -n "${EMBED_TEST:-}" ] && timeout "${TESTS_S:-90}" python3 -m pytest "$(junit)" tests/test_streaming.py -q \
       -p no:cacheprovider --tb=short -k "embedding_table_in_host_memory" 2>&1 | tail -3 ;;
+  deep_model)
+    # the deep benchmark model alone (trained when .device-data/deep holds none; carry .device-data/corpus_min), so a
+    # later call on the warm machine (or carrying the returned parts) benchmarks it without training first
+    [ -f .device-data/deep/model.safetensors.index.json ] || \
+      { train_deep; tar -C .device-data -cf - deep | split -b 15M - "$out/deep.tar.part-"; } ;;
   spec_ref17)
     # issue 39 on the shipped reference model (ref17: trained, its MTP head kept ~74 % of drafts on the CPU; nothing
     # to train first): plain decode against chains of 1 to 3 drafts, every expert resident, with the timelines of a
