@@ -209,6 +209,17 @@ def test_models_health_and_metrics(live):
     value = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines() if "{" in line}
     assert value["moeprefetch_prefill_seconds_total"] > 0 and value["moeprefetch_decode_seconds_total"] > 0
     assert value["moeprefetch_decode_steps_total"] >= 3
+    # refusals before the scheduler, by status: a bad body (400), an unknown model (404), a wrong route (404)
+    def refused(status: int) -> float:
+        text = httpx.get(live.url + "/metrics", timeout=30).text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if 'outcome="refused"' in line and f'status="{status}"' in line)
+
+    before = refused(400), refused(404)
+    httpx.post(live.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": -1}, timeout=30)
+    httpx.post(live.url + "/v1/completions", json={"model": "other", "prompt": "x"}, timeout=30)
+    httpx.get(live.url + "/v1/nothing", timeout=30)
+    assert (refused(400), refused(404)) == (before[0] + 1, before[1] + 2)
 
 
 def test_ignore_eos_generates_max_tokens_and_streams_one_chunk_per_token(live):
@@ -222,6 +233,10 @@ def test_ignore_eos_generates_max_tokens_and_streams_one_chunk_per_token(live):
                       json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
         chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 9
+    assert all(chunk["usage"] is None for chunk in chunks[:-1])  # the field in every chunk, null before the last
+    refused = httpx.post(live.url + "/v1/completions", json={**body, "stream_options": {"include_usage": True}},
+                         timeout=30)
+    assert _error_of(refused, 400, "stream_options")  # the options of a stream, not of a single answer
     # a stream that fails before its first token gets the HTTP error, not a 200 with an error event
     response = httpx.post(live.url + "/v1/completions", timeout=30,
                           json={"model": "tiny", "prompt": [3, 10**6], "max_tokens": 3, "stream": True})
@@ -338,6 +353,35 @@ def test_a_full_queue_answers_429_and_loses_nothing_else(model_dir):
         assert all(r.json()["choices"][0]["text"] is not None for r in responses if r.status_code == 200)
     finally:
         server.close()
+
+
+def test_requests_on_their_way_into_free_rows_are_not_counted_as_waiting(model_dir):
+    """The queue refuses only what would wait beyond the free rows: batch rows + max_queue requests at once are
+    all taken on an idle server (the scheduler thread may not have moved any into a row yet)."""
+    import asyncio
+
+    from moeprefetch.sampling import SamplingParams
+    from moeprefetch.serve.protocol import APIError, Job
+    from moeprefetch.serve.scheduler import Handle
+
+    server = LiveServer(model_dir, max_batch_size=4, max_queue=2, name="small")
+    loop = asyncio.new_event_loop()
+
+    def handle() -> Handle:
+        job = Job(kind="text_completion", prompt_ids=[7, 8, 9], max_tokens=2, sampling=SamplingParams(), stop=[],
+                  stream=False)
+        return Handle(job=job, loop=loop, events=asyncio.Queue())
+
+    try:
+        with server.scheduler._cond:  # the scheduler thread waits: every request stays queued while it is submitted
+            for _ in range(4 + 2):
+                server.scheduler.submit(handle())
+            with pytest.raises(APIError) as refused:
+                server.scheduler.submit(handle())
+            assert refused.value.status == 429 and refused.value.code == "rate_limit_exceeded"
+    finally:
+        server.close()
+        loop.close()
 
 
 @pytest.mark.slow  # the fast lane: every one of 64 concurrent requests answered (test_64_concurrent_...)
@@ -458,6 +502,7 @@ def _error_of(response, status: int, param: str | None = "any") -> dict:
     assert response.headers["content-type"].startswith("application/json"), response.headers
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["type"]
+    assert error["code"] is None or isinstance(error["code"], str), error  # what OpenAI's clients parse
     assert param == "any" or error["param"] == param, error
     return error
 
@@ -666,7 +711,7 @@ def test_requests_cut_by_the_drain_get_a_503_json_or_an_error_event_then_done(pl
         assert "shut down before this request finished" in error["message"]
         status, lines = results["stream"]
         assert status == 200 and lines[-1] == "data: [DONE]"
-        assert json.loads(lines[-2][6:])["error"]["code"] == 503
+        assert json.loads(lines[-2][6:])["error"]["code"] == "service_unavailable"
         assert len(lines) > 3  # tokens had streamed before the cut
         server.thread.join(timeout=30)
         assert not server.thread.is_alive()
@@ -724,6 +769,11 @@ def test_unknown_paths_and_wrong_methods_are_openai_json_errors(live):
     assert error["code"] == "model_not_found" and error["type"] == "not_found_error" and "'other'" in error["message"]
     with pytest.raises(openai.NotFoundError):
         live.client.models.retrieve("org/other")
+    # a trailing slash: served where a route takes it, else a JSON 404 (never an empty redirect)
+    listed = httpx.get(live.url + "/v1/models/", timeout=30)
+    assert listed.status_code == 200 and [m["id"] for m in listed.json()["data"]] == ["tiny"]
+    slashed = httpx.post(live.url + "/v1/completions/", timeout=30, json={"model": "tiny", "prompt": "a"})
+    assert _error_of(slashed, 404)["code"] == "not_found"
 
 
 def test_deep_json_and_lone_surrogates_are_one_sentence_400s(live):

@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -91,6 +92,8 @@ class Server:
         self.limits = limits_of(engine, scheduler, model_name, default_max_tokens)
         self.created = int(time.time())
         self.draining = False  # set when a shutdown begins: new /v1 requests get 503
+        # requests answered with an error before the scheduler saw them, by HTTP status (the event loop's alone)
+        self.refused: Counter[int] = Counter()
         self.workers = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="moeprefetch-parse")
         tokenizer = engine.tokenizer
         if tokenizer is not None and not getattr(tokenizer, "chat_template", None):
@@ -106,6 +109,8 @@ class Server:
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model_id"]
+        if not name:  # /v1/models/: the list, as /v1/models
+            return await self.models(request)
         if name != self.model_name:
             raise APIError(404, f"model {name!r} is not served here; this server serves {self.model_name!r}",
                            "model", "not_found_error", code="model_not_found")
@@ -118,8 +123,11 @@ class Server:
                             status_code=200 if status == "ok" else 503)
 
     async def metrics(self, request: Request) -> Response:
-        return PlainTextResponse(prometheus_text(self.scheduler.snapshot(), self.model_name),
+        return PlainTextResponse(prometheus_text(self.scheduler.snapshot(), self.model_name, self.refused),
                                  media_type="text/plain; version=0.0.4")
+
+    def count_refusal(self, status: int) -> None:
+        self.refused[status] += 1
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, parse_completion)
@@ -132,20 +140,15 @@ class Server:
         return parse(decode_body(raw), self.engine.tokenizer, self.limits)
 
     async def _generate(self, request: Request, parse) -> Response:
-        largest = self.limits.largest_body
-        if largest < self.settings.max_body_bytes:
-            raw = await read_body(request, largest, self.settings.body_timeout,
-                                  f"any request this model could accept ({{max_bytes}} bytes at most: its context is "
-                                  f"max_seq_len={self.limits.context} tokens)")
-        else:
-            raw = await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout)
-        if raw is None:  # the client left during its upload: nobody reads an answer
+        try:
+            handle = await self._submit(request, parse)
+        except APIError as exc:
+            if exc.status != 429:  # the scheduler counts its own refusals (rejected)
+                self.count_refusal(exc.status)
+            raise
+        if handle is None:  # the client left during its upload: nobody reads an answer
             return Response(status_code=400)
-        loop = asyncio.get_running_loop()
-        # JSON decoding and tokenisation off the event loop: a long prompt must not stall every stream
-        job = await loop.run_in_executor(self.workers, self._parse, raw, parse)
-        handle = Handle(job=job, loop=loop, events=asyncio.Queue())
-        self.scheduler.submit(handle)
+        job = handle.job
         # watched from now on: a queued request whose client left is dropped before its prefill
         watcher = asyncio.create_task(self._watch_disconnect(request, handle))
         streaming = False
@@ -164,6 +167,24 @@ class Server:
             watcher.cancel()  # a streaming response watches the client itself
             if not streaming:
                 handle.cancelled = True  # a client that went away frees its row at the next token boundary
+
+    async def _submit(self, request: Request, parse) -> Handle | None:
+        """The request's body read, parsed and queued (None: the client left during its upload)."""
+        largest = self.limits.largest_body
+        if largest < self.settings.max_body_bytes:
+            raw = await read_body(request, largest, self.settings.body_timeout,
+                                  f"any request this model could accept ({{max_bytes}} bytes at most: its context is "
+                                  f"max_seq_len={self.limits.context} tokens)")
+        else:
+            raw = await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout)
+        if raw is None:
+            return None
+        loop = asyncio.get_running_loop()
+        # JSON decoding and tokenisation off the event loop: a long prompt must not stall every stream
+        job = await loop.run_in_executor(self.workers, self._parse, raw, parse)
+        handle = Handle(job=job, loop=loop, events=asyncio.Queue())
+        self.scheduler.submit(handle)
+        return handle
 
     @staticmethod
     async def _release(handle: Handle) -> None:
@@ -201,6 +222,8 @@ class Server:
             logprobs = _logprobs(job, [logprob], [offset], self.engine.tokenizer) if logprob is not None else None
             body = {"id": job.id, "object": _object(job, True), "created": job.created, "model": self.model_name,
                     "choices": [_choice(job, text, reason, True, logprobs)]}
+            if job.include_usage:  # as OpenAI: every chunk carries the field, null until the last one
+                body["usage"] = None
             return f"data: {json.dumps(body)}\n\n"
 
         try:
@@ -240,6 +263,7 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own 404 (no such route) and 405 (wrong method), in OpenAI's error shape."""
     assert isinstance(exc, HTTPException)
+    request.app.state.server.count_refusal(exc.status_code)
     where = f"{request.method} {request.url.path}"
     if exc.status_code == 404:
         message = f"there is no route {where}; the API lives under /v1 (/v1/completions, /v1/chat/completions, " \
@@ -257,11 +281,15 @@ async def _server_error(request: Request, exc: Exception) -> Response:
                                   kind="server_error"))
 
 
-def prometheus_text(state: dict[str, Any], model: str) -> str:
-    """The scheduler's counters in Prometheus' text format."""
+def prometheus_text(state: dict[str, Any], model: str, refused: dict[int, int] | None = None) -> str:
+    """The scheduler's counters in Prometheus' text format; `refused`: requests answered with an error before the
+    scheduler saw them, by HTTP status."""
     label = f'model="{model}"'
-    lines = ["# HELP moeprefetch_requests_total Requests by outcome.", "# TYPE moeprefetch_requests_total counter"]
+    lines = ["# HELP moeprefetch_requests_total Requests by outcome (refused: by HTTP status, before the scheduler "
+             "saw them).", "# TYPE moeprefetch_requests_total counter"]
     lines += [f'moeprefetch_requests_total{{{label},outcome="{k}"}} {v}' for k, v in state["requests"].items()]
+    lines += [f'moeprefetch_requests_total{{{label},outcome="refused",status="{status}"}} {n}'
+              for status, n in sorted((refused or {}).items())]
     gauges = {"queue_depth": state["queue_depth"], "active_requests": state["active"],
               "max_batch_size": state["max_batch_size"]}
     counters = {"prompt_tokens_total": state["prompt_tokens"], "completion_tokens_total": state["completion_tokens"],
@@ -309,8 +337,11 @@ def build_app(engine, model_name: str, predictor: str | None = None, max_queue: 
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics, methods=["GET"]),
     ], middleware=[Middleware(Guard, api_key=api_key, allowed_hosts=settings.allowed_hosts,
-                              draining=lambda: server.draining)],
+                              draining=lambda: server.draining, refused=server.count_refusal)],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan)
+    # a path with a trailing slash is not redirected (a 307 with an empty body reads as no answer to a POST): it is
+    # served where a route takes it (/v1/models/), else it is a JSON 404
+    app.router.redirect_slashes = False
     app.state.server = server
     return app

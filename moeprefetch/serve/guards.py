@@ -57,8 +57,10 @@ class Guard:
     """ASGI middleware: refuses a foreign Host header (400), a missing or wrong API key on /v1/* (401) and, while the
     server drains, new /v1/* requests (503), each with a JSON body; everything else goes on to the app."""
 
-    def __init__(self, app, api_key: str | None, allowed_hosts: list[str] | None, draining: Callable[[], bool]):
+    def __init__(self, app, api_key: str | None, allowed_hosts: list[str] | None, draining: Callable[[], bool],
+                 refused: Callable[[int], None] = lambda status: None):
         self.app = app
+        self.refused = refused  # counts each refusal by status (the server's metrics)
         self.key = api_key.encode() if api_key else None
         self.hosts = None if allowed_hosts is None or "*" in allowed_hosts else {h.lower() for h in allowed_hosts}
         self.draining = draining
@@ -67,6 +69,7 @@ class Guard:
         if scope["type"] == "http":
             refusal = self._refusal(scope)
             if refusal is not None:
+                self.refused(refusal.status)
                 await ErrorResponse(refusal)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -29,14 +29,19 @@ NOT_HONOURED: tuple[tuple[str, tuple[Any, ...]], ...] = (
 )
 
 
+# an error's `code` where the raiser names none: OpenAI's clients read a string or null there, never a number
+CODES = {404: "not_found", 405: "method_not_allowed", 429: "rate_limit_exceeded", 500: "internal_error",
+         503: "service_unavailable"}
+
+
 class APIError(Exception):
     """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
 
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | int | None = None, headers: dict[str, str] | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
-        self.code = status if code is None else code
+        self.code = CODES.get(status) if code is None else code
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
@@ -212,6 +217,8 @@ def parse_common(body: Any, limits: Limits) -> dict[str, Any]:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise APIError(400, "stream_options must be an object like {\"include_usage\": true}", "stream_options")
+    if body.get("stream_options") is not None and not stream:  # as OpenAI: the options of a stream
+        raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
     if seed is None:  # as engine.generate: a fresh seed, so that unseeded requests differ
         seed = secrets.randbits(62)
     sampling = SamplingParams(temperature=temperature, top_k=top_k or 0, top_p=top_p, seed=seed,

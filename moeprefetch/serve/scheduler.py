@@ -94,7 +94,9 @@ class Scheduler:
                 raise APIError(503, "the server is shutting down or its engine thread has stopped",
                                kind="server_error", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
             self._drop_cancelled_queue()  # clients gone while they waited do not hold places
-            if len(self.queue) >= self.max_queue:
+            # the queue holds requests on their way into free rows too: only those beyond the free rows wait
+            free_rows = max(self.batch.rows - len(self.rows) - len(self._admitting), 0)
+            if len(self.queue) - free_rows >= self.max_queue:
                 self.counters.requests["rejected"] += 1
                 raise APIError(429, f"the request queue is full ({self.max_queue} waiting); retry later",
                                kind="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
