@@ -75,6 +75,7 @@ class ResolvedConfig:
     draft_experts: str
     verify_confidence: float  # speculative='mtp': drafts below it are not verified (their experts not read)
     draft_tokens: int  # speculative='mtp': chained drafts a verify step checks
+    verify_rows: str  # separate | shared: a step's extra rows as batches of their own, or one batch with the real rows
     late_prefetch: str
     cuda_graphs: bool
     fused_kernels: bool
@@ -313,7 +314,7 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
         routing_trace=str(config.routing_trace) if config.routing_trace is not None else None,
         spare_recent=config.spare_recent, prefetch_lead=config.prefetch_lead,
         draft_experts=config.draft_experts, verify_confidence=float(config.verify_confidence),
-        draft_tokens=config.draft_tokens,
+        draft_tokens=config.draft_tokens, verify_rows=config.verify_rows,
         late_prefetch=config.late_prefetch, cuda_graphs=graphs,
         fused_kernels=bool(config.fused_kernels), progress=bool(config.progress))
 

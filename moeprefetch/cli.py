@@ -29,7 +29,7 @@ EXIT_INTERRUPTED = 130
 def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine options `generate` and `serve` share."""
     from .expert_records import EXPERT_DTYPES
-    from .options import DRAFT_EXPERTS, FILL_LINK, LATE_PREFETCH, EngineConfig
+    from .options import DRAFT_EXPERTS, FILL_LINK, LATE_PREFETCH, VERIFY_ROWS, EngineConfig
     from .predictors import PREDICTOR_NAMES
 
     defaults = EngineConfig()
@@ -64,6 +64,8 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help=EngineConfig.help("verify_confidence"))
     parser.add_argument("--draft-tokens", type=int, default=defaults.draft_tokens,
                         help=EngineConfig.help("draft_tokens"))
+    parser.add_argument("--verify-rows", choices=VERIFY_ROWS, default=defaults.verify_rows,
+                        help=EngineConfig.help("verify_rows"))
     parser.add_argument("--spare-recent", type=int, default=defaults.spare_recent, help=EngineConfig.help("spare_recent"))
     parser.add_argument("--prefetch-lead", type=int, default=defaults.prefetch_lead,
                         help=EngineConfig.help("prefetch_lead"))
@@ -292,7 +294,7 @@ def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(device=ns.device, dtype=dtype, policy=ns.policy, lrfu_halflife=ns.lrfu_halflife,
                                   prefetch_budget=ns.prefetch_budget,
                                   draft_experts=ns.draft_experts, verify_confidence=ns.verify_confidence,
-                                  draft_tokens=ns.draft_tokens,
+                                  draft_tokens=ns.draft_tokens, verify_rows=ns.verify_rows,
                                   spare_recent=ns.spare_recent,
                                   prefetch_lead=ns.prefetch_lead, late_prefetch=ns.late_prefetch, progress=ns.verbose,
                                   distributed=ns.distributed, fill_confidence=ns.fill_confidence,

@@ -58,6 +58,10 @@ class StepShape:
     # rows per sequence the engine fixes its kernels for (1 + its draft_tokens): every step of every mode multiplies
     # the same way, so a row's bits never depend on the mode
     rows_per_sequence: int = 2
+    # verify_rows="shared": every step computes its rows_per_sequence rows of a sequence as one batch (the real row,
+    # the extra rows, padding rows), so a verify step reads each weight once for all its rows; a row's bits stay
+    # the same in every mode because every mode's kernels see the same rows
+    shared_rows: bool = False
 
     @property
     def extra(self) -> int:
@@ -227,6 +231,9 @@ class DecodeStep:
         # per row: token, position, active, then the extra rows' tokens, then (verify) whether each draft is checked
         self.inputs = torch.zeros(b, 3 + e + (e if shape.mode == "verify" else 0), dtype=torch.int64, device=dev)
         self.draft_conf = torch.zeros(b, max(e, 1), dtype=torch.float32, device=dev)
+        # verify_rows='shared': the padding rows' tokens (a step computes rows_per_sequence rows a sequence)
+        self.padding = torch.zeros(b, shape.rows_per_sequence - 1 - e if shape.shared_rows else 0, dtype=torch.int64,
+                                   device=dev)
         # per row: the sampled tokens, then the next drafts
         self.outputs = torch.zeros(b, sampled + shape.chain, dtype=torch.int64, device=dev)
         self.probs = torch.zeros(b, shape.chain, dtype=torch.float32, device=dev)
@@ -368,21 +375,25 @@ class DecodeStep:
             if shape.mode == "verify" else None
         if shape.adjust:  # a row's input token is its latest generated one: penalties count it from now on
             self.sampler.logit_adjuster().count(tokens, self.active)
-        groups = [self.runner.embed(tokens[:, None])]
-        groups += [self.runner.embed(self.inputs[:, 3 + j : 4 + j]) for j in range(e)]
+        if shape.shared_rows:  # one batch [B, rows_per_sequence]: the real row, the extra rows, padding rows
+            groups = [self.runner.embed(torch.cat((tokens[:, None], self.inputs[:, 3 : 3 + e], self.padding), 1))]
+        else:  # the real rows, then each extra row, each a batch of its own
+            groups = [self.runner.embed(tokens[:, None])]
+            groups += [self.runner.embed(self.inputs[:, 3 + j : 4 + j]) for j in range(e)]
         for lw in self.weights.layers:
             self.runner.enter(lw.index)
             groups = block(self.ops, lw, groups, self._attend(lw, pos), self._routed)
             self.runner.leave(lw.index)
-        hidden = self.ops.norm(groups[0][:, 0], self.weights.final_norm)
-        self.logits.copy_(self.runner.logits(hidden))
+        hidden_of, logits_of = self._heads(groups)
+        hidden = hidden_of(0)
+        self.logits.copy_(logits_of(0, hidden))
         next_tokens = self.sampler(self.logits, self.params, self.rows, pos + 1, adjust=shape.adjust)
         self.outputs[:, 0].copy_(next_tokens)
         self._logprobs(0, self.logits, next_tokens)
         mtp_tokens, mtp_hidden = [next_tokens], [hidden]
         for j in range(1, shape.sampled):  # verify: the token after each draft row, at its own position's seed
-            draft_hidden = self.ops.norm(groups[j][:, 0], self.weights.final_norm)
-            draft_logits = self.runner.logits(draft_hidden)
+            draft_hidden = hidden_of(j)
+            draft_logits = logits_of(j, draft_hidden)
             later = self.sampler(draft_logits, self.params, self.rows, pos + 1 + j, adjust=shape.adjust)
             self.outputs[:, j].copy_(later)
             self._logprobs(j, draft_logits, later)
@@ -397,6 +408,20 @@ class DecodeStep:
             self.ring.leads.close_step(res.st.decode_step)
         res.end_step()
 
+    def _heads(self, groups: list[torch.Tensor]):
+        """(row j -> its final hidden state [B, H], (row j, that state) -> its logits [B, V]): j = 0 the real rows,
+        j >= 1 the extra rows. Shared rows go through the final norm and the vocabulary head together, every row of
+        the batch in every mode (so a row's logits have the same bits in a plain and a verify step); separate ones
+        each as a batch of its own."""
+        final_norm = self.weights.final_norm
+        if not self.shape.shared_rows:
+            return (lambda j: self.ops.norm(groups[j][:, 0], final_norm)), (lambda j, h: self.runner.logits(h))
+        b, r, h = groups[0].shape
+        hiddens = self.ops.norm(groups[0].reshape(b * r, h), final_norm)
+        logits = self.runner.logits(hiddens).view(b, r, -1)
+        hiddens = hiddens.view(b, r, h)
+        return (lambda j: hiddens[:, j]), (lambda j, _: logits[:, j])
+
     def _logprobs(self, index: int, logits: torch.Tensor, chosen: torch.Tensor) -> None:
         if self.shape.logprobs:
             values, ids = token_logprobs(logits, chosen, self.top_logprobs)
@@ -405,6 +430,14 @@ class DecodeStep:
 
     def _attend(self, lw, pos: torch.Tensor):
         kv = self.caches.layers[lw.index]
+        if self.shape.shared_rows:  # row j of a sequence at position pos + j; padding rows never past the cache
+            positions = (pos[:, None] + torch.arange(self.shape.rows_per_sequence, device=pos.device)).clamp(
+                max=self.caches.capacity - 1)
+
+            def attend_shared(_: int, normed: torch.Tensor) -> torch.Tensor:
+                return self.ops.attend_decode(lw.attn, normed, positions, kv)
+
+            return attend_shared
 
         def attend(group: int, normed: torch.Tensor) -> torch.Tensor:
             positions = pos[:, None] + group  # extra rows sit one position ahead
@@ -414,6 +447,25 @@ class DecodeStep:
 
     def _routed(self, layer: int, flat: list[torch.Tensor], routings: list[Routing]) -> list[torch.Tensor]:
         """The routed experts of every group of one layer, in one plan and one expert computation."""
+        if not self.shape.shared_rows:
+            return self._routed_kinds(layer, flat, routings)
+        # shared rows [B * rows_per_sequence]: the real rows and each extra row as the plan sees them (by kind, in
+        # the order separate rows give), padding rows none of the experts (their output zero)
+        b, r = self.shape.batch, self.shape.rows_per_sequence
+        kinds = 1 + self.shape.extra
+        x, routing = flat[0].view(b, r, -1), routings[0]
+
+        def row(t: torch.Tensor, j: int) -> torch.Tensor:
+            return t.view(b, r, *t.shape[1:])[:, j].contiguous()  # the plan kernel reads dense rows
+
+        outs = self._routed_kinds(layer, [x[:, j] for j in range(kinds)],
+                                  [Routing(ids=row(routing.ids, j), weights=row(routing.weights, j),
+                                           scores=row(routing.scores, j)) for j in range(kinds)])
+        padding = [torch.zeros_like(outs[0])] * (r - kinds)
+        return [torch.stack(outs + padding, 1).view(b * r, -1)]
+
+    def _routed_kinds(self, layer: int, flat: list[torch.Tensor], routings: list[Routing]) -> list[torch.Tensor]:
+        """`_routed` over the real rows (flat[0]) and each kind of extra row (flat[1:])."""
         shape, res = self.shape, self.res
         active = self.active
         position = res.position[layer]

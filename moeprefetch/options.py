@@ -24,6 +24,7 @@ DRAFT_EXPERTS = ("cached", "all", "auto")
 MAX_DRAFT_TOKENS = 4  # chained MTP drafts a verify step checks at most
 LATE_PREFETCH = ("reread", "wait")
 FILL_LINK = ("shared", "idle")
+VERIFY_ROWS = ("separate", "shared")  # a step's extra rows: batches of their own, or one batch with the real rows
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -85,6 +86,12 @@ class EngineConfig:
     draft_tokens: int = _opt(1, f"speculative='mtp': drafts a verify step checks (1 to {MAX_DRAFT_TOKENS}): the MTP "
                                 f"draft, chained on its own output for each further one; each costs a row per step, "
                                 f"and every step of this engine computes its rows' kernels for 1 + draft_tokens rows")
+    verify_rows: str = _opt("separate", "how a decode step computes a sequence's extra rows (its drafts or shadow "
+                                        "row): each as a batch of its own beside the real rows (separate: a plain "
+                                        "step computes its real rows alone; a verify step reads the layers' weights "
+                                        "once per row), or all 1 + draft_tokens rows of a sequence as one batch in "
+                                        "every step (shared: a verify step reads each weight once for all its rows, "
+                                        "with one launch per kernel; a plain step computes padding rows)")
     # shapes and formats
     max_seq_len: int | None = _opt(None, "longest sequence (default min(model limit, 4096))")
     max_batch_size: int = _opt(8, "largest batch of a call")
@@ -167,6 +174,8 @@ class EngineConfig:
             raise RequestError(f"int4_symmetric must be True or False, got {self.int4_symmetric!r}")
         for name in ("max_batch_size", "stream_ahead", "lookahead", "draft_tokens"):
             check_positive_int(name, getattr(self, name))
+        if self.verify_rows not in VERIFY_ROWS:
+            raise RequestError(f"verify_rows must be one of {', '.join(VERIFY_ROWS)}, got {self.verify_rows!r}")
         if self.draft_tokens > MAX_DRAFT_TOKENS:
             raise RequestError(f"draft_tokens must be at most {MAX_DRAFT_TOKENS}, got {self.draft_tokens!r}")
         spare = self.spare_recent

@@ -381,6 +381,7 @@ def step_shape(engine: SessionEngine, batch: int, spec: PredictorSpec, mode: str
                            f"for {engine.rows_per_sequence}: load it with draft_tokens={chain}")
     return StepShape(batch=batch, mode=mode, spec=spec, run_mtp=uses_mtp, draft_tokens=chain,
                      rows_per_sequence=engine.rows_per_sequence,
+                     shared_rows=engine.options.verify_rows == "shared",
                      drafts=uses_mtp and (mode != "none" or spec.needs_drafts), greedy=sampling.greedy,
                      top_k=0 < sampling.top_k < engine.args.vocab_size, top_p=sampling.top_p < 1.0,
                      adjust=sampling.adjusts, logprobs=sampling.logprobs is not None,

@@ -43,7 +43,7 @@ from moeprefetch import MoEPrefetchEngine  # noqa: E402
 from moeprefetch.analysis import belady_bytes_per_token  # noqa: E402
 from moeprefetch.checkpoint import CheckpointReader  # noqa: E402
 from moeprefetch.expert_records import EXPERT_DTYPES  # noqa: E402
-from moeprefetch.options import FILL_LINK, LATE_PREFETCH, POLICIES, EngineConfig, check_fraction  # noqa: E402
+from moeprefetch.options import FILL_LINK, LATE_PREFETCH, POLICIES, VERIFY_ROWS, EngineConfig, check_fraction  # noqa: E402
 
 logger = logging.getLogger("bench_gpu")
 GiB = 1024**3
@@ -707,14 +707,14 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
                           args.prompt_tokens, seed=1)
     common = dict(device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                   max_seq_len=args.max_seq_len, max_batch_size=1, progress=False, **format_settings(args),
-                  draft_tokens=longest_chain(args.systems))
+                  draft_tokens=longest_chain(args.systems), verify_rows=args.verify_rows)
     if name == "v2lite_trace":  # every engine, all-resident too, routes decode steps from the trace
         common["routing_trace"] = str(routing_trace_for(args, config))
     if head := learned_head_for(name, path, args):
         common["predictor_path"] = str(head)
     dtype_tag = "" if args.expert_dtype == "model" else f"@{args.expert_dtype}"
     base = {"workload": name + dtype_tag + (f"#{args.variant}" if args.variant else ""), "batch": 1,
-            **format_settings(args),
+            **format_settings(args), "verify_rows": args.verify_rows,
             "prompt_tokens": [len(p) for p in prompts], "vram_budget_gib": args.budget_gib}
     # the trained models, and a cut of Qwen3-30B-A3B's layers, cache a share of their experts (--cache-fraction); the
     # others get the budget
@@ -1490,6 +1490,8 @@ def main(argv: list[str] | None = None) -> int:
                         "policies ('~POLICY' rows, comma list)")
     parser.add_argument("--late-prefetch", choices=LATE_PREFETCH, default=EngineConfig.late_prefetch,
                         help="engine option late_prefetch (offloaded rows)")
+    parser.add_argument("--verify-rows", choices=VERIFY_ROWS, default=EngineConfig.verify_rows,
+                        help="engine option verify_rows (a step's extra rows: batches of their own, or one batch)")
     parser.add_argument("--variant", default="", help="a tag appended to every row's workload (settings runs)")
     parser.add_argument("--expert-dtypes", default="", help="also run offloaded rows with these expert formats, "
                         "e.g. fp8,int8")

@@ -11,7 +11,7 @@
 # zero-copy reads with cold translations); STAGE=policies: issue 13's LRU / LRFU / LFU rows (ref17, V2-Lite) and the
 # GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU,
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
-# Usage: STAGE=qwen3|serve|serve_all|verify|spec_deep|deep_model|spec_ref17|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
+# Usage: STAGE=qwen3|serve|serve_all|verify|spec_deep|deep_model|shared_rows|shared_rows_deep|spec_ref17|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
 #   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace|int4_tests|int4_bench|int4_gemv|learned_deep| \
 #   divergence|table_stress \
 #   [LIMIT=seconds] \
@@ -209,6 +209,29 @@ case "${STAGE:-tests}" in
       "$@" 2>&1 | filter
     timeout "${TESTS_S:-100}" python3 -m pytest "$(junit)" tests/test_gpu.py -q -p no:cacheprovider --tb=short \
       -k "chained_drafts" 2>&1 | tail -3 ;;
+  shared_rows)
+    # issue 39 item 1: verify_rows='shared' (every step one batch of 1 + draft_tokens rows a sequence) against the
+    # separate layout: the GPU test of both, then V2-Lite's shape (random weights, so no draft is kept) every expert
+    # resident, a 1-row and a 2-row step of each layout with their kernel timelines
+    timeout "${TESTS_S:-200}" python3 -m pytest "$(junit)" tests/test_gpu.py -q -p no:cacheprovider --tb=short \
+      -k "chained_drafts" 2>&1 | tail -3
+    for rows in separate shared; do
+      timeout "${LIMIT:-170}" python3 scripts/bench_gpu.py --out "$out/bench_rows_v2lite_$rows.json" --workloads v2lite \
+        --runs "${RUNS:-3}" --systems all_resident,all_resident_speculative --profile --keep-checkpoints \
+        --verify-rows "$rows" --variant "rows_$rows" "$@" 2>&1 | filter
+    done ;;
+  shared_rows_deep)
+    # issue 39 on the deep model (trained first when .device-data/deep holds none; carry .device-data/corpus_min),
+    # both layouts of a step's rows: plain decode against speculation with 1 and 2 drafts, every expert resident,
+    # then at 30 % cached (greedy), with the kernel timelines of a plain and a verify step
+    [ -f .device-data/deep/model.safetensors.index.json ] || \
+      { train_deep; tar -C .device-data -cf - deep | split -b 15M - "$out/deep.tar.part-"; }
+    for rows in separate shared; do
+      timeout "${LIMIT:-170}" python3 scripts/bench_gpu.py --out "$out/bench_rows_deep_$rows.json" --workloads deep \
+        --runs "${RUNS:-3}" --temperature 0 --cache-fraction 0.3 --verify-rows "$rows" --variant "rows_$rows" \
+        --systems "${SYSTEMS:-all_resident,all_resident_speculative,all_resident_speculative~drafts2,none,speculative_mtp~verify0.5}" \
+        --profile --profile-predictors none,speculative_mtp "$@" 2>&1 | filter
+    done ;;
   spec_v2lite)
     # issue 39's first aim at V2-Lite's shape (random weights, so the draft is never accepted): a 2-row verify step
     # against a 1-row step, every expert resident, each with its kernel timeline

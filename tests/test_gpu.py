@@ -74,17 +74,19 @@ def test_drafts_below_verify_confidence_keep_the_tokens_on_gpu():
         assert checked[0] > checked[1] > checked[2] >= 0, checked
         assert runs[1.0]["decode_bytes_h2d_per_token"] < runs[0.0]["decode_bytes_h2d_per_token"]
 
-@pytest.mark.parametrize("draft_tokens", [2, 3])
-def test_chained_drafts_keep_the_tokens_on_gpu(draft_tokens):
+@pytest.mark.parametrize("draft_tokens,verify_rows", [(2, "separate"), (3, "separate"), (1, "shared"), (3, "shared")])
+def test_chained_drafts_keep_the_tokens_on_gpu(draft_tokens, verify_rows):
     """speculative='mtp' with draft_tokens > 1 on the GPU (3 and 4 rows a sequence through the fused attention,
     plan and expert kernels; the rows kept found on the device): greedy and sampled tokens are plain decode's
-    resident and offloaded, and every generated token is a live row's sampled one or a kept draft's."""
+    resident and offloaded, and every generated token is a live row's sampled one or a kept draft's. With
+    verify_rows='shared' (every step one batch of 1 + draft_tokens rows a sequence, cuBLAS shapes included) the
+    MTP shadow row's steps keep them too."""
     import moeprefetch
 
     path = Path(moeprefetch.__file__).parent / "reference_model"
     prompts = [[5, 17, 29, 41, 53, 65, 77, 89], [7, 11, 13]]
     sampling = [dict(), dict(temperature=0.8, seed=3)]
-    options = dict(device="cuda", dtype=torch.bfloat16, draft_tokens=draft_tokens)
+    options = dict(device="cuda", dtype=torch.bfloat16, draft_tokens=draft_tokens, verify_rows=verify_rows)
     with MoEPrefetchEngine.from_pretrained(path, **options) as resident:
         expected = [resident.generate(prompts, max_new_tokens=24, stop_at_eos=False, **kw).sequences
                     for kw in sampling]
@@ -99,6 +101,9 @@ def test_chained_drafts_keep_the_tokens_on_gpu(draft_tokens):
                 assert stats["generated_tokens"] == len(prompts) + stats["draft_offered"] + stats["draft_accepted"]
                 assert len(stats["draft_acceptance_by_position"]) == draft_tokens
                 assert stats["syncs_per_token"] <= 1.0 and not engine.residency.problems()
+                if verify_rows == "shared":
+                    shadow = engine.generate(prompts, max_new_tokens=24, stop_at_eos=False, predictor="mtp", **kw)
+                    assert shadow.sequences == tokens, (slots, kw, "shadow")
 
 
 def test_offloaded_decode_never_synchronises_inside_a_step(checkpoint_factory, monkeypatch):
