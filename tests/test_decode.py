@@ -184,6 +184,12 @@ def test_draft_tokens_is_checked(checkpoint_factory, capsys):
     assert main(["generate", str(path), "--prompt-ids", "1,2", "--speculative", "mtp", "--draft-tokens", "9"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "draft_tokens must be at most 4" in err and "Traceback" not in err
+    for bad in ("both", None, 1):
+        with pytest.raises(RequestError, match="verify_rows must be one of separate, shared"):
+            EngineConfig(verify_rows=bad).check()
+    with pytest.raises(SystemExit) as exited:  # argparse's choices: one line, exit 2
+        main(["generate", str(path), "--prompt-ids", "1,2", "--verify-rows", "both"])
+    assert exited.value.code == 2 and "invalid choice: 'both'" in capsys.readouterr().err
     with MoEPrefetchEngine.from_pretrained(path, progress=False) as engine:  # loaded for one draft
         expected = engine.generate([[3, 4, 5]], max_new_tokens=4, stop_at_eos=False).sequences
         engine.options = dataclasses.replace(engine.options, draft_tokens=3)
