@@ -211,15 +211,15 @@ case "${STAGE:-tests}" in
       -k "chained_drafts" 2>&1 | tail -3 ;;
   shared_rows)
     # issue 39 item 1: verify_rows='shared' (every step one batch of 1 + draft_tokens rows a sequence) against the
-    # separate layout: the GPU test of both, then V2-Lite's shape (random weights, so no draft is kept) every expert
-    # resident, a 1-row and a 2-row step of each layout with their kernel timelines
-    timeout "${TESTS_S:-200}" python3 -m pytest "$(junit)" tests/test_gpu.py -q -p no:cacheprovider --tb=short \
-      -k "chained_drafts" 2>&1 | tail -3
+    # separate layout: V2-Lite's shape (random weights, so no draft is kept) every expert resident, a 1-row and a
+    # 2-row step of each layout with their kernel timelines, then the GPU test of both layouts
     for rows in separate shared; do
       timeout "${LIMIT:-170}" python3 scripts/bench_gpu.py --out "$out/bench_rows_v2lite_$rows.json" --workloads v2lite \
         --runs "${RUNS:-3}" --systems all_resident,all_resident_speculative --profile --keep-checkpoints \
         --verify-rows "$rows" --variant "rows_$rows" "$@" 2>&1 | filter
-    done ;;
+    done
+    timeout "${TESTS_S:-200}" python3 -m pytest "$(junit)" tests/test_gpu.py -q -p no:cacheprovider --tb=short \
+      -k "chained_drafts" 2>&1 | tail -3 ;;
   shared_rows_deep)
     # issue 39 on the deep model (trained first when .device-data/deep holds none; carry .device-data/corpus_min),
     # both layouts of a step's rows: plain decode against speculation with 1 and 2 drafts, every expert resident,
