@@ -327,37 +327,48 @@ def _mlp_shapes(prefix: str, intermediate: int, hidden: int) -> list[tuple[str, 
 def _tensor_shapes(c: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     if c["model_type"] == "qwen3_moe":
         return _qwen3_tensor_shapes(c)
+    h, layers = c["hidden_size"], c["num_hidden_layers"]
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (c["vocab_size"], h))]
+    for layer in range(layers):
+        shapes += _layer_shapes(c, layer)
+    if c.get("num_nextn_predict_layers"):  # DeepSeek's MTP layer after the main ones, with its own head
+        p = f"model.layers.{layers}"
+        shapes += _layer_shapes(c, layers) + [
+            (f"{p}.enorm.weight", (h,)), (f"{p}.hnorm.weight", (h,)), (f"{p}.eh_proj.weight", (h, 2 * h)),
+            (f"{p}.shared_head.norm.weight", (h,)), (f"{p}.shared_head.head.weight", (c["vocab_size"], h))]
+    shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (c["vocab_size"], h))]
+    return shapes
+
+
+def _layer_shapes(c: dict[str, Any], layer: int) -> list[tuple[str, tuple[int, ...]]]:
+    """One MLA decoder layer's tensors: dense before first_k_dense_replace, MoE after."""
     h, heads = c["hidden_size"], c["num_attention_heads"]
     qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
-    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (c["vocab_size"], h))]
-    for layer in range(c["num_hidden_layers"]):
-        p = f"model.layers.{layer}"
-        shapes += [(f"{p}.input_layernorm.weight", (h,)), (f"{p}.post_attention_layernorm.weight", (h,))]
-        if c.get("q_lora_rank"):
-            shapes += [(f"{p}.self_attn.q_a_proj.weight", (c["q_lora_rank"], h)),
-                       (f"{p}.self_attn.q_a_layernorm.weight", (c["q_lora_rank"],)),
-                       (f"{p}.self_attn.q_b_proj.weight", (heads * qk, c["q_lora_rank"]))]
-        else:
-            shapes.append((f"{p}.self_attn.q_proj.weight", (heads * qk, h)))
-        shapes += [
-            (f"{p}.self_attn.kv_a_proj_with_mqa.weight", (c["kv_lora_rank"] + c["qk_rope_head_dim"], h)),
-            (f"{p}.self_attn.kv_a_layernorm.weight", (c["kv_lora_rank"],)),
-            (f"{p}.self_attn.kv_b_proj.weight", (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])),
-            (f"{p}.self_attn.o_proj.weight", (h, heads * c["v_head_dim"])),
-        ]
-        if layer < c["first_k_dense_replace"]:
-            i = c["intermediate_size"]
-            shapes += _mlp_shapes(f"{p}.mlp", i, h)
-            continue
-        e, i = c["n_routed_experts"], c["moe_intermediate_size"]
-        shapes.append((f"{p}.mlp.gate.weight", (e, h)))
-        if c["model_type"] == "deepseek_v3":
-            shapes.append((f"{p}.mlp.gate.e_score_correction_bias", (e,)))
-        s = i * c["n_shared_experts"]
-        shapes += _mlp_shapes(f"{p}.mlp.shared_experts", s, h)
-        for x in range(e):
-            shapes += _mlp_shapes(f"{p}.mlp.experts.{x}", i, h)
-    shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (c["vocab_size"], h))]
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+    p = f"model.layers.{layer}"
+    shapes += [(f"{p}.input_layernorm.weight", (h,)), (f"{p}.post_attention_layernorm.weight", (h,))]
+    if c.get("q_lora_rank"):
+        shapes += [(f"{p}.self_attn.q_a_proj.weight", (c["q_lora_rank"], h)),
+                   (f"{p}.self_attn.q_a_layernorm.weight", (c["q_lora_rank"],)),
+                   (f"{p}.self_attn.q_b_proj.weight", (heads * qk, c["q_lora_rank"]))]
+    else:
+        shapes.append((f"{p}.self_attn.q_proj.weight", (heads * qk, h)))
+    shapes += [
+        (f"{p}.self_attn.kv_a_proj_with_mqa.weight", (c["kv_lora_rank"] + c["qk_rope_head_dim"], h)),
+        (f"{p}.self_attn.kv_a_layernorm.weight", (c["kv_lora_rank"],)),
+        (f"{p}.self_attn.kv_b_proj.weight", (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])),
+        (f"{p}.self_attn.o_proj.weight", (h, heads * c["v_head_dim"])),
+    ]
+    if layer < c["first_k_dense_replace"]:
+        return shapes + _mlp_shapes(f"{p}.mlp", c["intermediate_size"], h)
+    e, i = c["n_routed_experts"], c["moe_intermediate_size"]
+    shapes.append((f"{p}.mlp.gate.weight", (e, h)))
+    if c["model_type"] == "deepseek_v3":
+        shapes.append((f"{p}.mlp.gate.e_score_correction_bias", (e,)))
+    s = i * c["n_shared_experts"]
+    shapes += _mlp_shapes(f"{p}.mlp.shared_experts", s, h)
+    for x in range(e):
+        shapes += _mlp_shapes(f"{p}.mlp.experts.{x}", i, h)
     return shapes
 
 
@@ -1490,6 +1501,9 @@ def main(argv: list[str] | None = None) -> int:
                         "policies ('~POLICY' rows, comma list)")
     parser.add_argument("--late-prefetch", choices=LATE_PREFETCH, default=EngineConfig.late_prefetch,
                         help="engine option late_prefetch (offloaded rows)")
+    parser.add_argument("--mtp-layer", action="store_true",
+                        help="the random DeepSeek shapes get an MTP layer (random: its drafts are never kept), so "
+                             "speculative rows measure the verify step's cost")
     parser.add_argument("--verify-rows", choices=VERIFY_ROWS, default=EngineConfig.verify_rows,
                         help="engine option verify_rows (a step's extra rows: batches of their own, or one batch)")
     parser.add_argument("--variant", default="", help="a tag appended to every row's workload (settings runs)")
@@ -1566,6 +1580,8 @@ def main(argv: list[str] | None = None) -> int:
                 shape = {"v2lite": V2LITE, "v2lite_trace": V2LITE, "v3layers": V3LAYERS}.get(name, QWEN3_30B)
                 if name == "qwen3_30b_layers":
                     shape = dict(shape, num_hidden_layers=args.qwen3_layers)
+                if args.mtp_layer and shape["model_type"] != "qwen3_moe":  # a random MTP layer: verify steps
+                    shape = dict(shape, num_nextn_predict_layers=1)
                 shape = tiny(shape) if args.scale == "tiny" else shape
                 # the whole Qwen3-30B-A3B only fits the GPU machine's disk as its published FP8 release does
                 path = args.workdir / name

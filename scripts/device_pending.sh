@@ -215,7 +215,7 @@ case "${STAGE:-tests}" in
     # 2-row step of each layout with their kernel timelines, then the GPU test of both layouts
     for rows in separate shared; do
       timeout "${LIMIT:-170}" python3 scripts/bench_gpu.py --out "$out/bench_rows_v2lite_$rows.json" --workloads v2lite \
-        --runs "${RUNS:-3}" --systems all_resident,all_resident_speculative --profile --keep-checkpoints \
+        --runs "${RUNS:-3}" --systems all_resident,all_resident_speculative --profile --keep-checkpoints --mtp-layer \
         --verify-rows "$rows" --variant "rows_$rows" "$@" 2>&1 | filter
     done
     timeout "${TESTS_S:-200}" python3 -m pytest "$(junit)" tests/test_gpu.py -q -p no:cacheprovider --tb=short \
