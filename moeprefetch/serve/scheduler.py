@@ -103,7 +103,9 @@ class Scheduler:
             try:
                 self.batch.check(handle.job.prompt_ids, handle.job.max_tokens, handle.job.sampling)
             except MoEPrefetchError as exc:  # too long, ids outside the vocabulary: this request fails now
-                raise APIError(400, str(exc)) from None
+                # (max_tokens was clamped to the context when parsed, so what does not fit is the prompt)
+                raise APIError(400, str(exc), "messages" if handle.job.kind == "chat.completion" else "prompt") \
+                    from None
             self.queue.append(handle)
             self._cond.notify()
 
