@@ -1158,3 +1158,19 @@ def test_logprobs_bias_and_penalties_are_what_engine_generate_gives(live, refere
     assert tokens == [c.token for c in content]
     no_logprobs = live.client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
     assert no_logprobs.choices[0].logprobs is None
+
+
+def test_a_token_inside_a_character_is_offset_where_the_character_begins():
+    """Completions' text_offset for byte tokens: the shipped model's tokenizer spells 'é' as two byte tokens (ids 130
+    and 105, forced by logit_bias); both stand at the character's start, as the text's offsets count characters."""
+    import moeprefetch
+
+    server = LiveServer(Path(moeprefetch.__file__).parent / "reference_model", name="ref")
+    try:
+        body = {"model": "ref", "prompt": "Caf", "max_tokens": 8, "temperature": 0, "logprobs": 1,
+                "logit_bias": {"130": 8, "105": 8}}
+        choice = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+        assert choice["text"] == "éééé"
+        assert choice["logprobs"]["text_offset"] == [0, 0, 1, 1, 2, 2, 3, 3]
+    finally:
+        server.close()

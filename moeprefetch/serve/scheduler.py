@@ -256,11 +256,17 @@ class Scheduler:
 
     def _text_offset(self, handle: Handle) -> int:
         """Where the latest token's text begins in the completion: the characters emitted so far, plus those of the
-        tokens still held back (part of a character) before it, decoded on their own."""
+        tokens still held back before it: the held tokens and this one decoded together, less this one's own text,
+        so a token that completes a character begins where that character does, and one after a byte that never
+        completes one begins after its U+FFFD."""
         if handle.text is None:
             return 0
-        pending = handle.tokens[handle.text.read : -1]
-        return handle.chars + (len(self.tokenizer.decode(pending, skip_special_tokens=True)) if pending else 0)
+        unread = handle.tokens[handle.text.read :]  # the held-back tokens, then this one
+        if len(unread) < 2:
+            return handle.chars
+        together = self.tokenizer.decode(unread, skip_special_tokens=True)
+        alone = self.tokenizer.decode(unread[-1:], skip_special_tokens=True)
+        return handle.chars + max(len(together) - len(alone), 0)
 
     def _stop_ids(self, job: Job) -> frozenset[int]:
         return frozenset() if job.ignore_eos else self.stop_ids
