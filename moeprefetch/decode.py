@@ -380,9 +380,15 @@ class DecodeStep:
         else:  # the real rows, then each extra row, each a batch of its own
             groups = [self.runner.embed(tokens[:, None])]
             groups += [self.runner.embed(self.inputs[:, 3 + j : 4 + j]) for j in range(e)]
+        row_pos = pos
+        if shape.shared_rows:  # row j of a sequence at position pos + j; padding rows never past the cache (the
+            # positions a request reserves keep every real, shadow and draft row below its end: only padding clamps,
+            # and the entries it writes there are written again by a real row before any row reads them)
+            row_pos = (pos[:, None] + torch.arange(shape.rows_per_sequence, device=pos.device)).clamp(
+                max=self.caches.capacity - 1)
         for lw in self.weights.layers:
             self.runner.enter(lw.index)
-            groups = block(self.ops, lw, groups, self._attend(lw, pos), self._routed)
+            groups = block(self.ops, lw, groups, self._attend(lw, row_pos), self._routed)
             self.runner.leave(lw.index)
         hidden_of, logits_of = self._heads(groups)
         hidden = hidden_of(0)
@@ -430,12 +436,10 @@ class DecodeStep:
 
     def _attend(self, lw, pos: torch.Tensor):
         kv = self.caches.layers[lw.index]
-        if self.shape.shared_rows:  # row j of a sequence at position pos + j; padding rows never past the cache
-            positions = (pos[:, None] + torch.arange(self.shape.rows_per_sequence, device=pos.device)).clamp(
-                max=self.caches.capacity - 1)
+        if self.shape.shared_rows:  # `pos`: every row's position [B, rows_per_sequence] (else the real rows' [B])
 
             def attend_shared(_: int, normed: torch.Tensor) -> torch.Tensor:
-                return self.ops.attend_decode(lw.attn, normed, positions, kv)
+                return self.ops.attend_decode(lw.attn, normed, pos, kv)
 
             return attend_shared
 
@@ -456,11 +460,13 @@ class DecodeStep:
         x, routing = flat[0].view(b, r, -1), routings[0]
 
         def row(t: torch.Tensor, j: int) -> torch.Tensor:
-            return t.view(b, r, *t.shape[1:])[:, j].contiguous()  # the plan kernel reads dense rows
+            return t.view(b, r, *t.shape[1:])[:, j]
 
+        # ids and weights dense (the plan and expert kernels read dense rows); the scores, which decode only passes
+        # on, as views
         outs = self._routed_kinds(layer, [x[:, j] for j in range(kinds)],
-                                  [Routing(ids=row(routing.ids, j), weights=row(routing.weights, j),
-                                           scores=row(routing.scores, j)) for j in range(kinds)])
+                                  [Routing(ids=row(routing.ids, j).contiguous(), weights=row(routing.weights, j)
+                                           .contiguous(), scores=row(routing.scores, j)) for j in range(kinds)])
         padding = [torch.zeros_like(outs[0])] * (r - kinds)
         return [torch.stack(outs + padding, 1).view(b * r, -1)]
 

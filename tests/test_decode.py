@@ -136,28 +136,37 @@ def test_chained_drafts_keep_plain_decodes_tokens_and_count_each_position(draft_
 @pytest.mark.parametrize("variant", ["reference", "glm4"])
 def test_shared_rows_keep_the_tokens_in_every_mode_and_up_to_the_cache_end(checkpoint_factory, variant):
     """verify_rows='shared' (every step one batch of 1 + draft_tokens rows a sequence: the real row, the drafts or
-    shadow row, padding rows): plain, shadow-row and verify steps give the tokens of the separate layout's plain
-    decode, resident and offloaded, greedy and sampled, on MLA (the shipped model, a trained MTP head) and
-    grouped-query attention (GLM-4.5's layout); and a run to the last position max_seq_len allows, whose padding
-    rows would sit past the cache, keeps the uncached forward's greedy tokens."""
+    shadow row, padding rows): plain, shadow-row and verify steps (of the loaded chain, a shorter one, confident
+    drafts only) give the tokens and log-probabilities of the same layout's all-resident plain decode, offloaded
+    too, greedy and sampled, on MLA (the shipped model, a trained MTP head) and grouped-query attention (GLM-4.5's
+    layout); and a run to the last position max_seq_len allows, whose padding rows would sit past the cache, keeps
+    the uncached forward's greedy tokens."""
     path = Path(moeprefetch.__file__).parent / "reference_model" if variant == "reference" \
         else checkpoint_factory(variant)
-    prompts = [[5, 17, 29, 41, 53, 65, 77, 89], [7, 11, 13]]
-    sampling = [dict(), dict(temperature=0.8, seed=3)]
-    with MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=64) as separate:
-        expected = [separate.generate(prompts, max_new_tokens=16, stop_at_eos=False, **kw).sequences
-                    for kw in sampling]
-        total = separate.plan.total_experts
+    prompts = [[5, 17, 29, 41, 53, 65, 77, 89], [7, 11, 13], [19, 23, 29, 31, 37]]
+    sampling = [dict(logprobs=2), dict(temperature=0.8, seed=3)]
+    with MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=64, draft_tokens=2,
+                                           verify_rows="shared") as resident:
+        expected = [resident.generate(prompts, max_new_tokens=16, stop_at_eos=False, **kw) for kw in sampling]
+        total = resident.plan.total_experts
     for slots in (None, total // 4):
         sized = {} if slots is None else dict(expert_cache_slots=slots)
         with MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=64, draft_tokens=2,
                                                verify_rows="shared", **sized) as engine:
             assert engine.options.verify_rows == "shared"
-            for kw, tokens in zip(sampling, expected):
-                for mode in (dict(), dict(predictor="mtp"), dict(speculative="mtp")):
-                    result = engine.generate(prompts, max_new_tokens=16, stop_at_eos=False, **mode, **kw)
-                    assert result.sequences == tokens, (slots, kw, mode)
-                    check_invariants(result.stats.to_dict(), engine.residency.expert_bytes)
+            loaded = engine.options
+            # verify steps of the loaded chain, of a shorter one (a padding row beside the draft), and checking
+            # only confident drafts (unchecked draft rows)
+            for options in (dict(), dict(draft_tokens=1), dict(verify_confidence=0.5)):
+                engine.options = dataclasses.replace(loaded, **options)
+                for kw, want in zip(sampling, expected):
+                    for mode in (dict(), dict(predictor="mtp"), dict(speculative="mtp")):
+                        result = engine.generate(prompts, max_new_tokens=16, stop_at_eos=False, **mode, **kw)
+                        assert result.sequences == want.sequences, (slots, kw, mode, options)
+                        if "logprobs" in kw:  # the log-probabilities too (logits of row 0 and of draft rows)
+                            assert [[e.logprob for e in row] for row in result.logprobs] == \
+                                [[e.logprob for e in row] for row in want.logprobs], (slots, mode, options)
+                        check_invariants(result.stats.to_dict(), engine.residency.expert_bytes)
             assert not engine.residency.problems()
     # the last position: 4 drafts make 5 rows a sequence, and the padding rows of the last steps clamp to the cache
     prompt, seq_len = prompts[0], 24
