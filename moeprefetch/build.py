@@ -278,6 +278,11 @@ def resolve_expert_format(config: EngineConfig, args: ModelArgs) -> EngineConfig
     (verbatim), unless the options say otherwise; any other checkpoint's experts default to the compute dtype."""
     checkpoint = args.int4
     expert_dtype = config.expert_dtype or ("int4" if checkpoint is not None else "model")
+    given = [name for name in ("int4_group_size", "int4_symmetric") if getattr(config, name) is not None]
+    if given and expert_dtype != "int4":  # an option that would shape nothing is a mistake the user should hear of
+        names = " and ".join(given)
+        raise RequestError(f"{names} {'shapes' if len(given) == 1 else 'shape'} int4 experts, but this engine's "
+                           f"experts are {expert_dtype}: add expert_dtype='int4' or leave {names} out")
     group = config.int4_group_size
     if group is None:  # per-channel checkpoints (group 0) have no single group size: the default one
         group = checkpoint.group_size if checkpoint is not None and checkpoint.group_size > 0 else INT4_GROUP_SIZE

@@ -146,6 +146,7 @@ class MoEPrefetchEngine:
     @property
     def routing_profile(self) -> dict[ExpertKey, int]:
         """How often each (layer, expert) was needed since the engine was loaded (for the `static` policy)."""
+        self._check_open()
         res = self.residency
         if res.group is not None:  # every rank's experts (one all-reduce: every rank must ask)
             counts = torch.zeros(len(res.layers), self.args.n_routed_experts, dtype=torch.int64, device=self.device)
@@ -162,14 +163,25 @@ class MoEPrefetchEngine:
                                  profile: dict[ExpertKey, int] | None = None) -> list[ExpertKey]:
         """`static` policy: pin the most-used experts of a routing profile (default: what this engine has routed so
         far) in `share` of the usable cache slots; the rest stays LRU. Returns the hot set."""
+        self._check_open()
         if self.options.policy != "static":
             raise RequestError("a hot set is only used by policy='static'")
         check_fraction("share", share)
         counts = profile if profile is not None else self.routing_profile
         if self.residency.placement is not None:  # each rank pins the hottest of its own experts
             counts = {key: c for key, c in counts.items() if self.residency.owns(*key)}
-        room = max(self.residency.n_slots - self.args.num_experts_per_tok * self.options.max_step_rows, 0)
-        size = min(int(share * self.residency.n_slots), room)
+        # a step's experts must always find unpinned slots: top-k for each row it may compute
+        working = self.args.num_experts_per_tok * self.options.max_step_rows
+        room = max(self.residency.n_slots - working, 0)
+        wanted = int(share * self.residency.n_slots)
+        if wanted and not room:
+            raise RequestError(f"the expert cache's {self.residency.n_slots} slots leave no room for a hot set: a "
+                               f"decode step of up to {self.options.max_step_rows} rows (max_batch_size x (1 + "
+                               f"draft_tokens)) needs {working} unpinned; load with more slots or fewer rows")
+        if wanted > room:
+            logger.warning("static policy: %d of the %d experts asked for fit beside a step's working set of %d "
+                           "slots", room, wanted, working)
+        size = min(wanted, room)
         hot = [key for key, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]]
         self.residency.set_hot_set(hot)
         logger.info("static policy: %d experts pinned from a profile of %d", len(hot), len(counts))

@@ -445,9 +445,11 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def format_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The expert format of every engine of a run (all-resident too): --expert-dtype and its int4 settings."""
-    return dict(expert_dtype=args.expert_dtype, int4_group_size=args.int4_group_size,
-                int4_symmetric=args.int4_symmetric)
+    """The expert format of every engine of a run (all-resident too): --expert-dtype and, for int4, its settings
+    (the engine refuses int4 settings beside another format)."""
+    int4 = args.expert_dtype == "int4"
+    return dict(expert_dtype=args.expert_dtype, int4_group_size=args.int4_group_size if int4 else None,
+                int4_symmetric=args.int4_symmetric if int4 else None)
 
 
 def host_memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, Any]:
@@ -907,7 +909,9 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
     for expert_dtype in args.expert_dtypes.split(",") if args.expert_dtypes else []:
         # compressed experts on the wire: same budget / slot count, fewer bytes per expert
         try:
-            quantized = MoEPrefetchEngine.from_pretrained(path, **{**offload_kwargs, "expert_dtype": expert_dtype})
+            int4 = {} if expert_dtype == "int4" else dict(int4_group_size=None, int4_symmetric=None)
+            quantized = MoEPrefetchEngine.from_pretrained(path, **{**offload_kwargs, "expert_dtype": expert_dtype,
+                                                                   **int4})
             best = "mtp+next_layer_gate" if quantized.has_mtp else "next_layer_gate"
             for predictor in ("none", best):
                 row = run_row(quantized, f"{predictor}@{expert_dtype}", prompts, args.new_tokens, predictor=predictor,
@@ -1514,7 +1518,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expert-dtype", choices=EXPERT_DTYPES, default="model",
                         help="every engine's expert format (rows' workload gets '@dtype'): model, fp8, int8, int4")
     parser.add_argument("--int4-group-size", type=int, default=EngineConfig.int4_group_size)
-    parser.add_argument("--int4-symmetric", action="store_true")
+    parser.add_argument("--int4-symmetric", action="store_true", default=None)
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sample the workloads' generations at this temperature (0: greedy); a small trained "
                              "model's greedy continuation falls into loops whose routing is far more cacheable "

@@ -421,6 +421,15 @@ def test_static_hot_set_from_a_routing_profile(reference):
     assert engine.routing_profile == {} and not engine.residency.resident_keys()
     with pytest.raises(Exception, match="only used by policy='static'"):
         MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=16).set_hot_set_from_profile()
+    # a cache no larger than a step's working set pins nothing: one sentence, not an empty hot set
+    small = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=12, policy="static",
+                                              max_batch_size=2)
+    with pytest.raises(RequestError, match="leave no room for a hot set: a decode step of up to 4 rows"):
+        small.set_hot_set_from_profile(share=0.5, profile=profile)
+    small.close()
+    for method in (lambda: small.routing_profile, small.set_hot_set_from_profile):  # closed: one sentence too
+        with pytest.raises(RequestError, match="this engine has been closed"):
+            method()
 
 
 @pytest.mark.parametrize("predictor", ["mtp+next_layer_gate", "oracle", "next_layer_gate"])

@@ -234,7 +234,10 @@ def test_int4_options_are_checked_before_loading(checkpoint_factory):
     for options, message in ((dict(int4_group_size=7), "int4_group_size must be an even number"),
                              (dict(int4_group_size=True), "int4_group_size"),
                              (dict(int4_symmetric="yes"), "int4_symmetric must be True or False"),
-                             (dict(expert_dtype="int3"), "expert_dtype must be one of")):
+                             (dict(expert_dtype="int3"), "expert_dtype must be one of"),
+                             (dict(expert_dtype="int4", int4_group_size=65536), "wider than the experts' rows"),
+                             (dict(expert_dtype="fp8", int4_group_size=64), "int4_group_size shapes int4 experts, but this engine.s experts are fp8: add expert_dtype='int4'"),
+                             (dict(int4_symmetric=True), "int4_symmetric shapes int4 experts")):
         with pytest.raises(RequestError, match=message):
             MoEPrefetchEngine.from_pretrained(path, progress=False, **options)
 
