@@ -406,8 +406,8 @@ def _replay(ns: argparse.Namespace) -> int:
             raise ValueError
     except ValueError:
         raise MoEPrefetchError(f"--ahead must be a comma list of token counts from 1 to 64, got {ns.ahead!r}") from None
-    if ns.expert_mb <= 0:
-        raise MoEPrefetchError(f"--expert-mb must be positive, got {ns.expert_mb}")
+    if not 0 < ns.expert_mb <= 1e6:  # NaN fails this too
+        raise MoEPrefetchError(f"--expert-mb must be a size in MB from above 0 to 1e6, got {ns.expert_mb}")
     runs = setups(ns.slots, ns.policy.split(","), ns.predictor.split(","), ns.fills, halflife=ns.lrfu_halflife,
                   expert_bytes=int(ns.expert_mb * 1e6))
     for setup in runs:  # every setup checked before the first (slow) replay

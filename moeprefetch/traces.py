@@ -59,8 +59,13 @@ class DecodeTrace:
         return DecodeTrace(self.layers, self.experts[:tokens], self.n_experts, self.source)
 
 
+MAX_EXPERTS = 1 << 16  # experts per layer a trace may name (DeepSeek-V3 has 256, the largest MoE models ~512)
+
+
 def load_trace(path: str | Path, n_experts: int | None = None) -> DecodeTrace:
     """Read a trace file; `n_experts` (default: the largest id + 1) bounds the expert ids."""
+    if n_experts is not None and not 1 <= n_experts <= MAX_EXPERTS:
+        raise TraceError(f"the experts per layer must be from 1 to {MAX_EXPERTS}, got {n_experts}")
     path = Path(path)
     if not path.is_file():
         raise TraceError(f"routing trace {path} is not a file")
@@ -79,6 +84,8 @@ def load_trace(path: str | Path, n_experts: int | None = None) -> DecodeTrace:
     largest = int(experts.max())
     if int(experts.min()) < 0:
         raise TraceError(f"{path} names a negative expert id")
+    if largest >= MAX_EXPERTS:  # the replay's tables are layers x experts: an id like this is a broken trace
+        raise TraceError(f"{path} names expert {largest}; a layer has at most {MAX_EXPERTS} experts here")
     if n_experts is None:
         n_experts = largest + 1
     elif largest >= n_experts:

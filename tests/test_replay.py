@@ -98,5 +98,10 @@ def test_the_replay_command_prints_rows_and_bounds_and_refuses_bad_input(tmp_pat
     assert main(["replay", str(tmp_path / "t.jsonl"), "--slots", "3", "--predictor", "magic"]) == 2
     assert main(["replay", str(tmp_path / "t.jsonl"), "--slots", "3", "--ahead", "0"]) == 2
     assert main(["replay", str(tmp_path / "t.jsonl"), "--slots", "3", "--lrfu-halflife", "0"]) == 2
+    for bad in (["--expert-mb", "nan"], ["--expert-mb", "inf"], ["--experts", "0"], ["--experts", "1000000"]):
+        assert main(["replay", str(tmp_path / "t.jsonl"), "--slots", "3", *bad]) == 2, bad
+    (tmp_path / "huge.jsonl").write_text("[[0, 99999999999]]\n")  # an id no layer has: not a table of that size
+    assert main(["replay", str(tmp_path / "huge.jsonl"), "--slots", "3"]) == 2
     err = capsys.readouterr().err
-    assert err.count("error:") == 5 and "Traceback" not in err
+    assert err.count("error:") == 10 and "Traceback" not in err
+    assert "--expert-mb must be a size in MB" in err and "the experts per layer must be from 1 to 65536" in err
