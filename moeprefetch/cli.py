@@ -370,6 +370,9 @@ def _serve(ns: argparse.Namespace) -> int:
 
 
 def _check_writable(path: Path, flag: str) -> None:
+    """A file this flag will write must be writable: checked before the work that produces it."""
+    if path.expanduser().is_dir():
+        raise MoEPrefetchError(f"{flag} {path} is a directory: give a file name")
     parent = path.expanduser().resolve().parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise MoEPrefetchError(f"{flag} {path} cannot be written: {parent} is not a writable directory")

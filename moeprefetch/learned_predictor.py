@@ -164,4 +164,7 @@ def load_predictor(path: str | Path, engine_or_checkpoint: "MoEPrefetchEngine | 
     except RuntimeError as exc:  # tensors missing or of other shapes than the config says
         raise CheckpointError(f"predictor {path}'s weights do not match its config: "
                               f"{str(exc).splitlines()[0]}") from None
+    broken = [name for name, tensor in state.items() if tensor.is_floating_point() and not tensor.isfinite().all()]
+    if broken:  # a diverged or damaged training: its guesses would be noise, silently
+        raise CheckpointError(f"predictor {path} holds NaN or infinite weights ({', '.join(broken)}): train it again")
     return head.eval()

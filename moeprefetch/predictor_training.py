@@ -9,6 +9,7 @@ Above the engine in the import order: it opens one to record. The head and its l
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,6 +208,9 @@ def _windows(stream: list[int], window: int, leads: int) -> list[list[int]]:
 
 def _check_inputs(checkpoint: Path, out_path: Path, settings: TrainSettings) -> None:
 
+    if out_path.is_dir():
+        raise RequestError(f"the predictor cannot be written to {out_path}: it is a directory; give a file name "
+                           f"(predictor.safetensors)")
     if not out_path.parent.is_dir():
         raise RequestError(f"the predictor cannot be written to {out_path}: directory {out_path.parent} does not "
                            f"exist")
@@ -214,8 +218,10 @@ def _check_inputs(checkpoint: Path, out_path: Path, settings: TrainSettings) -> 
         raise RequestError(f"leads must lie in 1..8, got {settings.leads}")
     if not 0 <= settings.horizon <= 64:
         raise RequestError(f"horizon must lie in 0..64 tokens, got {settings.horizon}")
-    if settings.steps < 0 or not 0 < settings.eval_share < 1:
-        raise RequestError("steps must be >= 0 and eval_share must lie in (0, 1)")
+    if settings.steps < 0:
+        raise RequestError(f"steps must be >= 0, got {settings.steps}")
+    if not 0 < settings.eval_share < 1:
+        raise RequestError(f"eval_share must lie in (0, 1), got {settings.eval_share}")
     if not load_model_args(checkpoint).moe_layers:
         raise CheckpointError(f"checkpoint {checkpoint} has no MoE layers: there is no routing to predict")
 
@@ -237,10 +243,10 @@ def _resume_path(out_path: Path) -> Path:
 
 
 def _fit(head: RoutingHead, record: RoutingRecord, train: torch.Tensor, settings: TrainSettings, out_path: Path,
-         resume: bool, progress: bool) -> int:
-    """AdamW on BCE over the multi-hot expert sets, from the resume state next to `out_path` if there is one ->
-    the step it started from. Batches are drawn by a generator seeded per step, so a resumed run draws what an
-    uninterrupted one would."""
+         resume: bool, progress: bool, data_key: str = "") -> int:
+    """AdamW on BCE over the multi-hot expert sets, from the resume state next to `out_path` if there is one (of
+    the same setup and the same text, `data_key`) -> the step it started from. Batches are drawn by a generator
+    seeded per step, so a resumed run draws what an uninterrupted one would."""
     from tqdm.auto import tqdm
 
     opt = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
@@ -251,7 +257,13 @@ def _fit(head: RoutingHead, record: RoutingRecord, train: torch.Tensor, settings
         state = torch.load(state_path, map_location="cpu", weights_only=False)
         if state["config"] != head.config.to_json():
             raise RequestError(f"resume state {state_path} belongs to another predictor setup; delete it or train "
-                               f"with resume=False")
+                               f"with resume=False (--no-resume)")
+        if state.get("data", "") != data_key:
+            raise RequestError(f"resume state {state_path} was trained on other text; delete it or train with "
+                               f"resume=False (--no-resume)")
+        if state["step"] > settings.steps:
+            raise RequestError(f"resume state {state_path} is at step {state['step']}, past steps="
+                               f"{settings.steps}: ask for more steps, or train with resume=False (--no-resume)")
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
@@ -273,7 +285,7 @@ def _fit(head: RoutingHead, record: RoutingRecord, train: torch.Tensor, settings
         bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
         if (step + 1) % settings.save_every == 0 or step + 1 == settings.steps:
             torch.save({"config": c.to_json(), "head": head.state_dict(), "opt": opt.state_dict(),
-                        "sched": sched.state_dict(), "step": step + 1}, state_path)
+                        "sched": sched.state_dict(), "step": step + 1, "data": data_key}, state_path)
     head.eval()
     return start
 
@@ -316,6 +328,8 @@ def train_predictor(checkpoint: str | Path, texts_or_ids: Any, out_path: str | P
                                                    max_batch_size=1)
     try:
         stream = _token_stream(engine, texts_or_ids, settings.max_tokens)
+        # what a resume state must have been trained on: these tokens (and held-out ones, when given)
+        data_key = hashlib.sha256(torch.tensor(stream, dtype=torch.int64).numpy().tobytes()).hexdigest()
         record = _record(engine, stream, settings, progress, "training")
         reach = max(settings.leads, settings.horizon)
         index = sample_index(record, reach)
@@ -334,7 +348,7 @@ def train_predictor(checkpoint: str | Path, texts_or_ids: Any, out_path: str | P
         if owned:
             engine.close()
     recorded = time.monotonic()
-    start = _fit(head, record, train, settings, out_path, resume, progress)
+    start = _fit(head, record, train, settings, out_path, resume, progress, data_key)
     result = evaluate(head, held_record, held)
     facts = {"train_samples": int(train.numel()), "start_step": start, "steps": settings.steps,
              "params": sum(p.numel() for p in head.parameters()), "rank": head.config.rank,

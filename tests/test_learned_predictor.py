@@ -156,6 +156,10 @@ def test_a_predictor_whose_config_or_weights_do_not_fit_is_one_sentence(tmp_path
     save_file({**state, first: torch.zeros(3, 3)}, str(shapes), metadata)
     with pytest.raises(CheckpointError, match="weights do not match its config"):
         load_predictor(shapes, REFERENCE)
+    nan = tmp_path / "nan.safetensors"
+    save_file({**state, first: torch.full_like(state[first], float("nan"))}, str(nan), metadata)
+    with pytest.raises(CheckpointError, match=f"holds NaN or infinite weights \\({first}\\)"):
+        load_predictor(nan, REFERENCE)
 
 
 def test_resume_continues_the_step_count(reference_engine, tmp_path):
@@ -169,6 +173,13 @@ def test_resume_continues_the_step_count(reference_engine, tmp_path):
     second = train_predictor(REFERENCE, TEXT_FILES, out, settings=longer, progress=False, engine=reference_engine)
     assert second["start_step"] == 20 and second["steps"] == 35
     assert torch.load(out.with_name(out.name + ".resume.pt"), weights_only=False)["step"] == 35
+    # a resume state is of its text and a step count it has not passed: one sentence otherwise
+    with pytest.raises(RequestError, match="was trained on other text"):
+        train_predictor(REFERENCE, TEXT_FILES[1:], out, settings=longer, progress=False, engine=reference_engine)
+    with pytest.raises(RequestError, match="is at step 35, past steps=20"):
+        train_predictor(REFERENCE, TEXT_FILES, out, settings=settings, progress=False, engine=reference_engine)
+    with pytest.raises(RequestError, match="it is a directory"):
+        train_predictor(REFERENCE, TEXT_FILES, tmp_path, settings=settings, progress=False, engine=reference_engine)
     fresh = train_predictor(REFERENCE, TEXT_FILES, out, settings=longer, progress=False, resume=False,
                             engine=reference_engine)
     assert fresh["start_step"] == 0
