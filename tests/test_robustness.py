@@ -130,6 +130,8 @@ def test_cli_bad_arguments_exit_without_traceback(checkpoint_factory, capsys):
         (["generate", path, "--prompt-ids", "1,2", "--prefill-chunk", "0"], "prefill_chunk must be a positive integer"),
         (["generate", path, "--prompt-ids", "1,2", "--prefill-window", "-8"], "prefill_window must be a positive"),
         (["generate", path, "--prompt-ids", "1,2", "--stats-json", "/no/such/dir/s.json"], "cannot be written"),
+        (["generate", path, "--prompt-ids", "1,2", "--stats-json", "/tmp"], "--stats-json /tmp is a directory"),
+        (["generate", path, "--prompt-ids", "1,2", "--int4-group-size", "64"], "int4_group_size shapes int4 experts"),
         (["generate", path, "--prompt-ids", "1,2", "--min-confidence", "2"], "min_confidence must be a number"),
         (["generate", path, "--prompt-ids", "1,2", "--max-batch-size", "0"], "max_batch_size must be a positive"),
         (["generate", path, "--prompt-ids", "1,2", "--lrfu-halflife", "0"], "lrfu_halflife must be a number of steps"),
