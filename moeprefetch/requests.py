@@ -3,6 +3,7 @@ changes, so a bad request raises one clear `RequestError` and the engine serves 
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -16,6 +17,8 @@ from .config import ModelArgs
 from .errors import RequestError
 from .sampling import SamplingParams, bias_pairs
 from .session import Request
+
+logger = logging.getLogger(__name__)
 
 SPECULATIVE_MODES = (None, "mtp", "auto")
 
@@ -88,11 +91,19 @@ def build_request(args: ModelArgs, tokenizer: Any, options: ResolvedConfig, path
                                f"{args.max_position_embeddings} positions")
         # the decode step writes the shadow/draft rows up to draft_tokens positions ahead, kept drafts as many more,
         # and chained MTP drafts (lookahead k, or draft_tokens d from the last row kept) k - 1 (d - 1) more
-        reach = 2 * options.draft_tokens - 1 if speculative in ("mtp", "auto") else 1
-        needed = len(prompt) + max_new_tokens + 1 + max(reach, spec.chain)
-        if needed > options.max_seq_len:
+        plain = len(prompt) + max_new_tokens + 1 + max(1, spec.chain)
+        if plain > options.max_seq_len:
             raise RequestError(f"prompt {i} ({len(prompt)} tokens) plus max_new_tokens={max_new_tokens} needs "
-                               f"{needed} positions, more than max_seq_len={options.max_seq_len}")
+                               f"{plain} positions (the decode step writes {plain - len(prompt) - max_new_tokens} "
+                               f"beyond them), more than max_seq_len={options.max_seq_len}")
+        drafted = len(prompt) + max_new_tokens + 1 + max(2 * options.draft_tokens - 1, spec.chain)
+        if speculative in ("mtp", "auto") and drafted > options.max_seq_len:
+            # what plain decode serves, speculation serves too: this call decodes plainly (same tokens)
+            logger.log(logging.WARNING if speculative == "mtp" else logging.INFO,
+                       "speculation off for this call: prompt %d's draft rows (draft_tokens=%d) need %d positions, "
+                       "more than max_seq_len=%d; it decodes plainly", i, options.draft_tokens, drafted,
+                       options.max_seq_len)
+            speculative = None
     return Request(token_prompts, max_new_tokens, sampling, spec, speculative, stop_at_eos, event_log,
                    float(min_confidence))
 

@@ -180,6 +180,26 @@ def test_shared_rows_keep_the_tokens_in_every_mode_and_up_to_the_cache_end(check
         assert got == ids[len(prompt):]
 
 
+def test_speculation_serves_what_plain_decode_serves_near_the_context_end(caplog):
+    """A call that fits plain decode but not its draft rows (draft_tokens=4 reaches 7 positions further) decodes
+    plainly, with the same tokens, and says so (a warning for speculative='mtp'); one that fits neither is one
+    sentence naming the positions the step writes beyond the tokens."""
+    caplog.set_level("INFO", logger="moeprefetch.requests")
+    reference_model = Path(moeprefetch.__file__).parent / "reference_model"
+    prompt = list(range(5, 27))
+    with MoEPrefetchEngine.from_pretrained(reference_model, progress=False, max_seq_len=64, draft_tokens=4) as engine:
+        plain = engine.generate([prompt], max_new_tokens=40, stop_at_eos=False)
+        for mode in ("mtp", "auto"):
+            caplog.clear()
+            result = engine.generate([prompt], max_new_tokens=40, stop_at_eos=False, speculative=mode)
+            assert result.sequences == plain.sequences and "draft_offered" not in result.stats.to_dict()
+            assert any("speculation off for this call" in r.message for r in caplog.records), mode
+        with pytest.raises(RequestError, match="needs 65 positions \\(the decode step writes 2 beyond them\\)"):
+            engine.generate([prompt], max_new_tokens=41, stop_at_eos=False, speculative="mtp")
+        assert engine.generate([prompt], max_new_tokens=16, stop_at_eos=False, speculative="mtp").stats \
+            .to_dict()["draft_offered"] > 0  # room for the drafts: speculation runs
+
+
 def test_draft_tokens_is_checked(checkpoint_factory, capsys):
     """One sentence for a chain the engine cannot run: from the options, the command line, and a chain longer than
     the engine was loaded for (its steps are shaped at load)."""
