@@ -97,8 +97,7 @@ def test_drafts_below_verify_confidence_are_not_checked_and_move_no_expert_bytes
     with pytest.raises(RequestError, match="verify_confidence must be a number in \\[0, 1\\]"):
         EngineConfig(verify_confidence=1.5).check()
 
-@pytest.mark.slow  # the fast lane checks chains of two drafts in the shared-rows test (GLM-4.5's layout)
-@pytest.mark.parametrize("draft_tokens", [2, 3])
+@pytest.mark.parametrize("draft_tokens", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_chained_drafts_keep_plain_decodes_tokens_and_count_each_position(draft_tokens):
     """speculative='mtp' with draft_tokens > 1 (the MTP head chained on its own output, every draft checked in one
     step): greedy and sampled tokens are plain decode's, resident and offloaded. Every generated token after the
@@ -134,7 +133,8 @@ def test_chained_drafts_keep_plain_decodes_tokens_and_count_each_position(draft_
     assert per_step[None, False] > one_draft.stats.to_dict()["tokens_per_verify_step"]
 
 
-@pytest.mark.parametrize("variant", [pytest.param("reference", marks=pytest.mark.slow), "glm4"])
+@pytest.mark.slow  # verify_rows="shared" is off by default: the full suite checks it
+@pytest.mark.parametrize("variant", ["reference", "glm4"])
 def test_shared_rows_keep_the_tokens_in_every_mode_and_up_to_the_cache_end(checkpoint_factory, variant):
     """verify_rows='shared' (every step one batch of 1 + draft_tokens rows a sequence: the real row, the drafts or
     shadow row, padding rows): plain, shadow-row and verify steps (of the loaded chain, a shorter one, confident
