@@ -97,7 +97,8 @@ def test_drafts_below_verify_confidence_are_not_checked_and_move_no_expert_bytes
     with pytest.raises(RequestError, match="verify_confidence must be a number in \\[0, 1\\]"):
         EngineConfig(verify_confidence=1.5).check()
 
-@pytest.mark.parametrize("draft_tokens", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow  # the fast lane's chains: test_speculation's chain-length choices (tokens checked there too)
+@pytest.mark.parametrize("draft_tokens", [2, 3])
 def test_chained_drafts_keep_plain_decodes_tokens_and_count_each_position(draft_tokens):
     """speculative='mtp' with draft_tokens > 1 (the MTP head chained on its own output, every draft checked in one
     step): greedy and sampled tokens are plain decode's, resident and offloaded. Every generated token after the
