@@ -377,15 +377,15 @@ class DecodeStep:
             self.sampler.logit_adjuster().count(tokens, self.active)
         if shape.shared_rows:  # one batch [B, rows_per_sequence]: the real row, the extra rows, padding rows
             groups = [self.runner.embed(torch.cat((tokens[:, None], self.inputs[:, 3 : 3 + e], self.padding), 1))]
-        else:  # the real rows, then each extra row, each a batch of its own
-            groups = [self.runner.embed(tokens[:, None])]
-            groups += [self.runner.embed(self.inputs[:, 3 + j : 4 + j]) for j in range(e)]
-        row_pos = pos
-        if shape.shared_rows:  # row j of a sequence at position pos + j; padding rows never past the cache (the
-            # positions a request reserves keep every real, shadow and draft row below its end: only padding clamps,
-            # and the entries it writes there are written again by a real row before any row reads them)
+            # row j of a sequence at position pos + j; padding rows never past the cache (the positions a request
+            # reserves keep every real, shadow and draft row below its end: only padding clamps, and the entries it
+            # writes there are written again by a real row before any row reads them)
             row_pos = (pos[:, None] + torch.arange(shape.rows_per_sequence, device=pos.device)).clamp(
                 max=self.caches.capacity - 1)
+        else:  # the real rows, then each extra row, each a batch of its own (one position ahead each: `_attend`)
+            groups = [self.runner.embed(tokens[:, None])]
+            groups += [self.runner.embed(self.inputs[:, 3 + j : 4 + j]) for j in range(e)]
+            row_pos = pos
         for lw in self.weights.layers:
             self.runner.enter(lw.index)
             groups = block(self.ops, lw, groups, self._attend(lw, row_pos), self._routed)

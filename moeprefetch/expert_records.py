@@ -144,7 +144,7 @@ class ExpertFormat:
                              f"({intermediate}) sizes must be even")
         if group < 2 or group % 2:
             raise ValueError(f"the int4 group size must be an even number of inputs >= 2, got {group}")
-        widest = max(hidden, intermediate) + max(hidden, intermediate) % 2
+        widest = max(hidden, intermediate)  # even, as checked above
         if group > widest:  # every row would be padded to the group (and each read repeat its scale as often)
             raise ValueError(f"int4_group_size={group} is wider than the experts' rows ({hidden} and {intermediate} "
                              f"inputs): at most {widest}, one group a row")

@@ -328,7 +328,7 @@ def train_predictor(checkpoint: str | Path, texts_or_ids: Any, out_path: str | P
                                                    max_batch_size=1)
     try:
         stream = _token_stream(engine, texts_or_ids, settings.max_tokens)
-        # what a resume state must have been trained on: these tokens (and held-out ones, when given)
+        # what a resume state must have been trained on: these training tokens
         data_key = hashlib.sha256(torch.tensor(stream, dtype=torch.int64).numpy().tobytes()).hexdigest()
         record = _record(engine, stream, settings, progress, "training")
         reach = max(settings.leads, settings.horizon)

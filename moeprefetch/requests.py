@@ -91,12 +91,15 @@ def build_request(args: ModelArgs, tokenizer: Any, options: ResolvedConfig, path
                                f"{args.max_position_embeddings} positions")
         # the decode step writes the shadow/draft rows up to draft_tokens positions ahead, kept drafts as many more,
         # and chained MTP drafts (lookahead k, or draft_tokens d from the last row kept) k - 1 (d - 1) more
-        plain = len(prompt) + max_new_tokens + 1 + max(1, spec.chain)
+        def needed(reach: int) -> int:
+            return len(prompt) + max_new_tokens + 1 + max(reach, spec.chain)
+
+        plain = needed(1)
         if plain > options.max_seq_len:
             raise RequestError(f"prompt {i} ({len(prompt)} tokens) plus max_new_tokens={max_new_tokens} needs "
                                f"{plain} positions (the decode step writes {plain - len(prompt) - max_new_tokens} "
                                f"beyond them), more than max_seq_len={options.max_seq_len}")
-        drafted = len(prompt) + max_new_tokens + 1 + max(2 * options.draft_tokens - 1, spec.chain)
+        drafted = needed(2 * options.draft_tokens - 1)
         if speculative in ("mtp", "auto") and drafted > options.max_seq_len:
             # what plain decode serves, speculation serves too: this call decodes plainly (same tokens)
             logger.log(logging.WARNING if speculative == "mtp" else logging.INFO,
