@@ -307,6 +307,11 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
     chunk = config.prefill_chunk or auto_prefill_chunk(seq_len, device)
     # a decode step with all-reduces is not captured: capturing NCCL collectives in the step's graph is untested
     graphs = bool(config.cuda_graphs) and not (config.distributed and device.type == "cuda")
+    # without an MTP layer a step has no draft or shadow rows: shared rows would only compute padding
+    verify_rows = config.verify_rows if has_mtp else "separate"
+    if verify_rows != config.verify_rows:
+        logger.info("verify_rows=%r: this checkpoint has no MTP layer, so its steps have no extra rows; computing "
+                    "the real rows alone", config.verify_rows)
     return ResolvedConfig(
         device=device, dtype=dtype, policy=config.policy, lrfu_halflife=float(config.lrfu_halflife),
         predictor=predictor, lookahead=config.lookahead,
@@ -319,7 +324,7 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
         routing_trace=str(config.routing_trace) if config.routing_trace is not None else None,
         spare_recent=config.spare_recent, prefetch_lead=config.prefetch_lead,
         draft_experts=config.draft_experts, verify_confidence=float(config.verify_confidence),
-        draft_tokens=config.draft_tokens, verify_rows=config.verify_rows,
+        draft_tokens=config.draft_tokens, verify_rows=verify_rows,
         late_prefetch=config.late_prefetch, cuda_graphs=graphs,
         fused_kernels=bool(config.fused_kernels), progress=bool(config.progress))
 

@@ -177,6 +177,12 @@ def test_checkpoint_without_mtp_says_so(checkpoint_factory):
         engine.generate([[1, 2]], max_new_tokens=3, speculative="mtp")
     generated = engine.generate([[1, 2]], max_new_tokens=4, stop_at_eos=False).sequences[0]
     assert generated == greedy_by_forward(engine, [1, 2], 4)  # without an MTP layer, decode is still exact
+    engine.close()
+    # no MTP layer, no extra rows: verify_rows='shared' would compute only padding, so the real rows go alone
+    with MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3", with_mtp=False), progress=False,
+                                           verify_rows="shared") as shared:
+        assert shared.options.verify_rows == "separate"
+        assert shared.generate([[1, 2]], max_new_tokens=4, stop_at_eos=False).sequences[0] == generated
 
 
 def test_bfloat16_engine_runs_and_tracks_fp32(checkpoint_factory):
