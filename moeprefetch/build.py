@@ -75,6 +75,9 @@ class ResolvedConfig:
     draft_experts: str
     verify_confidence: float  # speculative='mtp': drafts below it are not verified (their experts not read)
     draft_tokens: int  # speculative='mtp': chained drafts a verify step checks
+    # rows a step may compute per sequence beside its real row: the shadow row or the drafts (max(draft_tokens, 1)),
+    # none without an MTP layer
+    extra_rows: int
     verify_rows: str  # separate | shared: a step's extra rows as batches of their own, or one batch with the real rows
     late_prefetch: str
     cuda_graphs: bool
@@ -84,7 +87,7 @@ class ResolvedConfig:
     @property
     def rows_per_sequence(self) -> int:
         """Rows a decode step computes per sequence at most: its real row and a shadow row or its draft rows."""
-        return 1 + max(self.draft_tokens, 1)
+        return 1 + self.extra_rows
 
     @property
     def max_step_rows(self) -> int:
@@ -307,7 +310,9 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
     chunk = config.prefill_chunk or auto_prefill_chunk(seq_len, device)
     # a decode step with all-reduces is not captured: capturing NCCL collectives in the step's graph is untested
     graphs = bool(config.cuda_graphs) and not (config.distributed and device.type == "cuda")
-    # without an MTP layer a step has no draft or shadow rows: shared rows would only compute padding
+    # without an MTP layer a step has no draft or shadow rows: its kernels are shaped for the real rows alone
+    # (steps of up to 4 sequences stay on the GEMV path; a 16-row step reads host memory with 16-row tiles, not 32),
+    # and shared rows would only compute padding
     verify_rows = config.verify_rows if has_mtp else "separate"
     if verify_rows != config.verify_rows:
         logger.info("verify_rows=%r: this checkpoint has no MTP layer, so its steps have no extra rows; computing "
@@ -324,7 +329,8 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
         routing_trace=str(config.routing_trace) if config.routing_trace is not None else None,
         spare_recent=config.spare_recent, prefetch_lead=config.prefetch_lead,
         draft_experts=config.draft_experts, verify_confidence=float(config.verify_confidence),
-        draft_tokens=config.draft_tokens, verify_rows=verify_rows,
+        draft_tokens=config.draft_tokens, extra_rows=max(config.draft_tokens, 1) if has_mtp else 0,
+        verify_rows=verify_rows,
         late_prefetch=config.late_prefetch, cuda_graphs=graphs,
         fused_kernels=bool(config.fused_kernels), progress=bool(config.progress))
 

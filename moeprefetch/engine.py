@@ -176,8 +176,8 @@ class MoEPrefetchEngine:
         wanted = int(share * self.residency.n_slots)
         if wanted and not room:
             raise RequestError(f"the expert cache's {self.residency.n_slots} slots leave no room for a hot set: a "
-                               f"decode step of up to {self.options.max_step_rows} rows (max_batch_size x (1 + "
-                               f"draft_tokens)) needs {working} unpinned; load with more slots or fewer rows")
+                               f"decode step of up to {self.options.max_step_rows} rows (max_batch_size x rows a "
+                               f"sequence) needs {working} unpinned; load with more slots or fewer rows")
         if wanted > room:
             logger.warning("static policy: %d of the %d experts asked for fit beside a step's working set of %d "
                            "slots", room, wanted, working)

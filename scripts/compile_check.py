@@ -103,12 +103,16 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
     launches["await"] = await_launch(st, 3, u_vec, u_vec)
     launches["step_start"] = planner.start_launch(True)
     launches["fill"] = Filler(st, cfg, pool, host, use_kernel=True).launch(3)
-    x = torch.zeros(2 * rows, hidden, dtype=torch.bfloat16)
-    out = torch.zeros(2 * rows, hidden)
-    weights = torch.zeros(2 * rows, top_k)
+    widest = 32  # a step of 32 rows: tiles wider than 16 rows (DOT_WIDE_TILES for unquantised records)
+    x = torch.zeros(widest, hidden, dtype=torch.bfloat16)
+    out = torch.zeros(widest, hidden)
+    weights = torch.zeros(widest, top_k)
+    assign = torch.zeros(widest, top_k, dtype=torch.int32)
     rows_first = replace(DEFAULT_TILES, weights_first=False)
-    # tl.dot tiles (weights first, the default, and rows first), and the CUDA-core path of small steps
-    for max_rows, tag, tiles in ((16, "", None), (16, "_rows_first", rows_first), (2, "_gemv", None)):
+    # tl.dot tiles (weights first, the default, and rows first; 16-row and 32-row tiles), and the CUDA-core path of
+    # small steps
+    for max_rows, tag, tiles in ((16, "", None), (16, "_rows_first", rows_first), (widest, "_wide", None),
+                                 (2, "_gemv", None)):
         experts_ = RoutedExperts(fmt, pool, host, "silu", F.silu, max_rows, top_k, use_kernels=True, tiles=tiles)
         for name, launch in zip(("gate_up", "down", "combine"),
                                 experts_.launches(x[:max_rows], assign[:max_rows], weights[:max_rows], u_vec, u_vec,

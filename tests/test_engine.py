@@ -178,7 +178,9 @@ def test_checkpoint_without_mtp_says_so(checkpoint_factory):
     generated = engine.generate([[1, 2]], max_new_tokens=4, stop_at_eos=False).sequences[0]
     assert generated == greedy_by_forward(engine, [1, 2], 4)  # without an MTP layer, decode is still exact
     engine.close()
-    # no MTP layer, no extra rows: verify_rows='shared' would compute only padding, so the real rows go alone
+    # no MTP layer, no extra rows: a step's kernels are shaped for its real rows alone (a batch of 4 stays on the
+    # GEMV path), and verify_rows='shared' would compute only padding, so the real rows go alone
+    assert engine.rows_per_sequence == 1 and engine.options.max_step_rows == engine.options.max_batch_size
     with MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3", with_mtp=False), progress=False,
                                            verify_rows="shared") as shared:
         assert shared.options.verify_rows == "separate"

@@ -98,6 +98,45 @@ def test_routed_experts_match_float64_from_slots_and_host(dtype, expert_dtype, t
     assert torch.equal(slot_gu, host_gu) and torch.equal(slot_down, host_down)
 
 
+@pytest.mark.parametrize("expert_dtype", ["model", "fp8", "int4"])
+def test_routed_experts_take_each_step_shapes_measured_tiles(expert_dtype):
+    """The engine's own tile choice by a step's rows: the CUDA-core GEMV up to GEMV_MAX_ROWS, tl.dot with 16-row
+    tiles above it, and the one-stage DOT_WIDE_TILES once tiles are wider than 16 rows, for unquantised records only
+    (where host_batched_h200.json measured it); a 32-row step from slots and host matches float64."""
+    from moeprefetch.kernels.experts import (DEFAULT_TILES, DOT_WIDE_TILES, GEMV_TILES, INT4_GEMV_TILES,
+                                             RoutedExperts)
+
+    g = torch.Generator().manual_seed(7)
+    fmt = _format(96, 72, torch.float32, expert_dtype)
+    host, _ = _experts(fmt, 6, g)
+    pool = torch.zeros((4, fmt.record_bytes), dtype=torch.uint8, device=DEVICE)
+    pool[0].copy_(host[2])
+    kernel = RoutedExperts(fmt, pool, host.to(DEVICE) if DEVICE == "cpu" else host.pin_memory(), "silu", F.silu, 32,
+                           2, use_kernels=True)
+    rows = 20
+    x = torch.randn(rows, fmt.hidden, generator=g).to(DEVICE)
+    assign = torch.tensor([[r % 2, 2] for r in range(rows)], dtype=torch.int32, device=DEVICE)
+    u_key = torch.tensor([2, 0, 5] + [-1] * 37, dtype=torch.int32, device=DEVICE)
+    u_slot = torch.tensor([0, -1, -1] + [-1] * 37, dtype=torch.int32, device=DEVICE)
+    u_dst = torch.full_like(u_key, -1)
+    gemv = INT4_GEMV_TILES if expert_dtype == "int4" else GEMV_TILES
+    wide = DOT_WIDE_TILES if expert_dtype == "model" else DEFAULT_TILES
+    assert DOT_WIDE_TILES.num_stages == 1 and DEFAULT_TILES.num_stages == 3
+    for step_rows, tiles in ((4, gemv), (8, DEFAULT_TILES), (16, DEFAULT_TILES), (32, wide)):
+        n = min(rows, step_rows)
+        launches = kernel.product_launches(x[:n], assign[:n], u_key, u_slot, u_dst, step_rows)
+        assert all(launch.num_stages == tiles.num_stages for launch in launches), (step_rows, expert_dtype)
+        assert launches[0].args["BI"] == tiles.block_i and launches[0].args["BK"] == tiles.block_k
+    weights = torch.rand(rows, 2, generator=g).to(DEVICE)
+    out = kernel(x, assign, weights, u_key, u_slot, u_dst, step_rows=32)
+    keys = u_key.tolist()
+    expected = torch.stack([sum(float(weights[r, j]) * _float64_expert(x[r : r + 1].cpu(), fmt,
+                                                                        host[keys[int(assign[r, j])]])[0]
+                                for j in range(2)) for r in range(rows)])
+    error = ((out.cpu().double() - expected).norm() / expected.norm()).item()
+    assert error < (1e-5 if expert_dtype == "model" else 2e-2), error
+
+
 @pytest.mark.parametrize("group,block_k,scale_dtype", [(32, 128, torch.float16), full_only(128, 64, torch.float16),
                                                        (48, 128, torch.bfloat16), full_only(16, 32, torch.float32)])
 def test_int4_groups_tiled_every_way_match_float64(group, block_k, scale_dtype):
@@ -413,7 +452,7 @@ def test_kernels_compile_for_hopper():
     INT4_LAUNCHES, example_launches = check.INT4_LAUNCHES, check.example_launches
 
     readers = [name for name in example_launches() if name.startswith(INT4_LAUNCHES)]
-    assert len(readers) == 10
+    assert len(readers) == 12  # gate_up and down of 4 tile choices, grouped gate_up and down of 2
     # every launch with bf16 and with fp8 experts, and those reading expert records with int4 experts
     assert len(lines) == 2 * len(example_launches()) + len(readers)
     assert len(lines) >= 32
@@ -747,6 +786,7 @@ def test_the_tile_table_is_what_the_kernels_run(tmp_path):
     raw = json.loads(tiles.TABLE_PATH.read_text())
     routed, groups = raw["routed_experts"], raw["grouped_experts"]
     assert experts.DEFAULT_TILES == tiles.Tiles(**routed["dot"]["tiles"])
+    assert experts.DOT_WIDE_TILES == tiles.Tiles(**routed["dot_wide"]["tiles"])
     assert experts.GEMV_TILES == tiles.Tiles(**routed["gemv"]["tiles"])
     assert experts.INT4_GEMV_TILES == tiles.Tiles(**routed["gemv_int4"]["tiles"])
     assert grouped.LONG_BLOCK_TILES == tiles.GroupedTiles(**groups["long"]["tiles"])

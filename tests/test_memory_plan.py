@@ -183,7 +183,7 @@ def test_the_prefill_window_shrinks_to_the_largest_that_streams_least(monkeypatc
         prefill_window=8192, expert_dtype="model", min_confidence=0.0, fill_confidence=0.0, fill_link="shared",
         reuse_weight=0.9, bypass=False,
         routing_trace=None, spare_recent=1, prefetch_lead=4, draft_experts="cached", verify_confidence=0.0,
-        draft_tokens=1, verify_rows="separate",
+        draft_tokens=1, extra_rows=1, verify_rows="separate",
         late_prefetch="wait", cuda_graphs=False, fused_kernels=False, progress=False)
     cases = [({8192: 5, 4096: 5, 2048: 0, 1024: 0}, False, 2048),
              ({8192: 9, 4096: 5, 2048: 5, 1024: 7}, False, 4096),
