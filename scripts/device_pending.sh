@@ -62,6 +62,8 @@ case "${STAGE:-tests}" in
     # issue 40's three serving workloads in one call over one random checkpoint (written once): int4 (every expert
     # resident at 12 GiB), bf16 at 12 GiB, and bf16 with the real V2-Lite trace forced (carry .whl and
     # .device-data/traces); each level beside the engine's own batches. INT4_S / BF16_S / TRACE_S bound each run.
+    # The twenty-eighth session's bf16 run (BF16_S=290, 2 requests a client) ended before the engine's rows: give
+    # bf16 a call of its own (INT4_S=1 TRACE_S=1 BF16_S=560) with --requests-per-client 1
     python3 -m pip install -q --no-index --find-links .whl uvicorn starlette httpx 2>&1 | grep -v "root. user" | tail -2
     python3 -c "import uvicorn, starlette, httpx" || echo "the serving packages did not install"
     timeout "${INT4_S:-170}" python3 scripts/bench_serve.py --expert-dtype int4 --out "$out/serve_int4.json" "$@" \
@@ -111,8 +113,10 @@ case "${STAGE:-tests}" in
     timeout 110 python3 -m pytest "$(junit)" tests/test_gpu.py -k "cache_sizes" -q -p no:cacheprovider --tb=short 2>&1 | tail -6 ;;
   offloaded_batches)
     # issue 14's offloaded batch rows (V2-Lite at 12 GiB, batch 1/4/8/16, reactive and next_layer_gate). The tenth
-    # session's reactive rows read host memory at 24 GB/s from batch 4 on (40 at batch 1, 50 in isolation): the next
-    # call is `LIMIT=300 STAGE=offloaded_batches ... --new-tokens 32 --systems offloaded_b1,offloaded_b4 --profile`
+    # session's reactive rows read host memory at 24 GB/s from batch 4 on (40 at batch 1, 50 in isolation). Owed
+    # since the twenty-eighth session, which shaped a checkpoint without an MTP layer's steps for its real rows
+    # alone and gave tiles wider than 16 rows one stage: `LIMIT=400 STAGE=offloaded_batches ... --new-tokens 32
+    # --systems offloaded_b1,offloaded_b4,offloaded_b16 --profile` (then the same with --mtp-layer: 32-row tiles)
     timeout "${LIMIT:-560}" python3 scripts/bench_gpu.py --out "$out/bench_offloaded_batches.json" --workloads v2lite \
       --decode-compute --prefill-lengths "" --systems "$(echo offloaded{,_gate}_b{1,4,8,16} | tr ' ' ,)" \
       "$@" 2>&1 | filter ;;
