@@ -247,7 +247,7 @@ def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev
             args.model_type, args.num_hidden_layers, args.n_routed_experts, has_mtp, plan.all_resident,
             options.max_seq_len, options.max_batch_size, options.prefill_chunk, options.prefill_window,
             options.dtype, options.expert_dtype, options.cuda_graphs, str(dev.type), options.verify_confidence,
-            options.draft_experts, options.draft_tokens))
+            options.draft_experts, options.draft_tokens, options.verify_rows))
 
     hot = validate_hot_set(config.hot_set, expert_layers, args.n_routed_experts)
     if hot and config.policy != "static":

@@ -136,6 +136,9 @@ def _rank_disagreeing(rank: int, world: int, port: int, path: str, out: str, sce
         elif scenario == "draft_mismatch":  # "auto" agrees on each call's choice, a collective the others lack
             MoEPrefetchEngine.from_pretrained(path, distributed=True, expert_cache_slots=4,
                                               draft_experts="auto" if rank else "cached")
+        elif scenario == "rows_mismatch":  # verify_rows shapes every step's batches, so its collectives
+            MoEPrefetchEngine.from_pretrained(path, distributed=True, expert_cache_slots=4,
+                                              verify_rows="shared" if rank else "separate")
         else:
             MoEPrefetchEngine.from_pretrained(path, distributed=True, expert_cache_slots=4, max_seq_len=64 + 64 * rank)
     except RequestError as exc:
@@ -145,7 +148,7 @@ def _rank_disagreeing(rank: int, world: int, port: int, path: str, out: str, sce
 
 
 @pytest.mark.parametrize("scenario", [pytest.param(name, marks=pytest.mark.slow)  # the fast lane: two ranks' tokens
-                                      for name in ("sampling", "mismatch", "draft_mismatch")])
+                                      for name in ("sampling", "mismatch", "draft_mismatch", "rows_mismatch")])
 def test_ranks_agree_on_seeds_and_placement_and_refuse_other_differences(checkpoint_factory, tmp_path, scenario):
     path = checkpoint_factory("v3")
     mp.start_processes(_rank_disagreeing, args=(2, _free_port(), str(path), str(tmp_path), scenario), nprocs=2,
