@@ -177,7 +177,10 @@ def _replay_arguments(rpl: argparse.ArgumentParser) -> None:
 
 def _train_arguments(trn: argparse.ArgumentParser) -> None:
     trn.add_argument("path", help="checkpoint directory")
-    trn.add_argument("--text", nargs="+", required=True, help="UTF-8 text files to record routing over")
+    source = trn.add_mutually_exclusive_group(required=True)
+    source.add_argument("--text", nargs="+", help="UTF-8 text files to record routing over")
+    source.add_argument("--ids", nargs="+", help="token-id files to record routing over, for a checkpoint without a "
+                        "tokenizer: .npy arrays, or text of integers separated by spaces, commas or newlines")
     trn.add_argument("--out", required=True, help="the predictor file to write (.safetensors)")
     trn.add_argument("--leads", type=int, default=1, help="tokens ahead to predict (t+1 .. t+leads)")
     trn.add_argument("--horizon", type=int, default=0, help="also learn which experts any of the next H tokens "
@@ -437,14 +440,16 @@ def _train_predictor(ns: argparse.Namespace) -> int:
 
     if ns.json:
         _check_writable(Path(ns.json), "--json")
-    for text in ns.text:
-        if not Path(text).is_file():
-            raise MoEPrefetchError(f"--text {text} is not a file")
+    flag, files = ("--text", ns.text) if ns.text else ("--ids", ns.ids)
+    for name in files:
+        if not Path(name).is_file():
+            raise MoEPrefetchError(f"{flag} {name} is not a file")
     if not Path(ns.path).is_dir():
         raise MoEPrefetchError(f"checkpoint {ns.path} is not a directory")
     settings = TrainSettings(leads=ns.leads, steps=ns.steps, eval_share=ns.eval_share, max_tokens=ns.max_tokens,
                              horizon=ns.horizon, record_dtype=ns.dtype)
-    result = train_predictor(ns.path, [Path(t) for t in ns.text], ns.out, device=ns.device, settings=settings,
+    source = [Path(t) for t in ns.text] if ns.text else [t for name in ns.ids for t in _read_ids(Path(name))]
+    result = train_predictor(ns.path, source, ns.out, device=ns.device, settings=settings,
                              progress=True, resume=not ns.no_resume)
     print(format_table(result))
     print(f"wrote {result['out']} ({result['params']} parameters, rank {result['rank']}; steps "
@@ -452,6 +457,27 @@ def _train_predictor(ns: argparse.Namespace) -> int:
     if ns.json:
         Path(ns.json).write_text(json.dumps(result, indent=1))
     return 0
+
+
+def _read_ids(path: Path) -> list[int]:
+    """A token-id file (`--ids`): a .npy array of integers, or text of integers separated by spaces, commas or
+    newlines."""
+    if path.suffix == ".npy":
+        import numpy as np
+
+        try:
+            array = np.load(path, allow_pickle=False)
+        except (ValueError, OSError) as exc:
+            raise MoEPrefetchError(f"--ids {path} is not a readable .npy array ({exc})") from None
+        if array.dtype.kind not in "iu":
+            raise MoEPrefetchError(f"--ids {path} holds {array.dtype} values, not integer token ids")
+        return [int(t) for t in array.reshape(-1)]
+    try:
+        words = path.read_text(encoding="utf-8").replace(",", " ").split()
+        return [int(w) for w in words]
+    except (UnicodeDecodeError, ValueError):
+        raise MoEPrefetchError(f"--ids {path} is not a list of integer token ids (separated by spaces, commas or "
+                               f"newlines), nor a .npy array") from None
 
 
 def _info(ns: argparse.Namespace) -> int:

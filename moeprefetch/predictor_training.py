@@ -177,13 +177,13 @@ def _token_stream(engine: "MoEPrefetchEngine", texts_or_ids: Any, max_tokens: in
     """Text files (Path), texts (str) or token ids (ints, an array or a tensor) -> one token stream, at most
     `max_tokens` long."""
     if isinstance(texts_or_ids, torch.Tensor) or hasattr(texts_or_ids, "dtype"):
-        return [int(t) for t in list(texts_or_ids[:max_tokens])]
+        return _checked_ids(engine, [int(t) for t in list(texts_or_ids.reshape(-1)[:max_tokens])])
     items = list(texts_or_ids)
     if items and all(isinstance(t, int) for t in items):
-        return items[:max_tokens]
+        return _checked_ids(engine, items[:max_tokens])
     if engine.tokenizer is None:
         raise RequestError("training on text needs the checkpoint's tokenizer, and this checkpoint has none; give "
-                           "token ids instead")
+                           "token ids instead (the command line's --ids)")
     stream: list[int] = []
     for item in items:
         if isinstance(item, Path):
@@ -198,6 +198,14 @@ def _token_stream(engine: "MoEPrefetchEngine", texts_or_ids: Any, max_tokens: in
         if len(stream) >= max_tokens:
             break
     return stream[:max_tokens]
+
+
+def _checked_ids(engine: "MoEPrefetchEngine", ids: list[int]) -> list[int]:
+    vocab = engine.args.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestError(f"token id {bad} is outside the checkpoint's vocabulary (0 to {vocab - 1})")
+    return ids
 
 
 def _windows(stream: list[int], window: int, leads: int) -> list[list[int]]:
@@ -343,7 +351,9 @@ def train_predictor(checkpoint: str | Path, texts_or_ids: Any, out_path: str | P
             held = sample_index(held_record, reach)
         if not settings.use_mtp:  # the head sees the final hidden state only (mtp_router stays a baseline)
             record.mtp_hidden = held_record.mtp_hidden = None
-        head = RoutingHead(_head_config(engine, settings, record.mtp_hidden is not None))
+        with torch.random.fork_rng(devices=[]):  # the head's initial weights from `seed`: a run repeats exactly
+            torch.manual_seed(settings.seed)
+            head = RoutingHead(_head_config(engine, settings, record.mtp_hidden is not None))
     finally:
         if owned:
             engine.close()

@@ -278,6 +278,45 @@ def test_cli_trains_a_head_that_generate_then_loads_and_refuses_binary_text(tmp_
     assert "is not a safetensors file" in err and "Traceback" not in err
 
 
+def test_cli_trains_from_token_id_files_and_refuses_bad_ones(tmp_path, capsys):
+    """`--ids` (a checkpoint without a tokenizer can only be given token ids): a text file of ids and the same ids
+    as a .npy array train the same head; words, floats, ids outside the vocabulary and --text beside --ids are one
+    sentence each, exit 2."""
+    import numpy as np
+
+    from moeprefetch.config import load_model_args
+
+    vocab = load_model_args(REFERENCE).vocab_size
+    ids = torch.randint(0, vocab, (1200,), generator=torch.Generator().manual_seed(5)).tolist()
+    listed, array = tmp_path / "ids.txt", tmp_path / "ids.npy"
+    listed.write_text(",".join(map(str, ids[:600])) + "\n" + " ".join(map(str, ids[600:])))
+    np.save(array, np.array(ids, dtype=np.int64))
+    heads = []
+    for source in (listed, array):
+        out = tmp_path / f"{source.suffix[1:]}.safetensors"
+        code = main(["train-predictor", str(REFERENCE), "--ids", str(source), "--out", str(out), "--steps", "2",
+                     "--dtype", "float32", "--no-resume"])
+        assert code == 0, capsys.readouterr().err
+        heads.append(load_file(out))
+    assert heads[0].keys() == heads[1].keys()
+    assert all(torch.equal(heads[0][k], heads[1][k]) for k in heads[0])
+    words, floats, outside = tmp_path / "words.txt", tmp_path / "floats.npy", tmp_path / "outside.txt"
+    words.write_text("the quick brown fox")
+    np.save(floats, np.array([1.5, 2.0]))
+    outside.write_text(f"1 2 {vocab}")
+    for bad, message in ((words, "is not a list of integer token ids"), (floats, "not integer token ids"),
+                         (outside, f"token id {vocab} is outside the checkpoint's vocabulary")):
+        capsys.readouterr()
+        assert main(["train-predictor", str(REFERENCE), "--ids", str(bad), "--out",
+                     str(tmp_path / "bad.safetensors"), "--steps", "1"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+    with pytest.raises(SystemExit) as exited:
+        main(["train-predictor", str(REFERENCE), "--ids", str(listed), "--text", str(listed), "--out",
+              str(tmp_path / "both.safetensors")])
+    assert exited.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
 # ---- predictor="learned" in the engine ------------------------------------------------------------------------------
 
 
