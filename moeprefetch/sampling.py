@@ -118,7 +118,8 @@ def bias_pairs(logit_bias: object) -> tuple[tuple[int, float], ...]:
     pairs = {}
     for key, bias in logit_bias.items():
         token = key
-        if isinstance(key, str) and re.fullmatch(r"\s*-?[0-9]+\s*", key, flags=re.ASCII):
+        # a token id has at most a few digits: longer strings (int() refuses beyond 4,300) name no token
+        if isinstance(key, str) and re.fullmatch(r"\s*-?[0-9]{1,18}\s*", key, flags=re.ASCII):
             token = int(key)
         if not isinstance(token, int) or isinstance(token, bool):
             raise RequestError(f"logit_bias keys must be token ids (integers), got {key!r}")

@@ -796,6 +796,12 @@ def test_deep_json_and_lone_surrogates_are_one_sentence_400s(live):
         assert "lone UTF-16 surrogate" in error["message"]
     error = _error_of(post(b'{"model": "tiny", "prompt": "\xed\xa0\x80"}'), 400, None)  # a surrogate as UTF-8 bytes
     assert "UTF-8" in error["message"]
+    # integers longer than Python converts (4,300 digits): as a value, and as a logit_bias key
+    error = _error_of(post(b'{"model": "tiny", "prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}"), 400, None)
+    assert "number too long" in error["message"]
+    error = _error_of(post(b'{"model": "tiny", "prompt": "x", "logit_bias": {"1' + b"0" * 5000 + b'": 1}}'), 400,
+                      "logit_bias")
+    assert "token ids" in error["message"]
     pair = post(b'{"model": "tiny", "prompt": "\\ud83d\\ude00 fox", "max_tokens": 2}')  # a valid pair: an emoji
     assert pair.status_code == 200 and pair.json()["usage"]["completion_tokens"] >= 1
     assert httpx.get(live.url + "/health", timeout=30).json()["status"] == "ok"
@@ -820,6 +826,22 @@ def test_chat_without_a_template_uses_role_lines_and_joins_text_parts(guarded, r
                           json={"model": "guarded", "messages": image})
     error = _error_of(response, 400, "messages[0].content")
     assert "'image_url' part" in error["message"]
+    # an assistant turn with null content (what OpenAI's clients send after a tool call) is empty text; a user's
+    # null content is refused; a role counts toward the prompt's characters as its content does
+    turns = [{"role": "user", "content": "the quick"}, {"role": "assistant", "content": None},
+             {"role": "user", "content": "fox"}]
+    null = guarded.client.chat.completions.create(model="guarded", messages=turns, max_tokens=4, temperature=0)
+    empty = guarded.client.chat.completions.create(model="guarded", messages=[dict(m, content=m["content"] or "")
+                                                                              for m in turns],
+                                                   max_tokens=4, temperature=0)
+    assert null.usage.prompt_tokens == empty.usage.prompt_tokens
+    assert null.choices[0].message.content == empty.choices[0].message.content
+    response = httpx.post(guarded.url + "/v1/chat/completions", headers=AUTH, timeout=30,
+                          json={"model": "guarded", "messages": [{"role": "user", "content": None}]})
+    _error_of(response, 400, "messages[0].content")
+    response = httpx.post(guarded.url + "/v1/chat/completions", headers=AUTH, timeout=30,
+                          json={"model": "guarded", "messages": [{"role": "r" * 60_000, "content": "x"}]})
+    assert "60001 characters" in _error_of(response, 400, "messages")["message"]
 
 
 def test_parameters_the_server_cannot_honour_are_refused_by_name(live):

@@ -115,6 +115,8 @@ def decode_body(raw: bytes) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         raise APIError(400, "the request body is not valid JSON") from None
+    except ValueError:  # an integer of more digits than Python converts (4,300)
+        raise APIError(400, "the request body holds a number too long to parse") from None
     except RecursionError:
         raise APIError(400, "the request body nests JSON arrays or objects too deeply to parse") from None
 
@@ -284,11 +286,14 @@ def parse_completion(body: Any, tokenizer, limits: Limits) -> Job:
     return _job("text_completion", ids, common, limits, "prompt", echo=text)
 
 
-def _content(content: Any, index: int) -> str:
-    """A message's content: a string, or a list of text parts (joined by newlines, as vLLM does)."""
+def _content(content: Any, index: int, role: str) -> str:
+    """A message's content: a string, or a list of text parts (joined by newlines, as vLLM does); an assistant's
+    may be null (OpenAI's own clients send that for a turn that called tools), which is empty text."""
     param = f"messages[{index}].content"
     if isinstance(content, str):
         return _text(content, param)
+    if content is None and role == "assistant":
+        return ""
     if not isinstance(content, list) or not content:
         raise APIError(400, f"{param} must be a string or a non-empty list of {{\"type\": \"text\", \"text\": ...}} "
                             "parts", param)
@@ -308,7 +313,7 @@ def _messages(messages: Any) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-    return [{"role": _text(m["role"], f"messages[{i}].role"), "content": _content(m.get("content"), i)}
+    return [{"role": _text(m["role"], f"messages[{i}].role"), "content": _content(m.get("content"), i, m["role"])}
             for i, m in enumerate(messages)]
 
 
@@ -327,7 +332,7 @@ def parse_chat(body: Any, tokenizer, limits: Limits) -> Job:
     messages = _messages(body.get("messages"))
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids", "messages")
-    limits.check_chars(sum(len(m["content"]) for m in messages), "messages")
+    limits.check_chars(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")  # both are tokenized
     if not getattr(tokenizer, "chat_template", None):
         ids = tokenizer(fallback_chat_prompt(messages), add_special_tokens=True)["input_ids"]
     else:
