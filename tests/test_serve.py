@@ -576,6 +576,25 @@ def _timed_stream(live, tokens: int) -> tuple[threading.Thread, list[float]]:
     return streaming, gaps
 
 
+def test_prompts_queued_beside_running_streams_are_admitted_one_per_step(live, monkeypatch):
+    """Every admission's prefill stalls the rows decoding: while any decode, the scheduler admits one request
+    between two of their steps (three long prompts at once stalled a stream for all three prefills, 3.2 s, in the
+    twenty-eighth session's outside check); with none decoding, all waiting requests are admitted at once."""
+    batch = live.scheduler.batch
+    events: list[str] = []
+    admit, step = batch.admit, batch.step
+    monkeypatch.setattr(batch, "admit", lambda *a, **k: (events.append("admit"), admit(*a, **k))[1])
+    monkeypatch.setattr(batch, "step", lambda: (events.append("step"), time.sleep(0.01), step())[2])
+    streaming, _ = _timed_stream(live, 150)
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda _: httpx.post(live.url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": list(range(3, 60)), "max_tokens": 2, "temperature": 0}), range(3)))
+    streaming.join(timeout=60)
+    admissions = [i for i, e in enumerate(events) if e == "admit"]
+    assert len(admissions) == 4  # the stream, then the three prompts, each after a step of the rows decoding
+    assert all(b - a > 1 for a, b in zip(admissions[1:], admissions[2:])), events[:40]
+
+
 def test_a_long_prompt_is_refused_early_off_the_event_loop_and_streams_go_on(live, monkeypatch):
     server = live.app.state.server
     threads, parse = [], server._parse
@@ -998,6 +1017,25 @@ def test_a_half_sent_body_times_out_with_a_408(guarded):
     assert reply.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in reply
     assert 0.8 < elapsed < 5  # the 1 s body timeout, not the client's 10 s
     assert httpx.get(guarded.url + "/health", timeout=30).status_code == 200
+
+
+def test_a_body_still_arriving_when_a_shutdown_begins_gets_a_503_json(live):
+    """A request whose body is still arriving when the drain begins was never taken: it is answered 503 JSON at
+    once (not cut later by uvicorn's own shutdown as a text/plain 500, the twenty-eighth session's outside check)."""
+    server = live.app.state.server
+    with socket.create_connection(("127.0.0.1", live.port), timeout=10) as sock:
+        sock.sendall(_raw_head("/v1/completions", 100, live.port) + b'{"prompt"')
+        time.sleep(0.3)  # the handler is waiting for the rest of the body
+        server.draining = True
+        try:
+            started = time.monotonic()
+            reply = _read_reply(sock)
+            elapsed = time.monotonic() - started
+        finally:
+            server.draining = False
+    assert reply.startswith(b"HTTP/1.1 503") and b"application/json" in reply and b"shutting down" in reply
+    assert elapsed < 2
+    assert httpx.get(live.url + "/health", timeout=30).json()["status"] == "ok"
 
 
 def test_queued_streams_whose_client_left_are_never_prefilled(plain_model_dir, monkeypatch):

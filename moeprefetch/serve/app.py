@@ -174,9 +174,10 @@ class Server:
         if largest < self.settings.max_body_bytes:
             raw = await read_body(request, largest, self.settings.body_timeout,
                                   f"any request this model could accept ({{max_bytes}} bytes at most: its context is "
-                                  f"max_seq_len={self.limits.context} tokens)")
+                                  f"max_seq_len={self.limits.context} tokens)", draining=lambda: self.draining)
         else:
-            raw = await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout)
+            raw = await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout,
+                                  draining=lambda: self.draining)
         if raw is None:
             return None
         loop = asyncio.get_running_loop()

@@ -93,11 +93,17 @@ class Guard:
         return None
 
 
+DRAIN_POLL_SECONDS = 0.1  # how soon a body still arriving notices that the server began to shut down
+
+
 async def read_body(request: Request, max_bytes: int, timeout: float,
-                    limit: str = "this server's limit of {max_bytes} bytes (see --max-body-bytes)") -> bytes | None:
+                    limit: str = "this server's limit of {max_bytes} bytes (see --max-body-bytes)",
+                    draining: Callable[[], bool] | None = None) -> bytes | None:
     """The request's JSON body, checked: 415 if it is not declared JSON, 413 past `max_bytes` (from Content-Length
     before any byte is read, else as it arrives; `limit` says whose limit that is), 408 if it has not all come within
-    `timeout` seconds; None if the client went away meanwhile (logged in one line: nobody is left to answer)."""
+    `timeout` seconds, 503 once `draining()` says a shutdown began (the request was never taken: the client may
+    retry elsewhere, and uvicorn's own shutdown would otherwise cut the upload with a text/plain 500); None if the
+    client went away meanwhile (logged in one line: nobody is left to answer)."""
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type != "application/json":
         raise APIError(415, f"the request body must be sent as Content-Type: application/json, not "
@@ -117,13 +123,23 @@ async def read_body(request: Request, max_bytes: int, timeout: float,
                 raise too_large
             chunks.append(chunk)
 
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    task = asyncio.ensure_future(arrive())
     try:
-        await asyncio.wait_for(arrive(), timeout)
-    except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
-        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout",
-                       headers={"Connection": "close"}) from None
+        while not task.done():
+            if draining is not None and draining():
+                raise APIError(503, "the server is shutting down and takes no new requests", kind="server_error",
+                               headers={"Retry-After": "1", "Connection": "close"})
+            if loop.time() >= deadline:
+                raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout",
+                               headers={"Connection": "close"})
+            await asyncio.wait({task}, timeout=min(DRAIN_POLL_SECONDS, max(deadline - loop.time(), 0.0)))
+        task.result()  # 413 as it arrived, or the client's disconnect
     except ClientDisconnect:
         logger.info("a client went away while sending its request body to %s (%d bytes received)",
                     request.url.path, sum(map(len, chunks)))
         return None
+    finally:
+        task.cancel()  # done already, or abandoned by a 408 or 503
     return b"".join(chunks)

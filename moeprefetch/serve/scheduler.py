@@ -173,8 +173,13 @@ class Scheduler:
                 if self._stopping and not self.queue and not self.rows:
                     return
                 self._drop_cancelled_queue()  # a queued client that left is never prefilled
-                while self.queue and len(self.rows) + len(self._admitting) < self.batch.rows:
+                # while rows are decoding, one admission between two of their steps: every prefill stalls them, and
+                # back-to-back prefills would stall them for all at once (seconds for a few long prompts); with none
+                # decoding, every request waiting is admitted before the first step
+                room = self.batch.rows - len(self.rows) - len(self._admitting)
+                while self.queue and room > 0 and not (self.rows and self._admitting):
                     self._admitting.append(self.queue.popleft())
+                    room -= 1
             while self._admitting:
                 self._admit(self._admitting[0])
                 with self._cond:
