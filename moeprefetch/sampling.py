@@ -31,6 +31,9 @@ from .kernels.sampling import gumbel_argmax, pcg
 LOGPROBS_MAX = 20  # most alternatives a request may ask for (OpenAI's top_logprobs limit)
 LOGIT_BIAS_LIMIT = 100.0  # |bias| per token, as OpenAI bounds it
 PENALTY_LIMIT = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI bounds them
+# the largest temperature: far past any useful one (logits divided by it draw near-uniformly), and within fp32, which
+# the sampler divides the logits in (a larger value overflowed to a traceback)
+TEMPERATURE_LIMIT = 1e6
 SEED_LIMIT = 2**62  # the sampler hashes a seed's low 62 bits: a larger seed would repeat a smaller one's draws
 
 
@@ -84,6 +87,8 @@ class SamplingParams:
             raise RequestError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not _finite_number(self.temperature) or self.temperature < 0:
             raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature > TEMPERATURE_LIMIT:  # the sampler divides fp32 logits by it
+            raise RequestError(f"temperature must be at most {TEMPERATURE_LIMIT:g}, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise RequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if (
@@ -258,6 +263,7 @@ class DeviceSampler:
                 probs = ordered.softmax(-1)
                 before = probs.cumsum(-1) - probs  # mass strictly before each token
                 drop_sorted = before >= self.top_p  # keep the smallest prefix whose mass reaches top_p
+                drop_sorted[:, 0] = False  # and the likeliest token always (a top_p below fp32's range reads 0)
                 drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
                 scaled = scaled.masked_fill(drop, float("-inf"))
         return scaled
@@ -338,6 +344,7 @@ class RowSampler(DeviceSampler):
         probs = ordered.softmax(-1)
         before = probs.cumsum(-1) - probs
         drop_sorted = self.use_top_p & (before >= self.top_p)
+        drop_sorted[:, 0] = False  # the likeliest token always stays (a top_p below fp32's range reads 0)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         return scaled.masked_fill(drop, float("-inf"))
 

@@ -150,6 +150,7 @@ def test_bias_pairs_accept_json_keys_and_sort():
     (SamplingParams(logprobs=LOGPROBS_MAX + 1), r"logprobs must be None or an integer in \[0, 20\]"),
     (SamplingParams(logprobs=-1), "logprobs must be"), (SamplingParams(logprobs=1.5), "logprobs must be"),
     (SamplingParams(temperature=10**400), "temperature must be a finite number"),
+    (SamplingParams(temperature=1e39), "temperature must be at most 1e\\+06"),
     (SamplingParams(top_p=10**400), "top_p must be a number"),
     (SamplingParams(presence_penalty=10**400), "presence_penalty must be a number")])
 def test_bad_bias_penalties_and_logprobs_are_one_sentence(params, message):
@@ -203,3 +204,21 @@ def test_token_bytes_are_the_bytes_of_a_character_split_over_tokens(tiny_tokeniz
     content = chat_logprobs([TokenLogprob(t, -1.0, ()) for t in ids], tokenizer)["content"]
     assert bytes(b for c in content for b in c["bytes"]) == text.encode()
     assert token_bytes(None, 7) == list(b"token_id:7")
+
+
+def test_a_top_p_below_fp32s_range_keeps_the_likeliest_token():
+    """top_p=1e-50 passes validation but reads 0 in fp32: every token had mass before it >= 0 and was dropped, so
+    draws fell on token 0 (an outside check). The likeliest token always stays: it is what top_p=1e-30 draws."""
+    from moeprefetch.sampling import RowSampler, sample
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 50, generator=g)
+    for top_p in (1e-50, 1e-30):
+        got = sample(logits, SamplingParams(temperature=1.0, top_p=top_p, seed=3), [0, 1], [5, 5])
+        assert got.tolist() == logits.argmax(-1).tolist(), top_p
+    rows = RowSampler(50, torch.device("cpu"), 2)
+    for row in range(2):
+        rows.set_row(row, SamplingParams(temperature=1.0, top_p=1e-50, seed=3))
+    filtered = rows.filter(logits)
+    assert filtered.isfinite().sum(-1).tolist() == [1, 1]
+    assert filtered.argmax(-1).tolist() == logits.argmax(-1).tolist()
