@@ -199,6 +199,9 @@ class MoEPrefetchEngine:
         """Free device memory (weights, KV caches, graphs, the expert pool) and unpin host memory, now."""
         if self._closed:
             return
+        if self._active:  # from a callback, or with a stream suspended: that call ends here (it raises if resumed)
+            logger.warning("close() during a generate/stream call: the call is abandoned")
+            self._abort_call()
         self._closed = True
         for step in self._steps.values():
             step.release()
@@ -437,11 +440,23 @@ class MoEPrefetchEngine:
     def run_session(self, session: Session) -> Iterator[TokenEvent]:
         """Run a session to its end as a generator of its token events, returning its `GenerationResult`; Ctrl-C
         returns the tokens so far, running out of device memory raises `ResourceError`, and the engine stays
-        usable either way."""
+        usable either way. A call abandoned by `close()` (from a callback, or with its stream suspended) raises one
+        sentence if it is resumed."""
         self._active = True
+        run = session.run()
         try:
-            return (yield from session.run())
+            while True:
+                try:
+                    event = next(run)
+                except StopIteration as stop:
+                    return stop.value
+                yield event
+                if self._closed:  # close() while this call waited on its consumer
+                    raise RequestError("this engine was closed during the call; load a new one with "
+                                       "MoEPrefetchEngine.from_pretrained")
         except KeyboardInterrupt:
+            if self._closed:
+                raise
             session.abort()
             if self.residency.group is not None:  # the ranks stopped at different layers: no partial result
                 raise
@@ -449,15 +464,19 @@ class MoEPrefetchEngine:
                            sum(map(len, session.generated)))
             return session.result(interrupted=True)
         except torch.OutOfMemoryError:
+            if self._closed:
+                raise
             session.abort()
             self._free_cuda()
             raise ResourceError(
                 f"the device ran out of memory during generation (batch {session.batch}, max_seq_len "
                 f"{self.options.max_seq_len}); lower the batch, max_seq_len or the expert cache size") from None
         except BaseException:
-            session.abort()
+            if not self._closed:  # abandoned by close(): nothing of it is left to settle
+                session.abort()
             raise
         finally:
+            run.close()
             self._active = False
 
     # ---- what sessions use (`session.SessionEngine`) ---------------------------------------------------------------

@@ -382,3 +382,27 @@ def test_close_releases_the_pool_and_the_host_store(checkpoint_factory):
         with pytest.raises(RequestError, match="has been closed"):
             call()
     engine.close()  # closing twice is harmless
+
+
+def test_close_during_a_call_abandons_it_in_one_sentence(checkpoint_factory):
+    """close() from a callback, or with a stream suspended, frees the engine and ends that call: resuming it is one
+    sentence (it was an AttributeError on a freed engine), and a `with` block left with a stream suspended closes
+    without raising."""
+    path = checkpoint_factory("v3")
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=4)
+    stream = engine.stream([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False)
+    next(stream)
+    engine.close()
+    with pytest.raises(RequestError, match="closed during the call"):
+        next(stream)
+    with pytest.raises(RequestError, match="has been closed"):
+        engine.generate([[3]], max_new_tokens=2)
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=4)
+    with pytest.raises(RequestError, match="closed during the call"):
+        engine.generate([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False, callback=lambda event: engine.close())
+    with MoEPrefetchEngine.from_pretrained(path, progress=False) as engine:
+        suspended = engine.stream([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False)
+        next(suspended)
+    assert engine.residency is None  # closed on leaving the block
+    with pytest.raises(RequestError, match="closed during the call"):
+        next(suspended)
