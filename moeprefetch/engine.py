@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -80,7 +80,7 @@ class MoEPrefetchEngine:
         `vram_budget` every expert is resident. `expert_cache_slots=N` keeps N routed-expert slots (across all layers)
         in device memory and the experts in page-locked host RAM; `expert_cache_fraction=0.25` sizes them as a share
         of all routed experts; `vram_budget="12GiB"` lets the planner size the slots. `predictor` (default:
-        `mtp+next_layer_gate` when the checkpoint has an MTP layer, else `next_layer_gate`), `lookahead`,
+        `none`: reactive fetching, the fastest measured offloaded), `lookahead`,
         `min_confidence` are defaults that `generate` may override; `policy` (lru, lrfu, lfu or static) applies from
         the next call when `options` change. `prefetch_budget` caps fills per (step, layer) at that multiple of
         top-k per row, `max_inflight_experts` the fills in flight.
@@ -90,6 +90,13 @@ class MoEPrefetchEngine:
         fit the budget, the largest layers stream from host RAM `stream_ahead` layers ahead of the compute;
         `stream_layers=N` asks for N streamed layers explicitly.
         """
+        if not isinstance(path, (str, Path)):
+            raise RequestError(f"path must be a checkpoint directory (a str or Path), got {path!r}")
+        if isinstance(config, Mapping):
+            config = EngineConfig.from_mapping(config)
+        elif config is not None and not isinstance(config, EngineConfig):
+            raise RequestError(f"config must be an EngineConfig or a mapping of its options, got "
+                               f"{type(config).__name__}")
         given = dict(options)
         if device is not None:
             given["device"] = device
@@ -317,6 +324,8 @@ class MoEPrefetchEngine:
                                    speculative, stop_at_eos, event_log, min_confidence, logit_bias=logit_bias,
                                    presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                    logprobs=logprobs)
+        if callback is not None and not callable(callback):
+            raise RequestError(f"callback must be a function of one TokenEvent, got {type(callback).__name__}")
         events = self._events(request, want_text=callback is not None)
         try:
             while True:

@@ -193,8 +193,13 @@ class EngineConfig:
         check_fraction("fill_confidence", self.fill_confidence, upper_open=False)
         check_fraction("verify_confidence", self.verify_confidence, upper_open=False)
         check_fraction("reuse_weight", self.reuse_weight, upper_open=False)
-        if not isinstance(self.bypass, bool):
-            raise RequestError(f"bypass must be True or False, got {self.bypass!r}")
+        for name in ("bypass", "pin_memory", "cuda_graphs", "fused_kernels", "progress", "distributed"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.predictor_path is None and (self.bypass or self.reuse_weight):  # else silently without effect
+            raise RequestError(f"{'bypass' if self.bypass else 'reuse_weight'} acts on a learned routing head's "
+                               f"predictions: load one with predictor_path= (train it with moeprefetch "
+                               f"train-predictor), or leave it out")
         budget = self.prefetch_budget
         if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not math.isfinite(budget) or budget < 0:
             raise RequestError(f"prefetch_budget must be a number >= 0 (a multiple of top-k), got {budget!r}")

@@ -64,7 +64,12 @@ def build_request(args: ModelArgs, tokenizer: Any, options: ResolvedConfig, path
         min_confidence = options.min_confidence
     check_fraction("min_confidence", min_confidence, upper_open=False)
     if event_log is not None:
-        parent = Path(event_log).expanduser().resolve().parent
+        if not isinstance(event_log, (str, Path)) or not str(event_log):
+            raise RequestError(f"event_log must be the path of a JSON-lines file, got {event_log!r}")
+        target = Path(event_log).expanduser().resolve()
+        if target.is_dir():
+            raise RequestError(f"event_log {event_log!r} is a directory; give a file name (events.jsonl)")
+        parent = target.parent
         if not parent.is_dir() or not os.access(parent, os.W_OK):
             raise RequestError(f"event_log {event_log!r} cannot be written: {parent} is not a writable directory")
     token_prompts = tokenize(prompts, tokenizer, args, path)

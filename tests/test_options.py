@@ -18,7 +18,8 @@ BAD = [
     ("max_seq_len", -8), ("prefill_chunk", 0), ("prefill_window", "big"), ("min_confidence", 1.5),
     ("fill_confidence", float("nan")), ("reuse_weight", -0.1), ("bypass", 1), ("prefetch_budget", -1),
     ("prefetch_budget", float("inf")), ("expert_cache_fraction", 0), ("expert_cache_fraction", 1.2),
-    ("predictor_path", 3), ("routing_trace", ["a"]),
+    ("predictor_path", 3), ("routing_trace", ["a"]), ("distributed", "no"), ("pin_memory", "no"),
+    ("cuda_graphs", 0), ("fused_kernels", None), ("progress", "yes"), ("bypass", True), ("reuse_weight", 0.5),
 ]
 
 
@@ -34,7 +35,8 @@ def test_a_bad_option_is_one_sentence_naming_it(name, value):
 def test_valid_options_pass_and_unknown_ones_are_named():
     EngineConfig().check()
     EngineConfig.from_mapping(dict(expert_cache_fraction=1.0, min_confidence=1.0, int4_group_size=128,
-                                   policy="lru", prefetch_lead=0, spare_recent=0, bypass=True)).check()
+                                   policy="lru", prefetch_lead=0, spare_recent=0, bypass=True,
+                                   reuse_weight=0.5, predictor_path="head.safetensors")).check()
     with pytest.raises(RequestError, match=r"unknown engine options 'cache', 'slots'; the options are: device, "):
         EngineConfig.from_mapping({"slots": 3, "cache": 1})
 

@@ -363,6 +363,17 @@ def test_more_bad_options(checkpoint_factory, engine, tmp_path):
         static.set_hot_set_from_profile(share=None)
     with pytest.raises(RequestError, match="event_log .* cannot be written"):
         engine.generate([[3, 4]], max_new_tokens=2, event_log=tmp_path / "missing" / "events.jsonl")
+    with pytest.raises(RequestError, match="event_log .* is a directory"):  # before any token, not lost after
+        engine.generate([[3, 4]], max_new_tokens=2, event_log=tmp_path)
+    with pytest.raises(RequestError, match="callback must be a function"):
+        engine.generate([[3, 4]], max_new_tokens=2, callback=5)
+    for bad in (None, 5):
+        with pytest.raises(RequestError, match="path must be a checkpoint directory"):
+            MoEPrefetchEngine.from_pretrained(bad)
+    with pytest.raises(RequestError, match="config must be an EngineConfig"):
+        MoEPrefetchEngine.from_pretrained(path, config=[("expert_cache_slots", 8)])
+    with MoEPrefetchEngine.from_pretrained(path, config={"expert_cache_slots": 8, "progress": False}) as mapped:
+        assert mapped.residency.n_slots == 8  # a mapping of options is a config too
 
 
 def test_close_releases_the_pool_and_the_host_store(checkpoint_factory):
