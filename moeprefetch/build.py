@@ -300,7 +300,7 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
     """The options as the engine uses them, resolved against the checkpoint."""
     # reactive fetching by default: on the H200 no real predictor has yet been faster than it offloaded (the deep
     # model with learned routing, ref17, V2-Lite; BENCHMARKS "Prediction that pays"); predictors are chosen per call
-    predictor = config.predictor or "none"
+    predictor = config.predictor if config.predictor is not None else "none"
     predictor_spec(predictor, config.lookahead if config.predictor else default_lookahead(predictor, config.lookahead),
                    has_mtp, learned)
     seq_len = config.max_seq_len or min(args.max_position_embeddings, 4096)

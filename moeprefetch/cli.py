@@ -293,7 +293,7 @@ def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
                                       ("--vram-budget", ns.vram_budget is not None), ("--all-resident", ns.all_resident))
              if given]
     check_one_cache_size(sizes)
-    dtype = ns.dtype or ("bfloat16" if ns.device.startswith("cuda") else "float32")
+    dtype = ns.dtype if ns.dtype is not None else ("bfloat16" if ns.device.startswith("cuda") else "float32")
     kwargs: dict[str, Any] = dict(device=ns.device, dtype=dtype, policy=ns.policy, lrfu_halflife=ns.lrfu_halflife,
                                   prefetch_budget=ns.prefetch_budget,
                                   draft_experts=ns.draft_experts, verify_confidence=ns.verify_confidence,
@@ -307,7 +307,7 @@ def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
                  "max_batch_size", "expert_dtype", "int4_group_size", "int4_symmetric", "predictor_path"):
         if getattr(ns, name, None) is not None:
             kwargs[name] = getattr(ns, name)
-    if ns.vram_budget:
+    if ns.vram_budget is not None:  # an empty one too: the engine says what is wrong with it
         kwargs["vram_budget"] = ns.vram_budget
     elif ns.cache_slots is not None:
         kwargs["expert_cache_slots"] = ns.cache_slots
@@ -342,6 +342,8 @@ def _serve(ns: argparse.Namespace) -> int:
         [h.strip() for h in ns.allowed_hosts.split(",") if h.strip()]
     if hosts == []:
         raise MoEPrefetchError("--allowed-hosts names no host: give names, or '*' for any")
+    if ns.model_name is not None and not ns.model_name.strip():
+        raise MoEPrefetchError("--model-name must not be empty: clients send it as the request's model")
     kwargs = _engine_kwargs(ns)
     if kwargs["distributed"]:
         raise MoEPrefetchError("serve runs in one process: --distributed is for generate (the ranks would need one "

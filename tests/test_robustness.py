@@ -141,6 +141,12 @@ def test_cli_bad_arguments_exit_without_traceback(checkpoint_factory, capsys):
         (["generate", path, "--prompt-ids", "1,2", "--logit-bias", "99999=1"], "not a token id of the vocabulary"),
         (["generate", path, "--prompt-ids", "1,2", "--logit-bias", "5=-300"], "must be a number in [-100, 100]"),
         (["generate", path, "--prompt-ids", "1,2", "--presence-penalty", "3"], "presence_penalty must be a number"),
+        # empty values are mistakes too, not the defaults
+        (["generate", path, "--prompt-ids", "1,2", "--predictor="], "predictor must be a non-empty name"),
+        (["generate", path, "--prompt-ids", "1,2", "--vram-budget="], "cannot read memory size ''"),
+        (["generate", path, "--prompt-ids", "1,2", "--dtype="], "dtype '' is not supported"),
+        (["generate", path, "--prompt-ids", "1,2", "--temperature", "1e300"], "temperature must be at most"),
+        (["generate", path, "--prompt-ids", "1,2", "--bypass"], "bypass acts on a learned routing head"),
     ]:
         assert main(argv) == 2
         captured = capsys.readouterr()

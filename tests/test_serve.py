@@ -954,6 +954,7 @@ def test_serve_options_and_the_api_key_from_the_environment(monkeypatch):
     assert main(["serve", "--max-body-bytes", "0"]) == 2  # refused before the model loads
     assert main(["serve", "--body-timeout", "0"]) == 2
     assert main(["serve", "--allowed-hosts", " , "]) == 2
+    assert main(["serve", "--model-name", " "]) == 2  # clients send it: an empty one could never be asked for
 
 
 def test_serve_on_a_port_in_use_is_one_sentence_before_the_model_loads(monkeypatch, capsys):
