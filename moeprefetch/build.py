@@ -31,7 +31,7 @@ from .residency import Residency, prefill_staging_rows
 from .runner import KVCaches
 from .distributed import ProcessGroup, local_device
 from .placement import ExpertPlacement
-from .store import HostExpertStore
+from .store import HostExpertStore, check_host_ram
 from .streaming import LayerStreamer
 from .model import router_shape
 from .traces import ForcedRouting
@@ -489,8 +489,13 @@ def plan_engine_memory(
     per_layer = total_experts // max(len(args.moe_layers) + int(has_mtp), 1)  # a rank's own, when distributed
     staging_rows = prefill_staging_rows(fmt.record_bytes, per_layer, room)
     rows = options.max_step_rows
+    step_workspace = rows * args.num_experts_per_tok * max(rows, 16) * (args.moe_intermediate_size * element
+                                                                        + args.hidden_size * 4)
+    if options.device.type == "cpu":  # the CPU's caches live in host RAM: one sentence, not the allocator's abort
+        check_host_ram(kv + step_workspace, f"the KV cache of max_batch_size={options.max_batch_size} x "
+                                            f"max_seq_len={options.max_seq_len} and a decode step's workspace")
     workspace = (
-        rows * args.num_experts_per_tok * max(rows, 16) * (args.moe_intermediate_size * element + args.hidden_size * 4)
+        step_workspace
         + prefill_workspace_bytes(args, options.prefill_chunk, options.max_seq_len, options.device, element,
                                   options.prefill_window, grouped_mm_usable(fmt, options.device))
         + staging_rows * fmt.record_bytes  # prefill's staging rows

@@ -147,6 +147,7 @@ def test_cli_bad_arguments_exit_without_traceback(checkpoint_factory, capsys):
         (["generate", path, "--prompt-ids", "1,2", "--dtype="], "dtype '' is not supported"),
         (["generate", path, "--prompt-ids", "1,2", "--temperature", "1e300"], "temperature must be at most"),
         (["generate", path, "--prompt-ids", "1,2", "--bypass"], "bypass acts on a learned routing head"),
+        (["generate", path, "--prompt-ids", "1,2", "--max-batch-size", "100000000"], "host RAM is too small"),
     ]:
         assert main(argv) == 2
         captured = capsys.readouterr()
