@@ -50,7 +50,7 @@ def speculation_unavailable(has_mtp: bool, routing_trace: Any, spec: PredictorSp
         return SpeculationUnavailable(
             "presence/frequency penalties count each token before the next is drawn",
             "presence_penalty and frequency_penalty count each generated token before the next one is drawn, but "
-            "speculative='mtp' draws two tokens in one step: use one or the other")
+            "speculative='mtp' draws the token after each draft in the same step: use one or the other")
     return None
 
 

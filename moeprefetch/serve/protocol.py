@@ -16,6 +16,7 @@ from ..sampling import LOGPROBS_MAX, PENALTY_LIMIT, SEED_LIMIT, SamplingParams, 
 MAX_STOP_STRINGS = 4
 # the chat prompt of a tokenizer without a chat template (the shipped reference model has none)
 FALLBACK_CHAT_LINE = "{role}: {content}\n"
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
 FALLBACK_CHAT_END = "assistant:"
 
 # OpenAI parameters this server cannot honour, each with the values that ask for nothing (those pass); any other
@@ -207,9 +208,12 @@ def parse_common(body: Any, limits: Limits) -> dict[str, Any]:
     if n != 1:
         raise APIError(400, "only n=1 is supported", "n")
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    if top_p == 0.0:
-        raise APIError(400, "top_p must be greater than 0", "top_p")
+    try:
+        top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    except APIError:
+        top_p = 0.0
+    if top_p == 0.0:  # (0, 1]: a nucleus of no mass keeps nothing
+        raise APIError(400, f"top_p must lie in (0, 1], got {body.get('top_p')!r}", "top_p")
     top_k = _integer(body, "top_k", 0, 0)
     seed = _integer(body, "seed", None, 0, SEED_LIMIT)
     max_tokens = _integer(body, "max_tokens", None, 1)
@@ -313,6 +317,11 @@ def _messages(messages: Any) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    for i, m in enumerate(messages):
+        if m["role"] not in CHAT_ROLES:
+            role = m["role"] if len(m["role"]) <= 40 else m["role"][:40] + "..."
+            raise APIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                           f"messages[{i}].role")
     return [{"role": _text(m["role"], f"messages[{i}].role"), "content": _content(m.get("content"), i, m["role"])}
             for i, m in enumerate(messages)]
 
