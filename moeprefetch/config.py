@@ -225,7 +225,8 @@ def load_model_args(path: str | Path) -> ModelArgs:
     try:
         hf = AutoConfig.from_pretrained(str(path))
     except Exception as exc:  # transformers validates strictly and raises many types
-        raise CheckpointError(f"{path / 'config.json'} was rejected by transformers' AutoConfig: {exc}") from None
+        reason = " ".join(str(exc).split())  # one line: transformers' validation errors span several
+        raise CheckpointError(f"{path / 'config.json'} was rejected by transformers' AutoConfig: {reason}") from None
 
     def get(name: str, default: Any = None) -> Any:
         value = raw.get(name, getattr(hf, name, default))
