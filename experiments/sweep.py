@@ -161,6 +161,7 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
         row.update(merge_stats(runs).to_dict())
         slots = engine.residency.n_slots
         row.update(status="ok", cache_slots=slots, total_experts=engine.plan.total_experts,
+                   verify_rows=engine.options.verify_rows,  # what ran: without an MTP layer, separate
                    cache_fraction=slots / engine.plan.total_experts, prompt_count=len(prompts),
                    expert_bytes=engine.residency.expert_bytes, memory=engine.memory_stats())
     except Exception as exc:  # a failed point is recorded, and the sweep goes on

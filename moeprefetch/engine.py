@@ -412,6 +412,9 @@ class MoEPrefetchEngine:
 
     def _events(self, request: Request, want_text: bool = True) -> Iterator[TokenEvent]:
         """The call as a generator of token events that returns the `GenerationResult`."""
+        # asked again when the call starts (its first next()), not only when it was made: a stream made earlier
+        # may meet a closed engine, or another stream already running on the same caches
+        self.check_idle()
         trace = None
         if request.predictor.oracle:
             trace, recorded = self._record_trace(request)
@@ -451,6 +454,7 @@ class MoEPrefetchEngine:
         returns the tokens so far, running out of device memory raises `ResourceError`, and the engine stays
         usable either way. A call abandoned by `close()` (from a callback, or with its stream suspended) raises one
         sentence if it is resumed."""
+        self.check_idle()
         self._active = True
         run = session.run()
         try:

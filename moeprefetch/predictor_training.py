@@ -352,7 +352,7 @@ def train_predictor(checkpoint: str | Path, texts_or_ids: Any, out_path: str | P
         if not settings.use_mtp:  # the head sees the final hidden state only (mtp_router stays a baseline)
             record.mtp_hidden = held_record.mtp_hidden = None
         with torch.random.fork_rng(devices=[]):  # the head's initial weights from `seed`: a run repeats exactly
-            torch.manual_seed(settings.seed)
+            torch.default_generator.manual_seed(settings.seed)  # the CPU's only: the head is made there
             head = RoutingHead(_head_config(engine, settings, record.mtp_hidden is not None))
     finally:
         if owned:

@@ -112,7 +112,7 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
     # tl.dot tiles (weights first, the default, and rows first; 16-row and 32-row tiles), and the CUDA-core path of
     # small steps
     for max_rows, tag, tiles in ((16, "", None), (16, "_rows_first", rows_first), (widest, "_wide", None),
-                                 (2, "_gemv", None)):
+                                 (2, "_gemv", None), (1, "_gemv1", None)):  # gemv1: batch 1 without an MTP layer
         experts_ = RoutedExperts(fmt, pool, host, "silu", F.silu, max_rows, top_k, use_kernels=True, tiles=tiles)
         for name, launch in zip(("gate_up", "down", "combine"),
                                 experts_.launches(x[:max_rows], assign[:max_rows], weights[:max_rows], u_vec, u_vec,

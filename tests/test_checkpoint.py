@@ -139,7 +139,8 @@ def test_config_missing_or_broken(ckpt):
     (ckpt / "config.json").write_text(json.dumps(dict(config, hidden_size="abc")))
     with pytest.raises(CheckpointError) as refused:  # transformers' own validation error, on one line
         _load(ckpt)
-    assert "hidden_size" in str(refused.value) and "\n" not in str(refused.value)
+    assert "rejected by transformers' AutoConfig" in str(refused.value) and "hidden_size" in str(refused.value)
+    assert "\n" not in str(refused.value)
     (ckpt / "config.json").write_text("[1, 2")
     with pytest.raises(CheckpointError, match="config.json is not valid JSON"):
         _load(ckpt)

@@ -98,6 +98,36 @@ def test_routed_experts_match_float64_from_slots_and_host(dtype, expert_dtype, t
     assert torch.equal(slot_gu, host_gu) and torch.equal(slot_down, host_down)
 
 
+@pytest.mark.parametrize("dtype,expert_dtype,tolerance", [(torch.float32, "model", 1e-5),
+                                                           (torch.bfloat16, "model", 2e-2),
+                                                           (torch.float32, "int4", 1e-5)])
+def test_a_one_row_step_matches_float64(dtype, expert_dtype, tolerance):
+    """A step of one row (batch 1 on a checkpoint without an MTP layer, whose steps compute their real rows alone:
+    the GEMV's and the combine's row padding is 1), from a slot, from host memory admitted to a slot, and from host
+    memory in place."""
+    from moeprefetch.kernels.experts import RoutedExperts
+
+    g = torch.Generator().manual_seed(11)
+    fmt = _format(96, 72, dtype, expert_dtype)
+    host, _ = _experts(fmt, 4, g)
+    if DEVICE == "cuda":
+        host = host.pin_memory()
+    pool = torch.zeros((3, fmt.record_bytes), dtype=torch.uint8, device=DEVICE)
+    pool[0].copy_(host[1])
+    kernel = RoutedExperts(fmt, pool, host, "silu", F.silu, 1, 3, use_kernels=True)
+    x = torch.randn(1, fmt.hidden, generator=g).to(dtype).to(DEVICE)
+    assign = torch.tensor([[0, 1, 2]], dtype=torch.int32, device=DEVICE)
+    u_key = torch.tensor([1, 3, 0], dtype=torch.int32, device=DEVICE)
+    u_slot = torch.tensor([0, -1, -1], dtype=torch.int32, device=DEVICE)
+    u_dst = torch.tensor([-1, 2, -1], dtype=torch.int32, device=DEVICE)
+    weights = torch.rand(1, 3, generator=g).to(DEVICE)
+    out = kernel(x, assign, weights, u_key, u_slot, u_dst, step_rows=1)
+    expected = sum(float(weights[0, j]) * _float64_expert(x.cpu(), fmt, host[[1, 3, 0][j]])[0] for j in range(3))
+    error = ((out[0].cpu().double() - expected).norm() / expected.norm()).item()
+    assert error < tolerance, error
+    assert torch.equal(pool[2].cpu(), host[3].cpu())  # the admitted expert landed whole
+
+
 @pytest.mark.parametrize("expert_dtype", ["model", "fp8", "int4"])
 def test_routed_experts_take_each_step_shapes_measured_tiles(expert_dtype):
     """The engine's own tile choice by a step's rows: the CUDA-core GEMV up to GEMV_MAX_ROWS, tl.dot with 16-row
@@ -452,7 +482,7 @@ def test_kernels_compile_for_hopper():
     INT4_LAUNCHES, example_launches = check.INT4_LAUNCHES, check.example_launches
 
     readers = [name for name in example_launches() if name.startswith(INT4_LAUNCHES)]
-    assert len(readers) == 12  # gate_up and down of 4 tile choices, grouped gate_up and down of 2
+    assert len(readers) == 14  # gate_up and down of 5 step shapes, grouped gate_up and down of 2
     # every launch with bf16 and with fp8 experts, and those reading expert records with int4 experts
     assert len(lines) == 2 * len(example_launches()) + len(readers)
     assert len(lines) >= 32

@@ -424,3 +424,17 @@ def test_close_during_a_call_abandons_it_in_one_sentence(checkpoint_factory):
     assert engine.residency is None  # closed on leaving the block
     with pytest.raises(RequestError, match="closed during the call"):
         next(suspended)
+    # streams made but not started are checked when they start: on a closed engine, and beside a running one
+    engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=4)
+    expected = engine.generate([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False).sequences[0]
+    first = engine.stream([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False)
+    second = engine.stream([[6, 7]], max_new_tokens=6, stop_at_eos=False)
+    tokens = [next(first).token]
+    with pytest.raises(RequestError, match="still running"):
+        next(second)
+    tokens += [event.token for event in first]
+    assert tokens == expected  # the refused stream touched nothing of the running one
+    unstarted = engine.stream([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False)
+    engine.close()
+    with pytest.raises(RequestError, match="has been closed"):
+        next(unstarted)

@@ -579,23 +579,46 @@ def _timed_stream(live, tokens: int) -> tuple[threading.Thread, list[float]]:
     return streaming, gaps
 
 
-def test_prompts_queued_beside_running_streams_are_admitted_one_per_step(live, monkeypatch):
-    """Every admission's prefill stalls the rows decoding: while any decode, the scheduler admits one request
-    between two of their steps (three long prompts at once stalled a stream for all three prefills, 3.2 s, in the
-    twenty-eighth session's outside check); with none decoding, all waiting requests are admitted at once."""
-    batch = live.scheduler.batch
+def test_prompts_queued_beside_running_streams_are_admitted_a_few_tokens_per_step(live, monkeypatch):
+    """Every admission's prefill stalls the rows decoding: while any decode, the requests admitted between two of
+    their steps hold at most ADMIT_TOKENS prompt tokens (one request always), so three long prompts queued at once
+    join one per step (together they stalled a stream 3.2 s in the twenty-eighth session's outside check) while
+    short ones join together."""
+    from moeprefetch.serve import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "ADMIT_TOKENS", 100)
+    scheduler, batch = live.scheduler, live.scheduler.batch
     events: list[str] = []
     admit, step = batch.admit, batch.step
-    monkeypatch.setattr(batch, "admit", lambda *a, **k: (events.append("admit"), admit(*a, **k))[1])
-    monkeypatch.setattr(batch, "step", lambda: (events.append("step"), time.sleep(0.01), step())[2])
-    streaming, _ = _timed_stream(live, 150)
-    with ThreadPoolExecutor(3) as pool:
-        list(pool.map(lambda _: httpx.post(live.url + "/v1/completions", timeout=60, json={
-            "model": "tiny", "prompt": list(range(3, 60)), "max_tokens": 2, "temperature": 0}), range(3)))
-    streaming.join(timeout=60)
-    admissions = [i for i, e in enumerate(events) if e == "admit"]
-    assert len(admissions) == 4  # the stream, then the three prompts, each after a step of the rows decoding
-    assert all(b - a > 1 for a, b in zip(admissions[1:], admissions[2:])), events[:40]
+    waiting = {"for": 0}
+
+    def stepping():
+        deadline = time.monotonic() + 10
+        while len(scheduler.queue) < waiting["for"] and time.monotonic() < deadline:  # all three queued first
+            time.sleep(0.005)
+        waiting["for"] = 0
+        events.append("step")
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(batch, "admit", lambda prompt, *a, **k: (events.append(f"admit{len(prompt)}"),
+                                                                 admit(prompt, *a, **k))[1])
+    monkeypatch.setattr(batch, "step", stepping)
+    for length in (57, 20):
+        events.clear()
+        streaming, _ = _timed_stream(live, 150)
+        waiting["for"] = 3
+        with ThreadPoolExecutor(3) as pool:
+            list(pool.map(lambda _: httpx.post(live.url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": list(range(3, 3 + length)), "max_tokens": 2, "temperature": 0}),
+                range(3)))
+        streaming.join(timeout=60)
+        admitted = [i for i, e in enumerate(events) if e == f"admit{length}"]
+        assert len(admitted) == 3, events[:40]
+        if length == 57:  # 2 x 57 > 100: each after a step of the rows decoding
+            assert all(b - a > 1 for a, b in zip(admitted, admitted[1:])), events[:40]
+        else:  # 3 x 20 <= 100: one admission pass
+            assert admitted[2] - admitted[0] == 2, events[:40]
 
 
 def test_a_long_prompt_is_refused_early_off_the_event_loop_and_streams_go_on(live, monkeypatch):

@@ -1,7 +1,8 @@
 """The expert kernels' tile choices, as data: `tiles.json` beside this module holds each choice with what it was
 measured against and where that measurement lives (the sweeps of `scripts/bench_kernels.py` on the GPU). The
-choices are read once, into frozen dataclasses; a tile choice fixes each dot product's reduction order, so it is
-per engine and format, never chosen per step or from the data."""
+choices are read once, into frozen dataclasses; a choice's block sizes fix each dot product's reduction order, so
+they are per engine and format, never chosen per step or from the data (a launch setting that leaves the order
+alone, such as DOT_WIDE_TILES' pipeline stages, may follow the step's row tile)."""
 
 from __future__ import annotations
 

@@ -141,5 +141,7 @@ async def read_body(request: Request, max_bytes: int, timeout: float,
                     request.url.path, sum(map(len, chunks)))
         return None
     finally:
-        task.cancel()  # done already, or abandoned by a 408 or 503
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved (413, a disconnect), so asyncio never logs it as lost
+        task.cancel()  # done already, or abandoned by a 408, a 503 or the handler's own cancellation
     return b"".join(chunks)

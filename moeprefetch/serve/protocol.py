@@ -208,12 +208,12 @@ def parse_common(body: Any, limits: Limits) -> dict[str, Any]:
     if n != 1:
         raise APIError(400, "only n=1 is supported", "n")
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    try:
-        top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    except APIError:
-        top_p = 0.0
-    if top_p == 0.0:  # (0, 1]: a nucleus of no mass keeps nothing
-        raise APIError(400, f"top_p must lie in (0, 1], got {body.get('top_p')!r}", "top_p")
+    given = body.get("top_p")
+    if isinstance(given, (int, float)) and not isinstance(given, bool) and not 0 < given <= 1:
+        # (0, 1]: a nucleus of no mass keeps nothing (other shapes are _number's to name)
+        shown = repr(given) if len(repr(given)) <= 40 else repr(given)[:40] + "..."
+        raise APIError(400, f"top_p must lie in (0, 1], got {shown}", "top_p")
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     top_k = _integer(body, "top_k", 0, 0)
     seed = _integer(body, "seed", None, 0, SEED_LIMIT)
     max_tokens = _integer(body, "max_tokens", None, 1)

@@ -27,6 +27,9 @@ from ..session import TextStream
 from .protocol import APIError, Job
 
 logger = logging.getLogger(__name__)
+# prompt tokens admitted between two decode steps of running rows (one request always): short chat prompts join
+# together, a long one alone, so a stream stalls for about one long prefill at a time
+ADMIT_TOKENS = 512
 
 METRICS_EVERY_STEPS = 32  # the residency's counters are read (a device sync) this often, and when idle
 RETRY_AFTER_SECONDS = 1  # what a 429 or a draining 503 tells the client to wait
@@ -173,11 +176,14 @@ class Scheduler:
                 if self._stopping and not self.queue and not self.rows:
                     return
                 self._drop_cancelled_queue()  # a queued client that left is never prefilled
-                # while rows are decoding, one admission between two of their steps: every prefill stalls them, and
-                # back-to-back prefills would stall them for all at once (seconds for a few long prompts); with none
-                # decoding, every request waiting is admitted before the first step
-                room = self.batch.rows - len(self.rows) - len(self._admitting)
-                while self.queue and room > 0 and not (self.rows and self._admitting):
+                # while rows are decoding, admissions between two of their steps hold at most ADMIT_TOKENS prompt
+                # tokens (one request always): every prefill stalls them, and back-to-back long prefills would
+                # stall them for seconds at once; with none decoding, every request waiting is admitted first
+                room, tokens = self.batch.rows - len(self.rows) - len(self._admitting), 0
+                while self.queue and room > 0:
+                    tokens += len(self.queue[0].job.prompt_ids)
+                    if self.rows and self._admitting and tokens > ADMIT_TOKENS:
+                        break
                     self._admitting.append(self.queue.popleft())
                     room -= 1
             while self._admitting:
