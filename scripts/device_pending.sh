@@ -11,7 +11,7 @@
 # zero-copy reads with cold translations); STAGE=policies: issue 13's LRU / LRFU / LFU rows (ref17, V2-Lite) and the
 # GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU,
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
-# Usage: STAGE=qwen3|serve|serve_all|verify|spec_deep|deep_model|shared_rows|shared_rows_deep|spec_ref17|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
+# Usage: STAGE=qwen3|serve|serve_all|verify|spec_deep|deep_model|shared_rows|shared_rows_deep|batch_shapes|spec_ref17|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
 #   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace|int4_tests|int4_bench|int4_gemv|learned_deep| \
 #   divergence|table_stress \
 #   [LIMIT=seconds] \
@@ -111,6 +111,18 @@ case "${STAGE:-tests}" in
     timeout 230 python3 scripts/bench_gpu.py --out "$out/bench_policies_v2lite.json" --workloads v2lite --runs 1 \
       --systems all_resident,none,next_layer_gate --policy-rows lrfu "$@" 2>&1 | filter
     timeout 110 python3 -m pytest "$(junit)" tests/test_gpu.py -k "cache_sizes" -q -p no:cacheprovider --tb=short 2>&1 | tail -6 ;;
+  batch_shapes)
+    # owed since the twenty-eighth session, which shaped the steps of a checkpoint without an MTP layer for its real
+    # rows alone (batch 1: a one-row GEMV; batch 16: 16-row tiles) and gave tiles wider than 16 rows one pipeline
+    # stage: their kernel tests on the GPU, the engine's tokens across cache sizes and continuous batches, then
+    # V2-Lite's offloaded batches 1/4/16 with timelines (the tenth session's: 39.4 / 305.3 / 1,060.7 ms a step)
+    timeout 200 python3 -m pytest "$(junit)" tests/test_kernels.py -q -p no:cacheprovider --tb=short \
+      -k "one_row_step or measured_tiles or routed_experts_match" 2>&1 | tail -3
+    timeout 150 python3 -m pytest "$(junit)" tests/test_gpu.py -q -p no:cacheprovider --tb=short \
+      -k "continuous or cache_sizes" 2>&1 | tail -3
+    timeout "${LIMIT:-230}" python3 scripts/bench_gpu.py --out "$out/bench_batch_shapes.json" --workloads v2lite \
+      --decode-compute --prefill-lengths "" --new-tokens 16 --profile \
+      --systems offloaded_b1,offloaded_b4,offloaded_b16 "$@" 2>&1 | filter ;;
   offloaded_batches)
     # issue 14's offloaded batch rows (V2-Lite at 12 GiB, batch 1/4/8/16, reactive and next_layer_gate). The tenth
     # session's reactive rows read host memory at 24 GB/s from batch 4 on (40 at batch 1, 50 in isolation). Owed
