@@ -467,26 +467,20 @@ class MoEPrefetchEngine:
                 if self._closed:  # close() while this call waited on its consumer
                     raise RequestError("this engine was closed during the call; load a new one with "
                                        "MoEPrefetchEngine.from_pretrained")
-        except KeyboardInterrupt:
-            if self._closed:
+        except BaseException as exc:
+            if self._closed:  # abandoned by close(): nothing of it is left to settle
                 raise
             session.abort()
-            if self.residency.group is not None:  # the ranks stopped at different layers: no partial result
-                raise
-            logger.warning("generation interrupted; returning the %d tokens produced so far",
-                           sum(map(len, session.generated)))
-            return session.result(interrupted=True)
-        except torch.OutOfMemoryError:
-            if self._closed:
-                raise
-            session.abort()
-            self._free_cuda()
-            raise ResourceError(
-                f"the device ran out of memory during generation (batch {session.batch}, max_seq_len "
-                f"{self.options.max_seq_len}); lower the batch, max_seq_len or the expert cache size") from None
-        except BaseException:
-            if not self._closed:  # abandoned by close(): nothing of it is left to settle
-                session.abort()
+            # Ctrl-C returns the tokens so far, unless the ranks stopped at different layers (no partial result)
+            if isinstance(exc, KeyboardInterrupt) and self.residency.group is None:
+                logger.warning("generation interrupted; returning the %d tokens produced so far",
+                               sum(map(len, session.generated)))
+                return session.result(interrupted=True)
+            if isinstance(exc, torch.OutOfMemoryError):
+                self._free_cuda()
+                raise ResourceError(
+                    f"the device ran out of memory during generation (batch {session.batch}, max_seq_len "
+                    f"{self.options.max_seq_len}); lower the batch, max_seq_len or the expert cache size") from None
             raise
         finally:
             run.close()

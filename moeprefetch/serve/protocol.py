@@ -155,14 +155,16 @@ def _finite(value: int | float) -> bool:
         return False
 
 
-def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float,
+            low_open: bool = False) -> float:
+    """A number in [low, high] (in (low, high] with `low_open`)."""
     value = body.get(name, default)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
         raise APIError(400, f"{name} must be a number, got {str(value)[:40]}", name)
-    if not low <= value <= high:
-        raise APIError(400, f"{name} must lie in [{low}, {high}], got {value!r}", name)
+    if not (low < value if low_open else low <= value) or value > high:
+        raise APIError(400, f"{name} must lie in {'(' if low_open else '['}{low:g}, {high:g}], got {value!r}", name)
     return float(value)
 
 
@@ -208,12 +210,7 @@ def parse_common(body: Any, limits: Limits) -> dict[str, Any]:
     if n != 1:
         raise APIError(400, "only n=1 is supported", "n")
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    given = body.get("top_p")
-    if isinstance(given, (int, float)) and not isinstance(given, bool) and not 0 < given <= 1:
-        # (0, 1]: a nucleus of no mass keeps nothing (other shapes are _number's to name)
-        shown = repr(given) if len(repr(given)) <= 40 else repr(given)[:40] + "..."
-        raise APIError(400, f"top_p must lie in (0, 1], got {shown}", "top_p")
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)  # a nucleus of no mass keeps nothing
     top_k = _integer(body, "top_k", 0, 0)
     seed = _integer(body, "seed", None, 0, SEED_LIMIT)
     max_tokens = _integer(body, "max_tokens", None, 1)
@@ -319,11 +316,9 @@ def _messages(messages: Any) -> list[dict[str, str]]:
         raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
     for i, m in enumerate(messages):
         if m["role"] not in CHAT_ROLES:
-            role = m["role"] if len(m["role"]) <= 40 else m["role"][:40] + "..."
-            raise APIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
-                           f"messages[{i}].role")
-    return [{"role": _text(m["role"], f"messages[{i}].role"), "content": _content(m.get("content"), i, m["role"])}
-            for i, m in enumerate(messages)]
+            raise APIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got "
+                                f"{m['role'][:40]!r}", f"messages[{i}].role")
+    return [{"role": m["role"], "content": _content(m.get("content"), i, m["role"])} for i, m in enumerate(messages)]
 
 
 def fallback_chat_prompt(messages: list[dict[str, str]]) -> str:
@@ -341,7 +336,7 @@ def parse_chat(body: Any, tokenizer, limits: Limits) -> Job:
     messages = _messages(body.get("messages"))
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids", "messages")
-    limits.check_chars(sum(len(m["content"]) + len(m["role"]) for m in messages), "messages")  # both are tokenized
+    limits.check_chars(sum(len(m["content"]) for m in messages), "messages")  # roles are OpenAI's few short names
     if not getattr(tokenizer, "chat_template", None):
         ids = tokenizer(fallback_chat_prompt(messages), add_special_tokens=True)["input_ids"]
     else:
