@@ -34,7 +34,17 @@ PENALTY_LIMIT = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI bounds
 # the largest temperature: far past any useful one (logits divided by it draw near-uniformly), and within fp32, which
 # the sampler divides the logits in (a larger value overflowed to a traceback)
 TEMPERATURE_LIMIT = 1e6
-SEED_LIMIT = 2**62  # the sampler hashes a seed's low 62 bits: a larger seed would repeat a smaller one's draws
+# seeds are 64-bit signed integers, as OpenAI's and vLLM's: the sampler hashes all 64 bits (`seed_halves`)
+SEED_MIN, SEED_LIMIT = -(2**63), 2**63
+
+
+def seed_halves(seed: int) -> tuple[int, int]:
+    """The seed's two 32-bit words as the sampler's hash takes them: bits 0-30 and 31-61 in the words' low 31 bits (as
+    the sampler always hashed seeds below 2**62, whose draws stay as they were), bits 62 and 63 of its two's
+    complement in the words' top bits. Distinct 64-bit seeds give distinct words."""
+    bits = seed & ((1 << 64) - 1)
+    low, high = bits & ((1 << 31) - 1), (bits >> 31) & ((1 << 31) - 1)
+    return high | ((bits >> 63) << 31), low | (((bits >> 62) & 1) << 31)
 
 
 @dataclass(frozen=True)
@@ -98,9 +108,8 @@ class SamplingParams:
             or not 0 < self.top_p <= 1
         ):
             raise RequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < SEED_LIMIT:
-            raise RequestError(f"seed must be an integer in [0, 2**62), got {self.seed!r} (the sampler hashes a "
-                               f"seed's low 62 bits: a larger or negative one would repeat another seed's draws)")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEED_MIN <= self.seed < SEED_LIMIT:
+            raise RequestError(f"seed must be an integer in [-2**63, 2**63) (64 bits, signed), got {self.seed!r}")
 
 
 def _finite_number(value: object) -> bool:
@@ -222,15 +231,14 @@ class DeviceSampler:
         self.temperature = torch.ones(1, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(1, dtype=torch.int64, device=device)
         self.top_p = torch.ones(1, dtype=torch.float32, device=device)
-        self.seed = torch.zeros(2, dtype=torch.int64, device=device)  # high and low 31 bits
+        self.seed = torch.zeros(2, dtype=torch.int64, device=device)  # `seed_halves`
 
     def set_params(self, params: SamplingParams) -> None:
         """Before a call: write its parameters into the device tensors (the graphs read them there)."""
         self.temperature.fill_(max(params.temperature, 1e-6))
         self.top_k.fill_(params.top_k if 0 < params.top_k < self.vocab else 0)
         self.top_p.fill_(params.top_p)
-        seed = params.seed & ((1 << 62) - 1)
-        self.seed.copy_(torch.tensor([seed >> 31, seed & ((1 << 31) - 1)]))
+        self.seed.copy_(torch.tensor(seed_halves(params.seed)))
         if params.adjusts:
             adjuster = self.logit_adjuster()
             for row in range(adjuster.rows):
@@ -308,8 +316,7 @@ class RowSampler(DeviceSampler):
         self.use_top_k[row] = use_k
         self.top_p[row] = params.top_p
         self.use_top_p[row] = params.top_p < 1.0
-        seed = params.seed & ((1 << 62) - 1)
-        self.row_seed[row] = torch.tensor([seed >> 31, seed & ((1 << 31) - 1)])
+        self.row_seed[row] = torch.tensor(seed_halves(params.seed))
         if params.adjusts or self.adjuster is not None:  # a row's old bias must not outlive its request
             self.logit_adjuster().set_row(row, params)
 

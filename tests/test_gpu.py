@@ -615,7 +615,7 @@ def test_the_sampling_kernel_draws_the_references_tokens_at_a_real_vocabulary():
     vocab, rows = 102400, 512
     generator = torch.Generator(device="cuda").manual_seed(5)
     vocab_hash = pcg(torch.arange(vocab, dtype=torch.int64, device="cuda"))
-    seeds = torch.randint(0, 2**31, (rows, 2), generator=generator, device="cuda")
+    seeds = torch.randint(0, 2**32, (rows, 2), generator=generator, device="cuda")  # 32-bit words (`seed_halves`)
     for trial in range(3):
         scaled = torch.randn(rows, vocab, generator=generator, device="cuda") * (1.0 + trial)
         streams = torch.zeros(rows, dtype=torch.int64, device="cuda")

@@ -835,13 +835,14 @@ def test_the_tile_table_is_what_the_kernels_run(tmp_path):
 def test_gumbel_argmax_draws_the_references_token():
     """`gumbel_argmax` (one pass: hash, noise, running maxima per span, then the spans') against the reference's
     noise tensor and argmax: a ragged vocabulary over three spans, filtered (-inf) entries, one seed for every row (a call's) and each row's
-    own (a batch's strided seeds), rows with every entry filtered but one, and positions past 2**32."""
+    own (a batch's strided seeds, words of 32 bits), rows with every entry filtered but one, and positions past 2**32."""
     from moeprefetch.kernels.sampling import SAMPLE_SPAN, gumbel_argmax, pcg
 
     generator = torch.Generator().manual_seed(11)
     vocab, rows = 2 * SAMPLE_SPAN + 77, 5  # three programs a row, the last ragged
     vocab_hash = pcg(torch.arange(vocab, dtype=torch.int64)).to(DEVICE)
-    row_seeds = torch.randint(0, 2**31, (rows, 2), generator=generator, dtype=torch.int64).to(DEVICE)
+    # full 32-bit words: `seed_halves` puts bits 62 and 63 of a seed in their top bits
+    row_seeds = torch.randint(0, 2**32, (rows, 2), generator=generator, dtype=torch.int64).to(DEVICE)
     for trial in range(6):
         scaled = (torch.randn(rows, vocab, generator=generator) * (0.3 + trial)).to(DEVICE)
         scaled[1, torch.randperm(vocab, generator=generator)[: vocab // 2].to(DEVICE)] = float("-inf")

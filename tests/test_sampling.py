@@ -10,7 +10,7 @@ import torch
 from conftest import reference_adjusted
 from moeprefetch.errors import RequestError
 from moeprefetch.sampling import (LOGPROBS_MAX, DeviceSampler, LogitAdjuster, RowSampler, SamplingParams,
-                                  bias_pairs, read_logprobs, token_logprobs)
+                                  bias_pairs, read_logprobs, seed_halves, token_logprobs)
 
 CPU = torch.device("cpu")
 
@@ -185,6 +185,38 @@ def test_the_noise_is_finite_everywhere_so_a_ban_holds():
     assert int(sample(logits, SamplingParams(temperature=1.0, seed=5), [0], [37])[0]) == 0  # the logit decides
     assert int(sample(logits, banned, [0], [37])[0]) != 0
     assert int(sample(logits, SamplingParams(temperature=1.0, top_k=1, seed=5), [0], [37])[0]) == 0
+
+
+def test_seed_halves_keep_62_bit_seeds_and_tell_every_64_bit_seed_apart():
+    """Seeds below 2**62 hash as they always did (bits 0-30 and 31-61); bits 62 and 63 (negative seeds, and those
+    past 2**62) take the words' top bits, so no two int64 seeds share draws; each word stays a 32-bit value."""
+    for seed in (0, 1, 5, 2**31 - 1, 2**31, 2**62 - 1, 123456789012345):
+        assert seed_halves(seed) == (seed >> 31, seed & (2**31 - 1))
+    seeds = [0, 1, -1, 2**62, 2**62 - 1, -(2**62), -(2**63), 2**63 - 1, 2**31, -(2**31), 3 << 61, -(3 << 61)]
+    generator = torch.Generator().manual_seed(4)
+    seeds += [int(v) for v in torch.randint(-(2**63), 2**63 - 1, (200,), generator=generator)]
+    words = {seed: seed_halves(seed) for seed in seeds}
+    assert len(set(words.values())) == len(set(seeds))
+    assert all(0 <= w < 2**32 for pair in words.values() for w in pair)
+    # as 64 bits: the words give the seed back (bit 62 from the low word's top, 63 from the high word's)
+    for seed, (high, low) in words.items():
+        rebuilt = (low & (2**31 - 1)) | ((high & (2**31 - 1)) << 31) | ((low >> 31) << 62) | ((high >> 31) << 63)
+        assert rebuilt == seed % 2**64
+
+
+def test_a_negative_seed_draws_its_own_tokens_every_time():
+    """Through the sampler: seed -1 and 2**62 - 1 (one seed under the old 62-bit hash) draw different tokens, each
+    the same on every call; the row sampler draws what the one-call sampler does."""
+    logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(2))
+    draws = {}
+    for seed in (-1, 2**62 - 1, -(2**63), 0):
+        sampler = DeviceSampler(500, CPU)
+        sampler.set_params(SamplingParams(temperature=5.0, seed=seed))
+        draws[seed] = [int(sampler.draw(logits, torch.tensor([0]), torch.tensor([p]))[0]) for p in range(24)]
+        rows = RowSampler(500, CPU, 1)
+        rows.set_row(0, SamplingParams(temperature=5.0, seed=seed))
+        assert [int(rows.draw(logits, torch.tensor([0]), torch.tensor([p]))[0]) for p in range(24)] == draws[seed]
+    assert len({tuple(d) for d in draws.values()}) == len(draws)
 
 
 def test_token_bytes_are_the_bytes_of_a_character_split_over_tokens(tiny_tokenizer_dir):

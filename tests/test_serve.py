@@ -4,7 +4,7 @@ their single-request answers, bad requests get OpenAI-style errors, disconnects 
 an engine error fails one request only, a bounded load test loses nothing, SIGTERM drains. Issue 40: body limits,
 tokenisation off the event loop, the drain's cut answered, a second signal exits cleanly, JSON 404/405, deep JSON and
 lone surrogates, the chat fallback template, parameters refused by name, API keys, Host and Content-Type checks,
-Retry-After, 503 while draining, aborted and stalled uploads, queued clients gone, max_tokens clamped, seed range;
+Retry-After, 503 while draining, aborted and stalled uploads, queued clients gone, max_tokens clamped, 64-bit signed seeds;
 logprobs (both shapes, streamed and not), logit_bias and the penalties as `engine.generate` gives them."""
 
 from __future__ import annotations
@@ -312,6 +312,33 @@ def test_stop_strings_end_the_text_before_them(live, reference):
     streamed = live.client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
                                               stop=[stop], stream=True)
     assert "".join(c.choices[0].text for c in streamed) == full[: full.find(stop)]
+
+
+def test_a_stop_string_cuts_the_log_probabilities_of_the_tokens_it_spans(live, reference):
+    """The tokens whose text begins inside a stop string leave the logprobs with the text they spell: the answer's
+    tokens are the unstopped answer's tokens that begin before the cut, with the same values, streamed or not."""
+    body = {"model": "tiny", "max_tokens": 16, "temperature": 0, "logprobs": 1}
+    for prompt in PROMPTS:
+        full = httpx.post(live.url + "/v1/completions", json={**body, "prompt": prompt}, timeout=60).json()
+        text, logprobs = full["choices"][0]["text"], full["choices"][0]["logprobs"]
+        # a stop string that begins where the third token or a later one does, found nowhere earlier
+        starts = [o for o in logprobs["text_offset"][2:] if 0 < o < len(text) - 1 and text.find(text[o:o + 2]) == o]
+        if starts:
+            break
+    else:
+        pytest.skip("no answer holds a usable stop string")
+    cut = starts[0]
+    kept = [i for i, o in enumerate(logprobs["text_offset"]) if o < cut]
+    assert 0 < len(kept) < len(logprobs["tokens"])
+    stopped = httpx.post(live.url + "/v1/completions", json={**body, "prompt": prompt, "stop": text[cut:cut + 2]},
+                         timeout=60).json()["choices"][0]
+    assert stopped["text"] == text[:cut] and stopped["finish_reason"] == "stop"
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        assert stopped["logprobs"][key] == [logprobs[key][i] for i in kept], key
+    chunks = list(live.client.completions.create(stream=True, prompt=prompt, stop=text[cut:cut + 2], **body))
+    assert [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == \
+        stopped["logprobs"]["tokens"]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text[:cut]
 
 
 def test_an_engine_error_fails_that_request_only(live, monkeypatch):
@@ -998,7 +1025,7 @@ def test_serve_on_a_port_in_use_is_one_sentence_before_the_model_loads(monkeypat
     assert f"cannot listen on 127.0.0.1:{port}" in captured.err and "serving" not in captured.out
     monkeypatch.undo()  # the CLI's generate refuses a seed outside the sampler's range (it used to alias it)
     assert main(["generate", "--prompt", "x", "--seed", str(2**63)]) == 2
-    assert "seed must be an integer in [0, 2**62)" in capsys.readouterr().err
+    assert "seed must be an integer in [-2**63, 2**63)" in capsys.readouterr().err
 
 
 def test_foreign_host_headers_and_non_json_bodies_are_refused(guarded):
@@ -1111,15 +1138,20 @@ def test_max_tokens_is_clamped_to_the_context_and_a_full_prompt_is_a_400(live):
     assert "254 tokens" in error["message"] and "max_seq_len=256" in error["message"]
 
 
-def test_seeds_outside_the_samplers_range_are_refused(live):
-    for seed in (2**62, -1, 2**63):
+def test_seeds_are_64_bit_signed_integers(live):
+    """OpenAI's seed is an int64: negative seeds and those past 2**62 are served, each with draws of its own (the
+    sampler once hashed 62 bits, so -1 drew 2**62 - 1's tokens), the same every time; 65-bit seeds are refused."""
+    for seed in (2**63, -(2**63) - 1):
         response = httpx.post(live.url + "/v1/completions", timeout=30,
                               json={"model": "tiny", "prompt": "x", "seed": seed})
-        assert str(2**62) in _error_of(response, 400, "seed")["message"]
-    body = {"model": "tiny", "prompt": "the quick", "seed": 2**62 - 1, "temperature": 1.5, "max_tokens": 8}
-    texts = [httpx.post(live.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
-             for _ in range(2)]
-    assert texts[0] == texts[1]
+        assert "[-9223372036854775808, 9223372036854775808)" in _error_of(response, 400, "seed")["message"]
+    texts = {}
+    for seed in (2**62 - 1, -1, 2**62, 0, -(2**63), 2**63 - 1):
+        body = {"model": "tiny", "prompt": "the quick", "seed": seed, "temperature": 1.5, "max_tokens": 12}
+        texts[seed], again = (httpx.post(live.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]
+                              ["text"] for _ in range(2))
+        assert texts[seed] == again
+    assert len(set(texts.values())) == len(texts), texts
 
 
 def test_64_concurrent_requests_are_each_answered(live):

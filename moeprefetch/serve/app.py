@@ -203,9 +203,8 @@ class Server:
             event = await handle.events.get()
             if event[0] == "text":
                 text.append(event[1])
-                if event[3] is not None:
-                    entries.append(event[3])
-                    offsets.append(event[4])
+                entries += event[3]
+                offsets += event[4]
             elif event[0] == "error":
                 raise event[1]
             else:
@@ -219,8 +218,8 @@ class Server:
     async def _stream(self, handle: Handle, first: tuple) -> AsyncIterator[str]:
         job = handle.job
 
-        def chunk(text: str, reason: str | None, logprob: TokenLogprob | None = None, offset: int = 0) -> str:
-            logprobs = _logprobs(job, [logprob], [offset], self.engine.tokenizer) if logprob is not None else None
+        def chunk(text: str, reason: str | None, entries: list[TokenLogprob] = (), offsets: list[int] = ()) -> str:
+            logprobs = _logprobs(job, list(entries), list(offsets), self.engine.tokenizer) if entries else None
             body = {"id": job.id, "object": _object(job, True), "created": job.created, "model": self.model_name,
                     "choices": [_choice(job, text, reason, True, logprobs)]}
             if job.include_usage:  # as OpenAI: every chunk carries the field, null until the last one

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import RequestError
-from ..sampling import LOGPROBS_MAX, PENALTY_LIMIT, SEED_LIMIT, SamplingParams, bias_pairs
+from ..sampling import LOGPROBS_MAX, PENALTY_LIMIT, SEED_LIMIT, SEED_MIN, SamplingParams, bias_pairs
 
 MAX_STOP_STRINGS = 4
 # the chat prompt of a tokenizer without a chat template (the shipped reference model has none)
@@ -212,7 +212,7 @@ def parse_common(body: Any, limits: Limits) -> dict[str, Any]:
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)  # a nucleus of no mass keeps nothing
     top_k = _integer(body, "top_k", 0, 0)
-    seed = _integer(body, "seed", None, 0, SEED_LIMIT)
+    seed = _integer(body, "seed", None, SEED_MIN, SEED_LIMIT)
     max_tokens = _integer(body, "max_tokens", None, 1)
     if max_tokens is None:
         max_tokens = _integer(body, "max_completion_tokens", limits.default_max_tokens, 1)

@@ -48,9 +48,10 @@ class Handle:
     tokens: list[int] = field(default_factory=list)
     text: TextStream | None = None
     pending_text: str = ""  # decoded but held back: it could be the start of a stop string
-    logprob: TokenLogprob | None = None  # the latest token's, when the request asked for log-probabilities
+    # the log-probabilities (when asked) of tokens whose text is still held back, each with where its text begins
+    # in the completion (its text_offset): sent once that text is, dropped when it turns out to be a stop string's
+    held: list[tuple[TokenLogprob, int]] = field(default_factory=list)
     chars: int = 0  # characters of text the tokens so far produced (stop strings not yet cut)
-    offset: int = 0  # where the latest token's text begins: its text_offset in the completion
 
     def send(self, event: tuple) -> None:
         try:
@@ -245,8 +246,8 @@ class Scheduler:
         """A row's new token (with its log-probabilities when asked): text, stop strings, end of sequence,
         max_tokens."""
         handle.tokens.append(token)
-        handle.logprob = logprob
-        handle.offset = self._text_offset(handle)
+        if logprob is not None:
+            handle.held.append((logprob, self._text_offset(handle)))
         with self._cond:
             self.counters.completion_tokens += 1
         eos = token in self._stop_ids(handle.job)
@@ -257,8 +258,8 @@ class Scheduler:
             handle.chars += len(piece)
         stop_at = self._stop_index(handle)
         if stop_at is not None:
-            handle.pending_text = handle.pending_text[:stop_at]
-            self._flush(handle, everything=True)
+            # tokens whose text begins inside the stop string are cut with it, log-probabilities and all
+            self._flush(handle, everything=True, stop_at=stop_at)
             self._complete(handle, "stop")
             return
         self._flush(handle, everything=done)
@@ -297,12 +298,21 @@ class Scheduler:
                 return length
         return 0
 
-    def _flush(self, handle: Handle, everything: bool) -> None:
-        keep = 0 if everything else self._held_back(handle)
-        piece = handle.pending_text[: len(handle.pending_text) - keep]
+    def _flush(self, handle: Handle, everything: bool, stop_at: int | None = None) -> None:
+        """Send the pending text that can no longer become a stop string (all of it when `everything`; up to a stop
+        string found at `stop_at`, which ends the text), with the log-probabilities of the tokens it begins."""
+        emitted = handle.chars - len(handle.pending_text)  # characters already sent
+        keep = 0 if everything or stop_at is not None else self._held_back(handle)
+        piece = handle.pending_text[:stop_at] if stop_at is not None else \
+            handle.pending_text[: len(handle.pending_text) - keep]
         handle.pending_text = handle.pending_text[len(piece):]
-        # one event per token (streams time them), text or not, with the token's log-probabilities when asked
-        handle.send(("text", piece, len(handle.tokens), handle.logprob, handle.offset))
+        # a token goes with the text it begins; one whose text has not begun yet (a byte of a character still
+        # incomplete, or text held back) waits for it, unless the completion ends here without a stop string
+        end = None if (everything and stop_at is None) or handle.text is None else emitted + len(piece)
+        count = next((i for i, h in enumerate(handle.held) if end is not None and h[1] >= end), len(handle.held))
+        sent, handle.held = handle.held[:count], ([] if stop_at is not None else handle.held[count:])
+        # one event per token (streams time them), text or not, with the log-probabilities of the tokens it begins
+        handle.send(("text", piece, len(handle.tokens), [h[0] for h in sent], [h[1] for h in sent]))
 
     def _complete(self, handle: Handle, reason: str) -> None:
         self._release(handle)
