@@ -117,9 +117,9 @@ case "${STAGE:-tests}" in
     # stage: their kernel tests on the GPU, the engine's tokens across cache sizes and continuous batches, then
     # V2-Lite's offloaded batches 1/4/16 with timelines (the tenth session's: 39.4 / 305.3 / 1,060.7 ms a step)
     timeout 200 python3 -m pytest "$(junit)" tests/test_kernels.py -q -p no:cacheprovider --tb=short \
-      -k "one_row_step or measured_tiles or routed_experts_match" 2>&1 | tail -3
+      -k "one_row_step or measured_tiles or routed_experts_match or gumbel" 2>&1 | tail -3
     timeout 150 python3 -m pytest "$(junit)" tests/test_gpu.py -q -p no:cacheprovider --tb=short \
-      -k "continuous or cache_sizes" 2>&1 | tail -3
+      -k "continuous or cache_sizes or sampling_kernel" 2>&1 | tail -3
     timeout "${LIMIT:-230}" python3 scripts/bench_gpu.py --out "$out/bench_batch_shapes.json" --workloads v2lite \
       --decode-compute --prefill-lengths "" --new-tokens 16 --profile \
       --systems offloaded_b1,offloaded_b4,offloaded_b16 "$@" 2>&1 | filter ;;
