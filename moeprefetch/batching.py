@@ -13,14 +13,21 @@ bucket is the one `engine.generate` runs for one prompt, a request's tokens are 
 (tests check it). One `ContinuousBatch` owns the engine while it lives: nothing else may generate meanwhile.
 
 Admitting a request runs its prefill as table steps, which moves the table's step clock; the fills reserved and the
-experts protected for the running rows' next decode steps are first deferred by those steps
+experts protected for the running rows' next decode steps are first deferred by each of those steps
 (`Residency.defer_pending`), so the prefill neither releases their prefetches as passed nor evicts what they need.
+
+A long prompt need not stall the running rows for its whole prefill: `begin` reserves a row and `advance` runs one
+prefill window at a time (at most `per_window` prompt tokens: whole chunks, so the bits are those of `admit`),
+between the running rows' steps (chunked prefill). A row being admitted is computed by a step only when a running
+row above it is, masked, at the position its prefill has reached (that entry is written again by a later window or
+by its own first step), so the partial prefill is never overwritten.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generator
 
 import torch
 
@@ -29,7 +36,8 @@ from .predictors import default_lookahead
 from .decode import DecodeStep, RowState, advance_rows, run_rows
 from .errors import RequestError
 from .sampling import RowSampler, SamplingParams, TokenLogprob, logprobs_of, row_paths, sample
-from .session import configure_residency, prefill_mtp_row, prefill_row, prefill_steps, step_shape
+from .session import (configure_residency, prefill_mtp_row_windows, prefill_row_windows, step_shape,
+                      window_tokens)
 
 if TYPE_CHECKING:
     from .engine import MoEPrefetchEngine
@@ -44,6 +52,16 @@ def step_rows(top: int, capacity: int, batch_invariant: bool = False) -> int:
     if batch_invariant or top >= capacity:
         return capacity
     return min(1 << max(top - 1, 0).bit_length(), capacity)
+
+
+@dataclass
+class Admission:
+    """A request's prefill in progress in its row (`ContinuousBatch.begin`)."""
+
+    windows: Generator[int, None, tuple[RowState, SamplingParams, TokenLogprob | None]]  # a window per `next()`
+    window: int  # prompt tokens a window holds (the last of a pass may hold fewer)
+    left: list[int]  # prompt tokens still to run, per pass (the main layers', then the MTP layer's)
+    filled: int = 0  # where a step may write the row's masked entry: what the windows so far have prefilled
 
 
 class ContinuousBatch:
@@ -75,6 +93,7 @@ class ContinuousBatch:
         self.sampling: list[SamplingParams | None] = [None] * self.rows  # each row's request's
         # the latest token's log-probabilities of each row whose request asked (`admit` and `step` refresh it)
         self.logprobs: dict[int, TokenLogprob] = {}
+        self.admissions: dict[int, Admission] = {}  # rows whose prefill is under way (`begin`, `advance`)
         res.begin_call()
         self.steps = 0
         self._carried: torch.Tensor | None = None  # counters of the table before a settle
@@ -82,7 +101,7 @@ class ContinuousBatch:
     # ---- rows -------------------------------------------------------------------------------------------------------
     @property
     def free_rows(self) -> list[int]:
-        return [r for r, s in enumerate(self.state) if s is None]
+        return [r for r, s in enumerate(self.state) if s is None and r not in self.admissions]
 
     @property
     def active_rows(self) -> list[int]:
@@ -99,28 +118,70 @@ class ContinuousBatch:
 
     def admit(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
               stop_ids: frozenset[int] = frozenset()) -> tuple[int, int]:
-        """Prefill a request into a free row -> (row, its first token). The caller decides when (a token boundary)."""
+        """Prefill a request into a free row at once -> (row, its first token). The caller decides when (a token
+        boundary)."""
+        row = self.begin(prompt, max_new_tokens, sampling, stop_ids)
+        while (first := self.advance(row)[1]) is None:
+            pass
+        return row, first
+
+    def begin(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
+              stop_ids: frozenset[int] = frozenset(), per_window: int | None = None) -> int:
+        """Reserve a free row for a request -> the row; its prefill runs in `advance`, a window of at most
+        `per_window` prompt tokens (the engine's prefill window by default; whole chunks, at least one) a call."""
         self.check(prompt, max_new_tokens, sampling)
         if not self.free_rows:
             raise RequestError("no free row in the batch")
         row = self.free_rows[0]
-        engine = self.engine
         self.caches.zero_(row)  # masked entries meet exact zeros, never an earlier request's keys
-        # the prefill's steps do not count against the running rows' prefetches and protections
-        engine.residency.defer_pending(prefill_steps(engine, len(prompt)) * (2 if self.uses_mtp else 1))
-        hidden = prefill_row(engine, self.caches, row, prompt)
-        logits = engine.runner.logits(hidden[-1:])
-        chosen = sample(logits, sampling, [0], [len(prompt)])
-        first = int(chosen[0])
-        self.logprobs.pop(row, None)
-        if sampling.logprobs is not None:
-            self.logprobs[row] = logprobs_of(logits, chosen, sampling.logprobs)[0]
-        state = RowState(len(prompt), max_new_tokens, [first], stop_ids)
-        if self.uses_mtp:
-            state.set_drafts(*prefill_mtp_row(engine, self.caches, row, prompt, first, hidden))
+        windows = self._prefill(row, prompt, max_new_tokens, sampling, stop_ids, per_window)
+        passes = [len(prompt)] * (2 if self.uses_mtp else 1)
+        self.admissions[row] = Admission(windows, window_tokens(self.engine, per_window), passes)
+        return row
+
+    def advance(self, row: int) -> tuple[int, int | None]:
+        """One prefill window of the request admitted into `row` (`begin`) -> (the prompt tokens it ran, the
+        request's first token once its prefill is done: the row decodes from the next step on; else None). An error
+        releases the row."""
+        admission = self.admissions[row]
+        ran = min(admission.window, admission.left[0])
+        admission.left[0] -= ran
+        if not admission.left[0]:
+            admission.left.pop(0)
+        # the window does not count against the running rows' prefetches and protections
+        self.engine.residency.defer_pending(1)
+        try:
+            admission.filled = next(admission.windows)
+            return ran, None
+        except StopIteration as done:
+            state, sampling, logprob = done.value
+        except BaseException:
+            del self.admissions[row]
+            raise
+        del self.admissions[row]
         self.sampler.set_row(row, sampling)
         self.state[row], self.sampling[row] = state, sampling
-        return row, first
+        self.logprobs.pop(row, None)
+        if logprob is not None:
+            self.logprobs[row] = logprob
+        return ran, state.generated[0]
+
+    def _prefill(self, row: int, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
+                 stop_ids: frozenset[int], per_window: int | None
+                 ) -> Generator[int, None, tuple[RowState, SamplingParams, TokenLogprob | None]]:
+        """The prompt through the main layers (and the MTP layer), one window per `next()` -> the row's state, its
+        sampling parameters and its first token's log-probabilities (when asked)."""
+        engine = self.engine
+        hidden = yield from prefill_row_windows(engine, self.caches, row, prompt, per_window=per_window)
+        logits = engine.runner.logits(hidden[-1:])
+        chosen = sample(logits, sampling, [0], [len(prompt)])
+        logprob = logprobs_of(logits, chosen, sampling.logprobs)[0] if sampling.logprobs is not None else None
+        state = RowState(len(prompt), max_new_tokens, [int(chosen[0])], stop_ids)
+        if self.uses_mtp:
+            yield len(prompt)
+            state.set_drafts(*(yield from prefill_mtp_row_windows(engine, self.caches, row, prompt,
+                                                                  state.generated[0], hidden, per_window=per_window)))
+        return state, sampling, logprob
 
     def finished(self, row: int) -> bool:
         state = self.state[row]
@@ -128,9 +189,11 @@ class ContinuousBatch:
         return state.finished
 
     def release(self, row: int) -> None:
+        """The row's request leaves (finished, or gone while it decodes or while its prefill runs)."""
         self.state[row] = self.sampling[row] = None
+        self.admissions.pop(row, None)
         self.logprobs.pop(row, None)
-        if not any(self.state):  # the batch is idle: settle the table as a call's end would
+        if not any(self.state) and not self.admissions:  # the batch is idle: settle the table as a call's end would
             self.engine.residency.settle()
 
     # ---- decoding ---------------------------------------------------------------------------------------------------
@@ -176,7 +239,7 @@ class ContinuousBatch:
         states = self.state[:rows]
         paths = row_paths([s for s in self.sampling[:rows] if s is not None], self.engine.args.vocab_size)
         step = self.decode_step(rows, paths)
-        out = run_rows(step, states)
+        out = run_rows(step, [self._masked(r) if r in self.admissions else s for r, s in enumerate(states)])
         self.steps += 1
         new = {}
         self.logprobs.clear()
@@ -190,6 +253,10 @@ class ContinuousBatch:
             if asked is not None:
                 self.logprobs[row] = out.logprobs[row][0].first(asked)
         return new
+
+    def _masked(self, row: int) -> RowState:
+        """A row being admitted as a step sees it: masked, at the position its prefill has reached (`filled`)."""
+        return RowState(self.admissions[row].filled, 1, [0], active=False)
 
     def counters(self) -> torch.Tensor:
         """The residency's accounting since the batch began (reads the device)."""
@@ -209,3 +276,4 @@ class ContinuousBatch:
         """After an engine error in a step: every row is dropped and the table settled."""
         self.settle()
         self.state = [None] * self.rows
+        self.admissions.clear()

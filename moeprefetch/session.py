@@ -13,7 +13,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Generator, Iterator, Protocol, TypeVar
 
 import torch
 
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from .streaming import LayerStreamer
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class SessionEngine(Protocol):
@@ -300,9 +301,11 @@ class Session:
 # ---- prefill of one cache row (also what a continuous batch admits a request with) ----------------------------------
 
 
-def prefill_windows(engine: SessionEngine, tokens: torch.Tensor, offset: int):
-    """(starts, chunks, positions) of each prefill window of tokens [1, T]; positions start at `offset`."""
-    chunk, per_window = engine.options.prefill_chunk, _tokens_per_window(engine)
+def prefill_windows(engine: SessionEngine, tokens: torch.Tensor, offset: int, per_window: int | None = None):
+    """(starts, chunks, positions) of each prefill window of tokens [1, T]; positions start at `offset`. Windows hold
+    `per_window` tokens (the engine's by default), in whole chunks: the chunks, and so the bits, are the same
+    whatever the window."""
+    chunk, per_window = engine.options.prefill_chunk, window_tokens(engine, per_window)
     for w0 in range(0, tokens.shape[1], per_window):
         starts = list(range(w0, min(w0 + per_window, tokens.shape[1]), chunk))
         pieces = [tokens[:, s : s + chunk] for s in starts]
@@ -314,24 +317,61 @@ def prefill_windows(engine: SessionEngine, tokens: torch.Tensor, offset: int):
 def prefill_steps(engine: SessionEngine, length: int) -> int:
     """Table steps (windows) a prompt of `length` tokens takes through the main layers (as many again through the
     MTP layer)."""
-    return -(-length // _tokens_per_window(engine))
+    return -(-length // window_tokens(engine))
 
 
-def _tokens_per_window(engine: SessionEngine) -> int:
-    """Prompt tokens of one prefill window: whole chunks, at least one."""
+def window_tokens(engine: SessionEngine, per_window: int | None = None) -> int:
+    """Prompt tokens of one prefill window of at most `per_window` tokens (the engine's `prefill_window` by default):
+    whole chunks, at least one."""
     chunk = engine.options.prefill_chunk
-    return max(engine.options.prefill_window // chunk, 1) * chunk
+    return max((engine.options.prefill_window if per_window is None else per_window) // chunk, 1) * chunk
+
+
+def run_through(steps: Generator[Any, None, T]) -> T:
+    """A window-by-window prefill (`prefill_row_windows`, ...) run to its end -> what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def prefill_row_windows(engine: SessionEngine, caches, row: int, prompt: list[int], belady: bool = False,
+                        per_window: int | None = None) -> Generator[int, None, torch.Tensor]:
+    """A prompt through the main layers into cache row `row`, one window (one table step) per `next()` -> its final
+    hidden [T, H]. Between two windows it yields the prompt tokens in the cache so far: a continuous batch's steps
+    may write the row's masked entry there (a later window or the row's own first step writes it again)."""
+    tokens = torch.tensor(prompt, device=engine.device)[None]
+    parts = []
+    for i, (starts, pieces, positions) in enumerate(prefill_windows(engine, tokens, 0, per_window)):
+        if i:
+            yield starts[0]
+        engine.residency.begin_step(decode=False, belady=belady)
+        parts += [h[0] for h in engine.runner.forward_window(pieces, positions, caches, row, starts)]
+    return torch.cat(parts)
 
 
 def prefill_row(engine: SessionEngine, caches, row: int, prompt: list[int], belady: bool = False
                 ) -> torch.Tensor:
     """A prompt through the main layers into cache row `row`, in windows of chunks -> its final hidden [T, H]."""
-    tokens = torch.tensor(prompt, device=engine.device)[None]
-    parts = []
-    for starts, pieces, positions in prefill_windows(engine, tokens, 0):
+    return run_through(prefill_row_windows(engine, caches, row, prompt, belady))
+
+
+def prefill_mtp_row_windows(engine: SessionEngine, caches, row: int, prompt: list[int], first: int,
+                            hidden: torch.Tensor, belady: bool = False, per_window: int | None = None
+                            ) -> Generator[int, None, tuple[list[int], list[float]]]:
+    """`prefill_mtp_row` one window per `next()`; between two windows it yields the prompt's length (the main cache
+    holds the whole prompt; the MTP cache's entries from there on are written again by the row's steps)."""
+    nxt = torch.tensor(prompt[1:] + [first], device=engine.device)[None]
+    last = None
+    for i, (starts, pieces, positions) in enumerate(prefill_windows(engine, nxt, 1, per_window)):
+        if i:
+            yield len(prompt)
         engine.residency.begin_step(decode=False, belady=belady)
-        parts += [h[0] for h in engine.runner.forward_window(pieces, positions, caches, row, starts)]
-    return torch.cat(parts)
+        h = [hidden[s : s + p.shape[1]][None] for s, p in zip(starts, pieces)]
+        last = engine.runner.mtp_window(pieces, h, positions, caches.mtp, row, starts)[-1][:, -1:]
+    prob, draft = engine.runner.mtp_logits(last)[0, -1].softmax(-1).max(-1)
+    return [int(draft)], [float(prob)]
 
 
 def prefill_mtp_row(engine: SessionEngine, caches, row: int, prompt: list[int], first: int,
@@ -339,14 +379,7 @@ def prefill_mtp_row(engine: SessionEngine, caches, row: int, prompt: list[int], 
     """The MTP layer over every (hidden at i, token i+1) pair of a prompt (the last pair's token is `first`, the
     token sampled after it), into the MTP cache's row -> the first draft and its probability (a chain of one: the
     first verify step checks one draft, the later ones `draft_tokens`)."""
-    nxt = torch.tensor(prompt[1:] + [first], device=engine.device)[None]
-    last = None
-    for starts, pieces, positions in prefill_windows(engine, nxt, 1):
-        engine.residency.begin_step(decode=False, belady=belady)
-        h = [hidden[s : s + p.shape[1]][None] for s, p in zip(starts, pieces)]
-        last = engine.runner.mtp_window(pieces, h, positions, caches.mtp, row, starts)[-1][:, -1:]
-    prob, draft = engine.runner.mtp_logits(last)[0, -1].softmax(-1).max(-1)
-    return [int(draft)], [float(prob)]
+    return run_through(prefill_mtp_row_windows(engine, caches, row, prompt, first, hidden, belady))
 
 
 def configure_residency(engine: SessionEngine, spec: PredictorSpec, rows: int, min_confidence: float) -> None:

@@ -72,6 +72,56 @@ def test_requests_joining_a_running_batch_get_their_tokens_alone(checkpoint_fact
     assert batch.steps > 0 and not engine.residency.problems()
 
 
+@pytest.mark.parametrize("variant,predictor", [("v3", "mtp"), ("v3", "none"), ("qwen3", "next_layer_gate")])
+def test_a_prefill_run_a_window_between_steps_keeps_every_requests_tokens(checkpoint_factory, variant, predictor):
+    """Chunked prefill: a long prompt admitted one window (one chunk of 4 tokens) between the running rows' steps,
+    into a row below a running one (so every step computes it, masked, at the position its prefill has reached),
+    and the MTP layer's windows after it: every request gets its tokens alone; a request dropped mid-prefill frees
+    its row for the next."""
+    path = checkpoint_factory(variant)
+    kwargs = dict(progress=False, max_seq_len=128, expert_cache_slots=6, prefill_chunk=4, prefill_window=16)
+    alone = MoEPrefetchEngine.from_pretrained(path, max_batch_size=1, **kwargs)
+    requests = [([3, 4, 5, 6], 6, SamplingParams()), ([7, 8], 24, SamplingParams(temperature=0.8, seed=11)),
+                (list(range(9, 22)), 8, SamplingParams(temperature=1.1, top_k=5, seed=4)),
+                (list(range(30, 40)), 5, SamplingParams())]
+    expected = [alone.generate([p], max_new_tokens=n, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                               seed=s.seed, stop_at_eos=False, predictor=predictor).sequences[0]
+                for p, n, s in requests]
+    engine = MoEPrefetchEngine.from_pretrained(path, max_batch_size=2, **kwargs)
+    batch = ContinuousBatch(engine, predictor)
+    first, _ = batch.admit(*requests[0])
+    second, _ = batch.admit(*requests[1])
+    while not batch.finished(first):
+        batch.step()
+    batch.release(first)
+    # a request that leaves during its prefill frees its row, and the row serves the next one
+    dropped = batch.begin(*requests[3], per_window=4)
+    assert batch.advance(dropped) == (4, None) and batch.free_rows == []
+    batch.step()
+    batch.release(dropped)
+    assert batch.free_rows == [first] and not batch.admissions
+    row = batch.begin(*requests[2], per_window=4)
+    assert (row, second) == (0, 1)
+    ran, windows, token = [], 0, None
+    while token is None:
+        tokens, token = batch.advance(row)
+        ran.append(tokens)
+        windows += 1
+        if token is None:  # the running row 1 makes the step compute row 0, masked
+            assert batch.step() and batch.state[row] is None
+    passes = 2 if predictor == "mtp" else 1
+    assert ran == [4, 4, 4, 1] * passes and windows == 4 * passes
+    while not batch.finished(row):
+        batch.step()
+    assert batch.state[row].generated == expected[2]
+    while not batch.finished(second):
+        batch.step()
+    assert batch.state[second].generated == expected[1]
+    batch.release(row)
+    batch.release(second)
+    assert not engine.residency.problems()
+
+
 def test_step_rows_rounds_the_highest_active_row_up_to_a_power_of_two():
     got = {top: step_rows(top, 16) for top in (1, 2, 3, 4, 5, 8, 9, 15, 16)}
     assert got == {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 8: 8, 9: 16, 15: 16, 16: 16}
