@@ -144,7 +144,7 @@ class ContinuousBatch:
         request's first token once its prefill is done: the row decodes from the next step on; else None). An error
         releases the row."""
         admission = self.admissions[row]
-        ran = min(admission.window, admission.left[0])
+        ran = self.next_window(row)
         admission.left[0] -= ran
         if not admission.left[0]:
             admission.left.pop(0)
@@ -165,6 +165,11 @@ class ContinuousBatch:
         if logprob is not None:
             self.logprobs[row] = logprob
         return ran, state.generated[0]
+
+    def next_window(self, row: int) -> int:
+        """Prompt tokens the next `advance` of `row` runs."""
+        admission = self.admissions[row]
+        return min(admission.window, admission.left[0])
 
     def _prefill(self, row: int, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
                  stop_ids: frozenset[int], per_window: int | None

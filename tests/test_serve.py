@@ -66,11 +66,12 @@ def plain_model_dir(checkpoint_factory, tiny_tokenizer_dir) -> Path:
 
 class LiveServer:
     def __init__(self, path: Path, max_batch_size: int = 4, max_queue: int = 32, name: str = "tiny",
-                 drain_seconds: float = 2.0, **options):
+                 drain_seconds: float = 2.0, engine_options: dict | None = None, **options):
         from moeprefetch.serve.app import build_app
         from moeprefetch.serve.lifecycle import DrainingServer, server_config
 
-        self.engine = MoEPrefetchEngine.from_pretrained(path, max_batch_size=max_batch_size, **ENGINE)
+        self.engine = MoEPrefetchEngine.from_pretrained(path, max_batch_size=max_batch_size,
+                                                        **{**ENGINE, **(engine_options or {})})
         self.app = build_app(self.engine, name, max_queue=max_queue, drain_seconds=drain_seconds,
                              default_max_tokens=16, **options)
         self.port = _free_port()
@@ -342,15 +343,22 @@ def test_a_stop_string_cuts_the_log_probabilities_of_the_tokens_it_spans(live, r
 
 
 def test_an_engine_error_fails_that_request_only(live, monkeypatch):
+    """An error in a prefill window fails its request alone (500), before its first token too when streamed."""
     batch = live.scheduler.batch
-    admit = batch.admit
+    begin, advance, failing = batch.begin, batch.advance, set()
 
-    def failing(prompt, *args, **kwargs):
-        if prompt[:2] == [7, 7]:
+    def beginning(prompt, *args, **kwargs):
+        row = begin(prompt, *args, **kwargs)
+        (failing.add if prompt[:2] == [7, 7] else failing.discard)(row)
+        return row
+
+    def advancing(row):
+        if row in failing:
             raise RuntimeError("injected failure")
-        return admit(prompt, *args, **kwargs)
+        return advance(row)
 
-    monkeypatch.setattr(batch, "admit", failing)
+    monkeypatch.setattr(batch, "begin", beginning)
+    monkeypatch.setattr(batch, "advance", advancing)
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(httpx.post, live.url + "/v1/completions", timeout=60,
                                json={"model": "tiny", "prompt": ids, "max_tokens": 6, "temperature": 0})
@@ -606,46 +614,66 @@ def _timed_stream(live, tokens: int) -> tuple[threading.Thread, list[float]]:
     return streaming, gaps
 
 
-def test_prompts_queued_beside_running_streams_are_admitted_a_few_tokens_per_step(live, monkeypatch):
-    """Every admission's prefill stalls the rows decoding: while any decode, the requests admitted between two of
-    their steps hold at most ADMIT_TOKENS prompt tokens (one request always), so three long prompts queued at once
-    join one per step (together they stalled a stream 3.2 s in the twenty-eighth session's outside check) while
-    short ones join together."""
+def test_prompts_queued_beside_running_streams_are_prefilled_a_window_per_step(model_dir, reference, monkeypatch):
+    """Chunked prefill: every prefill window stalls the rows decoding, so while any decode the windows run between
+    two of their steps hold at most ADMIT_TOKENS prompt tokens (one window always): a 100-token prompt (chunks of
+    16, windows of 32) is prefilled between a stream's steps, short prompts join in one pass, and every answer is
+    the one it gets alone (three long prompts at once stalled a stream 3.2 s in the twenty-eighth session's outside
+    check)."""
     from moeprefetch.serve import scheduler as scheduler_module
 
-    monkeypatch.setattr(scheduler_module, "ADMIT_TOKENS", 100)
-    scheduler, batch = live.scheduler, live.scheduler.batch
-    events: list[str] = []
-    admit, step = batch.admit, batch.step
-    waiting = {"for": 0}
+    monkeypatch.setattr(scheduler_module, "ADMIT_TOKENS", 40)
+    live = LiveServer(model_dir, engine_options=dict(prefill_chunk=16))
+    try:
+        scheduler, batch = live.scheduler, live.scheduler.batch
+        events: list[tuple[str, int]] = []
+        advance, step = batch.advance, batch.step
+        waiting = {"for": 0}
 
-    def stepping():
-        deadline = time.monotonic() + 10
-        while len(scheduler.queue) < waiting["for"] and time.monotonic() < deadline:  # all three queued first
-            time.sleep(0.005)
-        waiting["for"] = 0
-        events.append("step")
-        time.sleep(0.01)
-        return step()
+        def stepping():
+            deadline = time.monotonic() + 10
+            while len(scheduler.queue) < waiting["for"] and time.monotonic() < deadline:  # all three queued first
+                time.sleep(0.005)
+            waiting["for"] = 0
+            events.append(("step", 0))
+            return step()
 
-    monkeypatch.setattr(batch, "admit", lambda prompt, *a, **k: (events.append(f"admit{len(prompt)}"),
-                                                                 admit(prompt, *a, **k))[1])
-    monkeypatch.setattr(batch, "step", stepping)
-    for length in (57, 20):
-        events.clear()
+        def advancing(row):
+            ran, first = advance(row)
+            events.append(("window", ran))
+            return ran, first
+
+        monkeypatch.setattr(batch, "advance", advancing)
+        monkeypatch.setattr(batch, "step", stepping)
         streaming, _ = _timed_stream(live, 150)
+        events.clear()
         waiting["for"] = 3
+        prompts = [list(range(3, 103)), [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]]
         with ThreadPoolExecutor(3) as pool:
-            list(pool.map(lambda _: httpx.post(live.url + "/v1/completions", timeout=60, json={
-                "model": "tiny", "prompt": list(range(3, 3 + length)), "max_tokens": 2, "temperature": 0}),
-                range(3)))
+            def ask(prompt):
+                return pool.submit(lambda: httpx.post(live.url + "/v1/completions", timeout=60, json={
+                    "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}).json())
+
+            futures = [ask(prompts[0])]  # the long prompt first in the queue, then the short ones
+            _wait_for(lambda: len(scheduler.queue) == 1)
+            futures += [ask(prompt) for prompt in prompts[1:]]
+            answers = [f.result() for f in futures]
         streaming.join(timeout=60)
-        admitted = [i for i, e in enumerate(events) if e == f"admit{length}"]
-        assert len(admitted) == 3, events[:40]
-        if length == 57:  # 2 x 57 > 100: each after a step of the rows decoding
-            assert all(b - a > 1 for a, b in zip(admitted, admitted[1:])), events[:40]
-        else:  # 3 x 20 <= 100: one admission pass
-            assert admitted[2] - admitted[0] == 2, events[:40]
+        assert [a["choices"][0]["text"] for a in answers] == [_alone(reference, p, 4)[0] for p in prompts]
+        # between two steps: one window, or windows of at most 40 prompt tokens together
+        passes, current = [], []
+        for kind, tokens in events:
+            if kind == "step":
+                passes.append(current) if current else None
+                current = []
+            else:
+                current.append(tokens)
+        assert all(len(p) == 1 or sum(p) <= 40 for p in passes), passes
+        # the long prompt in windows of 32 (two chunks), steps between them; the short ones together
+        assert sorted(t for p in passes for t in p) == [4, 10, 10, 32, 32, 32] and len(passes) >= 3, passes
+        assert any(p.count(10) == 2 for p in passes), passes
+    finally:
+        live.close()
 
 
 def test_a_long_prompt_is_refused_early_off_the_event_loop_and_streams_go_on(live, monkeypatch):
@@ -1096,9 +1124,9 @@ def test_queued_streams_whose_client_left_are_never_prefilled(plain_model_dir, m
     server = LiveServer(plain_model_dir, max_batch_size=1, name="single")
     try:
         batch, admitted = server.scheduler.batch, []
-        admit = batch.admit
-        monkeypatch.setattr(batch, "admit", lambda prompt, *a, **k: (admitted.append(list(prompt)),
-                                                                     admit(prompt, *a, **k))[1])
+        begin = batch.begin
+        monkeypatch.setattr(batch, "begin", lambda prompt, *a, **k: (admitted.append(list(prompt)),
+                                                                     begin(prompt, *a, **k))[1])
         _slow_steps(monkeypatch, server.scheduler, 0.01)
         body = {"model": "single", "prompt": [3, 4, 5], "max_tokens": 150, "temperature": 0, "ignore_eos": True}
         long = threading.Thread(target=httpx.post, args=(server.url + "/v1/completions",),

@@ -27,8 +27,9 @@ from ..session import TextStream
 from .protocol import APIError, Job
 
 logger = logging.getLogger(__name__)
-# prompt tokens admitted between two decode steps of running rows (one request always): short chat prompts join
-# together, a long one alone, so a stream stalls for about one long prefill at a time
+# prompt tokens prefilled between two decode steps of running rows (one prefill window always): short chat prompts
+# join together, a long one is prefilled a window of this many tokens (whole chunks) at a time between their steps
+# (chunked prefill), so a stream stalls for about one window's prefill at a time, whatever the prompts' length
 ADMIT_TOKENS = 512
 
 METRICS_EVERY_STEPS = 32  # the residency's counters are read (a device sync) this often, and when idle
@@ -85,7 +86,7 @@ class Scheduler:
         self.counters = ServerCounters()
         self._cond = threading.Condition()
         self._stopping = False
-        self._admitting: list[Handle] = []  # taken off the queue, not yet in a row
+        self._admitting: list[Handle] = []  # taken off the queue, not yet decoding (`row` set: prefill begun)
         self._cut = threading.Event()  # set by `cut()`: a draining `stop()` stops waiting
         self._thread = threading.Thread(target=self._run, name="moeprefetch-scheduler", daemon=True)
         self._thread.start()
@@ -171,54 +172,89 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self.queue and not self.rows and not self._stopping:
+                while not self.queue and not self.rows and not self._admitting and not self._stopping:
                     self._refresh_expert_metrics()
                     self._cond.wait(timeout=1.0)
-                if self._stopping and not self.queue and not self.rows:
+                if self._stopping and not self.queue and not self.rows and not self._admitting:
                     return
                 self._drop_cancelled_queue()  # a queued client that left is never prefilled
-                # while rows are decoding, admissions between two of their steps hold at most ADMIT_TOKENS prompt
-                # tokens (one request always): every prefill stalls them, and back-to-back long prefills would
-                # stall them for seconds at once; with none decoding, every request waiting is admitted first
-                room, tokens = self.batch.rows - len(self.rows) - len(self._admitting), 0
+                room = self.batch.rows - len(self.rows) - len(self._admitting)
                 while self.queue and room > 0:
-                    tokens += len(self.queue[0].job.prompt_ids)
-                    if self.rows and self._admitting and tokens > ADMIT_TOKENS:
-                        break
                     self._admitting.append(self.queue.popleft())
                     room -= 1
-            while self._admitting:
-                self._admit(self._admitting[0])
-                with self._cond:
-                    self._admitting.pop(0)
+            self._admit_some()
             self._drop_cancelled()
             if self.rows:
                 self._step()
 
-    def _admit(self, handle: Handle) -> None:
-        if handle.cancelled:
-            self._cancelled(handle)
-            return
+    def _admit_some(self) -> None:
+        """Prefill windows of the requests being admitted, oldest first. While rows are decoding, the windows run
+        between two of their steps hold at most ADMIT_TOKENS prompt tokens (one window always): every prefill
+        window stalls them, and a long prompt's whole prefill would stall them for seconds; with none decoding,
+        every request waiting is admitted whole first."""
+        budget = ADMIT_TOKENS if self.rows else None
+        spent = 0
+        while self._admitting:
+            handle = self._admitting[0]
+            if handle.cancelled:  # its client left (or a shutdown cut it) before or during its prefill
+                self._release(handle)
+                self._cancelled(handle)
+            elif handle.row is None and not self._begin(handle, budget):
+                pass  # refused or failed: answered
+            else:
+                ahead = self.batch.next_window(handle.row)
+                if budget is not None and spent and spent + ahead > budget:
+                    return
+                spent += ahead
+                if not self._advance(handle):
+                    continue  # more windows to go
+            with self._cond:
+                self._admitting.pop(0)
+
+    def _begin(self, handle: Handle, per_window: int | None) -> bool:
+        """Reserve a row for the request (False: it was refused, and answered)."""
         job = handle.job
-        started = time.perf_counter()
         try:
-            row, first = self.batch.admit(job.prompt_ids, job.max_tokens, job.sampling, self._stop_ids(job))
+            handle.row = self.batch.begin(job.prompt_ids, job.max_tokens, job.sampling, self._stop_ids(job),
+                                          per_window=per_window)
         except MoEPrefetchError as exc:
             self._fail(handle, APIError(400, str(exc)))
-            return
+            return False
         except Exception as exc:  # the engine failed on this request alone
-            logger.exception("prefill failed")
-            self.batch.settle()
-            self._fail(handle, APIError(500, f"the engine failed on this request: {type(exc).__name__}: {exc}",
-                                        kind="server_error"))
-            return
-        handle.row = row
+            self._engine_failed(handle, exc)
+            return False
+        return True
+
+    def _advance(self, handle: Handle) -> bool:
+        """One prefill window of a request being admitted -> whether its admission is over (its row decodes from
+        the next step on, or it failed and was answered)."""
+        job, row = handle.job, handle.row
+        started = time.perf_counter()
+        try:
+            _, first = self.batch.advance(row)
+        except MoEPrefetchError as exc:
+            self._fail(handle, APIError(400, str(exc)))
+            return True
+        except Exception as exc:  # the engine failed on this request alone
+            self._engine_failed(handle, exc)
+            return True
+        with self._cond:
+            self.counters.prefill_seconds += time.perf_counter() - started
+        if first is None:
+            return False
         handle.text = TextStream(self.tokenizer) if self.tokenizer is not None else None
         with self._cond:
             self.rows[row] = handle
             self.counters.prompt_tokens += len(job.prompt_ids)
-            self.counters.prefill_seconds += time.perf_counter() - started
         self._token(handle, first, self.batch.logprobs.get(row))
+        return True
+
+    def _engine_failed(self, handle: Handle, exc: Exception) -> None:
+        """An engine error in a request's admission: it fails alone (500); the table starts cold, the rows go on."""
+        logger.exception("prefill failed")
+        self.batch.settle()
+        self._fail(handle, APIError(500, f"the engine failed on this request: {type(exc).__name__}: {exc}",
+                                    kind="server_error"))
 
     def _step(self) -> None:
         started = time.perf_counter()
