@@ -138,10 +138,6 @@ INT4_HOST_CANDIDATES = (
     (16, 16, 256, 4, 3), (16, 16, 128, 4, 3), (16, 16, 256, 4, 2), (16, 16, 256, 8, 3), (8, 8, 256, 4, 3),
     (16, 16, 512, 4, 2),
 )
-HOST_CANDIDATES = (
-    (16, 16, 128, 4, 3, 0, 1), (16, 16, 128, 4, 3, 0, 2), (16, 16, 128, 4, 2, 0, 2), (8, 8, 128, 4, 3, 0, 2),
-    (16, 16, 128, 8, 3, 0, 2), (16, 16, 256, 4, 3, 0, 1), (16, 16, 256, 4, 2, 0, 2), (32, 32, 128, 4, 3, 0, 2),
-)
 HOST_CANDIDATES = (  # reads over PCIe want many loads in flight: narrower tiles, more warps (the first is GEMV_TILES)
     (16, 16, 128, 4, 3), (8, 8, 128, 4, 3), (16, 16, 128, 8, 3), (32, 32, 128, 8, 3), (16, 16, 256, 4, 2),
     (8, 8, 256, 4, 3), (16, 16, 64, 4, 3), (4, 4, 256, 4, 3),
@@ -305,6 +301,9 @@ def main() -> int:
     parser.add_argument("--grouped-tokens", default="4096", help="--grouped-sweep: prompt tokens (comma list)")
     parser.add_argument("--step-rows", default="1", help="--host-sweep: step shapes (comma list of most rows)")
     parser.add_argument("--missed", default="", help="--host-sweep: only these missed counts (comma list)")
+    parser.add_argument("--gemv-min-rows", type=int, default=None, help="--host-sweep: the fewest rows a GEMV "
+                        "program carries (kernels/experts.py GEMV_MIN_ROWS; 1: the twenty-eighth session's one-row "
+                        "programs)")
     parser.add_argument("--staged", action="store_true", help="--host-sweep: also the misses copied into their "
                         "slots by the copy engine first (then read from VRAM)")
     parser.add_argument("--tiles", default="", help="the sweeps: only these tiles (;-separated)")
@@ -324,6 +323,10 @@ def main() -> int:
             grouped_sweep(ns.out.with_name(f"{ns.out.stem}_{tokens}{ns.out.suffix}"), tokens, tiles)
         return 0
     if ns.host_sweep:
+        if ns.gemv_min_rows is not None:
+            import moeprefetch.kernels.experts as experts_module
+
+            experts_module.GEMV_MIN_ROWS = ns.gemv_min_rows
         cases = tuple((int(m), False) for m in ns.missed.split(",")) if ns.missed else HOST_CASES
         cases += ((6, True, True),) if ns.staged else ()
         tiles = tuple(tuple(int(v) for v in t.split(",")) for t in ns.tiles.split(";") if t)

@@ -103,8 +103,8 @@ def test_routed_experts_match_float64_from_slots_and_host(dtype, expert_dtype, t
                                                            (torch.float32, "int4", 1e-5)])
 def test_a_one_row_step_matches_float64(dtype, expert_dtype, tolerance):
     """A step of one row (batch 1 on a checkpoint without an MTP layer, whose steps compute their real rows alone:
-    the GEMV's and the combine's row padding is 1), from a slot, from host memory admitted to a slot, and from host
-    memory in place."""
+    the GEMV's programs carry GEMV_MIN_ROWS rows, the second masked, as one-row programs read host memory at half
+    the rate), from a slot, from host memory admitted to a slot, and from host memory in place."""
     from moeprefetch.kernels.experts import RoutedExperts
 
     g = torch.Generator().manual_seed(11)
@@ -122,6 +122,7 @@ def test_a_one_row_step_matches_float64(dtype, expert_dtype, tolerance):
     u_dst = torch.tensor([-1, 2, -1], dtype=torch.int32, device=DEVICE)
     weights = torch.rand(1, 3, generator=g).to(DEVICE)
     out = kernel(x, assign, weights, u_key, u_slot, u_dst, step_rows=1)
+    assert kernel._n_pad(1) == 2 and kernel._n_pad(3) == 4
     expected = sum(float(weights[0, j]) * _float64_expert(x.cpu(), fmt, host[[1, 3, 0][j]])[0] for j in range(3))
     error = ((out[0].cpu().double() - expected).norm() / expected.norm()).item()
     assert error < tolerance, error

@@ -45,6 +45,11 @@ if HAS_TRITON:
 ACTIVATIONS = {"silu": 0, "relu": 1, "gelu_pytorch_tanh": 2}  # the kernel's activations; others use the reference
 ROW_PAD_MIN = 16  # tl.dot needs at least 16 rows
 GEMV_MAX_ROWS = 4  # up to this many rows per step, the kernels multiply on the CUDA cores (no tl.dot, no padding)
+# the fewest rows a GEMV program carries: a one-row step of a checkpoint without an MTP layer runs the two-row kernel
+# (its second row masked). With one-row programs V2-Lite's offloaded batch-1 steps read their misses from host at
+# 22.8 GB/s against 40.0 with two (H100 and H200, BENCHMARKS "Batches"), and the expert kernels took 66.6 of a
+# 70.4 ms step; the two-row kernel is what every batch-1 step ran before the twenty-eighth session
+GEMV_MIN_ROWS = 2
 
 
 # The tile choices (and why each) are data: kernels/tiles.json, read by kernels/tiles.py.
@@ -501,7 +506,8 @@ class RoutedExperts:
 
     def _n_pad(self, step_rows: int) -> int:
         """Rows per expert in y's layout for steps of `step_rows` rows (the GEMV's or a tl.dot tile's)."""
-        return next_pow2(step_rows) if step_rows <= GEMV_MAX_ROWS else row_pad(min(step_rows, self.max_rows))
+        return next_pow2(step_rows, GEMV_MIN_ROWS) if step_rows <= GEMV_MAX_ROWS else \
+            row_pad(min(step_rows, self.max_rows))
 
     def _combine(self, n: int, assign: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, n_pad: int) -> Launch:
         return Launch(_combine_kernel, (n, triton.cdiv(self.layout.hidden, 256)), y_ptr=self._y, assign_ptr=assign,
