@@ -11,7 +11,7 @@
 # zero-copy reads with cold translations); STAGE=policies: issue 13's LRU / LRFU / LFU rows (ref17, V2-Lite) and the
 # GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU,
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
-# Usage: STAGE=qwen3|serve|serve_all|verify|spec_deep|deep_model|shared_rows|shared_rows_deep|batch_shapes|spec_ref17|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
+# Usage: STAGE=qwen3|serve|serve_all|gemv_rows|verify|spec_deep|deep_model|shared_rows|shared_rows_deep|batch_shapes|spec_ref17|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
 #   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace|int4_tests|int4_bench|int4_gemv|learned_deep| \
 #   divergence|table_stress \
 #   [LIMIT=seconds] \
@@ -123,6 +123,19 @@ case "${STAGE:-tests}" in
     timeout "${LIMIT:-230}" python3 scripts/bench_gpu.py --out "$out/bench_batch_shapes.json" --workloads v2lite \
       --decode-compute --prefill-lengths "" --new-tokens 16 --profile \
       --systems offloaded_b1,offloaded_b4,offloaded_b16 "$@" 2>&1 | filter ;;
+  gemv_rows)
+    # the twenty-ninth session's batch-1 regression: one-row GEMV programs (the twenty-eighth session's steps of a
+    # checkpoint without an MTP layer) read V2-Lite's misses from host at 22.8 GB/s against 40.0. The host reads of
+    # one layer at 1 and 2 rows a program, the one-row kernel test, the engine's tokens across cache sizes, then
+    # V2-Lite's offloaded batch-1 row with GEMV_MIN_ROWS = 2 (70.2 ms a token on the H100 with one-row programs)
+    for rows in 1 2; do
+      timeout 120 python3 scripts/bench_kernels.py --host-sweep --step-rows 1 --missed 0,6 --tiles "16,16,128,4,3" \
+        --gemv-min-rows $rows --out "$out/host_gemv_min_rows_$rows.json" 2>&1 | grep -E "^\{|Error" | cut -c1-300
+    done
+    timeout 120 python3 -m pytest "$(junit)" tests/test_kernels.py tests/test_gpu.py -q -p no:cacheprovider \
+      --tb=short -k "one_row_step or cache_sizes" 2>&1 | tail -3
+    timeout "${LIMIT:-200}" python3 scripts/bench_gpu.py --out "$out/bench_gemv_rows.json" --workloads v2lite \
+      --decode-compute --prefill-lengths "" --new-tokens 16 --profile --systems offloaded_b1 "$@" 2>&1 | filter ;;
   offloaded_batches)
     # issue 14's offloaded batch rows (V2-Lite at 12 GiB, batch 1/4/8/16, reactive and next_layer_gate). The tenth
     # session's reactive rows read host memory at 24 GB/s from batch 4 on (40 at batch 1, 50 in isolation). Owed
