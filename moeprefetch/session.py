@@ -321,10 +321,11 @@ def prefill_steps(engine: SessionEngine, length: int) -> int:
 
 
 def window_tokens(engine: SessionEngine, per_window: int | None = None) -> int:
-    """Prompt tokens of one prefill window of at most `per_window` tokens (the engine's `prefill_window` by default):
-    whole chunks, at least one."""
-    chunk = engine.options.prefill_chunk
-    return max((engine.options.prefill_window if per_window is None else per_window) // chunk, 1) * chunk
+    """Prompt tokens of one prefill window of at most `per_window` tokens, never more than the engine's
+    `prefill_window` (which the memory plan sized the prefill's workspace for): whole chunks, at least one."""
+    options = engine.options
+    wanted = options.prefill_window if per_window is None else min(per_window, options.prefill_window)
+    return max(wanted // options.prefill_chunk, 1) * options.prefill_chunk
 
 
 def run_through(steps: Generator[Any, None, T]) -> T:

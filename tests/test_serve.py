@@ -304,6 +304,37 @@ def test_a_failed_decode_step_fails_its_requests_and_the_server_carries_on(live,
     assert live.client.completions.create(model="tiny", prompt=[3, 4], max_tokens=4, temperature=0).choices
 
 
+def test_a_failed_step_beside_a_prompt_half_prefilled_begins_that_prompt_again(model_dir, reference, monkeypatch):
+    """A decode step that fails while a long prompt is prefilled a window at a time between the steps fails the
+    rows it computed; the prompt's prefill, dropped with the table, begins again and its request gets the answer it
+    gets alone (the scheduler thread used to stop on the dropped admission)."""
+    from moeprefetch.serve import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "ADMIT_TOKENS", 40)
+    live = LiveServer(model_dir, engine_options=dict(prefill_chunk=16))
+    try:
+        batch = live.scheduler.batch
+        step, failed = batch.step, []
+
+        def failing():
+            if batch.admissions and not failed:
+                failed.append(dict(batch.admissions))
+                raise RuntimeError("injected step failure")
+            return step()
+
+        monkeypatch.setattr(batch, "step", failing)
+        streaming, _ = _timed_stream(live, 100)
+        long = list(range(3, 103))
+        answer = httpx.post(live.url + "/v1/completions", timeout=60,
+                            json={"model": "tiny", "prompt": long, "max_tokens": 4, "temperature": 0})
+        streaming.join(timeout=60)
+        assert failed and answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == _alone(reference, long, 4)[0]
+        assert live.scheduler._thread.is_alive() and not batch.admissions
+    finally:
+        live.close()
+
+
 def test_stop_strings_end_the_text_before_them(live, reference):
     # a prompt whose answer alone is long enough to hold a stop string (a random model may end one at once)
     prompt, full = next((p, text) for p in PROMPTS if len(text := _alone(reference, p, 16)[0]) > 6)

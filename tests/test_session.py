@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moeprefetch import MoEPrefetchEngine
-from moeprefetch.session import prefill_steps, prefill_windows
+from moeprefetch.session import prefill_steps, prefill_windows, window_tokens
 
 
 def test_streamed_pieces_never_split_a_character():
@@ -60,3 +60,17 @@ def test_prefill_windows_cover_the_prompt_in_whole_chunks(length, chunk, window,
     assert seen == tokens[0].tolist()
     assert seen_positions == list(range(offset, offset + length))
     assert prefill_steps(engine, length) == len(windows)
+
+
+@pytest.mark.parametrize("chunk,window,asked,expected", [(16, 64, 512, 64), (16, 64, 40, 32), (16, 64, 8, 16),
+                                                         (16, 64, None, 64), (512, 2048, 512, 512),
+                                                         (2048, 8192, 512, 2048)])
+def test_a_window_asked_for_is_whole_chunks_within_the_engines_window(chunk, window, asked, expected):
+    """A continuous batch's smaller prefill windows (the server's 512 prompt tokens between steps) are whole chunks,
+    at least one, and never more than the engine's prefill_window, which sized the prefill's workspace (a fitted or
+    given window stays the bound); windows of that size cover the prompt."""
+    engine = SimpleNamespace(options=SimpleNamespace(prefill_chunk=chunk, prefill_window=window))
+    assert window_tokens(engine, asked) == expected
+    tokens = torch.arange(300)[None]
+    assert all(sum(p.shape[1] for p in pieces) <= expected
+               for _, pieces, _ in prefill_windows(engine, tokens, 0, asked))

@@ -219,7 +219,8 @@ class Server:
         job = handle.job
 
         def chunk(text: str, reason: str | None, entries: list[TokenLogprob] = (), offsets: list[int] = ()) -> str:
-            logprobs = _logprobs(job, list(entries), list(offsets), self.engine.tokenizer) if entries else None
+            # a request that asked gets the object in every chunk, empty while its tokens' text is held back
+            logprobs = _logprobs(job, list(entries), list(offsets), self.engine.tokenizer)
             body = {"id": job.id, "object": _object(job, True), "created": job.created, "model": self.model_name,
                     "choices": [_choice(job, text, reason, True, logprobs)]}
             if job.include_usage:  # as OpenAI: every chunk carries the field, null until the last one

@@ -194,6 +194,12 @@ class Scheduler:
         every request waiting is admitted whole first."""
         budget = ADMIT_TOKENS if self.rows else None
         spent = 0
+        gone = [h for h in self._admitting[1:] if h.cancelled and h.row is None]
+        if gone:  # clients that left while waiting behind a long prefill: answered now, their places freed
+            with self._cond:
+                self._admitting = [h for h in self._admitting if h not in gone]
+            for handle in gone:
+                self._cancelled(handle)
         while self._admitting:
             handle = self._admitting[0]
             if handle.cancelled:  # its client left (or a shutdown cut it) before or during its prefill
@@ -267,6 +273,8 @@ class Scheduler:
             for handle in list(self.rows.values()):
                 self._fail(handle, error)
             self.batch.reset()
+            for handle in self._admitting:  # their prefills were dropped with the table: they begin again
+                handle.row = None
             return
         with self._cond:
             self.counters.decode_steps += 1
