@@ -103,8 +103,8 @@ def test_routed_experts_match_float64_from_slots_and_host(dtype, expert_dtype, t
                                                            (torch.float32, "int4", 1e-5)])
 def test_a_one_row_step_matches_float64(dtype, expert_dtype, tolerance):
     """A step of one row (batch 1 on a checkpoint without an MTP layer, whose steps compute their real rows alone:
-    the GEMV's programs carry GEMV_MIN_ROWS rows, the second masked, as one-row programs read host memory at half
-    the rate), from a slot, from host memory admitted to a slot, and from host memory in place."""
+    the GEMV's programs carry GEMV_MIN_ROWS rows, the second masked: one-row programs made the engine's offloaded
+    batch-1 step 1.9 x slower), from a slot, from host memory admitted to a slot, and from host memory in place."""
     from moeprefetch.kernels.experts import RoutedExperts
 
     g = torch.Generator().manual_seed(11)

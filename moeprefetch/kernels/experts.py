@@ -46,9 +46,10 @@ ACTIVATIONS = {"silu": 0, "relu": 1, "gelu_pytorch_tanh": 2}  # the kernel's act
 ROW_PAD_MIN = 16  # tl.dot needs at least 16 rows
 GEMV_MAX_ROWS = 4  # up to this many rows per step, the kernels multiply on the CUDA cores (no tl.dot, no padding)
 # the fewest rows a GEMV program carries: a one-row step of a checkpoint without an MTP layer runs the two-row kernel
-# (its second row masked). With one-row programs V2-Lite's offloaded batch-1 steps read their misses from host at
-# 22.8 GB/s against 40.0 with two (H100 and H200, BENCHMARKS "Batches"), and the expert kernels took 66.6 of a
-# 70.4 ms step; the two-row kernel is what every batch-1 step ran before the twenty-eighth session
+# (its second row masked), as every batch-1 step did before the twenty-eighth session. With one-row programs
+# V2-Lite's offloaded batch-1 step took 70.2 ms a token against 37.8 with two (H100, the same misses and bytes: the
+# expert kernels 66.6 against 34.1 ms), though one layer's host reads timed alone run at 51 GB/s either way
+# (BENCHMARKS "Batches", twenty-ninth session; the cause in the engine is not found yet)
 GEMV_MIN_ROWS = 2
 
 
