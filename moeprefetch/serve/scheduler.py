@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..accounting import LayerCounters, Stats
 from ..batching import ContinuousBatch
@@ -220,32 +220,22 @@ class Scheduler:
     def _begin(self, handle: Handle, per_window: int | None) -> bool:
         """Reserve a row for the request (False: it was refused, and answered)."""
         job = handle.job
-        try:
-            handle.row = self.batch.begin(job.prompt_ids, job.max_tokens, job.sampling, self._stop_ids(job),
-                                          per_window=per_window)
-        except MoEPrefetchError as exc:
-            self._fail(handle, APIError(400, str(exc)))
-            return False
-        except Exception as exc:  # the engine failed on this request alone
-            self._engine_failed(handle, exc)
-            return False
-        return True
+        ok, row = self._admission_call(handle, lambda: self.batch.begin(
+            job.prompt_ids, job.max_tokens, job.sampling, self._stop_ids(job), per_window=per_window))
+        handle.row = row if ok else None
+        return ok
 
     def _advance(self, handle: Handle) -> bool:
         """One prefill window of a request being admitted -> whether its admission is over (its row decodes from
         the next step on, or it failed and was answered)."""
         job, row = handle.job, handle.row
         started = time.perf_counter()
-        try:
-            _, first = self.batch.advance(row)
-        except MoEPrefetchError as exc:
-            self._fail(handle, APIError(400, str(exc)))
-            return True
-        except Exception as exc:  # the engine failed on this request alone
-            self._engine_failed(handle, exc)
+        ok, ran = self._admission_call(handle, lambda: self.batch.advance(row))
+        if not ok:
             return True
         with self._cond:
             self.counters.prefill_seconds += time.perf_counter() - started
+        first = ran[1]
         if first is None:
             return False
         handle.text = TextStream(self.tokenizer) if self.tokenizer is not None else None
@@ -255,12 +245,20 @@ class Scheduler:
         self._token(handle, first, self.batch.logprobs.get(row))
         return True
 
-    def _engine_failed(self, handle: Handle, exc: Exception) -> None:
-        """An engine error in a request's admission: it fails alone (500); the table starts cold, the rows go on."""
-        logger.exception("prefill failed")
-        self.batch.settle()
-        self._fail(handle, APIError(500, f"the engine failed on this request: {type(exc).__name__}: {exc}",
-                                    kind="server_error"))
+    def _admission_call(self, handle: Handle, call: Callable[[], Any]) -> tuple[bool, Any]:
+        """`call()` for a request being admitted -> (True, what it returned), or (False, None) once an error has
+        answered the request: the engine's refusal 400; any other error 500, the request failing alone (the table
+        starts cold, the running rows go on)."""
+        try:
+            return True, call()
+        except MoEPrefetchError as exc:
+            self._fail(handle, APIError(400, str(exc)))
+        except Exception as exc:
+            logger.exception("prefill failed")
+            self.batch.settle()
+            self._fail(handle, APIError(500, f"the engine failed on this request: {type(exc).__name__}: {exc}",
+                                        kind="server_error"))
+        return False, None
 
     def _step(self) -> None:
         started = time.perf_counter()
