@@ -137,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
                           "a loopback address, else any)")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (then 413)")
     srv.add_argument("--body-timeout", type=float, default=30.0,
-                     help="seconds a request body may take to arrive (then 408)")
+                     help="seconds a request's headers, and then its body, may take to arrive (then 408)")
     _engine_arguments(srv)
 
     rep = sub.add_parser("report", parents=[common],
@@ -363,7 +363,7 @@ def _serve(ns: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     # the drain runs before uvicorn's own shutdown (DrainingServer): uvicorn then waits only for the answers
-    config = server_config(app, ns.host, ns.port, "info" if ns.verbose else "warning")
+    config = server_config(app, ns.host, ns.port, "info" if ns.verbose else "warning", ns.body_timeout)
     server = DrainingServer(config, app.state.server)
     server.run()
     engine.close()

@@ -31,6 +31,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from moeprefetch import MoEPrefetchEngine  # noqa: E402
+from moeprefetch.serve.guards import DEFAULT_BODY_TIMEOUT  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -75,7 +76,8 @@ class LiveServer:
         self.app = build_app(self.engine, name, max_queue=max_queue, drain_seconds=drain_seconds,
                              default_max_tokens=16, **options)
         self.port = _free_port()
-        config = server_config(self.app, "127.0.0.1", self.port)
+        config = server_config(self.app, "127.0.0.1", self.port,
+                               header_timeout=options.get("body_timeout", DEFAULT_BODY_TIMEOUT))
         self.server = DrainingServer(config, self.app.state.server)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -1130,6 +1132,34 @@ def test_a_half_sent_body_times_out_with_a_408(guarded):
     assert reply.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in reply
     assert 0.8 < elapsed < 5  # the 1 s body timeout, not the client's 10 s
     assert httpx.get(guarded.url + "/health", timeout=30).status_code == 200
+
+
+def test_headers_trickled_a_byte_at_a_time_time_out_with_a_408_and_idle_connections_stay(guarded):
+    """A client that begins a request and trickles its headers (a byte every 0.2 s, which stops uvicorn's keep-alive
+    timer each time) is answered 408 JSON and disconnected after the 1 s deadline; a connection that sends nothing
+    stays open for its keep-alive, and one that then sends a whole request is answered."""
+    with socket.create_connection(("127.0.0.1", guarded.port), timeout=10) as idle:
+        with socket.create_connection(("127.0.0.1", guarded.port), timeout=10) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            started, reply = time.monotonic(), b""
+            for byte in b"X-Slow: " + b"a" * 100:
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:  # the server closed the connection
+                    break
+                time.sleep(0.2)
+                if time.monotonic() - started > 6:
+                    break
+            sock.settimeout(5)
+            try:
+                reply = _read_reply(sock)
+            except OSError:
+                pass
+            elapsed = time.monotonic() - started
+        assert reply.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in reply, reply
+        assert elapsed < 4
+        idle.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert _read_reply(idle).startswith(b"HTTP/1.1 200")
 
 
 def test_a_body_still_arriving_when_a_shutdown_begins_gets_a_503_json(live):

@@ -8,12 +8,16 @@ which aborted the process ('terminate called without an active exception')."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .app import Server
+from .guards import DEFAULT_BODY_TIMEOUT
+from .protocol import APIError
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +47,57 @@ def listen_problem(host: str, port: int) -> str | None:
     return None
 
 
-def server_config(app, host: str, port: int, log_level: str = "warning") -> uvicorn.Config:
-    """The uvicorn settings of `moeprefetch serve` (and of the tests' live server)."""
+def server_config(app, host: str, port: int, log_level: str = "warning",
+                  header_timeout: float = DEFAULT_BODY_TIMEOUT) -> uvicorn.Config:
+    """The uvicorn settings of `moeprefetch serve` (and of the tests' live server): HTTP/1.1 by h11, with a request's
+    headers given `header_timeout` seconds from their first byte."""
+    protocol = type("HeaderDeadlineH11", (HeaderDeadline,), {"header_timeout": header_timeout})
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                          timeout_keep_alive=KEEP_ALIVE_SECONDS)
+                          timeout_keep_alive=KEEP_ALIVE_SECONDS, http=protocol)
+
+
+REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                   b"content-length: %d\r\n\r\n%s")
+
+
+class HeaderDeadline(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on a request's headers: a client that begins a request and has not
+    finished its headers `header_timeout` seconds later is answered 408 and disconnected. uvicorn stops its
+    keep-alive timer at a request's first byte and bounds nothing after it, so a client trickling a header a byte at
+    a time held its connection (and a worker's memory) for ever; the body has its own deadline (`read_body`)."""
+
+    header_timeout = DEFAULT_BODY_TIMEOUT
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.cycle is not None and not self.cycle.response_complete:  # the headers are in: a request runs
+            self._cancel_header_timer()
+        elif self._header_timer is None and not self.transport.is_closing():
+            self._header_timer = self.loop.call_later(self.header_timeout, self._headers_too_slow)
+
+    def on_response_complete(self) -> None:
+        self._cancel_header_timer()  # a pipelined request's bytes may follow: counted from their next arrival
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
+            return
+        error = APIError(408, f"the request's headers did not arrive within {self.header_timeout:g} s",
+                         code="request_timeout")
+        body = json.dumps(error.body()).encode()
+        self.transport.write(REQUEST_TIMEOUT % (len(body), body))
+        self.transport.close()
 
 
 class DrainingServer(uvicorn.Server):
