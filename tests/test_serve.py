@@ -660,6 +660,7 @@ def test_prompts_queued_beside_running_streams_are_prefilled_a_window_per_step(m
     try:
         scheduler, batch = live.scheduler, live.scheduler.batch
         events: list[tuple[str, int]] = []
+        admitting: list[int] = []
         advance, step = batch.advance, batch.step
         waiting = {"for": 0}
 
@@ -672,6 +673,7 @@ def test_prompts_queued_beside_running_streams_are_prefilled_a_window_per_step(m
             return step()
 
         def advancing(row):
+            admitting.append(scheduler.snapshot()["admitting"])
             ran, first = advance(row)
             events.append(("window", ran))
             return ran, first
@@ -702,6 +704,9 @@ def test_prompts_queued_beside_running_streams_are_prefilled_a_window_per_step(m
             else:
                 current.append(tokens)
         assert all(len(p) == 1 or sum(p) <= 40 for p in passes), passes
+        # while the three are prefilled between the steps, the metrics count them as admitting, not active
+        assert max(admitting) == 3 and 'moeprefetch_admitting_requests{model="tiny"} 0' in \
+            httpx.get(live.url + "/metrics", timeout=10).text
         # the long prompt in windows of 32 (two chunks), steps between them; the short ones together
         assert sorted(t for p in passes for t in p) == [4, 10, 10, 32, 32, 32] and len(passes) >= 3, passes
         assert any(p.count(10) == 2 for p in passes), passes

@@ -291,8 +291,9 @@ def prometheus_text(state: dict[str, Any], model: str, refused: dict[int, int] |
     lines += [f'moeprefetch_requests_total{{{label},outcome="{k}"}} {v}' for k, v in state["requests"].items()]
     lines += [f'moeprefetch_requests_total{{{label},outcome="refused",status="{status}"}} {n}'
               for status, n in sorted((refused or {}).items())]
+    # admitting: taken off the queue, their prompts' prefill under way (a long one a window between steps)
     gauges = {"queue_depth": state["queue_depth"], "active_requests": state["active"],
-              "max_batch_size": state["max_batch_size"]}
+              "admitting_requests": state["admitting"], "max_batch_size": state["max_batch_size"]}
     counters = {"prompt_tokens_total": state["prompt_tokens"], "completion_tokens_total": state["completion_tokens"],
                 "decode_steps_total": state["decode_steps"], "prefill_seconds_total": state["prefill_seconds"],
                 "decode_seconds_total": state["decode_seconds"]}
