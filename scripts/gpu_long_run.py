@@ -42,7 +42,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-per-call", type=int, default=1000)
     parser.add_argument("--predictor", default="mtp+next_layer_gate")
     ns = parser.parse_args(argv)
-    device = torch.device("cuda")
     engine = MoEPrefetchEngine.from_pretrained(REFERENCE_MODEL, device="cuda", dtype=torch.bfloat16,
                                                expert_cache_fraction=0.25, max_batch_size=1, max_seq_len=2048)
     report: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "predictor": ns.predictor,
