@@ -72,7 +72,8 @@ def test_requests_joining_a_running_batch_get_their_tokens_alone(checkpoint_fact
     assert batch.steps > 0 and not engine.residency.problems()
 
 
-@pytest.mark.parametrize("variant,predictor", [("v3", "mtp"), ("v3", "none"), ("qwen3", "next_layer_gate")])
+@pytest.mark.parametrize("variant,predictor", [("v3", "mtp"), ("v3", "none"), ("qwen3", "next_layer_gate"),
+                                               ("glm4", "mtp+next_layer_gate")])
 def test_a_prefill_run_a_window_between_steps_keeps_every_requests_tokens(checkpoint_factory, variant, predictor):
     """Chunked prefill: a long prompt admitted one window (one chunk of 4 tokens) between the running rows' steps,
     into a row below a running one (so every step computes it, masked, at the position its prefill has reached),
@@ -109,7 +110,7 @@ def test_a_prefill_run_a_window_between_steps_keeps_every_requests_tokens(checkp
         windows += 1
         if token is None:  # the running row 1 makes the step compute row 0, masked
             assert batch.step() and batch.state[row] is None
-    passes = 2 if predictor == "mtp" else 1
+    passes = 2 if batch.uses_mtp else 1  # the MTP layer's pass after the main layers'
     assert ran == [4, 4, 4, 1] * passes and windows == 4 * passes
     while not batch.finished(row):
         batch.step()
