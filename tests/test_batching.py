@@ -110,7 +110,8 @@ def test_a_prefill_run_a_window_between_steps_keeps_every_requests_tokens(checkp
         windows += 1
         if token is None:  # the running row 1 makes the step compute row 0, masked
             assert batch.step() and batch.state[row] is None
-    passes = 2 if batch.uses_mtp else 1  # the MTP layer's pass after the main layers'
+    assert batch.uses_mtp == ("mtp" in predictor)
+    passes = 2 if batch.uses_mtp else 1  # the MTP layer's pass after the main layers
     assert ran == [4, 4, 4, 1] * passes and windows == 4 * passes
     while not batch.finished(row):
         batch.step()
