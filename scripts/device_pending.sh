@@ -140,8 +140,9 @@ case "${STAGE:-tests}" in
     # issue 14's offloaded batch rows (V2-Lite at 12 GiB, batch 1/4/8/16, reactive and next_layer_gate). The tenth
     # session's reactive rows read host memory at 24 GB/s from batch 4 on (40 at batch 1, 50 in isolation). Owed
     # since the twenty-eighth session, which shaped a checkpoint without an MTP layer's steps for its real rows
-    # alone and gave tiles wider than 16 rows one stage: `LIMIT=400 STAGE=offloaded_batches ... --new-tokens 32
-    # --systems offloaded_b1,offloaded_b4,offloaded_b16 --profile` (then the same with --mtp-layer: 32-row tiles)
+    # alone and gave tiles wider than 16 rows one stage; the twenty-ninth measured batches 1/4/16 without an MTP
+    # layer (STAGE=batch_shapes, then STAGE=gemv_rows). Still owed: the same with --mtp-layer (32-row tiles at
+    # batch 16), `--systems offloaded_b1,offloaded_b4,offloaded_b16 --mtp-layer --profile`
     timeout "${LIMIT:-560}" python3 scripts/bench_gpu.py --out "$out/bench_offloaded_batches.json" --workloads v2lite \
       --decode-compute --prefill-lengths "" --systems "$(echo offloaded{,_gate}_b{1,4,8,16} | tr ' ' ,)" \
       "$@" 2>&1 | filter ;;
