@@ -136,6 +136,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="comma list of Host header names answered, or '*' (default: loopback names when bound to "
                           "a loopback address, else any)")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (then 413)")
+    srv.add_argument("--prefill-tokens-per-step", type=int, default=512,
+                     help="prompt tokens prefilled between two decode steps while requests decode (at least one "
+                          "--prefill-chunk): fewer stall the streams less, more admit prompts sooner")
     srv.add_argument("--body-timeout", type=float, default=30.0,
                      help="seconds a request's headers, and then its body, may take to arrive (then 408)")
     _engine_arguments(srv)
@@ -332,7 +335,8 @@ def _serve(ns: argparse.Namespace) -> int:
     from .options import EngineConfig
 
     for name, value, low in (("--port", ns.port, 1), ("--max-queue", ns.max_queue, 1),
-                             ("--max-tokens", ns.max_tokens, 1), ("--max-body-bytes", ns.max_body_bytes, 1)):
+                             ("--max-tokens", ns.max_tokens, 1), ("--max-body-bytes", ns.max_body_bytes, 1),
+                             ("--prefill-tokens-per-step", ns.prefill_tokens_per_step, 1)):
         if value < low or (name == "--port" and value > 65535):
             raise MoEPrefetchError(f"{name} {value} is out of range")
     for name, value in (("--drain-seconds", ns.drain_seconds), ("--body-timeout", ns.body_timeout)):
@@ -355,7 +359,7 @@ def _serve(ns: argparse.Namespace) -> int:
     name = ns.model_name or Path(ns.path).resolve().name
     app = build_app(engine, name, ns.predictor, ns.max_queue, ns.drain_seconds, ns.max_tokens, api_key=ns.api_key,
                     allowed_hosts=hosts, max_body_bytes=ns.max_body_bytes, body_timeout=ns.body_timeout,
-                    batch_invariant=ns.batch_invariant)
+                    batch_invariant=ns.batch_invariant, prefill_tokens_per_step=ns.prefill_tokens_per_step)
     print(f"serving {name} on http://{ns.host}:{ns.port}/v1 (batch {engine.options.max_batch_size}"
           f"{', API key required' if ns.api_key else ''})", flush=True)
     # uvicorn re-raises the signals it handled to the handlers it found when it stops: no-op ones, so that the

@@ -310,10 +310,7 @@ def test_a_failed_step_beside_a_prompt_half_prefilled_begins_that_prompt_again(m
     """A decode step that fails while a long prompt is prefilled a window at a time between the steps fails the
     rows it computed; the prompt's prefill, dropped with the table, begins again and its request gets the answer it
     gets alone (the scheduler thread used to stop on the dropped admission)."""
-    from moeprefetch.serve import scheduler as scheduler_module
-
-    monkeypatch.setattr(scheduler_module, "ADMIT_TOKENS", 40)
-    live = LiveServer(model_dir, engine_options=dict(prefill_chunk=16))
+    live = LiveServer(model_dir, engine_options=dict(prefill_chunk=16), prefill_tokens_per_step=40)
     try:
         batch = live.scheduler.batch
         step, failed = batch.step, []
@@ -649,14 +646,11 @@ def _timed_stream(live, tokens: int) -> tuple[threading.Thread, list[float]]:
 
 def test_prompts_queued_beside_running_streams_are_prefilled_a_window_per_step(model_dir, reference, monkeypatch):
     """Chunked prefill: every prefill window stalls the rows decoding, so while any decode the windows run between
-    two of their steps hold at most ADMIT_TOKENS prompt tokens (one window always): a 100-token prompt (chunks of
-    16, windows of 32) is prefilled between a stream's steps, short prompts join in one pass, and every answer is
-    the one it gets alone (three long prompts at once stalled a stream 3.2 s in the twenty-eighth session's outside
-    check)."""
-    from moeprefetch.serve import scheduler as scheduler_module
-
-    monkeypatch.setattr(scheduler_module, "ADMIT_TOKENS", 40)
-    live = LiveServer(model_dir, engine_options=dict(prefill_chunk=16))
+    two of their steps hold at most --prefill-tokens-per-step (here 40) prompt tokens (one window always): a
+    100-token prompt (chunks of 16, windows of 32) is prefilled between a stream's steps, short prompts join in one
+    pass, and every answer is the one it gets alone (three long prompts at once stalled a stream 3.2 s in the
+    twenty-eighth session's outside check)."""
+    live = LiveServer(model_dir, engine_options=dict(prefill_chunk=16), prefill_tokens_per_step=40)
     try:
         scheduler, batch = live.scheduler, live.scheduler.batch
         events: list[tuple[str, int]] = []
@@ -1072,6 +1066,7 @@ def test_serve_options_and_the_api_key_from_the_environment(monkeypatch):
     assert default_allowed_hosts("0.0.0.0") is None and default_allowed_hosts("example.org") is None
     assert main(["serve", "--max-body-bytes", "0"]) == 2  # refused before the model loads
     assert main(["serve", "--body-timeout", "0"]) == 2
+    assert ns.prefill_tokens_per_step == 512 and main(["serve", "--prefill-tokens-per-step", "0"]) == 2
     assert main(["serve", "--allowed-hosts", " , "]) == 2
     assert main(["serve", "--model-name", " "]) == 2  # clients send it: an empty one could never be asked for
 

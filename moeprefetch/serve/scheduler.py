@@ -27,9 +27,10 @@ from ..session import TextStream
 from .protocol import APIError, Job
 
 logger = logging.getLogger(__name__)
-# prompt tokens prefilled between two decode steps of running rows (one prefill window always): short chat prompts
-# join together, a long one is prefilled a window of this many tokens (whole chunks) at a time between their steps
-# (chunked prefill), so a stream stalls for about one window's prefill at a time, whatever the prompts' length
+# prompt tokens prefilled between two decode steps of running rows by default (one prefill window always; `serve
+# --prefill-tokens-per-step`): short chat prompts join together, a long one is prefilled a window of this many
+# tokens (whole chunks) at a time between their steps (chunked prefill), so a stream stalls for about one window's
+# prefill at a time, whatever the prompts' length
 ADMIT_TOKENS = 512
 
 METRICS_EVERY_STEPS = 32  # the residency's counters are read (a device sync) this often, and when idle
@@ -75,8 +76,10 @@ class ServerCounters:
 
 
 class Scheduler:
-    def __init__(self, engine, predictor: str | None = None, max_queue: int = 64, batch_invariant: bool = False):
+    def __init__(self, engine, predictor: str | None = None, max_queue: int = 64, batch_invariant: bool = False,
+                 admit_tokens: int = ADMIT_TOKENS):
         self.engine = engine
+        self.admit_tokens = admit_tokens  # prompt tokens prefilled between two steps of running rows
         self.batch = ContinuousBatch(engine, predictor, batch_invariant=batch_invariant)
         self.tokenizer = engine.tokenizer
         self.stop_ids = frozenset(engine.args.eos_token_ids)
@@ -189,10 +192,10 @@ class Scheduler:
 
     def _admit_some(self) -> None:
         """Prefill windows of the requests being admitted, oldest first. While rows are decoding, the windows run
-        between two of their steps hold at most ADMIT_TOKENS prompt tokens (one window always): every prefill
+        between two of their steps hold at most `admit_tokens` prompt tokens (one window always): every prefill
         window stalls them, and a long prompt's whole prefill would stall them for seconds; with none decoding,
         every request waiting is admitted whole first."""
-        budget = ADMIT_TOKENS if self.rows else None
+        budget = self.admit_tokens if self.rows else None
         spent = 0
         gone = [h for h in self._admitting[1:] if h.cancelled and h.row is None]
         if gone:  # clients that left while waiting behind a long prefill: answered now, their places freed
