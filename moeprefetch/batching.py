@@ -33,7 +33,7 @@ import torch
 
 from .build import predictor_spec
 from .predictors import default_lookahead
-from .decode import DecodeStep, RowState, advance_rows, run_rows
+from .decode import DecodeStep, RowState, decode_rows
 from .errors import RequestError
 from .sampling import RowSampler, SamplingParams, TokenLogprob, logprobs_of, row_paths, sample
 from .session import (configure_residency, prefill_mtp_row_windows, prefill_row_windows, step_shape,
@@ -244,11 +244,12 @@ class ContinuousBatch:
         states = self.state[:rows]
         paths = row_paths([s for s in self.sampling[:rows] if s is not None], self.engine.args.vocab_size)
         step = self.decode_step(rows, paths)
-        out = run_rows(step, [self._masked(r) if r in self.admissions else s for r, s in enumerate(states)])
+        out, advance = decode_rows(step, [self._masked(r) if r in self.admissions else s
+                                          for r, s in enumerate(states)], check_drafts=False)
         self.steps += 1
         new = {}
         self.logprobs.clear()
-        for row, tokens in enumerate(advance_rows(out, states, check_drafts=False).tokens):
+        for row, tokens in enumerate(advance.tokens):
             if not tokens:
                 continue
             (token,) = tokens  # no verify rows: one token a row

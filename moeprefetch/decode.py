@@ -203,6 +203,15 @@ def advance_rows(out: StepOutput, rows: list[RowState | None], check_drafts: boo
     return result
 
 
+def decode_rows(step: "DecodeStep", rows: list[RowState | None], check_drafts: bool, verify_cut: float = 0.0
+                ) -> tuple[StepOutput, Advance]:
+    """One decode step over the rows and what it gave them: the one loop body of a generate call
+    (`session.Session`) and of a continuous batch (`batching.ContinuousBatch`). A row that is None, or inactive
+    (finished, or masked while its prefill runs), is computed if the step's shape holds it and gets nothing."""
+    out = run_rows(step, rows, verify_cut)
+    return out, advance_rows(out, rows, check_drafts, verify_cut)
+
+
 class DecodeStep:
     """A decode step of one shape: static buffers, an eager first run, then capture and replay."""
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Generator, Iterator, Protocol, TypeVar
 import torch
 
 from .accounting import LayerCounters, Stats
-from .decode import DecodeStep, RowState, StepOutput, StepShape, advance_rows, run_rows
+from .decode import Advance, DecodeStep, RowState, StepShape, decode_rows
 from .errors import RequestError
 from .predictors import PredictorSpec
 from .residency import counters_by_layer
@@ -193,10 +193,10 @@ class Session:
         t1 = time.perf_counter()
         step = self._step(caches)
         while any(row.active for row in self.rows):
-            out = run_rows(step, self.rows, self.verify_cut)
+            out, advance = decode_rows(step, self.rows, self.uses_mtp and self.drafts, self.verify_cut)
             self.stats.decode_syncs += 1
             self.stats.decode_steps += 1
-            for b, tokens in enumerate(self._advance(out)):
+            for b, tokens in enumerate(self._tally(advance)):
                 yield from self._emit(b, tokens, out.logprobs[b] if out.logprobs is not None else None)
         engine.synchronize()
         self.stats.decode_seconds = time.perf_counter() - t1
@@ -232,9 +232,8 @@ class Session:
                            draft_tokens=self.request.draft_tokens)
         return self.engine.decode_step(caches, shape, self.trace)
 
-    def _advance(self, out: StepOutput) -> list[list[int]]:
-        """Host bookkeeping after a step -> the tokens each sequence gets; the rows take their next drafts."""
-        advance = advance_rows(out, self.rows, check_drafts=self.uses_mtp and self.drafts, verify_cut=self.verify_cut)
+    def _tally(self, advance: Advance) -> list[list[int]]:
+        """The drafts' counts of a step into the call's statistics -> the tokens each sequence gets."""
         self.stats.mtp_drafts_checked += advance.drafts_checked
         self.stats.mtp_drafts_correct += advance.drafts_correct
         self.stats.count_drafts(advance.offered, advance.proposed, advance.accepted)
