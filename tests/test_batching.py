@@ -72,8 +72,10 @@ def test_requests_joining_a_running_batch_get_their_tokens_alone(checkpoint_fact
     assert batch.steps > 0 and not engine.residency.problems()
 
 
-@pytest.mark.parametrize("variant,predictor", [("v3", "mtp"), ("v3", "none"), ("qwen3", "next_layer_gate"),
-                                               ("glm4", "mtp+next_layer_gate")])
+@pytest.mark.parametrize("variant,predictor", [  # the fast lane keeps the MTP pass; the full suite every family
+    ("v3", "mtp"), pytest.param("v3", "none", marks=pytest.mark.slow),
+    pytest.param("qwen3", "next_layer_gate", marks=pytest.mark.slow),
+    pytest.param("glm4", "mtp+next_layer_gate", marks=pytest.mark.slow)])
 def test_a_prefill_run_a_window_between_steps_keeps_every_requests_tokens(checkpoint_factory, variant, predictor):
     """Chunked prefill: a long prompt admitted one window (one chunk of 4 tokens) between the running rows' steps,
     into a row below a running one (so every step computes it, masked, at the position its prefill has reached),
