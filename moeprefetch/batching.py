@@ -37,7 +37,7 @@ from .decode import DecodeStep, RowState, decode_rows
 from .errors import RequestError
 from .sampling import RowSampler, SamplingParams, TokenLogprob, logprobs_of, row_paths, sample
 from .session import (configure_residency, prefill_mtp_row_windows, prefill_row_windows, step_shape,
-                      window_tokens)
+                      window_lengths)
 
 if TYPE_CHECKING:
     from .engine import MoEPrefetchEngine
@@ -59,8 +59,7 @@ class Admission:
     """A request's prefill in progress in its row (`ContinuousBatch.begin`)."""
 
     windows: Generator[int, None, tuple[RowState, SamplingParams, TokenLogprob | None]]  # a window per `next()`
-    window: int  # prompt tokens a window holds (the last of a pass may hold fewer)
-    left: list[int]  # prompt tokens still to run, per pass (the main layers', then the MTP layer's)
+    windows_left: list[int]  # the prompt tokens of each window still to run (the main layers', then the MTP layer's)
     filled: int = 0  # where a step may write the row's masked entry: what the windows so far have prefilled
 
 
@@ -135,8 +134,8 @@ class ContinuousBatch:
         row = self.free_rows[0]
         self.caches.zero_(row)  # masked entries meet exact zeros, never an earlier request's keys
         windows = self._prefill(row, prompt, max_new_tokens, sampling, stop_ids, per_window)
-        passes = [len(prompt)] * (2 if self.uses_mtp else 1)
-        self.admissions[row] = Admission(windows, window_tokens(self.engine, per_window), passes)
+        lengths = window_lengths(self.engine, len(prompt), per_window) * (2 if self.uses_mtp else 1)
+        self.admissions[row] = Admission(windows, lengths)
         return row
 
     def advance(self, row: int) -> tuple[int, int | None]:
@@ -144,10 +143,7 @@ class ContinuousBatch:
         request's first token once its prefill is done: the row decodes from the next step on; else None). An error
         releases the row."""
         admission = self.admissions[row]
-        ran = self.next_window(row)
-        admission.left[0] -= ran
-        if not admission.left[0]:
-            admission.left.pop(0)
+        ran = admission.windows_left.pop(0)
         # the window does not count against the running rows' prefetches and protections
         self.engine.residency.defer_pending(1)
         try:
@@ -168,8 +164,7 @@ class ContinuousBatch:
 
     def next_window(self, row: int) -> int:
         """Prompt tokens the next `advance` of `row` runs."""
-        admission = self.admissions[row]
-        return min(admission.window, admission.left[0])
+        return self.admissions[row].windows_left[0]
 
     def _prefill(self, row: int, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
                  stop_ids: frozenset[int], per_window: int | None

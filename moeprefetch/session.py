@@ -313,6 +313,12 @@ def prefill_windows(engine: SessionEngine, tokens: torch.Tensor, offset: int, pe
         yield starts, pieces, positions
 
 
+def window_lengths(engine: SessionEngine, length: int, per_window: int | None = None) -> list[int]:
+    """The prompt tokens of each window `prefill_windows` makes of `length` tokens, in order."""
+    size = window_tokens(engine, per_window)
+    return [min(size, length - w0) for w0 in range(0, length, size)]
+
+
 def prefill_steps(engine: SessionEngine, length: int) -> int:
     """Table steps (windows) a prompt of `length` tokens takes through the main layers (as many again through the
     MTP layer)."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moeprefetch import MoEPrefetchEngine
-from moeprefetch.session import prefill_steps, prefill_windows, window_tokens
+from moeprefetch.session import prefill_steps, prefill_windows, window_lengths, window_tokens
 
 
 def test_streamed_pieces_never_split_a_character():
@@ -74,3 +74,14 @@ def test_a_window_asked_for_is_whole_chunks_within_the_engines_window(chunk, win
     tokens = torch.arange(300)[None]
     assert all(sum(p.shape[1] for p in pieces) <= expected
                for _, pieces, _ in prefill_windows(engine, tokens, 0, asked))
+
+
+@pytest.mark.parametrize("length,chunk,window,asked", [(1, 4, 4, None), (17, 4, 8, None), (100, 7, 30, 14),
+                                                       (13, 4, 16, 4), (300, 16, 64, 40)])
+def test_window_lengths_are_the_windows_prefill_windows_makes(length, chunk, window, asked):
+    """A continuous batch counts an admission's windows ahead (`window_lengths`): the same windows, token for
+    token, that the prefill then runs."""
+    engine = SimpleNamespace(options=SimpleNamespace(prefill_chunk=chunk, prefill_window=window))
+    made = [sum(p.shape[1] for p in pieces) for _, pieces, _ in
+            prefill_windows(engine, torch.arange(length)[None], 0, asked)]
+    assert window_lengths(engine, length, asked) == made and sum(made) == length
