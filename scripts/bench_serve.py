@@ -196,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         served[level]["prefill_ms_per_request"] = 1000 * (after["prefill_seconds"] - before["prefill_seconds"]) / max(
             served[level]["requests"], 1)
         served[level]["ms_per_decode_step"] = 1000 * (after["decode_seconds"] - before["decode_seconds"]) / steps
+        # and their median, as the engine's rows give theirs (a mean takes in the admissions' slow first steps)
+        served[level]["ms_per_decode_step_p50"] = 1000 * statistics.median(after["recent_step_seconds"][-steps:])
         emit({**served[level], **common, "system": f"serve_c{level}"})
     clients.close()
     clients.join()

@@ -265,6 +265,9 @@ def test_a_client_that_disconnects_frees_its_row(live, monkeypatch):
         time.sleep(0.05)
     state = live.scheduler.snapshot()
     assert state["active"] == 0 and state["requests"]["cancelled"] >= 1
+    # every step's duration kept (fewer than RECENT_STEPS so far), the slowed ones at least their 10 ms
+    durations = state["recent_step_seconds"]
+    assert len(durations) == state["decode_steps"] and durations[-1] >= 0.01
     assert live.client.completions.create(model="tiny", prompt="x", max_tokens=3, temperature=0).choices
 
 

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 ADMIT_TOKENS = 512
 
 METRICS_EVERY_STEPS = 32  # the residency's counters are read (a device sync) this often, and when idle
+RECENT_STEPS = 4096  # step durations kept for the median a benchmark reads
 RETRY_AFTER_SECONDS = 1  # what a 429 or a draining 503 tells the client to wait
 
 
@@ -72,6 +73,8 @@ class ServerCounters:
     # the scheduler thread's time in prompts' prefills and in decode steps: every active stream waits for both
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    # the latest steps' durations: a benchmark compares their median with the engine's own batched steps
+    recent_step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     experts: dict[str, Any] = field(default_factory=dict)
 
 
@@ -124,6 +127,7 @@ class Scheduler:
                     "requests": dict(self.counters.requests), "prompt_tokens": self.counters.prompt_tokens,
                     "completion_tokens": self.counters.completion_tokens, "decode_steps": self.counters.decode_steps,
                     "prefill_seconds": self.counters.prefill_seconds, "decode_seconds": self.counters.decode_seconds,
+                    "recent_step_seconds": list(self.counters.recent_step_seconds),
                     "experts": dict(self.counters.experts), "max_batch_size": self.batch.rows}
 
     def stop(self, drain_seconds: float) -> None:
@@ -279,7 +283,9 @@ class Scheduler:
             return
         with self._cond:
             self.counters.decode_steps += 1
-            self.counters.decode_seconds += time.perf_counter() - started
+            took = time.perf_counter() - started
+            self.counters.decode_seconds += took
+            self.counters.recent_step_seconds.append(took)
         for row, token in new.items():
             handle = self.rows.get(row)
             if handle is not None:
