@@ -11,6 +11,7 @@ A development tool, not part of the package (it imports the kernels and the resi
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,7 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
     cfg = ResidencyConfig(positions=positions, main_positions=positions - 1, n_experts=experts, n_slots=slots,
                           record_bytes=fmt.record_bytes, wait_late=False)  # the waiting plan: plan_launch
     u = 16 * top_k
-    st = TableState.allocate(cfg, u, torch.device("cpu"))
+    st = TableState.allocate(replace(cfg, ring=3), u, torch.device("cpu"))  # as long as any planner's ring below
     pool = torch.zeros(2, fmt.record_bytes, dtype=torch.uint8)
     host = torch.zeros(2, fmt.record_bytes, dtype=torch.uint8)
     ids = torch.zeros(rows, top_k, dtype=torch.int64)
@@ -90,8 +91,6 @@ def example_launches(hidden: int = 2048, intermediate: int = 1408, experts: int 
     launches = {}
     planner = LayerPlanner(st, cfg, top_k, 16, 16, use_kernel=True)
     launches["plan"] = planner.launch(3, ids, act, ids, act, assign, u_vec, u_vec, u_vec, True, True)
-    from dataclasses import replace
-
     from moeprefetch.residency.fill import await_launch
 
     waiting = LayerPlanner(st, replace(cfg, wait_late=True), top_k, 16, 16, use_kernel=True)
@@ -197,8 +196,6 @@ def local_memory_ops(compiled: Any) -> int | None:
 
 def plan_launch(positions: int, experts: int, slots: int, top_k: int, ring: int) -> Any:
     """The plan kernel's launch with prefetch reservation at a model's shape (wait_late, shadow rows)."""
-    from dataclasses import replace
-
     from moeprefetch.residency.state import ResidencyConfig, TableState
     from moeprefetch.residency.plan_kernel import LayerPlanner
 

@@ -17,6 +17,26 @@ from moeprefetch.kernels import HAS_TRITON
 from moeprefetch.residency.state import E_ACTIVE, ResidencyConfig, TableState
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from moeprefetch.residency.plan_kernel import _clocks, _floats, _words
+
+    @triton.jit
+    def _mark_fields(words, clocks, floats, S, P: tl.constexpr, E: tl.constexpr, M: tl.constexpr, A: tl.constexpr,
+                     NC: tl.constexpr):
+        """Writes 1, 2, ... through each field pointer the plan kernels find in the table's buffers."""
+        ints = _words(words, S, P, E, M, A)
+        for i in tl.static_range(len(ints)):
+            tl.store(ints[i], i + 1)
+        longs = _clocks(clocks, S, P, M, NC)
+        for i in tl.static_range(len(longs)):
+            tl.store(longs[i], i + 1)
+        reals = _floats(floats, P, E)
+        for i in tl.static_range(len(reals)):
+            tl.store(reals[i], i + 1.0)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -412,6 +432,28 @@ def test_plan_kernel_reserves_the_same_in_blocks_of_the_window(seed, cells, wait
     monkeypatch.setattr(plan, "WINDOW_CELLS", cells)  # 8 experts a row: blocks of cells / 8 rows
     totals = _simulate(seed, "lru", 12, 0, steps=7, wait=wait, ring=ring)
     assert totals[C["prefetch_issued"]] > 0 and totals[C["evictions"]] > 0
+
+
+def test_the_plan_kernels_find_every_field_of_the_packed_table():
+    """The kernels take the table as three buffers and find its fields by `_words`, `_clocks` and `_floats`, which
+    repeat `state.PACKED`'s order: a mark written through each pointer they give lands in that field's first element
+    and nowhere else, on a table whose ring is longer than the plans' (those fields come last)."""
+    if DEVICE == "cuda":
+        pytest.skip("the layout is the same on every device; the engine tests run the kernels on the GPU")
+    from moeprefetch.residency.state import COUNTERS, PACKED
+
+    cfg = ResidencyConfig(positions=3, main_positions=2, n_experts=5, n_slots=7, record_bytes=64, ring=4, entries=8)
+    st = TableState.allocate(cfg, 11, torch.device("cpu"))
+    for buffer in (st.words, st.clocks, st.floats):
+        buffer.zero_()
+    _mark_fields[(1,)](st.words, st.clocks, st.floats, cfg.n_slots, P=cfg.positions, E=cfg.n_experts, M=cfg.entries, A=11,
+               NC=len(COUNTERS))
+    fields = st.tensors()
+    skipped = {"counted", "frequency"}  # no kernel reads them
+    for names, buffer in zip(PACKED, (st.words, st.clocks, st.floats)):
+        read = [name for name in names if name not in skipped]
+        assert [int(fields[name].flatten()[0]) for name in read] == list(range(1, len(read) + 1))
+        assert int(buffer.count_nonzero()) == len(read)
 
 
 @pytest.mark.parametrize("idle", [False, True])

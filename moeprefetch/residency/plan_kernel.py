@@ -388,6 +388,53 @@ if HAS_TRITON:
         ordered = tl.sort(sort_key)
         tl.store(order + (position + 1) * M + jl, tl.where(ordered < 9223372036854775807, ordered % M, -1))
 
+    @triton.jit
+    def _words(words, S, P: tl.constexpr, E: tl.constexpr, M: tl.constexpr, A: tl.constexpr):
+        """The int32 fields in `words`, in `state.PACKED`'s order (`counted` is skipped: no kernel reads it)."""
+        slot_of = words
+        use_count = slot_of + P * E
+        pinned = use_count + 2 * P * E
+        inflight_of = pinned + P * E
+        e_state = inflight_of + P * E
+        e_key = e_state + M
+        e_slot = e_key + M
+        e_next = e_slot + M
+        e_done = e_next + M
+        e_ready = e_done + M
+        order = e_ready + M
+        adm_key = order + (P + 1) * M
+        adm_slot = adm_key + A
+        cursor = adm_slot + A
+        demand = cursor + 1
+        key_of = demand + 1
+        slot_state = key_of + S
+        victims = slot_state + S
+        fills_for = victims + S
+        return (slot_of, use_count, pinned, inflight_of, e_state, e_key, e_slot, e_next, e_done, e_ready, order,
+                adm_key, adm_slot, cursor, demand, key_of, slot_state, victims, fills_for)
+
+    @triton.jit
+    def _clocks(clocks, S, P: tl.constexpr, M: tl.constexpr, NC: tl.constexpr):
+        """The int64 fields in `clocks`, in `state.PACKED`'s order."""
+        e_deadline = clocks
+        e_made = e_deadline + M
+        counters = e_made + M
+        step = counters + P * NC
+        step_base = step + 1
+        progress = step_base + 1
+        decode_step = progress + 1
+        last_use = decode_step + 1
+        protect = last_use + S
+        prefetched_at = protect + S
+        return e_deadline, e_made, counters, step, step_base, progress, decode_step, last_use, protect, prefetched_at
+
+    @triton.jit
+    def _floats(floats, P: tl.constexpr, E: tl.constexpr):
+        """`reuse` and `pred` in `floats` (after `frequency`, which only the step start's torch ops read)."""
+        reuse = floats + P * E
+        pred = reuse + P * E
+        return reuse, pred
+
     # Runtime integers are not specialised: Triton would otherwise compile a variant for each flag and count that
     # equals 1 or is a multiple of 16 (layer positions, row counts, budgets), ~90 variants of this large kernel per
     # engine configuration, seconds each, on a user's first call and every device session's tests.
@@ -397,11 +444,8 @@ if HAS_TRITON:
         ids_x, act_x, ids_s, act_s, nx, ns, position,
         # outputs for the expert kernel
         assign, u_key, u_slot, u_dst, u_wait,
-        # the table
-        slot_of, key_of, slot_state, last_use, protect, prefetched_at, use_count, pinned, inflight_of,
-        e_state, e_key, e_slot, e_deadline, e_made, e_next, e_done, e_ready,
-        order, adm_key, adm_slot, victims, cursor_ptr, step_ptr, step_base_ptr, progress_ptr, dstep_ptr,
-        pred, fills_for, counters, trace, scratch, scratch_e, demand_ptr, reuse,
+        # the table's three buffers (`TableState.allocate`), then working memory
+        words, clocks, floats, trace, scratch, scratch_e,
         # shapes and policy
         S, CHUNKS, BUDGET, MAX_INFLIGHT, MIN_CONF, FILL_CONF, SPARE, LEAD, R, SHADOW, RESERVE, FILLS, RECALL, TRACE,
         WAIT: tl.constexpr, IDLE: tl.constexpr, BYPASS: tl.constexpr,
@@ -409,6 +453,11 @@ if HAS_TRITON:
         M: tl.constexpr, A: tl.constexpr, A_PAD: tl.constexpr, K: tl.constexpr, XK_PAD: tl.constexpr,
         SK_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, RB: tl.constexpr, WIN: tl.constexpr, NC: tl.constexpr,
     ):
+        (slot_of, use_count, pinned, inflight_of, e_state, e_key, e_slot, e_next, e_done, e_ready, order, adm_key,
+         adm_slot, cursor_ptr, demand_ptr, key_of, slot_state, victims, fills_for) = _words(words, S, P, E, M, A)
+        (e_deadline, e_made, counters, step_ptr, step_base_ptr, progress_ptr, dstep_ptr, last_use, protect,
+         prefetched_at) = _clocks(clocks, S, P, M, NC)
+        reuse, pred = _floats(floats, P, E)
         step = tl.load(step_ptr)
         dstep = tl.load(dstep_ptr)
         step_base = tl.load(step_base_ptr)
@@ -454,13 +503,15 @@ if HAS_TRITON:
             tl.debug_barrier()
         _write_order(order, e_state, e_next, e_deadline, position, CHUNKS, M)
 
-    @triton.jit(do_not_specialize=("R", "CHUNKS"))
-    def _step_start_kernel(step_ptr, dstep_ptr, step_base_ptr, progress_ptr, cursor_ptr, demand_ptr, slot_of, key_of,
-                           slot_state, last_use, protect, prefetched_at, inflight_of, e_state, e_key, e_slot,
-                           e_deadline, e_made, e_done, e_ready, adm_key, adm_slot, pred, fills_for, counters,
-                           P: tl.constexpr, E: tl.constexpr, M: tl.constexpr, A: tl.constexpr,
-                           A_PAD: tl.constexpr, R, NC: tl.constexpr, CHUNKS, BLOCK: tl.constexpr,
+    @triton.jit(do_not_specialize=("S", "R", "CHUNKS"))
+    def _step_start_kernel(words, clocks, floats, S, P: tl.constexpr, E: tl.constexpr, M: tl.constexpr,
+                           A: tl.constexpr, A_PAD: tl.constexpr, R, NC: tl.constexpr, CHUNKS, BLOCK: tl.constexpr,
                            DECODE: tl.constexpr):
+        (slot_of, _u0, _p0, inflight_of, e_state, e_key, e_slot, _n0, e_done, e_ready, _o0, adm_key, adm_slot,
+         cursor_ptr, demand_ptr, key_of, slot_state, _v0, fills_for) = _words(words, S, P, E, M, A)
+        (e_deadline, e_made, counters, step_ptr, step_base_ptr, progress_ptr, dstep_ptr, last_use, protect,
+         prefetched_at) = _clocks(clocks, S, P, M, NC)
+        _r0, pred = _floats(floats, P, E)
         step = tl.load(step_ptr) + 1
         tl.store(step_ptr, step)
         dstep = tl.load(dstep_ptr)
@@ -509,6 +560,10 @@ class LayerPlanner:
         self.st, self.cfg, self.top_k = st, cfg, top_k
         self.use_kernel = use_kernel
         self.max_experts = st.adm_key.shape[0]
+        # the kernels find the table's fields from these sizes (`_words`, `_clocks`): the table must have them
+        assert (st.slot_of.shape[0], st.key_of.shape[0], st.e_state.shape[0], st.pred.shape[1:]) == (
+            cfg.keys, cfg.n_slots, cfg.entries, (cfg.positions, cfg.n_experts)), "a table of another configuration"
+        assert st.pred.shape[0] >= cfg.ring, "the table's prediction ring is shorter than the configuration's"
         device = st.slot_of.device
         self._scratch = torch.zeros(_pow2(max(self.max_experts, cfg.entries, VICTIM_WINDOW)), dtype=torch.int32,
                                     device=device)
@@ -531,14 +586,9 @@ class LayerPlanner:
     def start_launch(self, decode: bool) -> Launch:
         st, cfg = self.st, self.cfg
         return Launch(
-            _step_start_kernel, (1,), step_ptr=st.step, dstep_ptr=st.decode_step, step_base_ptr=st.step_base,
-            progress_ptr=st.progress, cursor_ptr=st.cursor, demand_ptr=st.demand, slot_of=st.slot_of, key_of=st.key_of,
-            slot_state=st.slot_state, last_use=st.last_use, protect=st.protect, prefetched_at=st.prefetched_at,
-            inflight_of=st.inflight_of, e_state=st.e_state, e_key=st.e_key, e_slot=st.e_slot,
-            e_deadline=st.e_deadline, e_made=st.e_made, e_done=st.e_done, e_ready=st.e_ready, adm_key=st.adm_key,
-            adm_slot=st.adm_slot, pred=st.pred, fills_for=st.fills_for, counters=st.counters, P=cfg.positions,
-            E=cfg.n_experts, M=cfg.entries, A=self.max_experts, A_PAD=_pow2(self.max_experts), R=cfg.ring,
-            NC=len(COUNTERS), CHUNKS=cfg.chunks, BLOCK=1024, DECODE=decode)
+            _step_start_kernel, (1,), words=st.words, clocks=st.clocks, floats=st.floats, S=cfg.n_slots,
+            P=cfg.positions, E=cfg.n_experts, M=cfg.entries, A=self.max_experts, A_PAD=_pow2(self.max_experts),
+            R=cfg.ring, NC=len(COUNTERS), CHUNKS=cfg.chunks, BLOCK=1024, DECODE=decode)
 
     def __call__(self, position: int, ids_x: torch.Tensor, act_x: torch.Tensor, ids_s: torch.Tensor | None,
                  act_s: torch.Tensor | None, assign: torch.Tensor, u_key: torch.Tensor, u_slot: torch.Tensor,
@@ -568,14 +618,8 @@ class LayerPlanner:
             act_s=act_s if shadow else self._dummy_act, nx=ids_x.shape[0], ns=ids_s.shape[0] if shadow else 0,
             position=position, assign=assign, u_key=u_key, u_slot=u_slot, u_dst=u_dst,
             u_wait=u_wait if u_wait is not None else u_dst,
-            slot_of=st.slot_of, key_of=st.key_of, slot_state=st.slot_state, last_use=st.last_use, protect=st.protect,
-            prefetched_at=st.prefetched_at, use_count=st.use_count, pinned=st.pinned, inflight_of=st.inflight_of,
-            e_state=st.e_state, e_key=st.e_key, e_slot=st.e_slot, e_deadline=st.e_deadline, e_made=st.e_made,
-            e_next=st.e_next, e_done=st.e_done, e_ready=st.e_ready, order=st.order, adm_key=st.adm_key, adm_slot=st.adm_slot,
-            victims=st.victims, cursor_ptr=st.cursor, step_ptr=st.step, step_base_ptr=st.step_base,
-            progress_ptr=st.progress, dstep_ptr=st.decode_step, pred=st.pred, fills_for=st.fills_for,
-            counters=st.counters, trace=trace if trace is not None else self._dummy, scratch=self._scratch,
-            scratch_e=self._scratch_e, demand_ptr=st.demand, reuse=st.reuse,
+            words=st.words, clocks=st.clocks, floats=st.floats,
+            trace=trace if trace is not None else self._dummy, scratch=self._scratch, scratch_e=self._scratch_e,
             P=cfg.positions, P_MAIN=max(cfg.main_positions, 1), E=cfg.n_experts, E_PAD=_pow2(cfg.n_experts),
             S=cfg.n_slots, M=cfg.entries, A=self.max_experts, A_PAD=_pow2(self.max_experts), K=self.top_k,
             XK_PAD=_pow2(max(ids_x.shape[0] * self.top_k, 2)),

@@ -15,7 +15,8 @@ looking at them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -28,6 +29,19 @@ FAR = 1 << 60  # "never" as a clock
 POLICY_CODES = {"lru": 0, "lfu": 1, "static": 0, "lrfu": 2}
 POLICIES = tuple(POLICY_CODES)
 ROUTING_HISTORY = ("use_count", "frequency", "counted")  # what LFU and LRFU rank by; no cache content
+
+# The table's fields live in one buffer per element type, in these orders; the plan kernels find each field from the
+# buffer's start and the table's sizes (`plan_kernel._words`, `_clocks`, `_floats` repeat these orders). Fields whose
+# length depends on the ring come last: the ring allocated may be longer than the one a call plans with.
+BUFFERS = (("words", torch.int32), ("clocks", torch.int64), ("floats", torch.float32))
+BUFFER_NAMES = tuple(name for name, _ in BUFFERS)
+PACKED = (
+    ("slot_of", "use_count", "counted", "pinned", "inflight_of", "e_state", "e_key", "e_slot", "e_next", "e_done",
+     "e_ready", "order", "adm_key", "adm_slot", "cursor", "demand", "key_of", "slot_state", "victims", "fills_for"),
+    ("e_deadline", "e_made", "counters", "step", "step_base", "progress", "decode_step", "last_use", "protect",
+     "prefetched_at"),
+    ("frequency", "reuse", "pred"),
+)
 
 # per-position counters, one row per MoE position
 COUNTERS = (
@@ -143,32 +157,42 @@ class TableState:
     fills_for: torch.Tensor  # [R, P] int32 fills reserved per target
     counters: torch.Tensor  # [P, len(COUNTERS)] int64
 
+    # the three packed buffers every field above is a view of (`allocate`); not fields themselves
+    words: torch.Tensor = field(default=None, repr=False)  # int32
+    clocks: torch.Tensor = field(default=None, repr=False)  # int64
+    floats: torch.Tensor = field(default=None, repr=False)  # fp32
+
     @staticmethod
     def allocate(cfg: ResidencyConfig, admissions: int, device: torch.device) -> "TableState":
-        def full(shape, value, dtype):
-            return torch.full(shape, value, dtype=dtype, device=device)
-
-        i32, i64 = torch.int32, torch.int64
-        k, s, m = cfg.keys, cfg.n_slots, cfg.entries
-        return TableState(
-            slot_of=full((k,), -1, i32), key_of=full((s,), -1, i32), slot_state=full((s,), FREE, i32),
-            last_use=full((s,), -1, i64), protect=full((s,), -1, i64), prefetched_at=full((s,), -1, i64),
-            use_count=full((k,), 0, i32), frequency=full((k,), 0.0, torch.float32), counted=full((k,), 0, i32),
-            pinned=full((k,), 0, i32), inflight_of=full((k,), NO_ENTRY, i32),
-            e_state=full((m,), E_FREE, i32), e_key=full((m,), -1, i32), e_slot=full((m,), -1, i32),
-            e_deadline=full((m,), -1, i64), e_made=full((m,), -1, i64), e_next=full((m,), 0, i32),
-            e_done=full((m,), 0, i32), e_ready=full((m,), 0, i32), order=full((cfg.positions + 1, m), -1, i32),
-            adm_key=full((admissions,), -1, i32), adm_slot=full((admissions,), -1, i32),
-            victims=torch.arange(s, dtype=i32, device=device), cursor=full((1,), 0, i32),
-            step=full((1,), 0, i64), step_base=full((1,), -1, i64), progress=full((1,), -1, i64),
-            decode_step=full((1,), 0, i64), demand=full((1,), 0, i32),
-            pred=full((cfg.ring, cfg.positions, cfg.n_experts), 0.0, torch.float32),
-            reuse=full((k,), 0.0, torch.float32),
-            fills_for=full((cfg.ring, cfg.positions), 0, i32), counters=full((cfg.positions, len(COUNTERS)), 0, i64),
-        )
+        """A cold table: its fields are views into one buffer per element type (`PACKED`), which the plan kernels
+        take instead of a pointer per field."""
+        k, s, m, p, r = cfg.keys, cfg.n_slots, cfg.entries, cfg.positions, cfg.ring
+        shapes = {"slot_of": (k,), "use_count": (k,), "counted": (k,), "pinned": (k,), "inflight_of": (k,),
+                  "e_state": (m,), "e_key": (m,), "e_slot": (m,), "e_next": (m,), "e_done": (m,), "e_ready": (m,),
+                  "order": (p + 1, m), "adm_key": (admissions,), "adm_slot": (admissions,), "cursor": (1,),
+                  "demand": (1,), "key_of": (s,), "slot_state": (s,), "victims": (s,), "fills_for": (r, p),
+                  "e_deadline": (m,), "e_made": (m,), "counters": (p, len(COUNTERS)), "step": (1,),
+                  "step_base": (1,), "progress": (1,), "decode_step": (1,), "last_use": (s,), "protect": (s,),
+                  "prefetched_at": (s,), "frequency": (k,), "reuse": (k,), "pred": (r, p, cfg.n_experts)}
+        start = {"slot_of": -1, "key_of": -1, "slot_state": FREE, "last_use": -1, "protect": -1,
+                 "prefetched_at": -1, "inflight_of": NO_ENTRY, "e_state": E_FREE, "e_key": -1, "e_slot": -1,
+                 "e_deadline": -1, "e_made": -1, "order": -1, "adm_key": -1, "adm_slot": -1, "step_base": -1,
+                 "progress": -1}  # every other field starts at 0
+        views, buffers = {}, {}
+        for (buffer, dtype), names in zip(BUFFERS, PACKED):
+            flat = torch.empty(sum(math.prod(shapes[n]) for n in names), dtype=dtype, device=device)
+            buffers[buffer] = flat
+            offset = 0
+            for name in names:
+                size = math.prod(shapes[name])
+                views[name] = flat[offset : offset + size].view(shapes[name]).fill_(start.get(name, 0))
+                offset += size
+        views["victims"].copy_(torch.arange(s, dtype=torch.int32, device=device))
+        return TableState(**views, **buffers)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Every field by name (views; not the buffers they share)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in BUFFER_NAMES}
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         return {name: t.clone() for name, t in self.tensors().items()}
