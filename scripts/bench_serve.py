@@ -169,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     # client processes started fresh (spawn: the server process holds CUDA and threads), one per concurrent stream,
     # all started now (a ProcessPoolExecutor starts them on demand and, counting finished tasks as idle workers,
     # started one only: the first call of this script served its "concurrent" clients one after another)
-    clients = multiprocessing.get_context("spawn").Pool(max(levels))
+    # each with its HTTP client made as it starts: a client process's first request would otherwise time the import
+    # of httpx and its certificate bundle (the thirtieth session's int4 `serve_c1`: 3 requests 0.39 s slower in all
+    # than the engine's, at the same 4.05 ms per output token)
+    clients = multiprocessing.get_context("spawn").Pool(max(levels), initializer=_http_client)
     stream_request(url, prompts[0], 8)  # warm-up: compiles kernels and captures the batch's one-row step graph
     common = dict(workload="v2lite", vram_budget_gib=args.budget_gib, max_batch_size=max(levels),
                   expert_dtype=args.expert_dtype, cache_slots=engine.plan.expert_slots,
