@@ -11,7 +11,7 @@
 # zero-copy reads with cold translations); STAGE=policies: issue 13's LRU / LRFU / LFU rows (ref17, V2-Lite) and the
 # GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU,
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
-# Usage: STAGE=qwen3|serve|serve_all|gemv_rows|verify|spec_deep|deep_model|shared_rows|shared_rows_deep|batch_shapes|spec_ref17|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
+# Usage: STAGE=qwen3|serve|serve_all|gemv_rows|batched_reads|verify|spec_deep|deep_model|shared_rows|shared_rows_deep|batch_shapes|spec_ref17|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
 #   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace|int4_tests|int4_bench|int4_gemv|learned_deep| \
 #   divergence|table_stress \
 #   [LIMIT=seconds] \
@@ -137,6 +137,15 @@ case "${STAGE:-tests}" in
       --tb=short -k "one_row_step or cache_sizes" 2>&1 | tail -3
     timeout "${LIMIT:-200}" python3 scripts/bench_gpu.py --out "$out/bench_gemv_rows.json" --workloads v2lite \
       --decode-compute --prefill-lengths "" --new-tokens 16 --profile --systems offloaded_b1 "$@" 2>&1 | filter ;;
+  batched_reads)
+    # the thirtieth session's question: do the expert kernel's steps of several rows read host memory as slowly
+    # alone as in the engine (24 GB/s from batch 4 on, twenty-ninth session)? Steps of 1-16 randomly routed rows,
+    # 70 % of each layer's experts read in place; then V2-Lite's offloaded batches 1/4/16 with an MTP layer (owed)
+    timeout 200 python3 scripts/bench_kernels.py --host-sweep --sequences 1,2,4,8,16 --out "$out/batched_reads.json" \
+      2>&1 | grep -E "^\{|Error" | cut -c1-300
+    timeout "${LIMIT:-330}" python3 scripts/bench_gpu.py --out "$out/bench_offloaded_mtp.json" --workloads v2lite \
+      --decode-compute --prefill-lengths "" --new-tokens 16 --profile --mtp-layer \
+      --systems offloaded_b1,offloaded_b4,offloaded_b16 "$@" 2>&1 | filter ;;
   offloaded_batches)
     # issue 14's offloaded batch rows (V2-Lite at 12 GiB, batch 1/4/8/16, reactive and next_layer_gate). The tenth
     # session's reactive rows read host memory at 24 GB/s from batch 4 on (40 at batch 1, 50 in isolation). Owed
