@@ -69,7 +69,8 @@ case "${STAGE:-tests}" in
     python3 -c "import uvicorn, starlette, httpx" || echo "the serving packages did not install"
     timeout "${INT4_S:-170}" python3 scripts/bench_serve.py --expert-dtype int4 --out "$out/serve_int4.json" "$@" \
       2>&1 | filter
-    timeout "${BF16_S:-200}" python3 scripts/bench_serve.py --requests-per-client "${BF16_REQUESTS:-1}" --out "$out/serve_bf16.json" "$@" \
+    timeout "${BF16_S:-200}" python3 scripts/bench_serve.py --requests-per-client "${BF16_REQUESTS:-1}" \
+      --concurrency "${BF16_LEVELS:-1,4,16}" --out "$out/serve_bf16.json" "$@" \
       2>&1 | filter
     timeout "${TRACE_S:-180}" python3 scripts/bench_serve.py --requests-per-client 2 --out "$out/serve_bf16_trace.json" \
       --routing-trace .device-data/traces/nvmoe-dsv2lite-a.tokens.jsonl "$@" 2>&1 | filter ;;
