@@ -64,7 +64,7 @@ case "${STAGE:-tests}" in
     # .device-data/traces); each level beside the engine's own batches. INT4_S / BF16_S / TRACE_S bound each run.
     # The twenty-eighth session's bf16 run (BF16_S=290, 2 requests a client) ended before the engine's rows: bf16
     # runs one request a client (BF16_REQUESTS), which took 5 / 26 / 94 s at 1 / 4 / 16 streams on the H100 and the
-    # engine's rows as long again; the thirtieth session's call: INT4_S=190 BF16_S=350 TRACE_S=1
+    # engine's rows as long again; BF16_LEVELS picks the stream counts of both bf16 runs
     python3 -m pip install -q --no-index --find-links .whl uvicorn starlette httpx 2>&1 | grep -v "root. user" | tail -2
     python3 -c "import uvicorn, starlette, httpx" || echo "the serving packages did not install"
     timeout "${INT4_S:-170}" python3 scripts/bench_serve.py --expert-dtype int4 --out "$out/serve_int4.json" "$@" \
@@ -72,7 +72,8 @@ case "${STAGE:-tests}" in
     timeout "${BF16_S:-200}" python3 scripts/bench_serve.py --requests-per-client "${BF16_REQUESTS:-1}" \
       --concurrency "${BF16_LEVELS:-1,4,16}" --out "$out/serve_bf16.json" "$@" \
       2>&1 | filter
-    timeout "${TRACE_S:-180}" python3 scripts/bench_serve.py --requests-per-client 2 --out "$out/serve_bf16_trace.json" \
+    timeout "${TRACE_S:-180}" python3 scripts/bench_serve.py --requests-per-client "${BF16_REQUESTS:-1}" \
+      --concurrency "${BF16_LEVELS:-1,4,16}" --out "$out/serve_bf16_trace.json" \
       --routing-trace .device-data/traces/nvmoe-dsv2lite-a.tokens.jsonl "$@" 2>&1 | filter ;;
   lead)
     timeout 560 python3 scripts/bench_gpu.py --out "$out/bench_lead.json" --workloads ref17 \
