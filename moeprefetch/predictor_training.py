@@ -23,6 +23,7 @@ from .config import load_model_args
 from .engine import MoEPrefetchEngine
 from .errors import CheckpointError, RequestError
 from .learned_predictor import BYTE_SHARE, HeadConfig, RoutingHead, fitting_rank, logit_blocks, save_predictor
+from .requests import check_token_range
 from .routing_record import RoutingRecord, record_routing
 
 logger = logging.getLogger(__name__)
@@ -177,10 +178,13 @@ def _token_stream(engine: "MoEPrefetchEngine", texts_or_ids: Any, max_tokens: in
     """Text files (Path), texts (str) or token ids (ints, an array or a tensor) -> one token stream, at most
     `max_tokens` long."""
     if isinstance(texts_or_ids, torch.Tensor) or hasattr(texts_or_ids, "dtype"):
-        return _checked_ids(engine, [int(t) for t in list(texts_or_ids.reshape(-1)[:max_tokens])])
+        ids = [int(t) for t in list(texts_or_ids.reshape(-1)[:max_tokens])]
+        check_token_range(ids, engine.args)
+        return ids
     items = list(texts_or_ids)
     if items and all(isinstance(t, int) for t in items):
-        return _checked_ids(engine, items[:max_tokens])
+        check_token_range(items[:max_tokens], engine.args)
+        return items[:max_tokens]
     if engine.tokenizer is None:
         raise RequestError("training on text needs the checkpoint's tokenizer, and this checkpoint has none; give "
                            "token ids instead (the command line's --ids)")
@@ -198,14 +202,6 @@ def _token_stream(engine: "MoEPrefetchEngine", texts_or_ids: Any, max_tokens: in
         if len(stream) >= max_tokens:
             break
     return stream[:max_tokens]
-
-
-def _checked_ids(engine: "MoEPrefetchEngine", ids: list[int]) -> list[int]:
-    vocab = engine.args.vocab_size
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise RequestError(f"token id {bad} is outside the checkpoint's vocabulary (0 to {vocab - 1})")
-    return ids
 
 
 def _windows(stream: list[int], window: int, leads: int) -> list[list[int]]:

@@ -305,7 +305,7 @@ def test_cli_trains_from_token_id_files_and_refuses_bad_ones(tmp_path, capsys):
     np.save(floats, np.array([1.5, 2.0]))
     outside.write_text(f"1 2 {vocab}")
     for bad, message in ((words, "is not a list of integer token ids"), (floats, "not integer token ids"),
-                         (outside, f"token id {vocab} is outside the checkpoint's vocabulary")):
+                         (outside, f"token id {vocab} is outside the vocabulary")):
         capsys.readouterr()
         assert main(["train-predictor", str(REFERENCE), "--ids", str(bad), "--out",
                      str(tmp_path / "bad.safetensors"), "--steps", "1"]) == 2
