@@ -143,8 +143,12 @@ case "${STAGE:-tests}" in
     # the thirtieth session's question: do the expert kernel's steps of several rows read host memory as slowly
     # alone as in the engine (24 GB/s from batch 4 on, twenty-ninth session)? Steps of 1-16 randomly routed rows,
     # 70 % of each layer's experts read in place; then V2-Lite's offloaded batches 1/4/16 with an MTP layer (owed)
-    timeout 200 python3 scripts/bench_kernels.py --host-sweep --sequences 1,2,4,8,16 --out "$out/batched_reads.json" \
+    timeout 150 python3 scripts/bench_kernels.py --host-sweep --sequences 1,2,4,8,16 --out "$out/batched_reads.json" \
       2>&1 | grep -E "^\{|Error" | cut -c1-300
+    # compiled for sm_90 (Triton 3.9, cuobjdump), the 4-row GEMV's gate/up program holds 200 registers (2 programs
+    # of 4 warps an SM) against 128 at 1-2 rows; these tiles hold 69-110
+    timeout 150 python3 scripts/bench_kernels.py --host-sweep --sequences 4 --out "$out/batched_reads_tiles.json" \
+      --tiles "16,16,128,4,3;8,8,128,4,3;16,16,128,8,3;16,16,64,4,3;8,8,64,4,3" 2>&1 | grep -E "^\{|Error" | cut -c1-300
     timeout "${LIMIT:-330}" python3 scripts/bench_gpu.py --out "$out/bench_offloaded_mtp.json" --workloads v2lite \
       --decode-compute --prefill-lengths "" --new-tokens 16 --profile --mtp-layer \
       --systems offloaded_b1,offloaded_b4,offloaded_b16 "$@" 2>&1 | filter ;;
