@@ -94,7 +94,11 @@ def run_level(clients: "multiprocessing.pool.Pool", url: str, prompts: list[list
             "decode_tokens_per_s": sum(r["tokens"] for r in results) / elapsed,
             "tpot_p50_ms": 1000 * quantile(tpot, 50), "tpot_p99_ms": 1000 * quantile(tpot, 99),
             "ttft_p50_ms": 1000 * quantile([r["ttft"] for r in results], 50),
-            "stream_end_p50_ms": 1000 * quantile([r["tail"] for r in results], 50)}
+            "stream_end_p50_ms": 1000 * quantile([r["tail"] for r in results], 50),
+            # how far apart the first wave's requests began (perf_counter is the system's monotonic clock, the same
+            # in every client process): requests that arrive apart are admitted between steps, one prefill each
+            "first_wave_spread_ms": 1000 * (max(r["start"] for r in results[:concurrency]) -
+                                            min(r["start"] for r in results[:concurrency]))}
 
 
 def engine_level(engine: MoEPrefetchEngine, prompts: list[list[int]], batch: int, requests: int, max_tokens: int,
