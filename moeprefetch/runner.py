@@ -158,24 +158,28 @@ class ModelRunner:
         return self.residency.prefill_experts(layer, flat, [r.ids for r in routings], [r.weights for r in routings])
 
     def layer_block(self, lw: LayerWeights, xs: list[torch.Tensor], positions: list[torch.Tensor],
-                    kv: LayerKV | GQAKV | None, row: int, starts: list[int]) -> list[torch.Tensor]:
-        """One decoder layer over a window of chunks xs[c] [B, T_c, H] at starts[c] (in order: a chunk attends to the
-        keys the earlier ones wrote), each routed expert on all of the window's tokens that use it."""
+                    kv: LayerKV | GQAKV | None, rows: int | list[int], starts: list[int]) -> list[torch.Tensor]:
+        """One decoder layer over a window of chunks xs[c] [B, T_c, H] at starts[c] of cache row rows[c] (one int:
+        every chunk's row; in order: a chunk attends to the keys its row's earlier chunks wrote), each routed expert
+        on all of the window's tokens that use it, whichever rows they belong to."""
+        rows = rows if isinstance(rows, list) else [rows] * len(xs)
+
         def attend(c: int, normed: torch.Tensor) -> torch.Tensor:
-            return attention_block(self.args, lw.attn, self.rope, normed, positions[c], kv, row, starts[c])
+            return attention_block(self.args, lw.attn, self.rope, normed, positions[c], kv, rows[c], starts[c])
 
         return block(self.ops, lw, xs, attend, self._routed)
 
     def forward_window(self, pieces: list[torch.Tensor], positions: list[torch.Tensor], caches: KVCaches | None,
-                       row: int, starts: list[int]) -> list[torch.Tensor]:
-        """Main layers over a window of consecutive chunks pieces[c] [B, T_c], layer by layer (every chunk through a
-        layer before the next layer) -> final-normed hidden per chunk. Each chunk's kernels have the shapes they would
-        have alone, so a window computes the bits of its chunks run one by one."""
+                       rows: int | list[int], starts: list[int]) -> list[torch.Tensor]:
+        """Main layers over a window of chunks pieces[c] [B, T_c] (each prompt's consecutive, in order; of one cache
+        row or of `rows[c]`), layer by layer (every chunk through a layer before the next layer) -> final-normed
+        hidden per chunk. Each chunk's kernels have the shapes they would have alone, so a window computes the bits
+        of its chunks run one by one."""
         xs = [self.embed(tokens) for tokens in pieces]
         for lw in self.weights.layers:
             kv = caches.layers[lw.index] if caches is not None else None
             self.enter(lw.index)
-            xs = self.layer_block(lw, xs, positions, kv, row, starts)
+            xs = self.layer_block(lw, xs, positions, kv, rows, starts)
             self.leave(lw.index)
         return [rms_norm(x, self.weights.final_norm, self.args.rms_norm_eps) for x in xs]
 

@@ -212,7 +212,7 @@ class Session:
         asked); the MTP head's first drafts go into the rows."""
         engine = self.engine
         belady = self.trace is not None and self.spec.belady
-        hiddens = [prefill_row(engine, caches, b, prompt, belady) for b, prompt in enumerate(self.request.prompts)]
+        hiddens = prefill_rows(engine, caches, self.request.prompts, belady)
         logits = engine.runner.logits(torch.stack([h[-1] for h in hiddens]))
         rows = torch.arange(self.batch, device=engine.device)
         positions = torch.tensor([len(p) for p in self.request.prompts], device=engine.device)
@@ -300,17 +300,25 @@ class Session:
 # ---- prefill of one cache row (also what a continuous batch admits a request with) ----------------------------------
 
 
+def prompt_chunks(engine: SessionEngine, tokens: torch.Tensor, offset: int
+                  ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(start, tokens [1, T_c], positions [1, T_c]) of each prefill chunk of tokens [1, T], positions from `offset`:
+    chunks of the engine's `prefill_chunk` tokens from the prompt's start, whatever windows they then run in."""
+    chunk = engine.options.prefill_chunk
+    return [(s, tokens[:, s : s + chunk],
+             torch.arange(s + offset, s + offset + min(chunk, tokens.shape[1] - s), device=tokens.device)[None])
+            for s in range(0, tokens.shape[1], chunk)]
+
+
 def prefill_windows(engine: SessionEngine, tokens: torch.Tensor, offset: int, per_window: int | None = None):
     """(starts, chunks, positions) of each prefill window of tokens [1, T]; positions start at `offset`. Windows hold
     `per_window` tokens (the engine's by default), in whole chunks: the chunks, and so the bits, are the same
     whatever the window."""
-    chunk, per_window = engine.options.prefill_chunk, window_tokens(engine, per_window)
+    per_window = window_tokens(engine, per_window)
+    chunks = prompt_chunks(engine, tokens, offset)
     for w0 in range(0, tokens.shape[1], per_window):
-        starts = list(range(w0, min(w0 + per_window, tokens.shape[1]), chunk))
-        pieces = [tokens[:, s : s + chunk] for s in starts]
-        positions = [torch.arange(s + offset, s + offset + p.shape[1], device=tokens.device)[None]
-                     for s, p in zip(starts, pieces)]
-        yield starts, pieces, positions
+        inside = [c for c in chunks if w0 <= c[0] < w0 + per_window]
+        yield [c[0] for c in inside], [c[1] for c in inside], [c[2] for c in inside]
 
 
 def window_lengths(engine: SessionEngine, length: int, per_window: int | None = None) -> list[int]:
@@ -357,10 +365,27 @@ def prefill_row_windows(engine: SessionEngine, caches, row: int, prompt: list[in
     return torch.cat(parts)
 
 
-def prefill_row(engine: SessionEngine, caches, row: int, prompt: list[int], belady: bool = False
-                ) -> torch.Tensor:
-    """A prompt through the main layers into cache row `row`, in windows of chunks -> its final hidden [T, H]."""
-    return run_through(prefill_row_windows(engine, caches, row, prompt, belady))
+def prefill_rows(engine: SessionEngine, caches, prompts: list[list[int]], belady: bool = False
+                 ) -> list[torch.Tensor]:
+    """Prompts through the main layers, prompt b into cache row b, their chunks packed in order into shared windows
+    of at most the engine's window tokens -> each prompt's final hidden [T_b, H]. A window's experts cross the link
+    once for every prompt in it (a row's own windows, `prefill_row_windows`, read them once a prompt); each chunk
+    computes the bits it computes alone, so a prompt's tokens do not depend on the prompts beside it."""
+    capacity = window_tokens(engine)
+    chunks = [(b, *c) for b, prompt in enumerate(prompts)
+              for c in prompt_chunks(engine, torch.tensor(prompt, device=engine.device)[None], 0)]
+    parts: list[list[torch.Tensor]] = [[] for _ in prompts]
+    windows: list[list[tuple]] = [[]]
+    for c in chunks:  # (row, start, tokens, positions), filling each window up to its capacity in order
+        if windows[-1] and sum(w[2].shape[1] for w in windows[-1]) + c[2].shape[1] > capacity:
+            windows.append([])
+        windows[-1].append(c)
+    for window in windows:
+        engine.residency.begin_step(decode=False, belady=belady)
+        rows, starts, pieces, positions = (list(column) for column in zip(*window))
+        for row, h in zip(rows, engine.runner.forward_window(pieces, positions, caches, rows, starts)):
+            parts[row].append(h[0])
+    return [torch.cat(p) for p in parts]
 
 
 def prefill_mtp_row_windows(engine: SessionEngine, caches, row: int, prompt: list[int], first: int,

@@ -57,6 +57,8 @@ def test_fused_decode_matches_the_definitions(checkpoint_factory, variant, predi
     assert engine.memory_stats()["vram_resident_bytes"] == bytes_before
     per_layer = 2 if engine.args.attention == "mla" else 1  # gate with up; q with kv_a (MLA), q/k/v (GQA without bias)
     assert len(engine.runner.decode_ops._fused) >= per_layer * engine.args.num_hidden_layers
+    # the uncached forwards above used the cache and the routing history: start as the fresh engine above did
+    engine.reset_expert_cache(forget_routing=True)
     got = engine.generate(prompts, max_new_tokens=6, stop_at_eos=False, predictor=predictor)
     logits = _last_logits(engine)
     engine.close()

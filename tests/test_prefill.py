@@ -51,6 +51,61 @@ def test_a_prefill_window_computes_the_bits_of_its_chunks_one_by_one(checkpoint_
     assert (moved[0] < moved[1]) if slots else (moved == [0, 0])
 
 
+def _prefill_together_and_alone(engine: MoEPrefetchEngine, prompts: list[list[int]]) -> tuple[list, list, list]:
+    """The prompts' hidden states, cache rows and expert records read from host: packed into shared windows
+    (`session.prefill_rows`), then one prompt at a time (`prefill_row_windows`), each from a cold cache."""
+    from moeprefetch.residency.state import C
+    from moeprefetch.session import prefill_row_windows, prefill_rows, run_through
+
+    res = engine.residency
+    hidden, caches, moved = [], [], []
+    for together in (True, False):
+        res.configure()
+        res.begin_call()
+        res.reset()
+        cache = KVCaches.allocate(engine.args, len(prompts), engine.options.max_seq_len, torch.float32,
+                                  engine.device, False)
+        if together:
+            hidden.append(prefill_rows(engine, cache, prompts))
+        else:
+            hidden.append([run_through(prefill_row_windows(engine, cache, b, p)) for b, p in enumerate(prompts)])
+        counters = res.end_call()
+        caches.append(cache)
+        moved.append(int(counters[:, C["zero_copy"]].sum() + counters[:, C["fills_done"]].sum()))
+    return hidden, caches, moved
+
+
+@pytest.mark.parametrize("variant,slots", [("v3_groups_qlora_yarn", 5), ("mixtral_window", None),
+                                           full_only("qwen3", 6), full_only("v3", None)])
+def test_prompts_that_share_prefill_windows_keep_the_bits_each_gets_alone(checkpoint_factory, variant, slots):
+    """`session.prefill_rows`: several prompts' chunks packed in order into shared windows of 8 tokens (a prompt
+    across two windows, two or three prompts in one) give each prompt the final hidden states and cache row it gets
+    alone, bit for bit (MLA and grouped-query attention, every expert cached or 5-6 slots)."""
+    path = checkpoint_factory(variant)
+    options = dict(progress=False, prefill_chunk=4, prefill_window=8) | (dict(expert_cache_slots=slots) if slots else {})
+    engine = MoEPrefetchEngine.from_pretrained(path, **options)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, engine.args.vocab_size, (n,), generator=g).tolist() for n in (7, 3, 10, 1, 5)]
+    hidden, caches, _ = _prefill_together_and_alone(engine, prompts)
+    assert all(torch.equal(a, b) for a, b in zip(*hidden))
+    assert [h.shape[0] for h in hidden[0]] == [len(p) for p in prompts]
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert vars(a).keys() == vars(b).keys() and all(torch.equal(vars(a)[n], vars(b)[n]) for n in vars(a))
+
+
+@pytest.mark.parametrize("variant", ["v3_groups_qlora_yarn", full_only("qwen3")])
+def test_prompts_in_one_prefill_window_read_each_expert_once(checkpoint_factory, variant):
+    """Five short prompts in one window (64 tokens a window, 26 in all) read each expert the window uses from host
+    once, where one prompt at a time read some again after a 5-slot cache had evicted them: fewer records cross."""
+    engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory(variant), progress=False, prefill_chunk=4,
+                                               prefill_window=64, expert_cache_slots=5)
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, engine.args.vocab_size, (n,), generator=g).tolist() for n in (7, 3, 10, 1, 5)]
+    hidden, _, moved = _prefill_together_and_alone(engine, prompts)
+    assert all(torch.equal(a, b) for a, b in zip(*hidden))
+    assert 0 < moved[0] < moved[1]
+
+
 @pytest.mark.parametrize("kernel,slots,stage_batch,long_blocks,expert_dtype", [
     ("grouped_mm", None, None, False, "model"), full_only("grouped_mm", 5, None, False, "model"),
     full_only("grouped_mm", 5, 1, False, "model"), ("grouped_mm", 3, 2, False, "model"),

@@ -1,8 +1,8 @@
 """Prefill's routed experts: many tokens per expert, over a window of chunks that run each layer together.
 
-A prefill window is a few chunks of one prompt that run layer by layer together (`runner.forward_window`), so each
-MoE layer sees every chunk's routing at once and an expert that several chunks use crosses the link once per window,
-not once per chunk. The layer's plan runs on the device over every expert (the used ones active), with the same plan
+A prefill window is a few chunks of one prompt, or of a batch's prompts (`session.prefill_rows`), that run layer by
+layer together (`runner.forward_window`), so each MoE layer sees every chunk's routing at once and an expert that
+several chunks use crosses the link once per window, not once per chunk. The layer's plan runs on the device over every expert (the used ones active), with the same plan
 kernel as decode:
 
 - **every expert resident**: nothing is left for the host to decide; the grouped GEMMs run on the device's own plan
