@@ -297,7 +297,7 @@ class Session:
         return GenerationResult(self.generated, texts, self.stats, self.finish, interrupted, self.logprobs)
 
 
-# ---- prefill of one cache row (also what a continuous batch admits a request with) ----------------------------------
+# ---- prefill into cache rows: a batch's prompts together, or one row (as a continuous batch admits a request) ------
 
 
 def prompt_chunks(engine: SessionEngine, tokens: torch.Tensor, offset: int
