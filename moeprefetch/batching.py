@@ -36,8 +36,8 @@ from .predictors import default_lookahead
 from .decode import DecodeStep, RowState, decode_rows
 from .errors import RequestError
 from .sampling import RowSampler, SamplingParams, TokenLogprob, logprobs_of, row_paths, sample
-from .session import (configure_residency, prefill_mtp_row_windows, prefill_row_windows, step_shape,
-                      window_lengths)
+from .session import (configure_residency, prefill_mtp_row_windows, prefill_row_windows, prefill_rows, run_through,
+                      step_shape, window_lengths)
 
 if TYPE_CHECKING:
     from .engine import MoEPrefetchEngine
@@ -155,12 +155,43 @@ class ContinuousBatch:
             del self.admissions[row]
             raise
         del self.admissions[row]
+        self._start(row, state, sampling, logprob)
+        return ran, state.generated[0]
+
+    def admit_together(self, requests: list[tuple[list[int], int, SamplingParams, frozenset[int]]]
+                       ) -> list[tuple[int, int]]:
+        """Prefill requests (prompt, max_new_tokens, sampling, stop_ids) at once into free rows, their prompts
+        sharing prefill windows (`session.prefill_rows`: an expert crosses once per window for all of them, and each
+        row gets the bits it gets alone) -> [(row, first token)], in order; the rows decode from the next step on.
+        For when no row is decoding: every window stalls the running rows for its whole length."""
+        for prompt, max_new_tokens, sampling, _ in requests:
+            self.check(prompt, max_new_tokens, sampling)
+        if len(requests) > len(self.free_rows):
+            raise RequestError(f"{len(requests)} requests and {len(self.free_rows)} free rows in the batch")
+        rows = self.free_rows[: len(requests)]
+        for row in rows:
+            self.caches.zero_(row)
+        started = []
+        try:
+            hiddens = prefill_rows(self.engine, self.caches, [r[0] for r in requests], rows=rows)
+            for row, (prompt, max_new_tokens, sampling, stop_ids), hidden in zip(rows, requests, hiddens):
+                state, _, logprob = run_through(self._first_token(row, prompt, max_new_tokens, sampling, stop_ids,
+                                                                  hidden, None))
+                self._start(row, state, sampling, logprob)
+                started.append((row, state.generated[0]))
+        except BaseException:
+            for row, _ in started:  # all or none: the rows already started are free again
+                self.release(row)
+            raise
+        return started
+
+    def _start(self, row: int, state: RowState, sampling: SamplingParams, logprob: TokenLogprob | None) -> None:
+        """A row whose prefill is done decodes from the next step on."""
         self.sampler.set_row(row, sampling)
         self.state[row], self.sampling[row] = state, sampling
         self.logprobs.pop(row, None)
         if logprob is not None:
             self.logprobs[row] = logprob
-        return ran, state.generated[0]
 
     def next_window(self, row: int) -> int:
         """Prompt tokens the next `advance` of `row` runs."""
@@ -171,8 +202,15 @@ class ContinuousBatch:
                  ) -> Generator[int, None, tuple[RowState, SamplingParams, TokenLogprob | None]]:
         """The prompt through the main layers (and the MTP layer), one window per `next()` -> the row's state, its
         sampling parameters and its first token's log-probabilities (when asked)."""
+        hidden = yield from prefill_row_windows(self.engine, self.caches, row, prompt, per_window=per_window)
+        return (yield from self._first_token(row, prompt, max_new_tokens, sampling, stop_ids, hidden, per_window))
+
+    def _first_token(self, row: int, prompt: list[int], max_new_tokens: int, sampling: SamplingParams,
+                     stop_ids: frozenset[int], hidden: torch.Tensor, per_window: int | None
+                     ) -> Generator[int, None, tuple[RowState, SamplingParams, TokenLogprob | None]]:
+        """After the main layers (the prompt's final hidden [T, H]): the first token, then the MTP layer's windows
+        -> the row's state, its sampling parameters and its first token's log-probabilities (when asked)."""
         engine = self.engine
-        hidden = yield from prefill_row_windows(engine, self.caches, row, prompt, per_window=per_window)
         logits = engine.runner.logits(hidden[-1:])
         chosen = sample(logits, sampling, [0], [len(prompt)])
         logprob = logprobs_of(logits, chosen, sampling.logprobs)[0] if sampling.logprobs is not None else None

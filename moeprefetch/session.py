@@ -365,12 +365,13 @@ def prefill_row_windows(engine: SessionEngine, caches, row: int, prompt: list[in
     return torch.cat(parts)
 
 
-def prefill_rows(engine: SessionEngine, caches, prompts: list[list[int]], belady: bool = False
-                 ) -> list[torch.Tensor]:
-    """Prompts through the main layers, prompt b into cache row b, their chunks packed in order into shared windows
-    of at most the engine's window tokens -> each prompt's final hidden [T_b, H]. A window's experts cross the link
-    once for every prompt in it (a row's own windows, `prefill_row_windows`, read them once a prompt); each chunk
-    computes the bits it computes alone, so a prompt's tokens do not depend on the prompts beside it."""
+def prefill_rows(engine: SessionEngine, caches, prompts: list[list[int]], belady: bool = False,
+                 rows: list[int] | None = None) -> list[torch.Tensor]:
+    """Prompts through the main layers, prompt b into cache row b (or rows[b]), their chunks packed in order into
+    shared windows of at most the engine's window tokens -> each prompt's final hidden [T_b, H]. A window's experts
+    cross the link once for every prompt in it (a row's own windows, `prefill_row_windows`, read them once a prompt);
+    each chunk computes the bits it computes alone, so a prompt's tokens do not depend on the prompts beside it."""
+    rows = list(range(len(prompts))) if rows is None else rows
     capacity = window_tokens(engine)
     chunks = [(b, *c) for b, prompt in enumerate(prompts)
               for c in prompt_chunks(engine, torch.tensor(prompt, device=engine.device)[None], 0)]
@@ -382,9 +383,10 @@ def prefill_rows(engine: SessionEngine, caches, prompts: list[list[int]], belady
         windows[-1].append(c)
     for window in windows:
         engine.residency.begin_step(decode=False, belady=belady)
-        rows, starts, pieces, positions = (list(column) for column in zip(*window))
-        for row, h in zip(rows, engine.runner.forward_window(pieces, positions, caches, rows, starts)):
-            parts[row].append(h[0])
+        prompt_of, starts, pieces, positions = (list(column) for column in zip(*window))
+        hidden = engine.runner.forward_window(pieces, positions, caches, [rows[b] for b in prompt_of], starts)
+        for b, h in zip(prompt_of, hidden):
+            parts[b].append(h[0])
     return [torch.cat(p) for p in parts]
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import serve_in_turn
+from conftest import full_only, serve_in_turn
 from moeprefetch import MoEPrefetchEngine
 from moeprefetch.batching import ContinuousBatch, step_rows
 from moeprefetch.errors import RequestError
@@ -70,6 +70,41 @@ def test_requests_joining_a_running_batch_get_their_tokens_alone(checkpoint_fact
     got = serve_in_turn(batch, requests, range(len(requests)))  # each joins at a token boundary
     assert [got[i] for i in range(len(requests))] == expected
     assert batch.steps > 0 and not engine.residency.problems()
+
+
+@pytest.mark.parametrize("variant,slots,predictor", [("v3", 6, "mtp+next_layer_gate"),
+                                                     full_only("qwen3", 5, "next_layer_gate"), full_only("v3", None, "none")])
+def test_requests_admitted_together_get_their_tokens_alone(checkpoint_factory, variant, slots, predictor):
+    """`admit_together`: three requests prefilled at once into free rows, their prompts sharing windows (one prompt
+    across two), then decoded with a fourth admitted after them: each gets the tokens it gets alone (seeded sampling
+    too, the MTP layer's first drafts included); a request that does not fit is refused before any row is taken."""
+    path = checkpoint_factory(variant)
+    kwargs = dict(progress=False, max_seq_len=128, expert_cache_slots=slots, prefill_chunk=4, prefill_window=8)
+    alone = MoEPrefetchEngine.from_pretrained(path, max_batch_size=1, **kwargs)
+    requests = [([3, 4, 5, 6, 7, 8, 9], 6, SamplingParams()), ([7, 8], 9, SamplingParams(temperature=0.8, seed=11)),
+                (list(range(9, 19)), 5, SamplingParams(temperature=1.1, top_k=5, seed=4)), ([12, 13], 4, SamplingParams())]
+    expected = [alone.generate([p], max_new_tokens=n, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                               seed=s.seed, stop_at_eos=False, predictor=predictor).sequences[0]
+                for p, n, s in requests]
+    engine = MoEPrefetchEngine.from_pretrained(path, max_batch_size=4, **kwargs)
+    batch = ContinuousBatch(engine, predictor)
+    with pytest.raises(RequestError, match="more than max_seq_len=128"):
+        batch.admit_together([requests[0][:2] + (SamplingParams(), frozenset()), (list(range(200)), 4,
+                                                                                 SamplingParams(), frozenset())])
+    assert batch.free_rows == [0, 1, 2, 3]
+    started = batch.admit_together([r + (frozenset(),) for r in requests[:3]])
+    assert [row for row, _ in started] == [0, 1, 2]
+    assert [first for _, first in started] == [e[0] for e in expected[:3]]
+    fourth, _ = batch.admit(*requests[3])
+    rows, got = (0, 1, 2, fourth), {}
+    while len(got) < len(rows):
+        batch.step()
+        for row in rows:
+            if row not in got and batch.finished(row):
+                got[row] = batch.state[row].generated
+                batch.release(row)
+    assert [got[row] for row in rows] == expected
+    assert not engine.residency.problems()
 
 
 @pytest.mark.parametrize("variant,predictor", [  # the fast lane keeps the MTP pass; the full suite every family

@@ -647,6 +647,57 @@ def _timed_stream(live, tokens: int) -> tuple[threading.Thread, list[float]]:
     return streaming, gaps
 
 
+def test_requests_waiting_while_none_decode_are_prefilled_together(model_dir, reference, monkeypatch):
+    """With no row decoding, the requests that waited (here behind a one-token request's prefill) are admitted
+    together, their prompts sharing prefill windows (`ContinuousBatch.admit_together`), and each gets the answer it
+    gets alone."""
+    live = LiveServer(model_dir)
+    try:
+        scheduler, batch = live.scheduler, live.scheduler.batch
+        groups: list[int] = []
+        advance, together = batch.advance, batch.admit_together
+
+        def advancing(row):  # the first request's prefill waits until three more are queued
+            _wait_for(lambda: len(scheduler.queue) == 3)
+            return advance(row)
+
+        def recording(jobs):
+            groups.append(len(jobs))
+            return together(jobs)
+
+        monkeypatch.setattr(batch, "advance", advancing)
+        monkeypatch.setattr(batch, "admit_together", recording)
+        prompts = [[3, 4, 5], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20, 21], list(range(30, 47))]
+        with ThreadPoolExecutor(4) as pool:
+            def ask(prompt, tokens):
+                return pool.submit(lambda: httpx.post(live.url + "/v1/completions", timeout=60, json={
+                    "model": "tiny", "prompt": prompt, "max_tokens": tokens, "temperature": 0}).json())
+
+            futures = [ask(prompts[0], 1)]
+            _wait_for(lambda: scheduler.snapshot()["admitting"] == 1)
+            futures += [ask(prompt, 5) for prompt in prompts[1:]]
+            answers = [f.result() for f in futures]
+        assert groups == [3]
+        assert [a["choices"][0]["text"] for a in answers] == [_alone(reference, p, n)[0]
+                                                              for p, n in zip(prompts, (1, 5, 5, 5))]
+        # an engine error in a joint prefill fails its group alone (500 each), and the server goes on
+        monkeypatch.setattr(batch, "admit_together", lambda jobs: (_ for _ in ()).throw(RuntimeError("boom")))
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(lambda: httpx.post(live.url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": prompts[0], "max_tokens": 1, "temperature": 0}))]
+            _wait_for(lambda: scheduler.snapshot()["admitting"] == 1)
+            futures += [pool.submit(lambda p=p: httpx.post(live.url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": p, "max_tokens": 5, "temperature": 0})) for p in prompts[1:]]
+            failed = [f.result() for f in futures[1:]]
+        assert futures[0].result().status_code == 200
+        assert [r.status_code for r in failed] == [500] * 3 and all("boom" in r.text for r in failed)
+        assert batch.free_rows == [0, 1, 2, 3]
+        monkeypatch.setattr(batch, "advance", advance)
+        assert live.client.completions.create(model="tiny", prompt="x", max_tokens=3, temperature=0).choices
+    finally:
+        live.close()
+
+
 def test_prompts_queued_beside_running_streams_are_prefilled_a_window_per_step(model_dir, reference, monkeypatch):
     """Chunked prefill: every prefill window stalls the rows decoding, so while any decode the windows run between
     two of their steps hold at most --prefill-tokens-per-step (here 40) prompt tokens (one window always): a

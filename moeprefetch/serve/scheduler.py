@@ -207,6 +207,8 @@ class Scheduler:
                 self._admitting = [h for h in self._admitting if h not in gone]
             for handle in gone:
                 self._cancelled(handle)
+        if budget is None:
+            self._admit_together()
         while self._admitting:
             handle = self._admitting[0]
             if handle.cancelled:  # its client left (or a shutdown cut it) before or during its prefill
@@ -224,6 +226,36 @@ class Scheduler:
             with self._cond:
                 self._admitting.pop(0)
 
+    def _admit_together(self) -> None:
+        """With no row decoding, the waiting requests whose prefill has not begun are prefilled together, their
+        prompts sharing windows (an offloaded expert crosses once for all of them; each gets the bits it gets alone).
+        A refusal leaves them to be admitted one by one, each answered for itself."""
+        group = [h for h in self._admitting if h.row is None and not h.cancelled]
+        if len(group) < 2:
+            return
+        jobs = [(h.job.prompt_ids, h.job.max_tokens, h.job.sampling, self._stop_ids(h.job)) for h in group]
+        started = time.perf_counter()
+        try:
+            rows = self.batch.admit_together(jobs)
+        except MoEPrefetchError:
+            return
+        except Exception as exc:
+            logger.exception("prefill failed")
+            self.batch.settle()
+            error = APIError(500, f"the engine failed on this request: {type(exc).__name__}: {exc}",
+                             kind="server_error")
+            with self._cond:
+                self._admitting = [h for h in self._admitting if h not in group]
+            for handle in group:
+                self._fail(handle, error)
+            return
+        with self._cond:
+            self.counters.prefill_seconds += time.perf_counter() - started
+            self._admitting = [h for h in self._admitting if h not in group]
+        for handle, (row, first) in zip(group, rows):
+            handle.row = row
+            self._started(handle, first)
+
     def _begin(self, handle: Handle, per_window: int | None) -> bool:
         """Reserve a row for the request (False: it was refused, and answered)."""
         job = handle.job
@@ -235,7 +267,7 @@ class Scheduler:
     def _advance(self, handle: Handle) -> bool:
         """One prefill window of a request being admitted -> whether its admission is over (its row decodes from
         the next step on, or it failed and was answered)."""
-        job, row = handle.job, handle.row
+        row = handle.row
         started = time.perf_counter()
         ok, ran = self._admission_call(handle, lambda: self.batch.advance(row))
         if not ok:
@@ -245,12 +277,16 @@ class Scheduler:
         first = ran[1]
         if first is None:
             return False
+        self._started(handle, first)
+        return True
+
+    def _started(self, handle: Handle, first: int) -> None:
+        """A request's prefill is done: its row decodes from the next step on; its first token goes out."""
         handle.text = TextStream(self.tokenizer) if self.tokenizer is not None else None
         with self._cond:
-            self.rows[row] = handle
-            self.counters.prompt_tokens += len(job.prompt_ids)
-        self._token(handle, first, self.batch.logprobs.get(row))
-        return True
+            self.rows[handle.row] = handle
+            self.counters.prompt_tokens += len(handle.job.prompt_ids)
+        self._token(handle, first, self.batch.logprobs.get(handle.row))
 
     def _admission_call(self, handle: Handle, call: Callable[[], Any]) -> tuple[bool, Any]:
         """`call()` for a request being admitted -> (True, what it returned), or (False, None) once an error has
