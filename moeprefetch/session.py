@@ -377,10 +377,13 @@ def prefill_rows(engine: SessionEngine, caches, prompts: list[list[int]], belady
               for c in prompt_chunks(engine, torch.tensor(prompt, device=engine.device)[None], 0)]
     parts: list[list[torch.Tensor]] = [[] for _ in prompts]
     windows: list[list[tuple]] = [[]]
-    for c in chunks:  # (row, start, tokens, positions), filling each window up to its capacity in order
-        if windows[-1] and sum(w[2].shape[1] for w in windows[-1]) + c[2].shape[1] > capacity:
+    filled = 0  # tokens in the last window
+    for c in chunks:  # (prompt, start, tokens, positions), filling each window up to its capacity in order
+        if windows[-1] and filled + c[2].shape[1] > capacity:
             windows.append([])
+            filled = 0
         windows[-1].append(c)
+        filled += c[2].shape[1]
     for window in windows:
         engine.residency.begin_step(decode=False, belady=belady)
         prompt_of, starts, pieces, positions = (list(column) for column in zip(*window))

@@ -240,10 +240,7 @@ class Scheduler:
         except MoEPrefetchError:
             return
         except Exception as exc:
-            logger.exception("prefill failed")
-            self.batch.settle()
-            error = APIError(500, f"the engine failed on this request: {type(exc).__name__}: {exc}",
-                             kind="server_error")
+            error = self._prefill_failed(exc)
             with self._cond:
                 self._admitting = [h for h in self._admitting if h not in group]
             for handle in group:
@@ -297,11 +294,15 @@ class Scheduler:
         except MoEPrefetchError as exc:
             self._fail(handle, APIError(400, str(exc)))
         except Exception as exc:
-            logger.exception("prefill failed")
-            self.batch.settle()
-            self._fail(handle, APIError(500, f"the engine failed on this request: {type(exc).__name__}: {exc}",
-                                        kind="server_error"))
+            self._fail(handle, self._prefill_failed(exc))
         return False, None
+
+    def _prefill_failed(self, exc: Exception) -> APIError:
+        """An engine error in a prefill: logged, the table started cold (the running rows go on) -> the 500 that
+        the requests being prefilled get."""
+        logger.exception("prefill failed")
+        self.batch.settle()
+        return APIError(500, f"the engine failed on this request: {type(exc).__name__}: {exc}", kind="server_error")
 
     def _step(self) -> None:
         started = time.perf_counter()
