@@ -11,7 +11,7 @@
 # zero-copy reads with cold translations); STAGE=policies: issue 13's LRU / LRFU / LFU rows (ref17, V2-Lite) and the
 # GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU,
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
-# Usage: STAGE=qwen3|serve|serve_all|gemv_rows|batched_reads|verify|spec_deep|deep_model|shared_rows|shared_rows_deep|batch_shapes|spec_ref17|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
+# Usage: STAGE=qwen3|serve|serve_all|joint_prefill|gemv_rows|batched_reads|verify|spec_deep|deep_model|shared_rows|shared_rows_deep|batch_shapes|spec_ref17|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
 #   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace|int4_tests|int4_bench|int4_gemv|learned_deep| \
 #   divergence|table_stress \
 #   [LIMIT=seconds] \
@@ -68,16 +68,26 @@ case "${STAGE:-tests}" in
     # session (no machine started for it): these rows with its bench (clients made at start, first_wave_spread_ms)
     # and engine (a batch's prompts prefilled in shared windows, the server's waiting requests admitted together:
     # the engine's and server's TTFT at 4 and 16 streams should fall from 1.7 / 6.3 s and 2.9 / 3.7 s on the H100)
+    # PARTS picks the runs (int4,bf16,trace: all three by default; two calls fit them where one does not)
     python3 -m pip install -q --no-index --find-links .whl uvicorn starlette httpx 2>&1 | grep -v "root. user" | tail -2
     python3 -c "import uvicorn, starlette, httpx" || echo "the serving packages did not install"
-    timeout "${INT4_S:-170}" python3 scripts/bench_serve.py --expert-dtype int4 --out "$out/serve_int4.json" "$@" \
+    parts=",${PARTS:-int4,bf16,trace},"
+    [[ $parts == *,int4,* ]] && timeout "${INT4_S:-170}" python3 scripts/bench_serve.py --expert-dtype int4 \
+      --out "$out/serve_int4.json" "$@" 2>&1 | filter
+    [[ $parts == *,bf16,* ]] && timeout "${BF16_S:-200}" python3 scripts/bench_serve.py \
+      --requests-per-client "${BF16_REQUESTS:-1}" --concurrency "${BF16_LEVELS:-1,4,16}" --out "$out/serve_bf16.json" \
+      "$@" 2>&1 | filter
+    [[ $parts == *,trace,* ]] && timeout "${TRACE_S:-180}" python3 scripts/bench_serve.py \
+      --requests-per-client "${BF16_REQUESTS:-1}" --concurrency "${BF16_LEVELS:-1,4,16}" \
+      --out "$out/serve_bf16_trace.json" --routing-trace .device-data/traces/nvmoe-dsv2lite-a.tokens.jsonl "$@" \
       2>&1 | filter
-    timeout "${BF16_S:-200}" python3 scripts/bench_serve.py --requests-per-client "${BF16_REQUESTS:-1}" \
-      --concurrency "${BF16_LEVELS:-1,4,16}" --out "$out/serve_bf16.json" "$@" \
-      2>&1 | filter
-    timeout "${TRACE_S:-180}" python3 scripts/bench_serve.py --requests-per-client "${BF16_REQUESTS:-1}" \
-      --concurrency "${BF16_LEVELS:-1,4,16}" --out "$out/serve_bf16_trace.json" \
-      --routing-trace .device-data/traces/nvmoe-dsv2lite-a.tokens.jsonl "$@" 2>&1 | filter ;;
+    true ;;
+  joint_prefill)
+    # the thirtieth session's joint prefill and admission on CUDA (prompts sharing prefill windows keep the bits and
+    # tokens each gets alone), with the engine's tokens across cache sizes (its batch of 4 prefills together)
+    timeout "${TESTS_S:-240}" python3 -m pytest "$(junit)" tests/test_prefill.py tests/test_gpu.py -q \
+      -p no:cacheprovider --tb=short -k "share_prefill or admitted_together or cache_sizes" 2>&1 \
+      | grep -v -E "Warning:|warnings.warn" | tail -15 ;;
   lead)
     timeout 560 python3 scripts/bench_gpu.py --out "$out/bench_lead.json" --workloads ref17 \
       --systems all_resident,none,mtp,mtp_la2,mtp_la3,mtp+next_layer_gate,mtp+next_layer_gate_la2,mtp+next_layer_gate_la3 \

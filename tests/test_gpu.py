@@ -508,6 +508,37 @@ def test_a_request_in_a_continuous_batch_gets_its_tokens_whoever_joins(checkpoin
         engine.close()
 
 
+def test_requests_admitted_together_get_their_tokens_alone_on_gpu(checkpoint_factory):
+    """`admit_together` on CUDA: three requests whose prompts share prefill windows (one prompt across two), then
+    decoded in a batch-invariant batch of four rows, get the tokens each gets admitted alone (greedy and seeded;
+    offloaded with MTP prefetch and all-resident): the shared windows' expert GEMMs keep each token's bits."""
+    from moeprefetch.batching import ContinuousBatch
+    from moeprefetch.sampling import SamplingParams
+
+    path = checkpoint_factory("v3")
+    requests = [([3, 4, 5, 6, 7, 8, 9], 6, SamplingParams()), ([7, 8], 9, SamplingParams(temperature=0.8, seed=11)),
+                (list(range(9, 19)), 5, SamplingParams(temperature=1.1, top_k=5, seed=4))]
+    for slots, predictor in ((None, "none"), (6, "mtp+next_layer_gate")):
+        engine = MoEPrefetchEngine.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_seq_len=128,
+                                                   max_batch_size=4, expert_cache_slots=slots, prefill_chunk=4,
+                                                   prefill_window=8)
+        alone = {}
+        for i in range(len(requests)):
+            alone.update(serve_in_turn(ContinuousBatch(engine, predictor, batch_invariant=True), requests, [i]))
+        batch = ContinuousBatch(engine, predictor, batch_invariant=True)
+        started = batch.admit_together([r + (frozenset(),) for r in requests])
+        assert [first for _, first in started] == [alone[i][0] for i in range(len(requests))], (slots, predictor)
+        got = {}
+        while len(got) < len(started):
+            batch.step()
+            for i, (row, _) in enumerate(started):
+                if i not in got and batch.finished(row):
+                    got[i] = batch.state[row].generated
+        assert got == alone, (slots, predictor)
+        assert not engine.residency.problems()
+        engine.close()
+
+
 def test_a_lone_request_in_a_continuous_batch_gets_the_tokens_of_generate(checkpoint_factory):
     """A batch of 4 rows serving one request at a time runs one-row steps (`step_rows`), the shape generate runs for
     one prompt: its tokens are generate's on CUDA too, greedy and seeded, offloaded with prefetch and all-resident,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import full_only
+from conftest import full_only, gpu
 from moeprefetch import MoEPrefetchEngine
 from moeprefetch.runner import KVCaches
 
@@ -63,7 +63,7 @@ def _prefill_together_and_alone(engine: MoEPrefetchEngine, prompts: list[list[in
         res.configure()
         res.begin_call()
         res.reset()
-        cache = KVCaches.allocate(engine.args, len(prompts), engine.options.max_seq_len, torch.float32,
+        cache = KVCaches.allocate(engine.args, len(prompts), engine.options.max_seq_len, engine.options.dtype,
                                   engine.device, False)
         if together:
             hidden.append(prefill_rows(engine, cache, prompts))
@@ -75,14 +75,21 @@ def _prefill_together_and_alone(engine: MoEPrefetchEngine, prompts: list[list[in
     return hidden, caches, moved
 
 
-@pytest.mark.parametrize("variant,slots", [("v3_groups_qlora_yarn", 5), ("mixtral_window", None),
-                                           full_only("qwen3", 6), full_only("v3", None)])
-def test_prompts_that_share_prefill_windows_keep_the_bits_each_gets_alone(checkpoint_factory, variant, slots):
+ON_GPU = dict(device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("variant,slots,device", [
+    ("v3_groups_qlora_yarn", 5, {}), ("mixtral_window", None, {}), full_only("qwen3", 6, {}),
+    full_only("v3", None, {}), pytest.param("v3_groups_qlora_yarn", 5, ON_GPU, marks=[gpu, pytest.mark.gpu]),
+    pytest.param("qwen3", None, ON_GPU, marks=[gpu, pytest.mark.gpu])])
+def test_prompts_that_share_prefill_windows_keep_the_bits_each_gets_alone(checkpoint_factory, variant, slots, device):
     """`session.prefill_rows`: several prompts' chunks packed in order into shared windows of 8 tokens (a prompt
     across two windows, two or three prompts in one) give each prompt the final hidden states and cache row it gets
-    alone, bit for bit (MLA and grouped-query attention, every expert cached or 5-6 slots)."""
+    alone, bit for bit (MLA and grouped-query attention, every expert cached or 5-6 slots; on CUDA in bf16 too, where
+    a routed expert's GEMM over a window's tokens must give each token the bits of its own chunk's GEMM)."""
     path = checkpoint_factory(variant)
-    options = dict(progress=False, prefill_chunk=4, prefill_window=8) | (dict(expert_cache_slots=slots) if slots else {})
+    options = dict(progress=False, prefill_chunk=4, prefill_window=8, **device) | (
+        dict(expert_cache_slots=slots) if slots else {})
     engine = MoEPrefetchEngine.from_pretrained(path, **options)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, engine.args.vocab_size, (n,), generator=g).tolist() for n in (7, 3, 10, 1, 5)]
