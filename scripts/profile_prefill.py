@@ -3,7 +3,8 @@
 kernel compiles, the second shows the steady state), then a host profile (cProfile) of one more pass at a length never
 seen, so that any cost that recurs per new prompt length shows up by name.
 
-    python scripts/profile_prefill.py CHECKPOINT [--device cuda] [--lengths 39,30,31] [--slots N]
+    python scripts/profile_prefill.py CHECKPOINT [--device cuda] [--lengths 39,30,31] [--slots N | --vram-budget 12GiB]
+        [--expert-dtype int4] [--steady]
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--lengths", default="39,30,31")
     parser.add_argument("--slots", type=int, default=None, help="expert cache slots (default: all resident)")
+    parser.add_argument("--vram-budget", default=None, help="size the expert cache by a budget instead, e.g. 12GiB")
+    parser.add_argument("--expert-dtype", default="model", help="the experts' format (model, fp8, int8, int4)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--steady", action="store_true",
                         help="also profile a repeat of the first length (steady state): the host's Python by "
@@ -75,7 +78,8 @@ def main() -> None:
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     engine = MoEPrefetchEngine.from_pretrained(args.checkpoint, device=args.device, dtype=dtype, progress=False,
-                                               expert_cache_slots=args.slots)
+                                               expert_cache_slots=args.slots, vram_budget=args.vram_budget,
+                                               expert_dtype=args.expert_dtype)
     lengths = [int(n) for n in args.lengths.split(",")]
     rows = []
     for length in lengths:

@@ -534,6 +534,7 @@ def test_requests_admitted_together_get_their_tokens_alone_on_gpu(checkpoint_fac
             for i, (row, _) in enumerate(started):
                 if i not in got and batch.finished(row):
                     got[i] = batch.state[row].generated
+                    batch.release(row)
         assert got == alone, (slots, predictor)
         assert not engine.residency.problems()
         engine.close()
