@@ -139,6 +139,9 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefill-tokens-per-step", type=int, default=512,
                      help="prompt tokens prefilled between two decode steps while requests decode (at least one "
                           "--prefill-chunk): fewer stall the streams less, more admit prompts sooner")
+    srv.add_argument("--admit-wait-ms", type=float, default=2.0,
+                     help="milliseconds an idle server waits after a request for others sent with it, so that they "
+                          "are prefilled together (0: none)")
     srv.add_argument("--body-timeout", type=float, default=30.0,
                      help="seconds a request's headers, and then its body, may take to arrive (then 408)")
     _engine_arguments(srv)
@@ -342,6 +345,8 @@ def _serve(ns: argparse.Namespace) -> int:
     for name, value in (("--drain-seconds", ns.drain_seconds), ("--body-timeout", ns.body_timeout)):
         if not value >= 0 or (name == "--body-timeout" and value == 0):
             raise MoEPrefetchError(f"{name} must be a positive number of seconds, got {value}")
+    if not 0 <= ns.admit_wait_ms <= 1000:
+        raise MoEPrefetchError(f"--admit-wait-ms must be from 0 to 1000 milliseconds, got {ns.admit_wait_ms}")
     hosts = default_allowed_hosts(ns.host) if ns.allowed_hosts is None else \
         [h.strip() for h in ns.allowed_hosts.split(",") if h.strip()]
     if hosts == []:
@@ -359,7 +364,8 @@ def _serve(ns: argparse.Namespace) -> int:
     name = ns.model_name or Path(ns.path).resolve().name
     app = build_app(engine, name, ns.predictor, ns.max_queue, ns.drain_seconds, ns.max_tokens, api_key=ns.api_key,
                     allowed_hosts=hosts, max_body_bytes=ns.max_body_bytes, body_timeout=ns.body_timeout,
-                    batch_invariant=ns.batch_invariant, prefill_tokens_per_step=ns.prefill_tokens_per_step)
+                    batch_invariant=ns.batch_invariant, prefill_tokens_per_step=ns.prefill_tokens_per_step,
+                    admit_wait=ns.admit_wait_ms / 1000)
     print(f"serving {name} on http://{ns.host}:{ns.port}/v1 (batch {engine.options.max_batch_size}"
           f"{', API key required' if ns.api_key else ''})", flush=True)
     # uvicorn re-raises the signals it handled to the handlers it found when it stops: no-op ones, so that the

@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=None, help="expert cache slots (default: all resident)")
     parser.add_argument("--vram-budget", default=None, help="size the expert cache by a budget instead, e.g. 12GiB")
     parser.add_argument("--expert-dtype", default="model", help="the experts' format (model, fp8, int8, int4)")
+    parser.add_argument("--max-seq-len", type=int, default=None, help="the context (and so the KV cache) planned")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--steady", action="store_true",
                         help="also profile a repeat of the first length (steady state): the host's Python by "
@@ -79,7 +80,7 @@ def main() -> None:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     engine = MoEPrefetchEngine.from_pretrained(args.checkpoint, device=args.device, dtype=dtype, progress=False,
                                                expert_cache_slots=args.slots, vram_budget=args.vram_budget,
-                                               expert_dtype=args.expert_dtype)
+                                               expert_dtype=args.expert_dtype, max_seq_len=args.max_seq_len)
     lengths = [int(n) for n in args.lengths.split(",")]
     rows = []
     for length in lengths:

@@ -698,6 +698,64 @@ def test_requests_waiting_while_none_decode_are_prefilled_together(model_dir, re
         live.close()
 
 
+def test_requests_sent_together_are_gathered_and_prefilled_together(model_dir, reference, monkeypatch):
+    """An idle server waits --admit-wait-ms for requests sent with the first (here 500 ms, three requests sent
+    100 ms apart): the three are prefilled together; while a stream decodes, two short prompts queued together are
+    admitted together between two of its steps (their tokens within --prefill-tokens-per-step), a third that does
+    not fit that budget alone; every answer is the one it gets alone."""
+    live = LiveServer(model_dir, admit_wait=0.5, prefill_tokens_per_step=24)
+    try:
+        scheduler, batch = live.scheduler, live.scheduler.batch
+        groups: list[int] = []
+        together, step = batch.admit_together, batch.step
+
+        def recording(jobs):
+            groups.append(len(jobs))
+            return together(jobs)
+
+        monkeypatch.setattr(batch, "admit_together", recording)
+        prompts = [[3, 4, 5], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20, 21], list(range(30, 47))]
+
+        def ask(pool, prompt, tokens):
+            return pool.submit(lambda: httpx.post(live.url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": prompt, "max_tokens": tokens, "temperature": 0}).json())
+
+        with ThreadPoolExecutor(3) as pool:
+            futures = []
+            for prompt in prompts[:3]:
+                futures.append(ask(pool, prompt, 4))
+                time.sleep(0.1)
+            answers = [f.result() for f in futures]
+        assert groups == [3]
+        assert [a["choices"][0]["text"] for a in answers] == [_alone(reference, p, 4)[0] for p in prompts[:3]]
+
+        groups.clear()
+        waiting = {"for": 0}
+
+        def stepping():  # the stream's next step waits until the three are queued
+            deadline = time.monotonic() + 10
+            while len(scheduler.queue) < waiting["for"] and time.monotonic() < deadline:
+                time.sleep(0.005)
+            waiting["for"] = 0
+            return step()
+
+        monkeypatch.setattr(batch, "step", stepping)
+        streaming, _ = _timed_stream(live, 60)
+        waiting["for"] = 3
+        with ThreadPoolExecutor(3) as pool:
+            futures = []
+            for n, prompt in enumerate(prompts[1:], 1):  # queued in this order
+                futures.append(ask(pool, prompt, 5))
+                if n < 3:  # the third lets the stream's step go on, which takes the three off the queue
+                    _wait_for(lambda n=n: len(scheduler.queue) == n)
+            answers = [f.result() for f in futures]
+        streaming.join(timeout=60)
+        assert groups == [2]  # 10 + 2 tokens together; the 17 more would pass the budget of 24
+        assert [a["choices"][0]["text"] for a in answers] == [_alone(reference, p, 5)[0] for p in prompts[1:]]
+    finally:
+        live.close()
+
+
 def test_prompts_queued_beside_running_streams_are_prefilled_a_window_per_step(model_dir, reference, monkeypatch):
     """Chunked prefill: every prefill window stalls the rows decoding, so while any decode the windows run between
     two of their steps hold at most --prefill-tokens-per-step (here 40) prompt tokens (one window always): a
@@ -726,7 +784,13 @@ def test_prompts_queued_beside_running_streams_are_prefilled_a_window_per_step(m
             events.append(("window", ran))
             return ran, first
 
+        def together(jobs):  # short prompts admitted at once: a window each in the record of a pass
+            events.extend(("window", len(job[0])) for job in jobs)
+            return admit_together(jobs)
+
+        admit_together = batch.admit_together
         monkeypatch.setattr(batch, "advance", advancing)
+        monkeypatch.setattr(batch, "admit_together", together)
         monkeypatch.setattr(batch, "step", stepping)
         streaming, _ = _timed_stream(live, 150)
         events.clear()
@@ -1121,6 +1185,8 @@ def test_serve_options_and_the_api_key_from_the_environment(monkeypatch):
     assert main(["serve", "--max-body-bytes", "0"]) == 2  # refused before the model loads
     assert main(["serve", "--body-timeout", "0"]) == 2
     assert ns.prefill_tokens_per_step == 512 and main(["serve", "--prefill-tokens-per-step", "0"]) == 2
+    assert ns.admit_wait_ms == 2.0 and main(["serve", "--admit-wait-ms", "nan"]) == 2
+    assert main(["serve", "--admit-wait-ms", "-1"]) == 2 and main(["serve", "--admit-wait-ms", "5000"]) == 2
     assert main(["serve", "--allowed-hosts", " , "]) == 2
     assert main(["serve", "--model-name", " "]) == 2  # clients send it: an empty one could never be asked for
 

@@ -28,7 +28,7 @@ from .guards import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, ErrorResponse,
 from .protocol import FALLBACK_CHAT_END, FALLBACK_CHAT_LINE, APIError, Job, Limits, decode_body, parse_chat, \
     parse_completion
 from .logprobs import chat_logprobs, completion_logprobs
-from .scheduler import ADMIT_TOKENS, Handle, Scheduler
+from .scheduler import ADMIT_TOKENS, ADMIT_WAIT_SECONDS, Handle, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -317,10 +317,10 @@ def build_app(engine, model_name: str, predictor: str | None = None, max_queue: 
               drain_seconds: float = 30.0, default_max_tokens: int = 256, *, api_key: str | None = None,
               allowed_hosts: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               body_timeout: float = DEFAULT_BODY_TIMEOUT, batch_invariant: bool = False,
-              prefill_tokens_per_step: int = ADMIT_TOKENS) -> Starlette:
+              prefill_tokens_per_step: int = ADMIT_TOKENS, admit_wait: float = ADMIT_WAIT_SECONDS) -> Starlette:
     """The application over a loaded engine; the scheduler starts now and drains on shutdown (a `DrainingServer`
     drains it earlier, while the listeners still answer 503)."""
-    scheduler = Scheduler(engine, predictor, max_queue, batch_invariant, prefill_tokens_per_step)
+    scheduler = Scheduler(engine, predictor, max_queue, batch_invariant, prefill_tokens_per_step, admit_wait)
     settings = Settings(drain_seconds, api_key, tuple(allowed_hosts) if allowed_hosts is not None else None,
                         max_body_bytes, body_timeout)
     server = Server(engine, model_name, scheduler, default_max_tokens, settings)
