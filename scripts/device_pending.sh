@@ -68,7 +68,8 @@ case "${STAGE:-tests}" in
     # session (no machine started for it): these rows with its bench (clients made at start, first_wave_spread_ms)
     # and engine (a batch's prompts prefilled in shared windows, the server's waiting requests admitted together:
     # the engine's and server's TTFT at 4 and 16 streams should fall from 1.7 / 6.3 s and 2.9 / 3.7 s on the H100)
-    # PARTS picks the runs (int4,bf16,trace: all three by default; two calls fit them where one does not)
+    # PARTS picks the runs (int4,bf16,trace: all three by default; two calls fit them where one does not);
+    # TRACE_LEVELS the trace run's stream counts (BF16_LEVELS by default)
     python3 -m pip install -q --no-index --find-links .whl uvicorn starlette httpx 2>&1 | grep -v "root. user" | tail -2
     python3 -c "import uvicorn, starlette, httpx" || echo "the serving packages did not install"
     parts=",${PARTS:-int4,bf16,trace},"
@@ -78,7 +79,7 @@ case "${STAGE:-tests}" in
       --requests-per-client "${BF16_REQUESTS:-1}" --concurrency "${BF16_LEVELS:-1,4,16}" --out "$out/serve_bf16.json" \
       "$@" 2>&1 | filter
     [[ $parts == *,trace,* ]] && timeout "${TRACE_S:-180}" python3 scripts/bench_serve.py \
-      --requests-per-client "${BF16_REQUESTS:-1}" --concurrency "${BF16_LEVELS:-1,4,16}" \
+      --requests-per-client "${BF16_REQUESTS:-1}" --concurrency "${TRACE_LEVELS:-${BF16_LEVELS:-1,4,16}}" \
       --out "$out/serve_bf16_trace.json" --routing-trace .device-data/traces/nvmoe-dsv2lite-a.tokens.jsonl "$@" \
       2>&1 | filter
     true ;;
