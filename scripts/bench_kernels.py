@@ -305,16 +305,25 @@ def grouped_mm_anchor(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
         return {"grouped_mm": f"failed: {exc}"[:200]}
 
 
-def grouped_sweep(out: Path, tokens: int = 4096, candidates: tuple[tuple[int, ...], ...] = ()) -> int:
+def grouped_sweep(out: Path, tokens: int = 4096, candidates: tuple[tuple[int, ...], ...] = (),
+                  expert_dtype: str = "model") -> int:
     """Prefill's grouped expert GEMMs at V2-Lite's shape: one MoE layer, every expert in VRAM, `tokens` tokens routed
     at random (top-6 of 64), with each tile choice; TFLOP/s of the useful multiplies, against cuBLAS on a dense GEMM
-    pair of the same FLOPs."""
+    pair of the same FLOPs, and the GB/s of the layer's expert records read (every expert is used)."""
     from moeprefetch.kernels.grouped import GroupedExperts, GroupedTiles, plan_blocks
 
     dev = torch.device("cuda")
-    fmt = ExpertFormat.build(2048, 1408, torch.bfloat16)
     n_experts, top_k = 64, 6
-    pool = (torch.randn(n_experts, fmt.record_bytes // 2, device=dev, dtype=torch.bfloat16) * 0.02).view(torch.uint8)
+    if expert_dtype == "model":
+        fmt = ExpertFormat.build(2048, 1408, torch.bfloat16)
+        pool = (torch.randn(n_experts, fmt.record_bytes // 2, device=dev, dtype=torch.bfloat16) * 0.02
+                ).view(torch.uint8)
+    else:  # records packed from random weights (quantized as on load)
+        fmt = ExpertFormat.build(2048, 1408, torch.bfloat16, expert_dtype)
+        pool = torch.empty(n_experts, fmt.record_bytes, dtype=torch.uint8)
+        for e in range(n_experts):
+            fmt.pack(*(torch.randn(shape) * 0.02 for shape in ((1408, 2048), (1408, 2048), (2048, 1408))), pool[e])
+        pool = pool.to(dev)
     g = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randperm(n_experts, generator=g)[:top_k] for _ in range(tokens)])
     x = torch.randn(tokens, fmt.hidden, device=dev, dtype=torch.bfloat16)
@@ -326,10 +335,12 @@ def grouped_sweep(out: Path, tokens: int = 4096, candidates: tuple[tuple[int, ..
     w2 = torch.randn(fmt.intermediate, fmt.hidden, device=dev, dtype=torch.bfloat16)
     m = torch.empty(pairs, fmt.intermediate, device=dev, dtype=torch.bfloat16)
     cublas_ms = timed(lambda: (torch.mm(a, w1), torch.mm(m, w2)), repeats=10)
-    stacked = pool.view(torch.bfloat16).view(n_experts, -1)
-    anchor = grouped_mm_anchor(
-        x, ids.to(dev), stacked[:, : 2 * fmt.intermediate * fmt.hidden].view(n_experts, 2 * fmt.intermediate, -1),
-        stacked[:, 2 * fmt.intermediate * fmt.hidden :].view(n_experts, fmt.hidden, fmt.intermediate))
+    anchor: dict = {}
+    if expert_dtype == "model":
+        stacked = pool.view(torch.bfloat16).view(n_experts, -1)
+        anchor = grouped_mm_anchor(
+            x, ids.to(dev), stacked[:, : 2 * fmt.intermediate * fmt.hidden].view(n_experts, 2 * fmt.intermediate, -1),
+            stacked[:, 2 * fmt.intermediate * fmt.hidden :].view(n_experts, fmt.hidden, fmt.intermediate))
     if "grouped_mm_ms" in anchor:
         anchor["grouped_mm_tflops"] = flops / anchor["grouped_mm_ms"] / 1e9
     rows = []
@@ -342,9 +353,11 @@ def grouped_sweep(out: Path, tokens: int = 4096, candidates: tuple[tuple[int, ..
         if not kernel.use_kernels:  # the compiler rejected the tile and the call fell back to the reference
             rows.append({"tiles": tiles_tuple, "failed": "did not compile"})
             continue
-        rows.append({"tiles": tiles_tuple, "ms": ms, "tflops": flops / ms / 1e9})
+        rows.append({"tiles": tiles_tuple, "ms": ms, "tflops": flops / ms / 1e9,
+                     "record_gbps": n_experts * fmt.record_bytes / ms / 1e6})
         print(rows[-1], flush=True)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": tokens, "pairs": pairs,
+              "expert_dtype": expert_dtype, "record_bytes": fmt.record_bytes,
               "cublas_same_flops_ms": cublas_ms, "cublas_tflops": flops / cublas_ms / 1e9, **anchor, "rows": rows}
     print({k: v for k, v in result.items() if k != "rows"}, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -369,7 +382,8 @@ def main() -> int:
     parser.add_argument("--tiles", default="", help="the sweeps: only these tiles (;-separated)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="v2lite", help="--tiles-sweep: the expert shape")
     parser.add_argument("--expert-dtype", default="model", help="--tiles-sweep: the experts' format (int4: the GEMV "
-                        "tiles only, unless --tiles names tl.dot ones); --host-sweep: model or int4")
+                        "tiles only, unless --tiles names tl.dot ones); --host-sweep and --grouped-sweep: model "
+                        "or int4")
     parser.add_argument("--sequences", default="", help="--host-sweep: decode steps of these many rows, each "
                         "routed at random (comma list), instead of batch-1 layers")
     parser.add_argument("--missed-share", type=float, default=0.7, help="--sequences: the share of each layer's "
@@ -384,7 +398,8 @@ def main() -> int:
     if ns.grouped_sweep:
         tiles = tuple(tuple(int(v) for v in t.split(",")) for t in ns.tiles.split(";") if t)
         for tokens in (int(v) for v in ns.grouped_tokens.split(",")):
-            grouped_sweep(ns.out.with_name(f"{ns.out.stem}_{tokens}{ns.out.suffix}"), tokens, tiles)
+            grouped_sweep(ns.out.with_name(f"{ns.out.stem}_{tokens}{ns.out.suffix}"), tokens, tiles,
+                          ns.expert_dtype)
         return 0
     if ns.host_sweep:
         if ns.gemv_min_rows is not None:

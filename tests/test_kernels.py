@@ -57,9 +57,11 @@ def _experts(fmt: ExpertFormat, count: int, generator: torch.Generator) -> tuple
 
 def _format(hidden: int, inter: int, dtype: torch.dtype, expert_dtype: str) -> ExpertFormat:
     """An expert format for the tests: 8-bit block (32, 32) scales; "int4" asymmetric and "int4-sym" symmetric
-    groups of 32 inputs (ragged against 72-wide rows and against the 64/128 tiles)."""
+    groups of 32 inputs (ragged against 72-wide rows and against the 64/128 tiles), "int4-g64" groups of 64 (a
+    64-input tile lies in one group)."""
     if expert_dtype.startswith("int4"):
-        return ExpertFormat.build(hidden, inter, dtype, "int4", group_size=32, symmetric=expert_dtype == "int4-sym")
+        return ExpertFormat.build(hidden, inter, dtype, "int4", group_size=64 if expert_dtype.endswith("g64") else 32,
+                                  symmetric=expert_dtype == "int4-sym")
     return ExpertFormat.build(hidden, inter, dtype, expert_dtype, (32, 32))
 
 
@@ -757,10 +759,12 @@ def test_grouped_tiles_follow_the_calls_shape_not_its_routing():
 
 @pytest.mark.parametrize("dtype,expert_dtype,tolerance,long_blocks", [
     (torch.float32, "model", 1e-5, False), (torch.bfloat16, "fp8", 2e-2, False), (torch.float32, "int8", 1e-5, False),
-    (torch.bfloat16, "model", 2e-2, True), (torch.float32, "int4", 1e-5, False), (torch.bfloat16, "int4-sym", 2e-2, True)])
+    (torch.bfloat16, "model", 2e-2, True), (torch.float32, "int4", 1e-5, False), (torch.bfloat16, "int4-sym", 2e-2, True),
+    (torch.float32, "int4-g64", 1e-5, False), (torch.bfloat16, "int4-g64", 2e-2, True)])
 def test_grouped_prefill_experts_match_float64(dtype, expert_dtype, tolerance, long_blocks):
     """Blocks of one expert's pairs (one expert with more pairs than a block), experts in slots and in host memory;
-    with the 64-pair blocks of short prompts and the 128-pair blocks of long ones."""
+    with the 64-pair blocks of short prompts and the 128-pair blocks of long ones; 4-bit groups of 32 inside a
+    64-input tile and of 64 (one per row of a tile, the last one ragged)."""
     from moeprefetch.kernels.grouped import LONG_BLOCK_TILES, GroupedExperts, GroupedTiles, plan_blocks
     from moeprefetch.model import combine_expert_outputs
 
