@@ -747,6 +747,7 @@ def test_plan_blocks_cuts_each_experts_sorted_pairs_into_blocks(seed, tokens, bl
 
 def test_grouped_tiles_follow_the_calls_shape_not_its_routing():
     from moeprefetch.kernels.grouped import LONG_BLOCK_PAIRS, GroupedExperts, GroupedTiles
+    from moeprefetch.kernels.tiles import SHORT_BLOCK_INT4_TILES, SHORT_BLOCK_TILES
 
     fmt = ExpertFormat.build(96, 72, torch.float32)
     pool = torch.zeros(2, fmt.record_bytes, dtype=torch.uint8)
@@ -755,6 +756,11 @@ def test_grouped_tiles_follow_the_calls_shape_not_its_routing():
     assert grouped.tiles_for(LONG_BLOCK_PAIRS * 64 - 1, 64).block_m == 64
     fixed = GroupedTiles(block_m=32, block_n=32)
     assert GroupedExperts(fmt, pool, None, "silu", F.silu, False, tiles=fixed).tiles_for(10**6, 64) == fixed
+    # 4-bit records below the long blocks' share: their own tiles (the format's, whatever the call routes)
+    int4 = _format(96, 72, torch.float32, "int4")
+    packed = GroupedExperts(int4, torch.zeros(2, int4.record_bytes, dtype=torch.uint8), None, "silu", F.silu, False)
+    assert packed.tiles_for(LONG_BLOCK_PAIRS * 64 - 1, 64) == SHORT_BLOCK_INT4_TILES != SHORT_BLOCK_TILES
+    assert packed.tiles_for(LONG_BLOCK_PAIRS * 64, 64).block_m == 128
 
 
 @pytest.mark.parametrize("dtype,expert_dtype,tolerance,long_blocks", [

@@ -28,7 +28,7 @@ import torch
 from . import HAS_TRITON, INTERPRET, Launch
 from .definitions import expert_ffn
 from .experts import ACTIVATIONS, RecordLayout, record_views
-from .tiles import LONG_BLOCK_PAIRS, LONG_BLOCK_TILES, SHORT_BLOCK_TILES, GroupedTiles
+from .tiles import LONG_BLOCK_PAIRS, LONG_BLOCK_TILES, SHORT_BLOCK_INT4_TILES, SHORT_BLOCK_TILES, GroupedTiles
 
 if TYPE_CHECKING:  # a record format (`expert_records.ExpertFormat`) is read only through its attributes here
     from ..expert_records import ExpertFormat
@@ -207,7 +207,9 @@ class GroupedExperts:
         call's shape, never by its routing."""
         if self.fixed_tiles is not None:
             return self.fixed_tiles
-        return LONG_BLOCK_TILES if pairs >= LONG_BLOCK_PAIRS * n_experts else SHORT_BLOCK_TILES
+        if pairs >= LONG_BLOCK_PAIRS * n_experts:
+            return LONG_BLOCK_TILES
+        return SHORT_BLOCK_INT4_TILES if self.fmt.int4 else SHORT_BLOCK_TILES
 
     def __call__(self, x: torch.Tensor, pair_token: torch.Tensor, blocks: torch.Tensor, u_key: torch.Tensor,
                  u_slot: torch.Tensor, y: torch.Tensor | None = None, mid: torch.Tensor | None = None,
