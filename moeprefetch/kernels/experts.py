@@ -237,7 +237,7 @@ if HAS_TRITON:
                     code = ((raw.to(tl.int32) >> ((offs_c[None, :] & 1) * 4)) & 15).to(tl.float32)
                     if BC % BK == 0:  # the tile lies in one group: a scale (and zero point) per row, broadcast
                         # (gathered per weight they were two 4-byte loads for every half byte: prefill's grouped
-                        # gate/up at 64 tokens, V2-Lite, H100, ran at 71 GB/s of 4-bit weights)
+                        # gate/up at 64 tokens, V2-Lite, H100, read 4-bit records at about 75 GB/s)
                         row_offs = (offs_r[:, None] // BR) * SCOLS + k0 // BC
                         scale, zero = _load_group_metadata(s_ptr, src_s, dst_s, admit, region_s, region_z,
                                                            row_offs, rows_on[:, None] & (k0 < ROW_LEN), ZERO)
