@@ -140,8 +140,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="prompt tokens prefilled between two decode steps while requests decode (at least one "
                           "--prefill-chunk): fewer stall the streams less, more admit prompts sooner")
     srv.add_argument("--admit-wait-ms", type=float, default=2.0,
-                     help="milliseconds an idle server waits after a request for others sent with it, so that they "
-                          "are prefilled together (0: none)")
+                     help="milliseconds an idle server waits after a request for others sent with it, and again "
+                          "after each that arrives (8 waits at most), so that they are prefilled together (0: none)")
     srv.add_argument("--body-timeout", type=float, default=30.0,
                      help="seconds a request's headers, and then its body, may take to arrive (then 408)")
     _engine_arguments(srv)

@@ -203,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         served[level]["prefill_ms_per_request"] = 1000 * (after["prefill_seconds"] - before["prefill_seconds"]) / max(
             served[level]["requests"], 1)
         served[level]["ms_per_decode_step"] = 1000 * (after["decode_seconds"] - before["decode_seconds"]) / steps
+        # how well the server gathered requests sent together: the share prefilled with others, and in how many groups
+        served[level]["admitted_together_share"] = (after["admitted_together"] - before["admitted_together"]) / max(
+            served[level]["requests"], 1)
+        served[level]["joint_admissions"] = after["joint_admissions"] - before["joint_admissions"]
         # and their median, as the engine's rows give theirs (a mean takes in the admissions' slow first steps)
         served[level]["ms_per_decode_step_p50"] = 1000 * statistics.median(after["recent_step_seconds"][-steps:])
         emit({**served[level], **common, "system": f"serve_c{level}"})

@@ -258,8 +258,9 @@ def test_a_client_that_disconnects_frees_its_row(live, monkeypatch):
     with httpx.stream("POST", live.url + "/v1/completions", timeout=30,
                       json={"model": "tiny", "prompt": "the quick", "max_tokens": 200, "temperature": 0,
                             "ignore_eos": True, "stream": True}) as response:
-        lines = response.iter_lines()
-        assert next(lines).startswith("data: ")
+        events = (line for line in response.iter_lines() if line)
+        # the first token comes from the prefill; the second from a (slowed) step: then the client leaves
+        assert next(events).startswith("data: ") and next(events).startswith("data: ")
     deadline = time.monotonic() + 20
     while live.scheduler.snapshot()["active"] and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -376,9 +377,17 @@ def test_a_stop_string_cuts_the_log_probabilities_of_the_tokens_it_spans(live, r
 
 
 def test_an_engine_error_fails_that_request_only(live, monkeypatch):
-    """An error in a prefill window fails its request alone (500), before its first token too when streamed."""
+    """An error in a prefill window fails its request alone (500), before its first token too when streamed. The
+    three requests sent together are offered to a joint admission first, which the engine here refuses: they are
+    then admitted one by one, each answered for itself."""
+    from moeprefetch.errors import RequestError
+
     batch = live.scheduler.batch
-    begin, advance, failing = batch.begin, batch.advance, set()
+    begin, advance, failing, refused = batch.begin, batch.advance, set(), []
+
+    def refusing(jobs):
+        refused.append(len(jobs))
+        raise RequestError("not as a group")
 
     def beginning(prompt, *args, **kwargs):
         row = begin(prompt, *args, **kwargs)
@@ -392,6 +401,8 @@ def test_an_engine_error_fails_that_request_only(live, monkeypatch):
 
     monkeypatch.setattr(batch, "begin", beginning)
     monkeypatch.setattr(batch, "advance", advancing)
+    monkeypatch.setattr(batch, "admit_together", refusing)
+    monkeypatch.setattr(live.scheduler, "admit_wait", 0.3)  # the three are gathered (and refused together)
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(httpx.post, live.url + "/v1/completions", timeout=60,
                                json={"model": "tiny", "prompt": ids, "max_tokens": 6, "temperature": 0})
@@ -399,6 +410,7 @@ def test_an_engine_error_fails_that_request_only(live, monkeypatch):
         responses = [f.result() for f in futures]
     assert responses[0].status_code == 500 and "injected failure" in responses[0].json()["error"]["message"]
     assert [r.status_code for r in responses[1:]] == [200, 200]
+    assert refused and max(refused) >= 2
     # streaming: a failure before the first token is the HTTP status, not a 200 with an error event
     streamed = httpx.post(live.url + "/v1/completions", timeout=60,
                           json={"model": "tiny", "prompt": [7, 7, 9], "max_tokens": 6, "stream": True})
@@ -699,11 +711,12 @@ def test_requests_waiting_while_none_decode_are_prefilled_together(model_dir, re
 
 
 def test_requests_sent_together_are_gathered_and_prefilled_together(model_dir, reference, monkeypatch):
-    """An idle server waits --admit-wait-ms for requests sent with the first (here 500 ms, three requests sent
-    100 ms apart): the three are prefilled together; while a stream decodes, two short prompts queued together are
-    admitted together between two of its steps (their tokens within --prefill-tokens-per-step), a third that does
-    not fit that budget alone; every answer is the one it gets alone."""
-    live = LiveServer(model_dir, admit_wait=0.5, prefill_tokens_per_step=24)
+    """An idle server waits --admit-wait-ms for requests sent with the first, and again after each arrival (here
+    400 ms, three requests sent 250 ms apart, 500 ms in all): the three are prefilled together and counted so; while
+    a stream decodes, two short prompts queued together are admitted together between two of its steps (their
+    tokens within --prefill-tokens-per-step), a third that does not fit that budget alone; every answer is the one
+    it gets alone."""
+    live = LiveServer(model_dir, admit_wait=0.4, prefill_tokens_per_step=24)
     try:
         scheduler, batch = live.scheduler, live.scheduler.batch
         groups: list[int] = []
@@ -724,9 +737,13 @@ def test_requests_sent_together_are_gathered_and_prefilled_together(model_dir, r
             futures = []
             for prompt in prompts[:3]:
                 futures.append(ask(pool, prompt, 4))
-                time.sleep(0.1)
+                time.sleep(0.25)
             answers = [f.result() for f in futures]
         assert groups == [3]
+        state = scheduler.snapshot()
+        assert (state["joint_admissions"], state["admitted_together"]) == (1, 3)
+        assert 'moeprefetch_requests_admitted_together_total{model="tiny"} 3' in \
+            httpx.get(live.url + "/metrics", timeout=10).text
         assert [a["choices"][0]["text"] for a in answers] == [_alone(reference, p, 4)[0] for p in prompts[:3]]
 
         groups.clear()

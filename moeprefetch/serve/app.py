@@ -296,7 +296,9 @@ def prometheus_text(state: dict[str, Any], model: str, refused: dict[int, int] |
               "admitting_requests": state["admitting"], "max_batch_size": state["max_batch_size"]}
     counters = {"prompt_tokens_total": state["prompt_tokens"], "completion_tokens_total": state["completion_tokens"],
                 "decode_steps_total": state["decode_steps"], "prefill_seconds_total": state["prefill_seconds"],
-                "decode_seconds_total": state["decode_seconds"]}
+                "decode_seconds_total": state["decode_seconds"],
+                "requests_admitted_together_total": state["admitted_together"],
+                "joint_admissions_total": state["joint_admissions"]}
     experts = state["experts"]  # the residency's counters, refreshed every few steps and when idle
     counters.update({
         "expert_uses_total": experts.get("expert_uses") or 0, "expert_hits_total": experts.get("hits") or 0,
