@@ -64,10 +64,10 @@ case "${STAGE:-tests}" in
     # .device-data/traces); each level beside the engine's own batches. INT4_S / BF16_S / TRACE_S bound each run.
     # The twenty-eighth session's bf16 run (BF16_S=290, 2 requests a client) ended before the engine's rows: bf16
     # runs one request a client (BF16_REQUESTS), which took 5 / 26 / 94 s at 1 / 4 / 16 streams on the H100 and the
-    # engine's rows as long again; BF16_LEVELS picks the stream counts of both bf16 runs. Owed since the thirtieth
-    # session (no machine started for it): these rows with its bench (clients made at start, first_wave_spread_ms)
-    # and engine (a batch's prompts prefilled in shared windows, the server's waiting requests admitted together:
-    # the engine's and server's TTFT at 4 and 16 streams should fall from 1.7 / 6.3 s and 2.9 / 3.7 s on the H100)
+    # engine's rows as long again; BF16_LEVELS picks the stream counts of both bf16 runs. The thirty-first session
+    # measured every level (BENCHMARKS "Serving"); still owed: the int4 levels again with `757f07f` (each arrival
+    # extends the idle server's gathering wait; the rows now carry admitted_together_share), whose 4-stream server
+    # was 12.6 % behind the engine with one 2 ms wait, and the bf16 trace run at 1 stream with the new scheduler
     # PARTS picks the runs (int4,bf16,trace: all three by default; two calls fit them where one does not);
     # TRACE_LEVELS the trace run's stream counts (BF16_LEVELS by default)
     python3 -m pip install -q --no-index --find-links .whl uvicorn starlette httpx 2>&1 | grep -v "root. user" | tail -2
