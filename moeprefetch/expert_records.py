@@ -379,13 +379,30 @@ class CheckpointExperts:
 # ---- expert math --------------------------------------------------------------------------------------------------
 
 
+# elements: a multiple of the block every CPU elementwise loop vectorises (AVX-512's 16 floats, unrolled twice)
+CPU_VECTOR_BLOCK = 64
+
+
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    return {
+    """The activation a checkpoint names, computed so that an element's bits never depend on the rows beside it.
+    torch's CPU loops compute a tensor's last elements (its size modulo their vector block) on a scalar path that
+    rounds transcendental functions differently: on a Xeon with AVX-512, F.silu gave one element of the last row of a
+    [9, 48] batch other bits than the same row elsewhere in it, so a verify step's draft row and the plain step's
+    real row disagreed (tests/test_decode.py, shared rows). On the CPU, rows are padded to whole blocks."""
+    act = {
         "silu": F.silu,
         "gelu": F.gelu,
         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
         "relu": F.relu,
     }[name]
+
+    def rowwise(x: torch.Tensor) -> torch.Tensor:
+        width = x.shape[-1]
+        if x.device.type != "cpu" or width % CPU_VECTOR_BLOCK == 0:
+            return act(x)
+        return act(F.pad(x, (0, -width % CPU_VECTOR_BLOCK)))[..., :width]
+
+    return rowwise
 
 
 def gathered_expert_ffn(

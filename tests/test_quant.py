@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moeprefetch import MoEPrefetchEngine
-from moeprefetch.expert_records import ExpertFormat
+from moeprefetch.expert_records import ExpertFormat, activation
 from moeprefetch.errors import RequestError
 from moeprefetch.quant import (dequantize_blocks, dequantize_int4_groups, pack_nibbles, quantize_fp8_blocks,
                                quantize_int4_groups, quantize_int8_blocks, scale_grid_shape, unpack_nibbles)
@@ -278,3 +278,25 @@ def test_int4_experts_give_the_same_tokens_at_every_cache_size(checkpoint_factor
     assert record < 0.3 * float_record
     error = ((int4_logits - float_logits).norm() / float_logits.norm()).item()
     assert 0 < error < 0.15, error
+
+
+@pytest.mark.parametrize("name", ["silu", "gelu", "gelu_pytorch_tanh", "relu"])
+def test_an_activations_row_has_the_same_bits_wherever_it_sits(name):
+    """`expert_records.activation` on the CPU: a row's result does not depend on the rows beside it or on where it
+    sits in the batch (torch's scalar tail rounds transcendental functions otherwise than its vector loop: the
+    thirty-first session's CI host gave F.silu's last 16 elements of a [9, 48] batch other bits), and it is the
+    function, to fp32's rounding against float64."""
+    import torch.nn.functional as F
+
+    act = activation(name)
+    exact = {"silu": lambda v: v * torch.sigmoid(v), "gelu": F.gelu,
+             "gelu_pytorch_tanh": lambda v: F.gelu(v, approximate="tanh"), "relu": F.relu}[name]
+    g = torch.Generator().manual_seed(5)
+    for width in (48, 64, 72, 1408):
+        x = torch.randn(9, width, generator=g) * 4
+        together = act(x)
+        assert all(torch.equal(together[r], act(x[r : r + 1])[0]) for r in range(9)), width
+        moved = act(torch.roll(x, 1, 0))  # every row one place down, the last one first
+        assert all(torch.equal(moved[(r + 1) % 9], together[r]) for r in range(9)), width
+        assert torch.allclose(together.double(), exact(x.double()), rtol=1e-5, atol=1e-6), width
+
