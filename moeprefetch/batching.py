@@ -163,7 +163,8 @@ class ContinuousBatch:
         """Prefill requests (prompt, max_new_tokens, sampling, stop_ids) at once into free rows, their prompts
         sharing prefill windows (`session.prefill_rows`: an expert crosses once per window for all of them, and each
         row gets the bits it gets alone) -> [(row, first token)], in order; the rows decode from the next step on.
-        For when no row is decoding: every window stalls the running rows for its whole length."""
+        Every window stalls the running rows for its whole length: beside them, admit only as many prompt tokens
+        together as a step may wait for (the server's --prefill-tokens-per-step)."""
         for prompt, max_new_tokens, sampling, _ in requests:
             self.check(prompt, max_new_tokens, sampling)
         if len(requests) > len(self.free_rows):

@@ -35,7 +35,7 @@ ADMIT_TOKENS = 512
 # seconds an idle server waits after a request arrives for others (`serve --admit-wait-ms`): clients that send
 # together (a UI's parallel calls, a benchmark's wave) arrive a few ms apart, and the first one's prefill would
 # otherwise run alone while the rest queue behind it (V2-Lite at 12 GiB, bf16, H100: 4 streams sent within 0.6 ms
-# had a TTFT p50 of 3.25 s against 0.93 s for the engine prefilling them together)
+# had a TTFT p50 of 3.25 s against 0.92 s for the engine prefilling them together)
 ADMIT_WAIT_SECONDS = 0.002
 ADMIT_WAIT_ROUNDS = 8  # each arrival opens another wait, up to this many waits in all (a steady stream of requests
 # must not hold the first one back for long)
