@@ -712,11 +712,77 @@ def prompts_for(path: Path, corpus: Path | None, vocab: int, count: int, length:
     return [torch.randint(3, vocab, (length,), generator=generator).tolist() for _ in range(count)]
 
 
+@dataclasses.dataclass
+class WorkloadRun:
+    """What every row of one workload's decode run shares: its prompts, sampling, engine options and the row fields
+    they all carry; the all-resident tokens every later row is checked against, once measured."""
+    name: str
+    path: Path
+    args: argparse.Namespace
+    device: torch.device
+    link: dict[str, float]
+    emit: Callable[[dict[str, Any]], None]
+    prompts: list[list[int]]
+    sampling: dict[str, Any]
+    common: dict[str, Any]
+    base: dict[str, Any]
+    reference: list | None = None  # the all-resident run's sequences
+    resident_ms: float | None = None
+    total_experts: int | None = None
+
+    def fail(self, system: str, exc: Exception, limit: int | None = 4) -> None:
+        self.emit({**self.base, "system": system, "failed": f"{type(exc).__name__}: {exc}",
+                   "traceback": traceback.format_exc(limit=limit)})
+
+    def checked(self, row: dict[str, Any]) -> dict[str, Any]:
+        """A row with whether its tokens are the all-resident run's (when that run gave any)."""
+        if self.reference is not None:
+            row["same_tokens_as_all_resident"] = row["sequences"] == self.reference
+        return row
+
+    def timeline_row(self, engine: MoEPrefetchEngine, system: str, predictor: str, **options: Any) -> None:
+        """A per-op split of the first prompt's generation (its own row: a failed profile loses no other row)."""
+        try:
+            self.emit({**self.base, "system": system,
+                       **timeline(engine, self.prompts[0], self.args.new_tokens, predictor, **options,
+                                  **self.sampling)})
+        except Exception as exc:
+            self.fail(system, exc)
+
+
 def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torch.device, link: dict[str, float],
                    emit: Callable[[dict[str, Any]], None]) -> None:
+    """Every decode row of one workload: all-resident, then one offloaded engine running every asked predictor on
+    the same prompts and budget, the floor, compressed experts, and transformers' offload (v2lite)."""
+    run = workload_run(name, path, args, device, link, emit)
+    resident_rows(run)
+    _free()
+    offload_kwargs = offloaded_options(run)
+    engine = offloaded_engine(run, offload_kwargs)
+    if engine is not None:
+        fraction = plan_row(run, engine)
+        predictor_rows(run, engine, fraction)
+        if args.profile:
+            offloaded_timelines(run, engine)
+        floor_row(run, engine, fraction)
+        engine.close()
+        del engine
+        _free()
+    for expert_dtype in args.expert_dtypes.split(",") if args.expert_dtypes else []:
+        quantized_rows(run, offload_kwargs, expert_dtype)
+        _free()
+    if name == "v2lite" and args.hf_baseline and device.type == "cuda":
+        try:
+            emit({**run.base, **hf_accelerate_row(path, args.budget_gib, run.prompts[0], args.hf_tokens)})
+        except Exception as exc:
+            emit({**run.base, "system": "hf_accelerate", "failed": f"{type(exc).__name__}: {exc}"})
+        _free()
+
+
+def workload_run(name: str, path: Path, args: argparse.Namespace, device: torch.device, link: dict[str, float],
+                 emit: Callable[[dict[str, Any]], None]) -> WorkloadRun:
     config = json.loads((path / "config.json").read_text())
     learned = name in ("ref17", "deep")  # trained checkpoints: held-out text as prompts, a share of experts cached
-    sampling = dict(temperature=args.temperature, seed=args.seed)  # every generation of the workload, floor included
     prompts = prompts_for(path, args.corpus if learned else None, config["vocab_size"], args.runs,
                           args.prompt_tokens, seed=1)
     common = dict(device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
@@ -730,103 +796,123 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
     base = {"workload": name + dtype_tag + (f"#{args.variant}" if args.variant else ""), "batch": 1,
             **format_settings(args), "verify_rows": args.verify_rows,
             "prompt_tokens": [len(p) for p in prompts], "vram_budget_gib": args.budget_gib}
-    # the trained models, and a cut of Qwen3-30B-A3B's layers, cache a share of their experts (--cache-fraction); the
-    # others get the budget
-    budget = args.budget_gib if not learned and name != "qwen3_30b_layers" else None
+    # every generation of the workload, the floor's included, samples alike
+    sampling = dict(temperature=args.temperature, seed=args.seed)
+    return WorkloadRun(name, path, args, device, link, emit, prompts, sampling, common, base)
 
-    # all-resident: the compute-only bound
-    resident_ms = None
+
+def asked(args: argparse.Namespace, system: str) -> bool:
+    """Whether --systems asks for a row (every row when it names none)."""
+    return not args.systems or system in args.systems.split(",")
+
+
+def resident_rows(run: WorkloadRun) -> None:
+    """All-resident: the compute-only bound, and the tokens every later row is checked against; the MTP head's, the
+    learned head's and speculation's cost at no link bytes, when the model has them and --systems asks."""
+    args = run.args
+    if args.systems and not any(system.split("~")[0] in ("all_resident", "all_resident_speculative")
+                                for system in args.systems.split(",")):
+        return  # all_resident skipped (--systems)
     try:
-        if args.systems and not any(name.split("~")[0] in ("all_resident", "all_resident_speculative")
-                                    for name in args.systems.split(",")):
-            raise RuntimeError("all_resident skipped (--systems)")
-        engine = one_draft(MoEPrefetchEngine.from_pretrained(path, **common))
-        row = run_row(engine, "all_resident", prompts, args.new_tokens, runs=args.runs, **sampling)
-        resident_ms = row["ms_per_token"]
-        total_experts = engine.plan.total_experts
-        expert_bytes = engine.residency.expert_bytes
-        active = _active_bytes(engine)
-        row.update(active_bytes_per_token=active, hbm_gbps=active / (resident_ms / 1000) / 1e9,
-                   cache_fraction=1.0, expert_bytes=expert_bytes, total_experts=total_experts)
-        emit({**base, **row, "vram_budget_gib": None})
-        reference_sequences = row["sequences"]
-        if engine.has_mtp and (not args.systems or "all_resident_mtp" in args.systems.split(",")):
-            # the compute the MTP machinery adds (shadow row and head) when no byte crosses the link
-            head = run_row(engine, "all_resident_mtp", prompts, args.new_tokens, predictor="mtp", runs=args.runs,
-                           **sampling)
-            emit({**base, **head, "vram_budget_gib": None, "cache_fraction": 1.0})
-            if args.profile:
-                emit({**base, "system": "all_resident_mtp_timeline",
-                      **timeline(engine, prompts[0], args.new_tokens, "mtp", **sampling)})
-        if engine.has_mtp and args.systems:  # speculation with every expert resident (issue 39's first aim)
-            resident_speculation_rows(engine, base, prompts, args, sampling, reference_sequences, emit)
-            if args.profile and "all_resident_speculative" in args.systems.split(","):  # where a verify step goes
-                emit({**base, "system": "all_resident_speculative_timeline",
-                      **timeline(engine, prompts[0], args.new_tokens, "none", speculative="mtp", **sampling)})
-        if engine.runner.learned_head is not None and (not args.systems or
-                                                       "all_resident_learned" in args.systems.split(",")):
-            # the learned head's own cost (and link 1 of the MTP head, when the head reads it) at no link bytes
-            head = run_row(engine, "all_resident_learned", prompts, args.new_tokens, predictor="learned",
-                           runs=args.runs, **sampling)
-            emit({**base, **head, "vram_budget_gib": None, "cache_fraction": 1.0})
-        if args.profile:
-            emit({**base, "system": "all_resident_timeline",
-                  **timeline(engine, prompts[0], args.new_tokens, "none", **sampling)})
-        engine.close()
-        del engine
+        engine = one_draft(MoEPrefetchEngine.from_pretrained(run.path, **run.common))
+        row = run_row(engine, "all_resident", run.prompts, args.new_tokens, runs=args.runs, **run.sampling)
     except Exception as exc:
-        if "skipped" not in str(exc):
-            emit({**base, "system": "all_resident", "failed": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc(limit=3)})
-        reference_sequences = None
-        total_experts = expert_bytes = None
-    _free()
+        run.fail("all_resident", exc, limit=3)
+        return
+    run.resident_ms = row["ms_per_token"]
+    run.total_experts = engine.plan.total_experts
+    active = _active_bytes(engine)
+    row.update(active_bytes_per_token=active, hbm_gbps=active / (run.resident_ms / 1000) / 1e9, cache_fraction=1.0,
+               expert_bytes=engine.residency.expert_bytes, total_experts=run.total_experts)
+    run.emit({**run.base, **row, "vram_budget_gib": None})
+    run.reference = row["sequences"]
+    resident = {**run.base, "vram_budget_gib": None, "cache_fraction": 1.0}
+    if engine.has_mtp and asked(args, "all_resident_mtp"):
+        # the compute the MTP machinery adds (shadow row and head) when no byte crosses the link
+        try:
+            run.emit({**resident, **run_row(engine, "all_resident_mtp", run.prompts, args.new_tokens,
+                                            predictor="mtp", runs=args.runs, **run.sampling)})
+        except Exception as exc:
+            run.fail("all_resident_mtp", exc)
+        if args.profile:
+            run.timeline_row(engine, "all_resident_mtp_timeline", "mtp")
+    if engine.has_mtp and args.systems:  # speculation with every expert resident (issue 39's first aim)
+        resident_speculation_rows(engine, run.base, run.prompts, args, run.sampling, run.reference, run.emit)
+        if args.profile and "all_resident_speculative" in args.systems.split(","):  # where a verify step goes
+            run.timeline_row(engine, "all_resident_speculative_timeline", "none", speculative="mtp")
+    if engine.runner.learned_head is not None and asked(args, "all_resident_learned"):
+        # the learned head's own cost (and link 1 of the MTP head, when the head reads it) at no link bytes
+        try:
+            run.emit({**resident, **run_row(engine, "all_resident_learned", run.prompts, args.new_tokens,
+                                            predictor="learned", runs=args.runs, **run.sampling)})
+        except Exception as exc:
+            run.fail("all_resident_learned", exc)
+    if args.profile:
+        run.timeline_row(engine, "all_resident_timeline", "none")
+    engine.close()
+    del engine
 
-    # offloaded: one engine (one store fill), every predictor on the same prompts and budget
-    offload_kwargs = dict(common, max_inflight_experts=args.max_inflight, draft_experts=args.draft_experts,
-                          spare_recent=args.spare_recent, late_prefetch=args.late_prefetch,
-                          fill_confidence=args.fill_confidence, fill_link=args.fill_link,
-                          **engine_settings(args))
-    if budget is not None:
-        offload_kwargs["vram_budget"] = f"{budget}GiB"
+
+def offloaded_options(run: WorkloadRun) -> dict[str, Any]:
+    """The offloaded engine's options: the run's settings, and the budget (random shapes) or a share of the experts
+    cached (the trained models, and a cut of Qwen3-30B-A3B's layers: --cache-fraction)."""
+    args = run.args
+    options = dict(run.common, max_inflight_experts=args.max_inflight, draft_experts=args.draft_experts,
+                   spare_recent=args.spare_recent, late_prefetch=args.late_prefetch,
+                   fill_confidence=args.fill_confidence, fill_link=args.fill_link, **engine_settings(args))
+    if run.name not in ("ref17", "deep", "qwen3_30b_layers"):
+        options["vram_budget"] = f"{args.budget_gib}GiB"
     else:
-        offload_kwargs["expert_cache_slots"] = max(int(round(args.cache_fraction * total_experts)), 8) \
-            if total_experts else 40
-    def resident_at_budget(engine: MoEPrefetchEngine) -> None:
-        """The budget holds every expert (int4 at 12 GiB, say): that engine's row, as the budget's answer."""
-        row = run_row(engine, "resident_at_budget", prompts, args.new_tokens, runs=args.runs, **sampling)
-        row.update(cache_fraction=1.0, expert_bytes=engine.residency.expert_bytes, plan=engine.plan.describe(),
-                   peak_vram_gib=torch.cuda.max_memory_allocated() / GiB if device.type == "cuda" else None)
-        if reference_sequences is not None:
-            row["same_tokens_as_all_resident"] = row["sequences"] == reference_sequences
-        emit({**base, **row})
+        options["expert_cache_slots"] = max(int(round(args.cache_fraction * run.total_experts)), 8) \
+            if run.total_experts else 40
+    return options
 
+
+def offloaded_engine(run: WorkloadRun, options: dict[str, Any]) -> MoEPrefetchEngine | None:
+    """One engine (one store fill) for every offloaded row, or None when none is asked for or it cannot load. A
+    budget that holds every expert (int4 at 12 GiB, say) gives that engine's row as the budget's answer."""
+    args = run.args
+
+    def resident_at_budget(engine: MoEPrefetchEngine) -> None:
+        row = run_row(engine, "resident_at_budget", run.prompts, args.new_tokens, runs=args.runs, **run.sampling)
+        row.update(cache_fraction=1.0, expert_bytes=engine.residency.expert_bytes, plan=engine.plan.describe(),
+                   peak_vram_gib=torch.cuda.max_memory_allocated() / GiB if run.device.type == "cuda" else None)
+        run.emit({**run.base, **run.checked(row)})
+
+    # only resident rows asked for: a budget that holds every expert needs no offloaded engine after its row
+    resident_only = bool(args.systems) and all(system.startswith("all_resident") or system == "resident_at_budget"
+                                               for system in args.systems.split(","))
+    if resident_only and "resident_at_budget" not in args.systems.split(","):
+        return None  # no offloaded row asked for: no offloaded engine (a padded deep model loads for tens of s)
     try:
-        # only resident rows asked for: a budget that holds every expert needs no offloaded engine after its row
-        resident_only = bool(args.systems) and all(name.startswith("all_resident") or name == "resident_at_budget"
-                                                   for name in args.systems.split(","))
-        if resident_only and "resident_at_budget" not in args.systems.split(","):
-            return  # no offloaded row asked for: no offloaded engine (a padded deep model loads for tens of s)
-        engine = load_offloaded(path, offload_kwargs, args.cache_fraction,
-                                when_resident=resident_at_budget if budget is not None else None,
+        engine = load_offloaded(run.path, options, args.cache_fraction,
+                                when_resident=resident_at_budget if "vram_budget" in options else None,
                                 reload=not resident_only)
     except Exception as exc:
-        emit({**base, "system": "offload_load", "failed": f"{type(exc).__name__}: {exc}"})
-        return
-    if engine is None:
-        return
-    one_draft(engine)
+        run.emit({**run.base, "system": "offload_load", "failed": f"{type(exc).__name__}: {exc}"})
+        return None
+    return one_draft(engine) if engine is not None else None
+
+
+def plan_row(run: WorkloadRun, engine: MoEPrefetchEngine) -> float:
+    """The offloaded engine's plan and store as a row; returns the share of experts its cache holds."""
     store = engine.residency.store
     if store is None:  # --cache-fraction 1.0: every expert resident (speculation's resident rows, say)
-        fraction = 1.0
-        emit({**base, "system": "plan", "plan": engine.plan.describe(), "cache_fraction": fraction})
-    else:
-        fraction = engine.residency.n_slots / engine.plan.total_experts
-        emit({**base, "system": "plan", "plan": engine.plan.describe(), "cache_fraction": fraction,
+        run.emit({**run.base, "system": "plan", "plan": engine.plan.describe(), "cache_fraction": 1.0})
+        return 1.0
+    fraction = engine.residency.n_slots / engine.plan.total_experts
+    run.emit({**run.base, "system": "plan", "plan": engine.plan.describe(), "cache_fraction": fraction,
               "cache_slots": engine.residency.n_slots, "store_load_seconds": store.load_seconds,
               "pin_seconds": store.pin_seconds, "host_expert_gib": store.nbytes / GiB,
               "host_pinned_gib": store.pinned_bytes / GiB,
               "store_fill_gbps": store.nbytes / max(store.load_seconds, 1e-9) / 1e9})
+    return fraction
+
+
+def planned_systems(engine: MoEPrefetchEngine, args: argparse.Namespace) -> list[tuple]:
+    """The offloaded rows to run: (row name, predictor, speculative, lookahead, min_confidence, engine option
+    overrides); the default list, or --systems' rows (with their modifiers) that this model can run, and each again
+    at --lead-rows' leads and --policy-rows' policies."""
     cuts = [float(v) for v in str(args.min_confidence).split(",") if v]
 
     def with_cuts(name: str) -> list[tuple]:
@@ -858,83 +944,80 @@ def bench_workload(name: str, path: Path, args: argparse.Namespace, device: torc
     # the same predictors with other prefetch leads ('~lead' rows) and cache policies ('~policy' rows, reactive too)
     leads = [int(v) for v in args.lead_rows.split(",") if v]
     policies = [v for v in args.policy_rows.split(",") if v]
-    planned = list(systems) + \
+    return list(systems) + \
         [(f"{s[0]}~lead{lead}", *s[1:5], {**s[5], "prefetch_lead": lead}) for lead in leads for s in systems
          if s[1] != "none"] + \
         [(f"{s[0]}~{policy}", *s[1:5], {**s[5], "policy": policy}) for policy in policies for s in systems
          if s[1] != "oracle"]  # the oracle's victims are Belady's whatever the policy
+
+
+def predictor_rows(run: WorkloadRun, engine: MoEPrefetchEngine, fraction: float) -> None:
+    """Every planned offloaded row on the one engine, whose options change between calls."""
     run_options = engine.options
-    for system, predictor, speculative, lookahead, min_confidence, overrides in planned:
-        engine.options = dataclasses.replace(run_options, **overrides)  # the engine's options change between calls
+    for system, predictor, speculative, lookahead, min_confidence, overrides in planned_systems(engine, run.args):
+        engine.options = dataclasses.replace(run_options, **overrides)
         try:
-            row = run_row(engine, system, prompts, args.new_tokens, predictor=predictor, speculative=speculative,
-                          runs=args.runs, lookahead=lookahead, min_confidence=min_confidence, **sampling)
+            row = run_row(engine, system, run.prompts, run.args.new_tokens, predictor=predictor,
+                          speculative=speculative, runs=run.args.runs, lookahead=lookahead,
+                          min_confidence=min_confidence, **run.sampling)
             row["cache_fraction"] = fraction
-            if reference_sequences is not None:
-                row["same_tokens_as_all_resident"] = row["sequences"] == reference_sequences
-            emit({**base, **row})
+            run.emit({**run.base, **run.checked(row)})
         except Exception as exc:
-            emit({**base, "system": system, "failed": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc(limit=4)})
+            run.fail(system, exc)
     engine.options = run_options
-    if args.profile:
-        default = ("none", "oracle", "mtp+next_layer_gate" if engine.has_mtp else "next_layer_gate")
-        for predictor in args.profile_predictors.split(",") if args.profile_predictors else default:
-            try:  # 'speculative_mtp' (or 'speculative_mtp+<predictor>'): verify steps
-                speculative = "mtp" if predictor.startswith("speculative_mtp") else None
-                chosen = predictor.removeprefix("speculative_mtp").removeprefix("+") or "none" if speculative \
-                    else predictor
-                emit({**base, "system": f"timeline_{predictor}",
-                      **timeline(engine, prompts[0], args.new_tokens, chosen, speculative=speculative, **sampling)})
-            except Exception as exc:
-                emit({**base, "system": f"timeline_{predictor}", "failed": f"{type(exc).__name__}: {exc}",
-                      "traceback": traceback.format_exc(limit=4)})
-    # the floor: Belady-optimal replacement on the true routing of the measured runs
+
+
+def offloaded_timelines(run: WorkloadRun, engine: MoEPrefetchEngine) -> None:
+    """--profile's offloaded timelines: --profile-predictors, or reactive, the oracle and the best predictor;
+    'speculative_mtp' (or 'speculative_mtp+<predictor>') profiles verify steps."""
+    default = ("none", "oracle", "mtp+next_layer_gate" if engine.has_mtp else "next_layer_gate")
+    chosen = run.args.profile_predictors.split(",") if run.args.profile_predictors else default
+    for predictor in chosen:
+        speculative = "mtp" if predictor.startswith("speculative_mtp") else None
+        underlying = predictor.removeprefix("speculative_mtp").removeprefix("+") or "none" if speculative \
+            else predictor
+        run.timeline_row(engine, f"timeline_{predictor}", underlying, speculative=speculative)
+
+
+def floor_row(run: WorkloadRun, engine: MoEPrefetchEngine, fraction: float) -> None:
+    """The floor: Belady-optimal replacement on the true routing of the measured runs, at the engine's slots."""
     try:
         floors = []
-        for prompt in prompts:
+        for prompt in run.prompts:
             engine.reset_expert_cache(forget_routing=True)
-            floors.append(belady_bytes_per_token(engine, prompt, args.new_tokens, **sampling))
+            floors.append(belady_bytes_per_token(engine, prompt, run.args.new_tokens, **run.sampling))
         bytes_per_token = statistics.median(floors)
-        transfer_ms = 1000 * bytes_per_token / (link.get("h2d_peak_gbps", float("nan")) * 1e9)
-        floor = max(resident_ms or 0.0, transfer_ms)
-        emit({**base, "system": "floor", "belady_bytes_per_token": bytes_per_token,
-              "transfer_floor_ms_per_token": transfer_ms, "floor_ms_per_token": floor,
-              "h2d_peak_gbps": link.get("h2d_peak_gbps"), "cache_slots": engine.residency.n_slots,
-              "cache_fraction": fraction})
+        transfer_ms = 1000 * bytes_per_token / (run.link.get("h2d_peak_gbps", float("nan")) * 1e9)
+        run.emit({**run.base, "system": "floor", "belady_bytes_per_token": bytes_per_token,
+                  "transfer_floor_ms_per_token": transfer_ms,
+                  "floor_ms_per_token": max(run.resident_ms or 0.0, transfer_ms),
+                  "h2d_peak_gbps": run.link.get("h2d_peak_gbps"), "cache_slots": engine.residency.n_slots,
+                  "cache_fraction": fraction})
     except Exception as exc:
-        emit({**base, "system": "floor", "failed": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
-    engine.close()
-    del engine
-    _free()
-    for expert_dtype in args.expert_dtypes.split(",") if args.expert_dtypes else []:
-        # compressed experts on the wire: same budget / slot count, fewer bytes per expert
-        try:
-            int4 = {} if expert_dtype == "int4" else dict(int4_group_size=None, int4_symmetric=None)
-            quantized = MoEPrefetchEngine.from_pretrained(path, **{**offload_kwargs, "expert_dtype": expert_dtype,
+        run.fail("floor", exc, limit=None)
+
+
+def quantized_rows(run: WorkloadRun, offload_kwargs: dict[str, Any], expert_dtype: str) -> None:
+    """--expert-dtypes: compressed experts on the wire at the same budget or slot count, reactive and the best
+    predictor."""
+    try:
+        int4 = dict(int4_group_size=run.args.int4_group_size, int4_symmetric=run.args.int4_symmetric) \
+            if expert_dtype == "int4" else dict(int4_group_size=None, int4_symmetric=None)
+        quantized = MoEPrefetchEngine.from_pretrained(run.path, **{**offload_kwargs, "expert_dtype": expert_dtype,
                                                                    **int4})
-            best = "mtp+next_layer_gate" if quantized.has_mtp else "next_layer_gate"
-            for predictor in ("none", best):
-                row = run_row(quantized, f"{predictor}@{expert_dtype}", prompts, args.new_tokens, predictor=predictor,
-                              runs=args.runs, **sampling)
-                row.update(cache_fraction=quantized.residency.n_slots / quantized.plan.total_experts,
-                           expert_bytes=quantized.residency.expert_bytes,
-                           host_expert_gib=quantized.residency.store.nbytes / GiB)
-                if reference_sequences is not None:
-                    row["same_tokens_as_all_resident"] = row["sequences"] == reference_sequences
-                emit({**base, **row})
-            quantized.close()
-            del quantized
-        except Exception as exc:
-            emit({**base, "system": f"quantized@{expert_dtype}", "failed": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc(limit=4)})
-        _free()
-    if name == "v2lite" and args.hf_baseline and device.type == "cuda":
-        try:
-            emit({**base, **hf_accelerate_row(path, args.budget_gib, prompts[0], args.hf_tokens)})
-        except Exception as exc:
-            emit({**base, "system": "hf_accelerate", "failed": f"{type(exc).__name__}: {exc}"})
-        _free()
+        store = quantized.residency.store  # None when the budget holds every compressed expert
+        best = "mtp+next_layer_gate" if quantized.has_mtp else "next_layer_gate"
+        for predictor in ("none", best):
+            row = run_row(quantized, f"{predictor}@{expert_dtype}", run.prompts, run.args.new_tokens,
+                          predictor=predictor, runs=run.args.runs, **run.sampling)
+            row.update(cache_fraction=quantized.residency.n_slots / quantized.plan.total_experts,
+                       expert_bytes=quantized.residency.expert_bytes,
+                       host_expert_gib=store.nbytes / GiB if store is not None else None)
+            run.emit({**run.base, **run.checked(row)})
+        quantized.close()
+        del quantized
+    except Exception as exc:
+        run.fail(f"quantized@{expert_dtype}", exc)
 
 
 def bench_decode_compute(name: str, path: Path, args: argparse.Namespace, device: torch.device,
@@ -1452,7 +1535,7 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/bench_h200.json")
     parser.add_argument("--workloads", default="ref17,v2lite,v3layers")
@@ -1537,6 +1620,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routing-trace", type=Path,
                         default=ROOT / ".device-data/traces/nvmoe-dsv2lite-a.tokens.jsonl",
                         help="v2lite_trace: the routing trace every decode step follows (../shared/traces)")
+    return parser
+
+
+def workload_checkpoint(name: str, args: argparse.Namespace, device: torch.device) -> Path:
+    """A workload's checkpoint: the trained models padded to --expert-mb, or a random one of the named shape
+    (reused with --keep-checkpoints)."""
+    if name in ("ref17", "deep"):
+        source = ROOT / "moeprefetch/reference_model" if name == "ref17" else args.deep_checkpoint
+        if not (source / "model.safetensors.index.json").is_file():
+            raise FileNotFoundError(f"{source} holds no checkpoint: train it with reference/"
+                                    f"train_reference.py --preset deep (scripts/device_pending.sh STAGE=deep)")
+        return write_padded_reference(source, args.workdir / name,
+                                      int(args.expert_mb * 1e6 if args.scale == "full" else 3e5))
+    if name not in ("v2lite", "v2lite_trace", "v3layers", "qwen3_30b", "qwen3_30b_layers"):
+        raise ValueError(f"unknown workload {name}")
+    shape = {"v2lite": V2LITE, "v2lite_trace": V2LITE, "v3layers": V3LAYERS}.get(name, QWEN3_30B)
+    if name == "qwen3_30b_layers":
+        shape = dict(shape, num_hidden_layers=args.qwen3_layers)
+    if args.mtp_layer and shape["model_type"] != "qwen3_moe":  # a random MTP layer: verify steps
+        shape = dict(shape, num_nextn_predict_layers=1)
+    shape = tiny(shape) if args.scale == "tiny" else shape
+    # the whole Qwen3-30B-A3B only fits the GPU machine's disk as its published FP8 release does
+    path = args.workdir / name
+    if not (args.keep_checkpoints and (path / "model.safetensors.index.json").is_file()):
+        path = write_random_checkpoint(path, shape, device, fp8_experts=name == "qwen3_30b")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if unknown := [p for p in args.policy_rows.split(",") if p and p not in POLICIES]:
         parser.error(f"--policy-rows: unknown policies {unknown}; choose from {', '.join(POLICIES)}")
@@ -1574,26 +1687,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.workloads.split(","):
         start = time.perf_counter()
         try:
-            if name in ("ref17", "deep"):
-                source = ROOT / "moeprefetch/reference_model" if name == "ref17" else args.deep_checkpoint
-                if not (source / "model.safetensors.index.json").is_file():
-                    raise FileNotFoundError(f"{source} holds no checkpoint: train it with reference/"
-                                            f"train_reference.py --preset deep (scripts/device_pending.sh STAGE=deep)")
-                path = write_padded_reference(source, args.workdir / name,
-                                              int(args.expert_mb * 1e6 if args.scale == "full" else 3e5))
-            elif name in ("v2lite", "v2lite_trace", "v3layers", "qwen3_30b", "qwen3_30b_layers"):
-                shape = {"v2lite": V2LITE, "v2lite_trace": V2LITE, "v3layers": V3LAYERS}.get(name, QWEN3_30B)
-                if name == "qwen3_30b_layers":
-                    shape = dict(shape, num_hidden_layers=args.qwen3_layers)
-                if args.mtp_layer and shape["model_type"] != "qwen3_moe":  # a random MTP layer: verify steps
-                    shape = dict(shape, num_nextn_predict_layers=1)
-                shape = tiny(shape) if args.scale == "tiny" else shape
-                # the whole Qwen3-30B-A3B only fits the GPU machine's disk as its published FP8 release does
-                path = args.workdir / name
-                if not (args.keep_checkpoints and (path / "model.safetensors.index.json").is_file()):
-                    path = write_random_checkpoint(path, shape, device, fp8_experts=name == "qwen3_30b")
-            else:
-                raise ValueError(f"unknown workload {name}")
+            path = workload_checkpoint(name, args, device)
             logger.info("%s checkpoint ready in %.1f s", name, time.perf_counter() - start)
             if args.prefill:
                 bench_prefill(name, path, args, device, link, emit)

@@ -1,0 +1,32 @@
+"""scripts/bench_gpu.py on the CPU at its tiny scale: the rows a GPU call relies on come out, with their tokens
+checked against the all-resident run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import load_script
+
+
+@pytest.mark.slow
+def test_a_tiny_decode_run_gives_every_asked_row_with_the_all_resident_tokens(tmp_path):
+    bench = load_script("bench_gpu")
+    out = tmp_path / "bench.json"
+    # int4 at 12 GiB holds every tiny expert (no host store): its rows must still come out
+    bench.main(["--device", "cpu", "--scale", "tiny", "--workloads", "v2lite", "--runs", "1", "--new-tokens", "3",
+                "--prompt-tokens", "6", "--out", str(out), "--workdir", str(tmp_path / "work"),
+                "--systems", "all_resident,none,oracle,oracle_next", "--expert-dtypes", "int8,int4",
+                "--int4-group-size", "32"])
+    rows = {row["system"]: row for row in json.loads(out.read_text())["rows"]}
+    assert not [row for row in rows.values() if "failed" in row]
+    assert {"all_resident", "resident_at_budget", "plan", "none", "oracle", "oracle_next", "floor", "none@int8",
+            "next_layer_gate@int8", "none@int4", "next_layer_gate@int4"} <= set(rows)
+    assert "next_layer_gate" not in rows  # --systems leaves out what it does not name
+    for system in ("resident_at_budget", "none", "oracle", "oracle_next"):
+        assert rows[system]["same_tokens_as_all_resident"] is True, system
+    assert rows["none@int4"]["host_expert_gib"] is None  # every int4 expert resident: nothing on the host
+    assert rows["none@int8"]["host_expert_gib"] is None or rows["none@int8"]["host_expert_gib"] > 0
+    assert rows["floor"]["belady_bytes_per_token"] >= 0
+    assert rows["all_resident"]["ms_per_token"] > 0
