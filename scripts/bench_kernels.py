@@ -365,7 +365,7 @@ def grouped_sweep(out: Path, tokens: int = 4096, candidates: tuple[tuple[int, ..
     return 0
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tiles-sweep", action="store_true", help="only time the expert kernel's tile choices")
@@ -388,7 +388,11 @@ def main() -> int:
                         "routed at random (comma list), instead of batch-1 layers")
     parser.add_argument("--missed-share", type=float, default=0.7, help="--sequences: the share of each layer's "
                         "distinct experts read from host")
-    ns = parser.parse_args()
+    return parser
+
+
+def run_sweep(ns: argparse.Namespace) -> int | None:
+    """The sweep the options ask for (its exit code), or None when they ask for the kernel rows."""
     if ns.tiles_sweep:
         tiles = tuple(tuple(int(v) for v in t.split(",")) for t in ns.tiles.split(";") if t)
         if ns.expert_dtype == "int4":  # decode at batch 1 is what the 4-bit aims time: GEMV tiles
@@ -414,29 +418,21 @@ def main() -> int:
                                       candidates=tiles)
         return host_sweep(ns.out, step_rows=tuple(int(r) for r in ns.step_rows.split(",")), cases=cases,
                           candidates=tiles, expert_dtype=ns.expert_dtype)
-    dev = torch.device("cuda")
-    rows: dict[str, float] = {}
-    fmt = ExpertFormat.build(2048, 1408, torch.bfloat16)
-    rec = fmt.record_bytes
-    n_host = 16
-    host = torch.empty(n_host, rec, dtype=torch.uint8).pin_memory()
-    for e in range(n_host):
-        fmt.pack(torch.randn(1408, 2048) * 0.02, torch.randn(1408, 2048) * 0.02, torch.randn(2048, 1408) * 0.02,
-                 host[e])
-    pool = torch.zeros(32, rec, dtype=torch.uint8, device=dev)
-    pool[:n_host].copy_(host)
+    return None
 
-    # ---- link ----
-    big_h = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
-    big_d = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    ms = timed(lambda: big_d.copy_(big_h, non_blocking=True))
-    rows["h2d_copy_engine_gbps"] = (256 << 20) / ms / 1e6
-    cfg = ResidencyConfig(positions=2, main_positions=1, n_experts=n_host, n_slots=32, record_bytes=rec, entries=64,
-                          wait_late=False)
-    st = TableState.allocate(cfg, 16, dev)
-    filler = Filler(st, cfg, pool, host, use_kernel=True)
 
-    def arm_fills(count: int) -> None:
+class FillRig:
+    """The fill kernel over a two-position table: `fill_all` copies every host record into slots 16.. of the pool."""
+
+    def __init__(self, dev: torch.device, pool: torch.Tensor, host: torch.Tensor):
+        self.dev, self.n_host = dev, host.shape[0]
+        cfg = ResidencyConfig(positions=2, main_positions=1, n_experts=self.n_host, n_slots=32,
+                              record_bytes=host.shape[1], entries=64, wait_late=False)
+        self.st = TableState.allocate(cfg, 16, dev)
+        self.filler = Filler(self.st, cfg, pool, host, use_kernel=True)
+
+    def arm(self, count: int) -> None:
+        st, dev = self.st, self.dev
         st.step.fill_(1)
         st.progress.fill_(1)
         st.e_state[:count] = E_ACTIVE
@@ -449,18 +445,29 @@ def main() -> int:
         st.order[0].fill_(-1)
         st.order[0, :count] = torch.arange(count, dtype=torch.int32, device=dev)
 
-    def fill_all() -> None:
-        arm_fills(n_host)
-        filler(-1)
+    def fill_all(self) -> None:
+        self.arm(self.n_host)
+        self.filler(-1)
 
+
+def link_and_fill_rows(dev: torch.device, fills: FillRig, pool: torch.Tensor, host: torch.Tensor) -> dict[str, float]:
+    rows: dict[str, float] = {}
+    big_h = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
+    big_d = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    ms = timed(lambda: big_d.copy_(big_h, non_blocking=True))
+    rows["h2d_copy_engine_gbps"] = (256 << 20) / ms / 1e6
     for programs in (8, 16, 32):
-        filler.programs = programs
-        ms = timed(fill_all, repeats=10)
-        rows[f"fill_kernel_{programs}_programs_gbps"] = n_host * rec / ms / 1e6
+        fills.filler.programs = programs
+        ms = timed(fills.fill_all, repeats=10)
+        rows[f"fill_kernel_{programs}_programs_gbps"] = fills.n_host * host.shape[1] / ms / 1e6
     assert torch.equal(pool[16:32].cpu(), host), "fill kernel bytes differ"
-    filler.programs = 16
+    fills.filler.programs = 16
+    return rows
 
-    # ---- one MoE layer at batch 1 ----
+
+def layer_rows(dev: torch.device, fmt: ExpertFormat, pool: torch.Tensor, host: torch.Tensor) -> dict[str, float]:
+    """One MoE layer at batch 1: the fused expert kernel reading VRAM, host memory or both; the gathered bmm."""
+    rows: dict[str, float] = {}
     experts = RoutedExperts(fmt, pool, host, "silu", F.silu, 16, 6, use_kernels=True)
     x = torch.randn(1, 2048, device=dev, dtype=torch.bfloat16)
     assign = torch.arange(6, dtype=torch.int32, device=dev)[None]
@@ -473,7 +480,7 @@ def main() -> int:
     mixed = no.clone()
     mixed[:3] = torch.arange(3, dtype=torch.int32, device=dev)
     out = torch.empty(1, 2048, device=dev)
-    layer_bytes = 6 * rec
+    layer_bytes = 6 * fmt.record_bytes
     for name, where in (("vram", slots), ("host", no), ("mixed_3_3", mixed)):
         ms = timed(lambda: experts(x, assign, weights, keys, where, no, out=out), graph=True)
         rows[f"experts_layer_{name}_ms"] = ms
@@ -489,9 +496,12 @@ def main() -> int:
     via_vram = experts(x, assign, weights, keys, slots, no)
     via_host = experts(x, assign, weights, keys, no, no)
     rows["host_read_equals_slot_read"] = float(torch.equal(via_vram, via_host))
+    return rows
 
-    # ---- plan kernel: 27 V2-Lite layers in one graph ----
-    pcfg = ResidencyConfig(positions=27, main_positions=26, n_experts=64, n_slots=544, record_bytes=rec,
+
+def plan_rows(dev: torch.device, record_bytes: int) -> dict[str, float]:
+    """The plan kernel: 27 V2-Lite layers in one graph."""
+    pcfg = ResidencyConfig(positions=27, main_positions=26, n_experts=64, n_slots=544, record_bytes=record_bytes,
                            wait_late=False)
     pst = TableState.allocate(pcfg, 96, dev)
     planner = LayerPlanner(pst, pcfg, 6, 16, 16, use_kernel=True)
@@ -507,10 +517,12 @@ def main() -> int:
             planner(p, ids, act, ids_s, act, a, uk, us, ud, True, True)
 
     ms = timed(plan_step, repeats=10, graph=True)
-    rows["plan_step_27_layers_ms"] = ms
-    rows["plan_per_layer_us"] = 1000 * ms / 28
+    return {"plan_step_27_layers_ms": ms, "plan_per_layer_us": 1000 * ms / 28}
 
-    # ---- overlap: fills beside HBM-bound GEMVs ----
+
+def overlap_rows(dev: torch.device, fills: FillRig) -> dict[str, float]:
+    """Fills beside HBM-bound GEMVs: how much each slows the other."""
+    rows: dict[str, float] = {}
     w = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     v = torch.randn(8192, 1, device=dev, dtype=torch.bfloat16)
 
@@ -520,24 +532,47 @@ def main() -> int:
 
     side = torch.cuda.Stream()
     rows["gemvs_alone_ms"] = timed(gemvs)
-    rows["fills_alone_ms"] = timed(fill_all, repeats=10)
+    rows["fills_alone_ms"] = timed(fills.fill_all, repeats=10)
 
     def both() -> None:
-        arm_fills(n_host)
+        fills.arm(fills.n_host)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            filler(-1)
+            fills.filler(-1)
         gemvs()
         torch.cuda.current_stream().wait_stream(side)
 
     rows["gemvs_with_fills_ms"] = timed(both, repeats=10)
+    return rows
+
+
+def kernel_rows() -> dict[str, float]:
+    """The link, the fill kernel, one MoE layer, the plan kernel and fills beside GEMVs, at V2-Lite's expert."""
+    dev = torch.device("cuda")
+    fmt = ExpertFormat.build(2048, 1408, torch.bfloat16)
+    n_host = 16
+    host = torch.empty(n_host, fmt.record_bytes, dtype=torch.uint8).pin_memory()
+    for e in range(n_host):
+        fmt.pack(torch.randn(1408, 2048) * 0.02, torch.randn(1408, 2048) * 0.02, torch.randn(2048, 1408) * 0.02,
+                 host[e])
+    pool = torch.zeros(32, fmt.record_bytes, dtype=torch.uint8, device=dev)
+    pool[:n_host].copy_(host)
+    fills = FillRig(dev, pool, host)
+    return {**link_and_fill_rows(dev, fills, pool, host), **layer_rows(dev, fmt, pool, host),
+            **plan_rows(dev, fmt.record_bytes), **overlap_rows(dev, fills)}
+
+
+def main() -> int:
+    ns = build_parser().parse_args()
+    if (code := run_sweep(ns)) is not None:
+        return code
+    rows = kernel_rows()
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     ns.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows},
                                  indent=1))
     for key, value in rows.items():
         print(f"{key:40s} {value:10.3f}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
