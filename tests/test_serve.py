@@ -1519,3 +1519,125 @@ def test_a_token_inside_a_character_is_offset_where_the_character_begins():
         assert choice["logprobs"]["text_offset"] == [0, 0, 1, 1, 2, 2, 3, 3]
     finally:
         server.close()
+
+
+def test_parameters_no_endpoint_reads_are_refused_by_name_and_labels_pass(live):
+    """Issue 40: nothing silently ignored. A parameter neither endpoint reads (vLLM's min_p and
+    repetition_penalty change sampling) is a 400 naming it, as OpenAI's API answers; user and metadata label a
+    request and change nothing; a message echoed back from an answer (OpenAI's clients send its null fields) passes."""
+    for url, body in (("/v1/completions", {"prompt": "x"}),
+                      ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        for name, value in (("frobnicate", 1), ("min_p", 0.1), ("repetition_penalty", 1.2), ("\ud800", 1),
+                            ("reasoning_effort", "high"), ("store", True)):
+            response = httpx.post(live.url + url, timeout=30, headers={"Content-Type": "application/json"},
+                                  content=json.dumps({"model": "tiny", **body, name: value}))
+            error = _error_of(response, 400, name)
+            assert json.dumps(name) in error["message"] or name in error["message"], error
+        labelled = {"model": "tiny", **body, "max_tokens": 2, "temperature": 0, "user": "u-1",
+                    "metadata": {"team": "x"}, "parallel_tool_calls": False, "service_tier": "auto", "store": False}
+        assert httpx.post(live.url + url, timeout=30, json=labelled).status_code == 200
+        conflict = {"model": "tiny", **body, "max_tokens": 4, "max_completion_tokens": 2}
+        _error_of(httpx.post(live.url + url, timeout=30, json=conflict), 400, "max_completion_tokens")
+    response = httpx.post(live.url + "/v1/completions", timeout=30,
+                          json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+    assert "/v1/completions" in _error_of(response, 400, "messages")["message"]
+    echoed = {"role": "assistant", "content": "fine", "refusal": None, "tool_calls": None, "function_call": None,
+              "audio": None, "annotations": []}
+    turns = [{"role": "user", "content": "the quick"}, echoed, {"role": "user", "content": "fox"}]
+    plain = [{"role": "user", "content": "the quick"}, {"role": "assistant", "content": "fine"},
+             {"role": "user", "content": "fox"}]
+    answers = [httpx.post(live.url + "/v1/chat/completions", timeout=30,
+                          json={"model": "tiny", "messages": m, "max_tokens": 3, "temperature": 0}).json()
+               for m in (turns, plain)]
+    assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
+    assert answers[0]["usage"] == answers[1]["usage"]
+    called = dict(echoed, tool_calls=[{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}])
+    response = httpx.post(live.url + "/v1/chat/completions", timeout=30,
+                          json={"model": "tiny", "messages": [called, {"role": "user", "content": "x"}]})
+    assert "tool_calls" in _error_of(response, 400, "messages[0]")["message"]
+
+
+def test_refusals_quote_the_values_as_json_and_bound_what_the_tokenizer_would_see():
+    """Error sentences show what the client sent in JSON's spelling; a named participant reaches the prompt; more
+    messages than the context has tokens, or a stop string longer than any text it holds, are refused before the
+    tokenizer runs; max_tokens and max_completion_tokens agree or are refused."""
+    from moeprefetch.serve.protocol import APIError, Limits, fallback_chat_prompt, parse_chat, parse_completion
+
+    class Untouchable:
+        chat_template = None
+
+        def __call__(self, *args, **kwargs):
+            raise AssertionError("the tokenizer ran")
+
+    limits = Limits(model="m", context=64, max_token_chars=4)
+    for body, param, quoted in (({"temperature": "0.5"}, "temperature", 'got "0.5"'),
+                                ({"logprobs": True}, "logprobs", "got true"),
+                                ({"max_tokens": 2.0}, "max_tokens", "got 2.0"),
+                                ({"stream": "yes"}, "stream", 'got "yes"'),
+                                ({"user": 7}, "user", "got 7"),
+                                ({"stop": ["z" * 257]}, "stop", "max_seq_len=64"),
+                                ({"max_tokens": 3, "max_completion_tokens": 5}, "max_completion_tokens", "differ")):
+        with pytest.raises(APIError) as err:
+            parse_completion({"prompt": [1, 2], **body}, Untouchable(), limits)
+        assert (err.value.status, err.value.param) == (400, param) and quoted in err.value.message, err.value.message
+    job = parse_completion({"prompt": [1, 2], "max_tokens": 5, "max_completion_tokens": 5, "stop": ["z" * 256]},
+                           Untouchable(), limits)
+    assert job.max_tokens == 5 and job.stop == ["z" * 256]
+    assert parse_completion({"prompt": [1], "max_completion_tokens": 7}, Untouchable(), limits).max_tokens == 7
+    many = [{"role": "user", "content": ""}] * 65
+    with pytest.raises(APIError) as err:
+        parse_chat({"messages": many}, Untouchable(), limits)
+    assert err.value.param == "messages" and "65 messages" in err.value.message
+    with pytest.raises(APIError) as err:
+        parse_chat({"messages": [{"role": "user", "content": "x", "name": 3}]}, Untouchable(), limits)
+    assert err.value.param == "messages[0].name" and "got 3" in err.value.message
+    named = [{"role": "user", "content": "hi", "name": "ada"}, {"role": "assistant", "content": "yes"}]
+    assert fallback_chat_prompt(named) == "user (ada): hi\nassistant: yes\nassistant:"
+
+
+def test_the_collector_pause_holds_the_collector_off_until_the_last_holder_leaves():
+    from moeprefetch.serve.guards import CollectorPause
+
+    pause = CollectorPause()
+    assert gc.isenabled()
+    try:
+        with pause:
+            assert not gc.isenabled()
+            with pause:  # a second parse worker
+                assert not gc.isenabled()
+            assert not gc.isenabled()
+        assert gc.isenabled()
+        gc.disable()  # a process that runs without the collector keeps it off
+        with pause:
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_bodies_are_decoded_with_the_collector_held_off(live, monkeypatch):
+    import moeprefetch.serve.app as app_module
+
+    seen = []
+    real = app_module.decode_body
+    monkeypatch.setattr(app_module, "decode_body", lambda raw: (seen.append(gc.isenabled()), real(raw))[1])
+    many = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 1, "pad": [[]] * 50_000})
+    response = httpx.post(live.url + "/v1/completions", timeout=30, content=many,
+                          headers={"Content-Type": "application/json"})
+    _error_of(response, 400, "pad")
+    assert seen == [False] and gc.isenabled()
+
+
+@pytest.mark.parametrize("raw", [b"GARBAGE\r\n\r\n", b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                 b"Content-Length: abc\r\n\r\n",
+                                 b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+                                 b"Content-Type: application/json\r\n\r\nzz\r\n"])
+def test_what_is_not_http_gets_a_json_400_and_the_server_carries_on(live, raw):
+    with socket.create_connection(("127.0.0.1", live.port), timeout=10) as sock:
+        sock.sendall(raw)
+        reply = _read_reply(sock)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower(), reply
+    error = json.loads(body)["error"]
+    assert "not valid HTTP/1.1" in error["message"] and error["code"] == "bad_request"
+    assert httpx.get(live.url + "/health", timeout=10).status_code == 200

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from ..sampling import TokenLogprob
-from .guards import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, ErrorResponse, Guard, read_body
+from .guards import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, CollectorPause, ErrorResponse, Guard, read_body
 from .protocol import FALLBACK_CHAT_END, FALLBACK_CHAT_LINE, APIError, Job, Limits, decode_body, parse_chat, \
     parse_completion
 from .logprobs import chat_logprobs, completion_logprobs
@@ -95,6 +95,7 @@ class Server:
         # requests answered with an error before the scheduler saw them, by HTTP status (the event loop's alone)
         self.refused: Counter[int] = Counter()
         self.workers = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="moeprefetch-parse")
+        self.collector_pause = CollectorPause()
         tokenizer = engine.tokenizer
         if tokenizer is not None and not getattr(tokenizer, "chat_template", None):
             logger.warning("the tokenizer has no chat template: /v1/chat/completions renders messages as %r lines "
@@ -137,7 +138,9 @@ class Server:
 
     # ---- the generation routes ---------------------------------------------------------------------------------------
     def _parse(self, raw: bytes, parse) -> Job:
-        return parse(decode_body(raw), self.engine.tokenizer, self.limits)
+        with self.collector_pause:
+            body = decode_body(raw)
+        return parse(body, self.engine.tokenizer, self.limits)
 
     async def _generate(self, request: Request, parse) -> Response:
         try:

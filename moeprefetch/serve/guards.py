@@ -4,10 +4,12 @@ request bodies the content type, a size limit and a read timeout. Every refusal 
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import ipaddress
 import json
 import logging
+import threading
 from typing import Any, Callable
 
 from starlette.datastructures import Headers
@@ -32,6 +34,34 @@ class ErrorResponse(JSONResponse):
 
     def render(self, content: Any) -> bytes:
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+class CollectorPause:
+    """Python's cyclic garbage collector held off while request bodies are decoded (re-entrant across the parse
+    workers: the last one out turns it back on, if it was on). Decoding a body of many small arrays or objects
+    allocates hundreds of thousands of containers, each batch of which triggers a collection that walks every
+    object of the process (the engine's too): a 1 MB body of empty lists took 0.39 s to decode beside the
+    reference model on the CPU, 0.012 s with the collector off, and held the interpreter, so every stream's tokens
+    waited. Reference counting still frees the containers; only cycles wait for the collector's next run."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._was_enabled = False
+
+    def __enter__(self) -> "CollectorPause":
+        with self._lock:
+            if self._holders == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._holders += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0 and self._was_enabled:
+                gc.enable()
 
 
 def default_allowed_hosts(bind_host: str) -> list[str] | None:

@@ -58,6 +58,8 @@ def server_config(app, host: str, port: int, log_level: str = "warning",
 
 REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
                    b"content-length: %d\r\n\r\n%s")
+BAD_REQUEST = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\nconnection: close\r\n"
+               b"content-length: %d\r\n\r\n%s")
 
 
 class HeaderDeadline(H11Protocol):
@@ -88,6 +90,16 @@ class HeaderDeadline(H11Protocol):
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
+
+    def send_400_response(self, msg: str) -> None:
+        """What is not HTTP/1.1 (a garbled request line, a Content-Length that is no number, a bad chunk size) gets
+        a JSON error as every other refusal does; uvicorn's own answer is text/plain."""
+        self._cancel_header_timer()
+        error = APIError(400, f"the request is not valid HTTP/1.1 ({msg.rstrip('.')}); the connection closes",
+                         code="bad_request")
+        body = json.dumps(error.body()).encode()
+        self.transport.write(BAD_REQUEST % (len(body), body))
+        self.transport.close()
 
     def _headers_too_slow(self) -> None:
         self._header_timer = None

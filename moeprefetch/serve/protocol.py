@@ -24,10 +24,27 @@ FALLBACK_CHAT_END = "assistant:"
 # does not have (suffix insertion, best_of ranking, tool calls, constrained output, audio). logprobs, top_logprobs,
 # logit_bias and the penalties are honoured (`parse_common`, `parse_completion`, `parse_chat`).
 NOT_HONOURED: tuple[tuple[str, tuple[Any, ...]], ...] = (
-    ("suffix", (None, "")), ("best_of", (None, 1)), ("tools", (None, [])), ("tool_choice", (None, "none", "auto")), ("functions", (None, [])),
-    ("function_call", (None, "none", "auto")), ("response_format", (None, {"type": "text"})),
-    ("modalities", (None, ["text"])), ("audio", (None,)), ("prediction", (None,)),
+    ("suffix", (None, "")), ("best_of", (None, 1)), ("tools", (None, [])), ("tool_choice", (None, "none", "auto")),
+    ("functions", (None, [])), ("function_call", (None, "none", "auto")),
+    ("response_format", (None, {"type": "text"})), ("modalities", (None, ["text"])), ("audio", (None,)),
+    ("prediction", (None,)), ("store", (None, False)), ("service_tier", (None, "auto", "default")),
+    ("reasoning_effort", (None,)), ("web_search_options", (None,)),
+    ("parallel_tool_calls", (None, True, False)),  # about tool calls, which are refused anyway
 )
+# the parameters each endpoint reads (with NOT_HONOURED's names and chat's refused echo); any other name is refused
+# with a 400 naming it, as OpenAI's API does ("Unrecognized request argument"), so that a client's sampling option
+# (vLLM's min_p or repetition_penalty, say) is never silently dropped. top_k and ignore_eos are vLLM's, honoured;
+# user and metadata label a request and change nothing.
+COMMON_PARAMS = frozenset({
+    "model", "n", "temperature", "top_p", "top_k", "seed", "max_tokens", "max_completion_tokens", "stream",
+    "stream_options", "ignore_eos", "presence_penalty", "frequency_penalty", "logit_bias", "stop", "logprobs",
+    "top_logprobs", "user", "metadata", *(name for name, _ in NOT_HONOURED)})
+COMPLETION_PARAMS = COMMON_PARAMS | {"prompt", "echo"}
+CHAT_PARAMS = COMMON_PARAMS | {"messages", "echo"}
+# a chat message's keys: role, content and name are read; the others a client may echo back from an answer
+# (OpenAI's clients serialise a returned message with these set to null) pass only empty
+MESSAGE_KEYS = ("role", "content", "name")
+MESSAGE_ECHOED_KEYS = ("refusal", "tool_calls", "function_call", "audio", "annotations", "tool_call_id")
 
 
 # an error's `code` where the raiser names none: OpenAI's clients read a string or null there, never a number
@@ -132,6 +149,21 @@ def _text(value: str, param: str) -> str:
     return value
 
 
+def shown(value: Any, limit: int = 40) -> str:
+    """A client's value as JSON writes it ("0.5" a string, true a flag), cut to `limit` characters: an error
+    sentence quotes what was sent, not Python's spelling of it."""
+    text = json.dumps(value, ensure_ascii=True)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def refuse_unknown(body: dict[str, Any], known: frozenset[str], endpoint: str) -> None:
+    """400 naming the first parameter this endpoint does not read (`COMPLETION_PARAMS`, `CHAT_PARAMS`)."""
+    for name in body:
+        if name not in known:
+            raise APIError(400, f"{shown(name, 60)} is not a parameter of {endpoint} on this server (it reads "
+                                "OpenAI's parameters and top_k and ignore_eos); leave it out", name[:60])
+
+
 def _same(value: Any, allowed: Any) -> bool:
     if allowed is None or isinstance(allowed, bool):
         return value is allowed
@@ -162,9 +194,10 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
-        raise APIError(400, f"{name} must be a number, got {str(value)[:40]}", name)
+        raise APIError(400, f"{name} must be a number, got {shown(value)}", name)
     if not (low < value if low_open else low <= value) or value > high:
-        raise APIError(400, f"{name} must lie in {'(' if low_open else '['}{low:g}, {high:g}], got {value!r}", name)
+        raise APIError(400, f"{name} must lie in {'(' if low_open else '['}{low:g}, {high:g}], got {shown(value)}",
+                       name)
     return float(value)
 
 
@@ -174,11 +207,11 @@ def _integer(body: dict[str, Any], name: str, default: int | None, low: int, hig
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value >= high):
         wanted = f">= {low}" if high is None else f"in [{low}, {high})"
-        raise APIError(400, f"{name} must be an integer {wanted}, got {value!r}", name)
+        raise APIError(400, f"{name} must be an integer {wanted}, got {shown(value)}", name)
     return value
 
 
-def _stop(body: dict[str, Any]) -> list[str]:
+def _stop(body: dict[str, Any], limits: Limits) -> list[str]:
     stop = body.get("stop")
     if stop is None:
         return []
@@ -186,6 +219,8 @@ def _stop(body: dict[str, Any]) -> list[str]:
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) \
             or len(stops) > MAX_STOP_STRINGS:
         raise APIError(400, f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them", "stop")
+    for s in stops:  # a stop string longer than any text the context can hold never matches
+        limits.check_chars(len(s), "stop")
     return [_text(s, "stop") for s in stops]
 
 
@@ -194,14 +229,19 @@ def _flag(body: dict[str, Any], name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise APIError(400, f"{name} must be true or false, got {value!r}", name)
+        raise APIError(400, f"{name} must be true or false, got {shown(value)}", name)
     return value
 
 
-def parse_common(body: Any, limits: Limits) -> dict[str, Any]:
-    """The parameters completions and chat completions share."""
+def parse_common(body: Any, limits: Limits, known: frozenset[str], endpoint: str) -> dict[str, Any]:
+    """The parameters completions and chat completions share (`known`: every parameter `endpoint` reads)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    refuse_unknown(body, known, endpoint)
+    for name in ("user", "metadata"):  # labels: any string, or an object of them
+        if body.get(name) is not None and not isinstance(body[name], str if name == "user" else dict):
+            raise APIError(400, f"{name} must be {'a string' if name == 'user' else 'an object'}, got "
+                                f"{shown(body[name])}", name)
     model = body.get("model")
     if model is not None and model != limits.model:
         raise APIError(404, f"model {model!r} is not served here; this server serves {limits.model!r}", "model",
@@ -214,8 +254,11 @@ def parse_common(body: Any, limits: Limits) -> dict[str, Any]:
     top_k = _integer(body, "top_k", 0, 0)
     seed = _integer(body, "seed", None, SEED_MIN, SEED_LIMIT)
     max_tokens = _integer(body, "max_tokens", None, 1)
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_completion_tokens", limits.default_max_tokens, 1)
+    newer = _integer(body, "max_completion_tokens", None, 1)  # OpenAI's newer name for the same bound
+    if max_tokens is not None and newer is not None and newer != max_tokens:
+        raise APIError(400, f"max_tokens ({max_tokens}) and max_completion_tokens ({newer}) differ; give one of "
+                            "them", "max_completion_tokens")
+    max_tokens = max_tokens or newer or limits.default_max_tokens
     stream, ignore_eos = _flag(body, "stream"), _flag(body, "ignore_eos")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
@@ -233,7 +276,7 @@ def parse_common(body: Any, limits: Limits) -> dict[str, Any]:
         sampling.validate(limits.vocab)
     except RequestError as exc:  # the logit_bias's keys or values (every other field is checked above)
         raise APIError(400, str(exc), "logit_bias") from None
-    return dict(max_tokens=max_tokens, stream=stream, stop=_stop(body), ignore_eos=ignore_eos,
+    return dict(max_tokens=max_tokens, stream=stream, stop=_stop(body, limits), ignore_eos=ignore_eos,
                 include_usage=bool(options.get("include_usage", False)), sampling=sampling)
 
 
@@ -253,7 +296,7 @@ def _job(kind: str, ids: list[int], common: dict[str, Any], limits: Limits, para
 
 
 def parse_completion(body: Any, tokenizer, limits: Limits) -> Job:
-    common = parse_common(body, limits)
+    common = parse_common(body, limits, COMPLETION_PARAMS, "/v1/completions")
     refuse_not_honoured(body)
     if "top_logprobs" in body and not any(_same(body["top_logprobs"], v) for v in (None, False, 0)):
         # chat's parameter; completions' logprobs is the count
@@ -310,33 +353,52 @@ def _content(content: Any, index: int, role: str) -> str:
     return "\n".join(texts)
 
 
-def _messages(messages: Any) -> list[dict[str, str]]:
+def _messages(messages: Any, limits: Limits) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-    for i, m in enumerate(messages):
-        if m["role"] not in CHAT_ROLES:
-            raise APIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got "
-                                f"{m['role'][:40]!r}", f"messages[{i}].role")
-    return [{"role": m["role"], "content": _content(m.get("content"), i, m["role"])} for i, m in enumerate(messages)]
+    if len(messages) > limits.context:  # each message takes a token at least: refused before any is read
+        raise APIError(400, f"messages: {len(messages)} messages, more than this server's context of "
+                            f"max_seq_len={limits.context} tokens can hold", "messages")
+    return [_message(m, i) for i, m in enumerate(messages)]
+
+
+def _message(message: dict[str, Any], index: int) -> dict[str, str]:
+    """A message as the chat template takes it: role, content as text, and name where given."""
+    if message["role"] not in CHAT_ROLES:
+        raise APIError(400, f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, got "
+                            f"{shown(message['role'])}", f"messages[{index}].role")
+    for key, value in message.items():
+        if key not in MESSAGE_KEYS and (key not in MESSAGE_ECHOED_KEYS or value not in (None, "", [], {})):
+            raise APIError(400, f"messages[{index}] has {shown(key, 60)}, which this server does not read (a "
+                                "message is role, content and name); leave it out", f"messages[{index}]")
+    out = {"role": message["role"], "content": _content(message.get("content"), index, message["role"])}
+    if message.get("name") is not None:
+        if not isinstance(message["name"], str) or not message["name"]:
+            raise APIError(400, f"messages[{index}].name must be a non-empty string, got {shown(message['name'])}",
+                           f"messages[{index}].name")
+        out["name"] = _text(message["name"], f"messages[{index}].name")
+    return out
 
 
 def fallback_chat_prompt(messages: list[dict[str, str]]) -> str:
-    """The chat prompt of a tokenizer without a template: one "role: content" line per message, then "assistant:"."""
-    return "".join(FALLBACK_CHAT_LINE.format(**m) for m in messages) + FALLBACK_CHAT_END
+    """The chat prompt of a tokenizer without a template: one "role: content" line per message ("role (name):
+    content" for a named participant), then "assistant:"."""
+    return "".join(FALLBACK_CHAT_LINE.format(role=f"{m['role']} ({m['name']})" if "name" in m else m["role"],
+                                             content=m["content"]) for m in messages) + FALLBACK_CHAT_END
 
 
 def parse_chat(body: Any, tokenizer, limits: Limits) -> Job:
-    common = parse_common(body, limits)
+    common = parse_common(body, limits, CHAT_PARAMS, "/v1/chat/completions")
     refuse_not_honoured(body, extra=("echo",))  # echo is a completions parameter; chat has none
     wanted, top = _flag(body, "logprobs"), _integer(body, "top_logprobs", None, 0, LOGPROBS_MAX + 1)
     if top and not wanted:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     _with_logprobs(common, (top or 0) if wanted else None)
-    messages = _messages(body.get("messages"))
+    messages = _messages(body.get("messages"), limits)
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids", "messages")
-    limits.check_chars(sum(len(m["content"]) for m in messages), "messages")  # roles are OpenAI's few short names
+    limits.check_chars(sum(len(m["content"]) + len(m.get("name", "")) for m in messages), "messages")
     if not getattr(tokenizer, "chat_template", None):
         ids = tokenizer(fallback_chat_prompt(messages), add_special_tokens=True)["input_ids"]
     else:
