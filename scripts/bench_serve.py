@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from moeprefetch.serve.app import build_app
+    from moeprefetch.serve.lifecycle import freeze_loaded_objects
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/serve_h200.json")
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         routing_trace=str(args.routing_trace) if args.routing_trace else None)
     app = build_app(engine, "bench", args.predictor, max_queue=4 * max(levels), drain_seconds=5,
                     batch_invariant=args.batch_invariant)
+    freeze_loaded_objects()  # as `moeprefetch serve` does before it listens
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -8,6 +8,7 @@ which aborted the process ('terminate called without an active exception')."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import socket
@@ -27,6 +28,15 @@ ANSWER_GRACE_SECONDS = 2.0  # after the drain: for the handlers of cut requests 
 # disconnected without sending a response" under load (tests/test_serve.py's load test, once in six CI runs).
 # Longer than the clients' expiry, the client always closes first.
 KEEP_ALIVE_SECONDS = 75
+
+
+def freeze_loaded_objects() -> None:
+    """Move every object alive now (the loaded engine's, which live as long as a serving process) out of the cyclic
+    collector's generations: its full collections, in a decode step's thread or a request's parse, then walk only
+    what the requests allocate (the reference model's 342k objects: 0.14 s a full collection on the CPU, none
+    frozen). Only for a process that serves one engine until it exits: frozen objects are never collected."""
+    gc.collect()
+    gc.freeze()
 
 
 def listen_problem(host: str, port: int) -> str | None:
