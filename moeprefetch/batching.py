@@ -35,6 +35,7 @@ from .build import predictor_spec
 from .predictors import default_lookahead
 from .decode import DecodeStep, RowState, decode_rows
 from .errors import RequestError
+from .requests import unused_learned_options
 from .sampling import RowSampler, SamplingParams, TokenLogprob, logprobs_of, row_paths, sample
 from .session import (configure_residency, prefill_mtp_row_windows, prefill_row_windows, prefill_rows, run_through,
                       step_shape, window_lengths)
@@ -69,9 +70,12 @@ class ContinuousBatch:
         options = engine.options
         name = predictor or options.predictor
         spec = predictor_spec(name, default_lookahead(name, options.lookahead), engine.has_mtp,
-                              engine.runner.learned_config)
+                              engine.runner.learned_config, len(engine.args.moe_layers))
         if spec.oracle:
             raise RequestError("the oracle predictor needs a recorded run of the same request; it cannot serve")
+        if (unused := unused_learned_options(options, spec)) is not None:  # one predictor serves every request
+            raise RequestError(f"{unused}: serve with predictor 'learned' (or a combination with it), or without "
+                               f"them")
         if engine.residency.group is not None:
             raise RequestError("continuous batching runs in one process: the ranks of distributed=True would need "
                                "one scheduler between them")

@@ -120,9 +120,10 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise RequestError(f"dtype {dtype!r} is not supported; use float32, bfloat16 or float16")
 
 
-def predictor_spec(spec: str, lookahead: int, has_mtp: bool, learned: HeadConfig | None = None) -> PredictorSpec:
-    """Parse and check a predictor against the model and the engine's learned head, if any (one clear sentence
-    when it cannot work)."""
+def predictor_spec(spec: str, lookahead: int, has_mtp: bool, learned: HeadConfig | None = None,
+                   moe_layers: int | None = None) -> PredictorSpec:
+    """Parse and check a predictor against the model (its MTP layer, its `moe_layers` MoE layers) and the engine's
+    learned head, if any (one clear sentence when it cannot work)."""
     check_positive_int("lookahead", lookahead)
     try:
         parsed = PredictorSpec.parse(spec, lookahead)
@@ -142,6 +143,9 @@ def predictor_spec(spec: str, lookahead: int, has_mtp: bool, learned: HeadConfig
         parsed = dataclasses.replace(parsed, learned_mtp=learned.use_mtp)
     if parsed.ring > 9:
         raise RequestError(f"lookahead={lookahead} is too far: predictions reach at most 8 steps ahead")
+    if "next_layer_gate" in parsed.names and moe_layers is not None and lookahead >= moe_layers:
+        raise RequestError(f"lookahead={lookahead} is too far for next_layer_gate, which predicts that many MoE "
+                           f"layers ahead: this model has {moe_layers}, so at most {moe_layers - 1}")
     return parsed
 
 
@@ -289,6 +293,8 @@ def resolve_expert_format(config: EngineConfig, args: ModelArgs) -> EngineConfig
     group = config.int4_group_size
     if group is None:  # per-channel checkpoints (group 0) have no single group size: the default one
         group = checkpoint.group_size if checkpoint is not None and checkpoint.group_size > 0 else INT4_GROUP_SIZE
+        # experts narrower than the default group (small models) take one group a row, as wide as their widest
+        group = min(group, max(args.hidden_size, args.moe_intermediate_size))
     symmetric = config.int4_symmetric
     if symmetric is None:
         symmetric = checkpoint.symmetric if checkpoint is not None else False
@@ -302,7 +308,7 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
     # model with learned routing, ref17, V2-Lite; BENCHMARKS "Prediction that pays"); predictors are chosen per call
     predictor = config.predictor if config.predictor is not None else "none"
     predictor_spec(predictor, config.lookahead if config.predictor else default_lookahead(predictor, config.lookahead),
-                   has_mtp, learned)
+                   has_mtp, learned, len(args.moe_layers))
     seq_len = config.max_seq_len or min(args.max_position_embeddings, 4096)
     if seq_len > args.max_position_embeddings:
         raise RequestError(

@@ -22,6 +22,8 @@ from .errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
+# the small trained model shipped with the package: the CLI's and from_pretrained's default
+REFERENCE_MODEL = Path(__file__).resolve().parent / "reference_model"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit

@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from .checkpoint import REFERENCE_MODEL
 from .errors import MoEPrefetchError
 
-REFERENCE_MODEL = Path(__file__).resolve().parent / "reference_model"
 DEFAULT_PROMPT = "The kernel's memory manager"
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -129,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--drain-seconds", type=float, default=30.0,
                         help="on Ctrl-C or SIGTERM, how long requests in flight may finish (a second signal cuts "
                              "them short); the rest get 503")
-    srv.add_argument("--api-key", default=os.environ.get("MOEPREFETCH_API_KEY") or None,
+    srv.add_argument("--api-key", default=os.environ.get("MOEPREFETCH_API_KEY"),
                      help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOEPREFETCH_API_KEY, which, unlike "
                           "the command line, other users cannot see; none: open)")
     srv.add_argument("--allowed-hosts", default=None,
@@ -353,6 +353,9 @@ def _serve(ns: argparse.Namespace) -> int:
         raise MoEPrefetchError("--allowed-hosts names no host: give names, or '*' for any")
     if ns.model_name is not None and not ns.model_name.strip():
         raise MoEPrefetchError("--model-name must not be empty: clients send it as the request's model")
+    if ns.api_key is not None and not ns.api_key.strip():  # `--api-key "$KEY"` with KEY unset: not an open server
+        raise MoEPrefetchError("the API key (--api-key or $MOEPREFETCH_API_KEY) is empty: give a key, or leave both "
+                               "out to serve without one")
     kwargs = _engine_kwargs(ns)
     if kwargs["distributed"]:
         raise MoEPrefetchError("serve runs in one process: --distributed is for generate (the ranks would need one "

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
+from .checkpoint import REFERENCE_MODEL
 from .build import ResolvedConfig, build_engine
 from .options import EngineConfig, check_fraction
 from .config import ModelArgs
@@ -24,7 +25,7 @@ from .predictors import PredictorSpec
 from .residency import Residency
 from .runner import FusedDecodeShape, KVCaches, ModelRunner
 from .sampling import DeviceSampler
-from .requests import as_batch_tensor, build_request, speculation_unavailable
+from .requests import as_batch_tensor, build_request, speculation_unavailable, unused_learned_options
 from .session import GenerationResult, Request, Session, TokenEvent
 from .speculation import AutoDraftExperts, AutoSpeculation, Decision
 from .streaming import LayerStreamer
@@ -43,9 +44,14 @@ __all__ = ["MoEPrefetchEngine", "GenerationResult", "TokenEvent", "EngineConfig"
 class MoEPrefetchEngine:
     """A DeepSeek-family MoE model with routed experts in host RAM, a VRAM expert cache and expert prefetching."""
 
-    def __init__(self, path: Path, args: ModelArgs, weights: ModelWeights, residency: Residency, tokenizer: Any,
-                 options: ResolvedConfig, plan: MemoryPlan, streamer: LayerStreamer | None = None,
-                 forced_routing: ForcedRouting | None = None):
+    def __init__(self, path: Path | None = None, args: ModelArgs | None = None, weights: ModelWeights | None = None,
+                 residency: Residency | None = None, tokenizer: Any = None, options: ResolvedConfig | None = None,
+                 plan: MemoryPlan | None = None, streamer: LayerStreamer | None = None,
+                 forced_routing: ForcedRouting | None = None, **unknown: Any):
+        if args is None or weights is None or residency is None or options is None or plan is None:
+            # the parts come from from_pretrained: a user's MoEPrefetchEngine("model/") gets the way to load one
+            raise RequestError("an engine is loaded with MoEPrefetchEngine.from_pretrained(path, **options) (no path: "
+                               "the bundled reference model), not built directly")
         self.path = path
         self.args = args
         self.weights = weights
@@ -68,12 +74,14 @@ class MoEPrefetchEngine:
         self._trace: torch.Tensor | None = None
         self._speculation = AutoSpeculation()  # `speculative="auto"`: this engine's measurements of both modes
         self._draft_modes = AutoDraftExperts()  # `draft_experts="auto"`: the same for the MTP head's experts
+        self._unused_noted: set[str] = set()  # predictors already told that bypass / reuse_weight do nothing there
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str | torch.device | None = None,
+    def from_pretrained(cls, path: str | Path | None = None, device: str | torch.device | None = None,
                         dtype: str | torch.dtype | None = None, *, config: EngineConfig | None = None,
                         **options: Any) -> "MoEPrefetchEngine":
-        """Load a local Hugging Face checkpoint directory of a DeepSeek-V3/V2 model.
+        """Load a local Hugging Face checkpoint directory of a DeepSeek-V3/V2 model (or of another supported
+        family; no path: the reference model bundled with the package, as the CLI's default).
 
         `options` are the fields of `EngineConfig` (its defaults apply; `config=` gives a whole one, which `device`,
         `dtype` and `options` then override). Without `expert_cache_slots`, `expert_cache_fraction` or
@@ -90,6 +98,8 @@ class MoEPrefetchEngine:
         fit the budget, the largest layers stream from host RAM `stream_ahead` layers ahead of the compute;
         `stream_layers=N` asks for N streamed layers explicitly.
         """
+        if path is None:
+            path = REFERENCE_MODEL
         if not isinstance(path, (str, Path)):
             raise RequestError(f"path must be a checkpoint directory (a str or Path), got {path!r}")
         if isinstance(config, Mapping):
@@ -370,6 +380,7 @@ class MoEPrefetchEngine:
                                 max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead, speculative,
                                 stop_at_eos, event_log, min_confidence, self.runner.learned_config, logit_bias,
                                 presence_penalty, frequency_penalty, logprobs)
+        self._note_unused_learned_options(request)
         if request.speculative == "auto" and resolve_auto:
             request = self._auto_speculation(request)
         if self.options.draft_experts == "auto" and resolve_auto:
@@ -385,6 +396,15 @@ class MoEPrefetchEngine:
             request = replace(request, speculative=agreed[0], speculation=agreed[1], draft_experts=agreed[2],
                               draft_choice=agreed[3], draft_tokens=agreed[4])
         return request
+
+    def _note_unused_learned_options(self, request: Request) -> None:
+        """A call whose predictor leaves the engine's bypass / reuse_weight without effect says so, once per
+        predictor (comparing predictors on one engine is a normal use: not an error)."""
+        unused = unused_learned_options(self.options, request.predictor)
+        key = "+".join(request.predictor.names)
+        if unused is not None and key not in self._unused_noted:
+            self._unused_noted.add(key)
+            logger.warning("%s: calls with it decode without them (use predictor='learned')", unused)
 
     def _auto_speculation(self, request: Request) -> Request:
         """`speculative="auto"` resolved for this call: on or off, with the reason."""

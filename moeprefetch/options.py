@@ -65,7 +65,9 @@ class EngineConfig:
                                      "rank (0, the default: the policy alone; 0.9 cut misses on long held-out runs "
                                      "but not on the bench's short ones, BENCHMARKS)")
     bypass: bool = _opt(False, "predictor='learned': a miss that the head thinks less likely to be needed soon than "
-                               "its victim is read from host without admission, keeping the victim (issue 36)")
+                               "its victim is read from host without admission, keeping the victim (issue 36); "
+                               "this and reuse_weight act in calls whose predictor runs the head (a call with "
+                               "another logs that they do nothing there; a server refuses one)")
     spare_recent: int = _opt(1, "prefetches never evict an expert used in the last N steps (0: any victim; lrfu, "
                                 "lru and static policies; the oracle uses Belady's victims)")
     prefetch_lead: int = _opt(0, "a prefetch is reserved at most this many MoE layers before its need (0: no limit, as "

@@ -54,6 +54,16 @@ def speculation_unavailable(has_mtp: bool, routing_trace: Any, spec: PredictorSp
     return None
 
 
+def unused_learned_options(options: ResolvedConfig, spec: PredictorSpec) -> str | None:
+    """Why the engine's bypass / reuse_weight do nothing under this predictor (they act on the learned head's
+    predictions, which only 'learned' and its combinations run), or None when they act or are off."""
+    if not (options.bypass or options.reuse_weight) or spec.learned:
+        return None
+    names = " and ".join(n for n, on in (("bypass", options.bypass), ("reuse_weight", options.reuse_weight)) if on)
+    return (f"{names} act{'s' if ' and ' not in names else ''} on the learned routing head's predictions, and "
+            f"predictor {'+'.join(spec.names)!r} does not run it")
+
+
 def build_request(args: ModelArgs, tokenizer: Any, options: ResolvedConfig, path: Path, has_mtp: bool, prompts: Any,
                   max_new_tokens: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any, predictor: Any,
                   lookahead: Any, speculative: Any, stop_at_eos: bool, event_log: Any,
@@ -81,7 +91,7 @@ def build_request(args: ModelArgs, tokenizer: Any, options: ResolvedConfig, path
     sampling.validate(args.vocab_size)
     name = predictor if predictor is not None else options.predictor
     spec = predictor_spec(name, default_lookahead(name, options.lookahead) if lookahead is None else lookahead,
-                          has_mtp, learned)
+                          has_mtp, learned, len(args.moe_layers))
     if speculative not in SPECULATIVE_MODES:
         raise RequestError(f"speculative must be None, 'mtp' or 'auto', got {speculative!r}")
     if speculative == "mtp" and (why := speculation_unavailable(has_mtp, options.routing_trace, spec,

@@ -296,3 +296,18 @@ def test_bad_bias_penalties_and_logprobs_are_refused_and_change_nothing(v3, kwar
     with pytest.raises(RequestError, match=message):
         v3.stream([[3, 4]], 5, **kwargs)
     assert v3.generate([[3, 4]], 5, stop_at_eos=False).sequences == before
+
+
+def test_from_pretrained_without_a_path_loads_the_bundled_model_and_direct_construction_says_how():
+    from moeprefetch.checkpoint import REFERENCE_MODEL
+
+    with MoEPrefetchEngine.from_pretrained(progress=False, max_seq_len=32) as default, \
+            MoEPrefetchEngine.from_pretrained(REFERENCE_MODEL, progress=False, max_seq_len=32) as named:
+        assert default.path == named.path
+        prompt = [[5, 6, 7, 8]]
+        expected = named.generate(prompt, max_new_tokens=4).sequences
+        assert default.generate(prompt, max_new_tokens=4).sequences == expected
+    for build in (lambda: MoEPrefetchEngine(), lambda: MoEPrefetchEngine(REFERENCE_MODEL),
+                  lambda: MoEPrefetchEngine(REFERENCE_MODEL, vram_budget="1GiB")):
+        with pytest.raises(RequestError, match=r"MoEPrefetchEngine.from_pretrained\(path"):
+            build()

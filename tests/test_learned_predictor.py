@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -380,3 +381,32 @@ def test_the_shipped_reference_head_loads_and_beats_previous():
         previous = engine.generate(prompts, max_new_tokens=24, stop_at_eos=False, predictor="previous")
     assert learned.sequences == previous.sequences
     assert learned.stats.to_dict()["prediction_recall"] > previous.stats.to_dict()["prediction_recall"]
+
+
+def test_bypass_and_reuse_weight_say_when_a_calls_predictor_leaves_them_without_effect(caplog):
+    """They act on the learned head's predictions: a call with another predictor (the default 'none' included)
+    decodes without them and says so once per predictor; a continuous batch, which serves one predictor, refuses."""
+    from moeprefetch.batching import ContinuousBatch
+
+    head = REFERENCE / "routing_head.safetensors"
+    with MoEPrefetchEngine.from_pretrained(REFERENCE, progress=False, expert_cache_slots=24, predictor_path=str(head),
+                                           reuse_weight=0.9, bypass=True) as engine:
+        with caplog.at_level(logging.WARNING, logger="moeprefetch.engine"):
+            for predictor in ("none", "none", "previous", "learned"):
+                engine.generate([[5, 6, 7]], max_new_tokens=2, stop_at_eos=False, predictor=predictor)
+        noted = [r.getMessage() for r in caplog.records if "learned routing head" in r.getMessage()]
+        assert len(noted) == 2 and "'none'" in noted[0] and "'previous'" in noted[1]
+        assert "bypass and reuse_weight act" in noted[0]
+        with pytest.raises(RequestError, match="serve with predictor 'learned'"):
+            ContinuousBatch(engine, predictor="none")
+        ContinuousBatch(engine, predictor="learned")
+
+
+def test_next_layer_gate_refuses_a_lookahead_past_the_last_moe_layer():
+    with MoEPrefetchEngine.from_pretrained(REFERENCE, progress=False, expert_cache_slots=24) as engine:
+        layers = len(engine.args.moe_layers)
+        engine.generate([[5, 6]], max_new_tokens=1, predictor="next_layer_gate", lookahead=layers - 1)
+        with pytest.raises(RequestError, match=f"this model has {layers}, so at most {layers - 1}"):
+            engine.generate([[5, 6]], max_new_tokens=1, predictor="next_layer_gate", lookahead=layers)
+    with pytest.raises(RequestError, match="too far for next_layer_gate"):
+        MoEPrefetchEngine.from_pretrained(REFERENCE, progress=False, predictor="next_layer_gate", lookahead=50)

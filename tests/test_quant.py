@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moeprefetch import MoEPrefetchEngine
-from moeprefetch.expert_records import ExpertFormat, activation
+from moeprefetch.expert_records import INT4_GROUP_SIZE, ExpertFormat, activation
 from moeprefetch.errors import RequestError
 from moeprefetch.quant import (dequantize_blocks, dequantize_int4_groups, pack_nibbles, quantize_fp8_blocks,
                                quantize_int4_groups, quantize_int8_blocks, scale_grid_shape, unpack_nibbles)
@@ -240,6 +240,19 @@ def test_int4_options_are_checked_before_loading(checkpoint_factory):
                              (dict(int4_symmetric=True), "int4_symmetric shapes int4 experts")):
         with pytest.raises(RequestError, match=message):
             MoEPrefetchEngine.from_pretrained(path, progress=False, **options)
+
+
+def test_the_default_int4_group_narrows_to_experts_narrower_than_it(checkpoint_factory):
+    """The default group (128) on a model whose expert rows are narrower (64 and 32 inputs here) takes one group a
+    row as wide as the widest; a group the user gives is never changed, and too wide is refused."""
+    path = checkpoint_factory("v3")
+    with MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=32, expert_dtype="int4") as engine:
+        widest = max(engine.args.hidden_size, engine.args.moe_intermediate_size)
+        assert widest < INT4_GROUP_SIZE and engine.residency.fmt.block[1] == widest
+        assert len(engine.generate([[3, 4, 5]], max_new_tokens=3, stop_at_eos=False).sequences[0]) == 3
+    with MoEPrefetchEngine.from_pretrained(path, progress=False, max_seq_len=32, expert_dtype="int4",
+                                           int4_group_size=16) as engine:
+        assert engine.residency.fmt.block[1] == 16
 
 
 def test_int4_experts_need_even_sizes():
