@@ -239,8 +239,12 @@ def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev
                                               window, grouped_mm_usable(fmt, dev))
         tried = (f"prefill_window={window}" if config.prefill_window is not None
                  else "a window of one chunk, the smallest tried")
-        raise RequestError(f"{exc}; of the working space, prefill_chunk={options.prefill_chunk} with {tried} takes "
-                           f"{chunk_bytes / 1024**3:.2f} GiB: a shorter prefill_chunk needs less") from None
+        # the chunk is worth shrinking only where it is a real share of the working space beside the fixed slack
+        advice = "a shorter prefill_chunk needs less" if chunk_bytes >= WORKSPACE_SLACK_BYTES / 4 else \
+            "a shorter chunk would save little: give a larger vram_budget"
+        raise RequestError(f"{exc}; of the working space, {WORKSPACE_SLACK_BYTES / 1024**3:.2f} GiB is a fixed "
+                           f"allowance (allocator slack, logits) and prefill_chunk={options.prefill_chunk} with "
+                           f"{tried} takes {chunk_bytes / 1024**3:.2f} GiB: {advice}") from None
     logger.info(plan.describe())
     for note in plan.notes:
         logger.info(note)
@@ -395,6 +399,8 @@ def auto_prefill_chunk(seq_len: int, device: torch.device) -> int:
     return min(seq_len, PREFILL_CHUNK_CUDA if device.type == "cuda" else PREFILL_CHUNK_CPU)
 
 
+WORKSPACE_SLACK_BYTES = 256 * 1024**2  # every plan's working space holds this beside its counted parts: allocator
+# slack, logits, small tensors
 PREFILL_WINDOW_CUDA = 8192  # prompt tokens whose chunks run each layer together, by default on CUDA
 PREFILL_WINDOW_CPU = 2048
 
@@ -505,7 +511,7 @@ def plan_engine_memory(
         + prefill_workspace_bytes(args, options.prefill_chunk, options.max_seq_len, options.device, element,
                                   options.prefill_window, grouped_mm_usable(fmt, options.device))
         + staging_rows * fmt.record_bytes  # prefill's staging rows
-        + 256 * 1024**2  # allocator slack, logits, small tensors
+        + WORKSPACE_SLACK_BYTES
     )
     if options.fused_kernels and kernels_usable(options.device.type):  # the fused attention's split partials
         workspace += MLADecode.scratch_bytes(args.num_attention_heads, args.kv_lora_rank, options.max_seq_len, rows) \

@@ -74,7 +74,7 @@ class MoEPrefetchEngine:
         self._trace: torch.Tensor | None = None
         self._speculation = AutoSpeculation()  # `speculative="auto"`: this engine's measurements of both modes
         self._draft_modes = AutoDraftExperts()  # `draft_experts="auto"`: the same for the MTP head's experts
-        self._unused_noted: set[str] = set()  # predictors already told that bypass / reuse_weight do nothing there
+        self._noted: set[str] = set()  # what calls have already logged about this engine's options (once each)
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, device: str | torch.device | None = None,
@@ -381,6 +381,7 @@ class MoEPrefetchEngine:
                                 stop_at_eos, event_log, min_confidence, self.runner.learned_config, logit_bias,
                                 presence_penalty, frequency_penalty, logprobs)
         self._note_unused_learned_options(request)
+        self._note_static_without_hot_set()
         if request.speculative == "auto" and resolve_auto:
             request = self._auto_speculation(request)
         if self.options.draft_experts == "auto" and resolve_auto:
@@ -402,9 +403,20 @@ class MoEPrefetchEngine:
         predictor (comparing predictors on one engine is a normal use: not an error)."""
         unused = unused_learned_options(self.options, request.predictor)
         key = "+".join(request.predictor.names)
-        if unused is not None and key not in self._unused_noted:
-            self._unused_noted.add(key)
+        if unused is not None and key not in self._noted:
+            self._noted.add(key)
             logger.warning("%s: calls with it decode without them (use predictor='learned')", unused)
+
+    def _note_static_without_hot_set(self) -> None:
+        """policy='static' pins a hot set and runs LRU over the rest: before one is pinned it is LRU alone, which
+        a call says (once per engine)."""
+        res = self.residency
+        if self.options.policy != "static" or res.store is None or res.hot_set_size:
+            return
+        if "static" not in self._noted:
+            self._noted.add("static")
+            logger.warning("policy='static' has no hot set yet: calls evict as LRU until one is pinned (hot_set= at "
+                           "load, or engine.set_hot_set_from_profile() after calls that profile the routing)")
 
     def _auto_speculation(self, request: Request) -> Request:
         """`speculative="auto"` resolved for this call: on or off, with the reason."""

@@ -157,7 +157,13 @@ def _plan_slots(request: PlanInputs) -> MemoryPlan:
                 f"{top_k} experts per layer at once"
             )
         slots = min(expert_cache_slots, total_experts)
-        return MemoryPlan(None, resident_bytes, kv_bytes, workspace_bytes, expert_record_bytes, total_experts, slots, False)
+        plan = MemoryPlan(None, resident_bytes, kv_bytes, workspace_bytes, expert_record_bytes, total_experts, slots,
+                          False)
+        if expert_cache_slots > total_experts:
+            plan.notes.append(f"expert_cache_slots={expert_cache_slots} is more than the model's {total_experts} "
+                              f"routed experts: {total_experts} slots, filled from host RAM as experts are first "
+                              f"used (without a cache size every expert is loaded into VRAM up front)")
+        return plan
     if budget_bytes is None:
         return MemoryPlan(
             None, resident_bytes, kv_bytes, workspace_bytes, expert_record_bytes, total_experts, total_experts, True

@@ -218,12 +218,14 @@ def _check_inputs(checkpoint: Path, out_path: Path, settings: TrainSettings) -> 
     if not out_path.parent.is_dir():
         raise RequestError(f"the predictor cannot be written to {out_path}: directory {out_path.parent} does not "
                            f"exist")
+    if out_path.suffix != ".safetensors":  # the file is safetensors whatever its name: say so in the name
+        raise RequestError(f"the predictor is a safetensors file: name it *.safetensors, not {out_path.name}")
     if not 1 <= settings.leads <= 8:
         raise RequestError(f"leads must lie in 1..8, got {settings.leads}")
     if not 0 <= settings.horizon <= 64:
         raise RequestError(f"horizon must lie in 0..64 tokens, got {settings.horizon}")
-    if settings.steps < 0:
-        raise RequestError(f"steps must be >= 0, got {settings.steps}")
+    if settings.steps < 1:  # no step would save an untrained head
+        raise RequestError(f"steps must be >= 1, got {settings.steps}")
     if not 0 < settings.eval_share < 1:
         raise RequestError(f"eval_share must lie in (0, 1), got {settings.eval_share}")
     if not load_model_args(checkpoint).moe_layers:
@@ -246,10 +248,26 @@ def _resume_path(out_path: Path) -> Path:
     return out_path.with_name(out_path.name + ".resume.pt")
 
 
+def _check_resume(out_path: Path, data_key: str, settings: TrainSettings) -> None:
+    """A resume state beside `out_path` must be of these training tokens and a step count not past `settings`':
+    checked before the routing is recorded (minutes on a large checkpoint), not after."""
+    state_path = _resume_path(out_path)
+    if not state_path.is_file():
+        return
+    state = torch.load(state_path, map_location="cpu", weights_only=False)
+    if state.get("data", "") != data_key:
+        raise RequestError(f"resume state {state_path} was trained on other tokens (other text, or another "
+                           f"max_tokens); delete it or train with resume=False (--no-resume)")
+    if state["step"] > settings.steps:
+        raise RequestError(f"resume state {state_path} is at step {state['step']}, past steps={settings.steps}: "
+                           f"ask for more steps, or train with resume=False (--no-resume)")
+
+
 def _fit(head: RoutingHead, record: RoutingRecord, train: torch.Tensor, settings: TrainSettings, out_path: Path,
          resume: bool, progress: bool, data_key: str = "") -> int:
     """AdamW on BCE over the multi-hot expert sets, from the resume state next to `out_path` if there is one (of
-    the same setup and the same text, `data_key`) -> the step it started from. Batches are drawn by a generator
+    the same setup, checked here; its tokens, `data_key`, and step were checked before recording) -> the step it
+    started from. Batches are drawn by a generator
     seeded per step, so a resumed run draws what an uninterrupted one would."""
     from tqdm.auto import tqdm
 
@@ -262,13 +280,7 @@ def _fit(head: RoutingHead, record: RoutingRecord, train: torch.Tensor, settings
         if state["config"] != head.config.to_json():
             raise RequestError(f"resume state {state_path} belongs to another predictor setup; delete it or train "
                                f"with resume=False (--no-resume)")
-        if state.get("data", "") != data_key:
-            raise RequestError(f"resume state {state_path} was trained on other text; delete it or train with "
-                               f"resume=False (--no-resume)")
-        if state["step"] > settings.steps:
-            raise RequestError(f"resume state {state_path} is at step {state['step']}, past steps="
-                               f"{settings.steps}: ask for more steps, or train with resume=False (--no-resume)")
-        head.load_state_dict(state["head"])
+        head.load_state_dict(state["head"])  # its tokens and step were checked before recording (_check_resume)
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
         start = state["step"]
@@ -334,6 +346,8 @@ def train_predictor(checkpoint: str | Path, texts_or_ids: Any, out_path: str | P
         stream = _token_stream(engine, texts_or_ids, settings.max_tokens)
         # what a resume state must have been trained on: these training tokens
         data_key = hashlib.sha256(torch.tensor(stream, dtype=torch.int64).numpy().tobytes()).hexdigest()
+        if resume:
+            _check_resume(out_path, data_key, settings)
         record = _record(engine, stream, settings, progress, "training")
         reach = max(settings.leads, settings.horizon)
         index = sample_index(record, reach)

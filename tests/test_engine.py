@@ -311,3 +311,16 @@ def test_from_pretrained_without_a_path_loads_the_bundled_model_and_direct_const
                   lambda: MoEPrefetchEngine(REFERENCE_MODEL, vram_budget="1GiB")):
         with pytest.raises(RequestError, match=r"MoEPrefetchEngine.from_pretrained\(path"):
             build()
+
+
+def test_the_static_policy_says_when_it_has_no_hot_set_yet(caplog):
+    import logging
+
+    with MoEPrefetchEngine.from_pretrained(progress=False, max_seq_len=32, expert_cache_slots=40, policy="static",
+                                           max_batch_size=1) as engine:
+        with caplog.at_level(logging.WARNING, logger="moeprefetch.engine"):
+            engine.generate([[5, 6, 7]], max_new_tokens=3)
+            engine.generate([[5, 6, 7]], max_new_tokens=3)
+        said = [r for r in caplog.records if "no hot set yet" in r.getMessage()]
+        assert len(said) == 1
+        assert engine.set_hot_set_from_profile(0.25) and engine.residency.hot_set_size > 0

@@ -163,7 +163,7 @@ def test_a_predictor_whose_config_or_weights_do_not_fit_is_one_sentence(tmp_path
         load_predictor(nan, REFERENCE)
 
 
-def test_resume_continues_the_step_count(reference_engine, tmp_path):
+def test_resume_continues_the_step_count(reference_engine, tmp_path, monkeypatch):
     out = tmp_path / "p.safetensors"
     settings = TrainSettings(steps=20, window=128, max_tokens=1200, save_every=10)
     first = train_predictor(REFERENCE, TEXT_FILES, out, settings=settings, progress=False, engine=reference_engine)
@@ -174,13 +174,24 @@ def test_resume_continues_the_step_count(reference_engine, tmp_path):
     second = train_predictor(REFERENCE, TEXT_FILES, out, settings=longer, progress=False, engine=reference_engine)
     assert second["start_step"] == 20 and second["steps"] == 35
     assert torch.load(out.with_name(out.name + ".resume.pt"), weights_only=False)["step"] == 35
-    # a resume state is of its text and a step count it has not passed: one sentence otherwise
-    with pytest.raises(RequestError, match="was trained on other text"):
+    # a resume state is of its text and a step count it has not passed: one sentence otherwise, before the
+    # routing is recorded (minutes on a large checkpoint)
+    import moeprefetch.predictor_training as training
+
+    real_record = training._record
+    monkeypatch.setattr(training, "_record", lambda *a, **k: pytest.fail("recorded before the resume check"))
+    with pytest.raises(RequestError, match="was trained on other tokens"):
         train_predictor(REFERENCE, TEXT_FILES[1:], out, settings=longer, progress=False, engine=reference_engine)
     with pytest.raises(RequestError, match="is at step 35, past steps=20"):
         train_predictor(REFERENCE, TEXT_FILES, out, settings=settings, progress=False, engine=reference_engine)
     with pytest.raises(RequestError, match="it is a directory"):
         train_predictor(REFERENCE, TEXT_FILES, tmp_path, settings=settings, progress=False, engine=reference_engine)
+    with pytest.raises(RequestError, match="steps must be >= 1"):  # no step would save an untrained head
+        train_predictor(REFERENCE, TEXT_FILES, out, steps=0, progress=False, engine=reference_engine)
+    with pytest.raises(RequestError, match=r"name it \*.safetensors, not p.txt"):
+        train_predictor(REFERENCE, TEXT_FILES, tmp_path / "p.txt", settings=settings, progress=False,
+                        engine=reference_engine)
+    monkeypatch.setattr(training, "_record", real_record)
     fresh = train_predictor(REFERENCE, TEXT_FILES, out, settings=longer, progress=False, resume=False,
                             engine=reference_engine)
     assert fresh["start_step"] == 0

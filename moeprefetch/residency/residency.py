@@ -168,11 +168,13 @@ class Residency:
     def set_hot_set(self, keys: list[tuple[int, int]]) -> None:
         """The static policy's pinned experts, as (checkpoint layer, expert) pairs."""
         self.st.pinned.zero_()
+        self.hot_set_size = 0  # this rank's pinned experts (read by the host, never from the device)
         for layer, expert in keys:
             if self.owns(layer, expert):  # each rank pins its own, under their local numbers
                 if self.placement is not None:
                     expert = self.placement.owned(self.position[layer]).index(expert)
                 self.st.pinned[self.key(layer, expert)] = 1
+                self.hot_set_size += 1
 
     def owns(self, layer: int, expert: int) -> bool:
         """Whether this rank holds (checkpoint layer, expert); always in one process."""
