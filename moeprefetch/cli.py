@@ -331,7 +331,8 @@ def _serve(ns: argparse.Namespace) -> int:
 
         from .serve.app import build_app
         from .serve.guards import default_allowed_hosts
-        from .serve.lifecycle import DrainingServer, freeze_loaded_objects, listen_problem, server_config
+        from .serve.lifecycle import (DrainingServer, freeze_loaded_objects, listen_problem, server_config,
+                                      thaw_loaded_objects)
     except ImportError:
         raise MoEPrefetchError("serving needs the optional extra: pip install -e \".[serve]\"") from None
     from .engine import MoEPrefetchEngine
@@ -378,8 +379,11 @@ def _serve(ns: argparse.Namespace) -> int:
     # the drain runs before uvicorn's own shutdown (DrainingServer): uvicorn then waits only for the answers
     config = server_config(app, ns.host, ns.port, "info" if ns.verbose else "warning", ns.body_timeout)
     server = DrainingServer(config, app.state.server)
-    freeze_loaded_objects()  # the engine lives as long as this process
-    server.run()
+    freeze_loaded_objects()  # the engine lives as long as this server
+    try:
+        server.run()
+    finally:
+        thaw_loaded_objects()
     engine.close()
     if server.force_exit:
         print("stopped: a second signal cut the requests in flight", flush=True)

@@ -49,8 +49,10 @@ class ReplaySetup:
 
     def check(self, trace: DecodeTrace) -> None:
         keys = len(trace.layers) * trace.n_experts
-        if not isinstance(self.slots, int) or not 1 <= self.slots <= keys:
-            raise RequestError(f"slots must be an integer from 1 to the trace's {keys} experts, got {self.slots!r}")
+        # a token needs its top-k experts of a layer at once, as the engine's cache does (it refuses fewer slots)
+        if not isinstance(self.slots, int) or not trace.top_k <= self.slots <= keys:
+            raise RequestError(f"slots must be an integer from the trace's top-k ({trace.top_k}: a token's experts "
+                               f"of one layer at once) to its {keys} experts, got {self.slots!r}")
         if self.policy not in POLICIES:
             raise RequestError(f"unknown cache policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.policy == "static":

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from moeprefetch.serve.app import build_app
-    from moeprefetch.serve.lifecycle import freeze_loaded_objects
+    from moeprefetch.serve.lifecycle import freeze_loaded_objects, thaw_loaded_objects
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "experiments/results/serve_h200.json")
@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         row = engine_level(engine, prompts, level, level * args.requests_per_client, args.max_tokens, args.predictor)
         row["server_overhead"] = row["decode_tokens_per_s"] / served[level]["decode_tokens_per_s"] - 1
         emit({**row, **common, "system": f"engine_b{level}"})
+    thaw_loaded_objects()
     engine.close()
     return 0
 

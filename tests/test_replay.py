@@ -69,7 +69,9 @@ def test_fills_turn_predicted_misses_into_prefetches_and_count_their_bytes():
 
 def test_bad_replay_settings_are_one_sentence():
     trace = skewed_trace(3, 2, 4, 1, 5)
-    for setup, message in ((ReplaySetup(slots=0), "slots must be an integer from 1"),
+    with pytest.raises(RequestError, match=r"from the trace's top-k \(2: a token's experts of one layer at once\)"):
+        replay(skewed_trace(3, 2, 4, 2, 5), ReplaySetup(slots=1))  # the engine refuses fewer slots than top-k too
+    for setup, message in ((ReplaySetup(slots=0), "slots must be an integer from the trace's top-k"),
                            (ReplaySetup(slots=4, policy="fifo"), "unknown cache policy"),
                            (ReplaySetup(slots=4, predictor="mtp"), "unknown replay predictor"),
                            (ReplaySetup(slots=4, predictor="ahead:0"), "K from 1 to 8"),
