@@ -379,7 +379,7 @@ def _load(reader: CheckpointReader, args: ModelArgs, options: ResolvedConfig, pl
     residency = Residency(fmt, expert_layers, len(args.moe_layers), n_experts, args.num_experts_per_tok,
                           plan.expert_slots, dev, args.hidden_act, store, max_rows=options.max_step_rows,
                           policy=policy, frequency_halflife=options.lrfu_halflife, hot_set=hot, stage_rows=staging_rows,
-                          placement=placement, group=group)
+                          placement=placement, group=group, prefill_chunk=options.prefill_chunk)
     if store is None:
         residency.preload(pack, progress)
     return weights, streamer, residency

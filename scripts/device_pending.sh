@@ -11,7 +11,7 @@
 # zero-copy reads with cold translations); STAGE=policies: issue 13's LRU / LRFU / LFU rows (ref17, V2-Lite) and the
 # GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU,
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
-# Usage: STAGE=qwen3|serve|serve_all|joint_prefill|gemv_rows|batched_reads|verify|spec_deep|deep_model|shared_rows|shared_rows_deep|batch_shapes|spec_ref17|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
+# Usage: STAGE=qwen3|serve|serve_all|joint_prefill|joint_launch|gemv_rows|batched_reads|verify|spec_deep|deep_model|shared_rows|shared_rows_deep|batch_shapes|spec_ref17|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
 #   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace|int4_tests|int4_bench|int4_gemv|learned_deep| \
 #   divergence|table_stress \
 #   [LIMIT=seconds] \
@@ -83,6 +83,15 @@ case "${STAGE:-tests}" in
       --out "$out/serve_bf16_trace.json" --routing-trace .device-data/traces/nvmoe-dsv2lite-a.tokens.jsonl "$@" \
       2>&1 | filter
     true ;;
+  joint_launch)
+    # the thirty-second session's joint launches (every expert resident, Triton's grouped kernel: a window's chunks
+    # that take the same tiles in one launch): their bits against each chunk alone on CUDA (int4, FP8), the engine's
+    # tokens across cache sizes, then prompts prefilled together with and without them (int4, 12 GiB)
+    timeout "${TESTS_S:-230}" python3 -m pytest "$(junit)" tests/test_prefill.py tests/test_gpu.py -q \
+      -p no:cacheprovider --tb=short -k "joined_in_one or share_prefill or cache_sizes or synchronises" 2>&1 \
+      | grep -v -E "Warning:|warnings.warn" | tail -15
+    timeout "${LIMIT:-200}" python3 scripts/bench_joint_prefill.py --out "$out/joint_prefill.json" "$@" 2>&1 \
+      | grep -E '^\{|Error|error' ;;
   joint_prefill)
     # the thirtieth session's joint prefill and admission on CUDA (prompts sharing prefill windows keep the bits and
     # tokens each gets alone), with the engine's tokens across cache sizes (its batch of 4 prefills together)

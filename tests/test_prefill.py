@@ -100,6 +100,43 @@ def test_prompts_that_share_prefill_windows_keep_the_bits_each_gets_alone(checkp
         assert vars(a).keys() == vars(b).keys() and all(torch.equal(vars(a)[n], vars(b)[n]) for n in vars(a))
 
 
+@pytest.mark.parametrize("expert_dtype,device", [
+    ("int4", {}), full_only("model", {}), pytest.param("int4", ON_GPU, marks=[gpu, pytest.mark.gpu]),
+    pytest.param("fp8", ON_GPU, marks=[gpu, pytest.mark.gpu])])
+def test_chunks_joined_in_one_grouped_launch_keep_the_bits_each_gets_alone(checkpoint_factory, expert_dtype, device):
+    """Every expert resident, Triton's grouped kernel (quantized experts on CUDA; here also in its interpreter): a
+    window's chunks that take the same tiles run in one launch, up to a chunk's tokens, and each prompt still gets
+    the hidden states and cache rows it gets alone, bit for bit; a launch never holds more than the joint limit."""
+    from moeprefetch.kernels import HAS_TRITON
+    from moeprefetch.kernels.grouped import GroupedExperts
+
+    if not HAS_TRITON:
+        pytest.skip("needs triton")
+    int4 = dict(int4_group_size=16) if expert_dtype == "int4" else {}
+    engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3_groups_qlora_yarn"), progress=False,
+                                               prefill_chunk=4, prefill_window=16, expert_dtype=expert_dtype,
+                                               **int4, **device)
+    res = engine.residency
+    if engine.device.type == "cpu":  # the CPU runs the loop unless told otherwise
+        res.grouped = GroupedExperts(res.fmt, res.slots_and_staging, res.host, engine.args.hidden_act, res.act,
+                                     use_kernels=True)
+    assert res.preloaded and res.grouped.use_kernels and not res.grouped_mm
+    prefill = res._prefill
+    assert prefill.joint_tokens == 4  # the engine's prefill chunk
+    prefill.joint_tokens = 12
+    launched = []
+    alone = prefill._in_place
+    prefill._in_place = lambda position, x, *rest: (launched.append(x.shape[0]), alone(position, x, *rest))[1]
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, engine.args.vocab_size, (n,), generator=g).tolist() for n in (7, 3, 10, 1, 5, 2)]
+    hidden, caches, _ = _prefill_together_and_alone(engine, prompts)
+    assert all(torch.equal(a, b) for a, b in zip(*hidden))
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert all(torch.equal(vars(a)[n], vars(b)[n]) for n in vars(a))
+    assert max(launched) > 4 and max(launched) <= 12  # chunks joined, within the limit
+    engine.close()
+
+
 @pytest.mark.parametrize("variant", ["v3_groups_qlora_yarn", full_only("qwen3")])
 def test_prompts_in_one_prefill_window_read_each_expert_once(checkpoint_factory, variant):
     """Five short prompts in one window (64 tokens a window, 26 in all) read each expert the window uses from host

@@ -48,8 +48,11 @@ class LayerPlan:
 class PrefillExperts:
     """Runs prefill's MoE layers for a `Residency` (whose pool, staging rows and launchers it uses)."""
 
-    def __init__(self, res: "Residency"):
+    def __init__(self, res: "Residency", joint_tokens: int | None = None):
         self.res = res
+        # every expert resident, Triton's grouped kernel: chunks run in one launch up to this many tokens (a prefill
+        # chunk's, which the memory plan's workspace counts); None: each chunk alone
+        self.joint_tokens = joint_tokens
         self._ahead: tuple[int, list[tuple[list[int], int]]] | None = None  # (position, [(experts, half)]) copied
         self._half = 0
         self._loop_row = 0  # the loop path's staging rows, used in turn
@@ -72,6 +75,8 @@ class PrefillExperts:
             res.prefill_log.append((layer, torch.nonzero(used).flatten().tolist()))
         if res.group is not None:  # expert parallelism: the loop's products, summed over the ranks, then combined
             return self._loop(position, xs, weights, self._read_back(position, ids, u_of_expert))
+        if res.preloaded and res.grouped.use_kernels and not res.grouped_mm and self.joint_tokens:
+            return self._in_place_joint(position, xs, ids, weights, u_of_expert)
         if res.preloaded and (res.grouped_mm or res.grouped.use_kernels):
             return [self._in_place(position, x, i, w, c, u_of_expert) for x, i, w, c in zip(xs, ids, weights, counts)]
         plan = self._read_back(position, ids, u_of_expert)
@@ -104,10 +109,34 @@ class PrefillExperts:
         return torch.zeros(self.res.n_experts, dtype=torch.int32, device=flat.device).index_add_(
             0, flat.clamp(min=0), mine.to(torch.int32))
 
+    def _in_place_joint(self, position: int, xs: list[torch.Tensor], ids: list[torch.Tensor],
+                        weights: list[torch.Tensor], u_of_expert: torch.Tensor) -> list[torch.Tensor]:
+        """A window's chunks over the layer's slots with Triton's grouped kernel, those that take the same tiles
+        alone in one launch (up to `joint_tokens` tokens): a product row depends only on its own token and the
+        tiles (each output sums its inputs in block_k order, whichever rows share its block), so each chunk gets
+        the bits it gets alone, and a window of many short prompts (a server's requests admitted together) passes
+        over the experts once, not once per prompt. cuBLAS's grouped GEMM (bf16 on Hopper) makes no such promise:
+        its chunks run alone."""
+        res, out = self.res, [None] * len(xs)
+        groups: dict = {}  # tiles -> runs of chunks, each within joint_tokens
+        for c, i in enumerate(ids):
+            runs = groups.setdefault(res.grouped.tiles_for(i.numel(), res.n_experts), [[]])
+            if runs[-1] and sum(xs[m].shape[0] for m in runs[-1]) + xs[c].shape[0] > self.joint_tokens:
+                runs.append([])
+            runs[-1].append(c)
+        for tiles, runs in groups.items():
+            for run in runs:
+                joined = [torch.cat([t[m] for m in run]) if len(run) > 1 else t[run[0]] for t in (xs, ids, weights)]
+                y = self._in_place(position, *joined, None, u_of_expert, tiles)
+                for m, part in zip(run, y.split([xs[m].shape[0] for m in run])):
+                    out[m] = part
+        return out  # type: ignore[return-value]
+
     def _in_place(self, position: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                  counts: torch.Tensor, u_of_expert: torch.Tensor) -> torch.Tensor:
-        """One chunk over the layer's slots (slot = key: a layer's experts are consecutive slots), on the device's
-        own plan: nothing here waits for the host."""
+                  counts: torch.Tensor | None, u_of_expert: torch.Tensor, tiles=None) -> torch.Tensor:
+        """One chunk (or chunks joined: `_in_place_joint`, with the `tiles` each takes alone) over the layer's slots
+        (slot = key: a layer's experts are consecutive slots), on the device's own plan: nothing here waits for the
+        host."""
         res, k = self.res, ids.shape[1]
         if res.grouped_mm:
             e = res.n_experts
@@ -116,7 +145,7 @@ class PrefillExperts:
                                    res.act)
         else:
             out = res.host_plan
-            tiles = res.grouped.tiles_for(ids.numel(), res.n_experts)
+            tiles = tiles or res.grouped.tiles_for(ids.numel(), res.n_experts)
             pair_token, order, blocks = plan_blocks(ids, u_of_expert, tiles.block_m, n_u=res.n_experts)
             y = res.grouped(x.contiguous(), pair_token, blocks, out.u_key, out.u_slot, tiles=tiles)
         products = torch.empty_like(y)

@@ -65,6 +65,7 @@ class Residency:
         stage_rows: int | None = None,
         placement: "ExpertPlacement | None" = None,
         group: "ProcessGroup | None" = None,
+        prefill_chunk: int | None = None,
     ):
         self.fmt = fmt
         self.placement, self.group = placement, group
@@ -125,7 +126,7 @@ class Residency:
         self.grouped = GroupedExperts(fmt, self.slots_and_staging, self.host, hidden_act, self.act,
                                       self.use_kernels and device.type == "cuda")
         self.grouped_mm = grouped_mm_usable(fmt, device)  # prefill's experts as CUTLASS grouped GEMMs
-        self._prefill = PrefillExperts(self)
+        self._prefill = PrefillExperts(self, joint_tokens=prefill_chunk)
         self.experts = RoutedExperts(fmt, self.pool, self.host, hidden_act, self.act, max_rows, top_k,
                                      self.use_kernels)
         self.set_hot_set(hot_set or [])
