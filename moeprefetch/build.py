@@ -26,7 +26,7 @@ from .kernels.gqa_attention import GQADecode
 from .kernels.grouped import grouped_mm_usable
 from .memory_plan import MemoryPlan, parse_bytes, plan_memory
 from .options import EngineConfig, check_positive_int
-from .predictors import MTP_PREDICTORS, PredictorSpec, default_lookahead
+from .predictors import LOOKAHEAD_READERS, MTP_PREDICTORS, PredictorSpec, default_lookahead
 from .residency import Residency, prefill_staging_rows
 from .runner import KVCaches
 from .distributed import ProcessGroup, local_device
@@ -143,9 +143,13 @@ def predictor_spec(spec: str, lookahead: int, has_mtp: bool, learned: HeadConfig
         parsed = dataclasses.replace(parsed, learned_mtp=learned.use_mtp)
     if parsed.ring > 9:
         raise RequestError(f"lookahead={lookahead} is too far: predictions reach at most 8 steps ahead")
-    if "next_layer_gate" in parsed.names and moe_layers is not None and lookahead >= moe_layers:
+    # the gate alone reads lookahead as MoE layers ahead, which a model's depth bounds (from its first MoE layer,
+    # moe_layers - 1 already reach every later one; in a combination another component reads it as tokens or steps
+    # ahead, and the gate looks as far as the layers go)
+    readers = [n for n in parsed.names if n in LOOKAHEAD_READERS]
+    if readers == ["next_layer_gate"] and moe_layers is not None and lookahead > moe_layers:
         raise RequestError(f"lookahead={lookahead} is too far for next_layer_gate, which predicts that many MoE "
-                           f"layers ahead: this model has {moe_layers}, so at most {moe_layers - 1}")
+                           f"layers ahead: this model has {moe_layers}, so at most {moe_layers}")
     return parsed
 
 

@@ -40,6 +40,7 @@ PREDICTOR_NAMES = ("none", "previous", "next_layer_gate", "mtp", "mtp_router", "
 MTP_PREDICTORS = ("mtp", "mtp_router")
 ORACLES = ("oracle", "oracle_next")  # predictors that replay a recorded run's routing
 _LOOKAHEAD_IS_DEPTH = ("next_layer_gate", "oracle", "learned")
+LOOKAHEAD_READERS = _LOOKAHEAD_IS_DEPTH + MTP_PREDICTORS  # the components a lookahead above 1 means something to
 
 
 def parse_predictor(spec: str) -> list[str]:
@@ -67,7 +68,7 @@ def default_lookahead(spec: str, engine_lookahead: int) -> int:
         names = parse_predictor(spec)
     except ValueError:
         return engine_lookahead  # the spec's own error is reported where it is parsed
-    return engine_lookahead if any(n in _LOOKAHEAD_IS_DEPTH + MTP_PREDICTORS for n in names) else 1
+    return engine_lookahead if any(n in LOOKAHEAD_READERS for n in names) else 1
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class PredictorSpec:
     @staticmethod
     def parse(spec: str, lookahead: int = 1) -> "PredictorSpec":
         names = tuple(parse_predictor(spec))
-        if lookahead > 1 and not any(n in _LOOKAHEAD_IS_DEPTH + MTP_PREDICTORS for n in names):
+        if lookahead > 1 and not any(n in LOOKAHEAD_READERS for n in names):
             raise ValueError(
                 f"lookahead={lookahead} means nothing to predictor {spec!r}: only next_layer_gate (MoE layers ahead), "
                 f"oracle (steps ahead) and the MTP predictors (tokens ahead, chained drafts) use it")

@@ -374,7 +374,7 @@ def test_more_bad_options(checkpoint_factory, engine, tmp_path):
         engine.generate([[3, 4]], max_new_tokens=2, event_log=tmp_path)
     with pytest.raises(RequestError, match="callback must be a function"):
         engine.generate([[3, 4]], max_new_tokens=2, callback=5)
-    for bad in (None, 5):
+    for bad in (5, b"model"):  # no path (None) is the bundled reference model
         with pytest.raises(RequestError, match="path must be a checkpoint directory"):
             MoEPrefetchEngine.from_pretrained(bad)
     with pytest.raises(RequestError, match="config must be an EngineConfig"):
