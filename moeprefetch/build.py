@@ -147,9 +147,9 @@ def predictor_spec(spec: str, lookahead: int, has_mtp: bool, learned: HeadConfig
     # moe_layers - 1 already reach every later one; in a combination another component reads it as tokens or steps
     # ahead, and the gate looks as far as the layers go)
     readers = [n for n in parsed.names if n in LOOKAHEAD_READERS]
-    if readers == ["next_layer_gate"] and moe_layers is not None and lookahead > moe_layers:
+    if readers == ["next_layer_gate"] and moe_layers is not None and lookahead > max(moe_layers - 1, 1):
         raise RequestError(f"lookahead={lookahead} is too far for next_layer_gate, which predicts that many MoE "
-                           f"layers ahead: this model has {moe_layers}, so at most {moe_layers}")
+                           f"layers ahead: this model has {moe_layers}, so at most {max(moe_layers - 1, 1)}")
     return parsed
 
 

@@ -48,7 +48,7 @@ class MoEPrefetchEngine:
                  residency: Residency | None = None, tokenizer: Any = None, options: ResolvedConfig | None = None,
                  plan: MemoryPlan | None = None, streamer: LayerStreamer | None = None,
                  forced_routing: ForcedRouting | None = None, **unknown: Any):
-        if args is None or weights is None or residency is None or options is None or plan is None:
+        if unknown or args is None or weights is None or residency is None or options is None or plan is None:
             # the parts come from from_pretrained: a user's MoEPrefetchEngine("model/") gets the way to load one
             raise RequestError("an engine is loaded with MoEPrefetchEngine.from_pretrained(path, **options) (no path: "
                                "the bundled reference model), not built directly")

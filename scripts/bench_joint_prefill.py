@@ -30,9 +30,9 @@ from bench_gpu import V2LITE, environment, tiny, write_random_checkpoint  # noqa
 from moeprefetch import MoEPrefetchEngine  # noqa: E402
 
 
-def timed_prefill(engine: MoEPrefetchEngine, prompts: list[list[int]], runs: int) -> tuple[float, list, list]:
-    """Median seconds of a generation of one token for every prompt (warm-up first), with its tokens and
-    log-probabilities."""
+def timed_prefill(engine: MoEPrefetchEngine, prompts: list[list[int]], runs: int) -> tuple[float, list, list, int]:
+    """Median seconds of a generation of one token for every prompt (warm-up first), with its tokens,
+    log-probabilities and the (chunk, layer)s computed in a launch with others."""
     engine.generate(prompts, max_new_tokens=1, stop_at_eos=False)
     seconds, result = [], None
     for _ in range(runs):
@@ -43,7 +43,7 @@ def timed_prefill(engine: MoEPrefetchEngine, prompts: list[list[int]], runs: int
         seconds.append(time.perf_counter() - start)
     assert result is not None
     logprobs = [[entry.logprob for entry in row] for row in result.logprobs]
-    return statistics.median(seconds), result.sequences, logprobs
+    return statistics.median(seconds), result.sequences, logprobs, result.stats.to_dict()["prefill_chunks_joined"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-gib", type=float, default=12.0)
     parser.add_argument("--batches", default="4,16")
     parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-seq-len", type=int, default=1024, help="sets the prefill chunk and window (the "
+                        "engine's defaults: min(max_seq_len, 2,048 / 8,192 tokens)); a window holds the prompts "
+                        "prefilled together")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/moeprefetch-bench"))
     args = parser.parse_args(argv)
@@ -65,13 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     path = write_random_checkpoint(args.workdir / "v2lite_joint", shape, device)
     engine = MoEPrefetchEngine.from_pretrained(
         path, device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, progress=False,
-        max_batch_size=max(batches), max_seq_len=args.prompt_tokens + 16, expert_dtype=args.expert_dtype,
+        max_batch_size=max(batches), max_seq_len=args.max_seq_len, expert_dtype=args.expert_dtype,
         vram_budget=f"{args.budget_gib}GiB" if args.scale == "full" else None)
     prefill = engine.residency._prefill
     joint_limit = prefill.joint_tokens
     g = torch.Generator().manual_seed(5)
     report = {"environment": environment(device), "plan": engine.plan.describe(), "expert_dtype": args.expert_dtype,
-              "prompt_tokens": args.prompt_tokens, "runs": args.runs, "joint_tokens": joint_limit, "rows": []}
+              "prompt_tokens": args.prompt_tokens, "runs": args.runs, "joint_tokens": joint_limit,
+              "prefill_chunk": engine.options.prefill_chunk, "prefill_window": engine.options.prefill_window,
+              "rows": []}
     for batch in batches:
         prompts = [torch.randint(3, shape["vocab_size"], (args.prompt_tokens,), generator=g).tolist()
                    for _ in range(batch)]
@@ -83,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                "seconds_joint_launch": measured[True][0],
                "speedup": measured[False][0] / measured[True][0],
                "same_tokens": measured[False][1] == measured[True][1],
-               "same_logprob_bits": measured[False][2] == measured[True][2]}
+               "same_logprob_bits": measured[False][2] == measured[True][2],
+               "chunks_joined": measured[True][3], "chunks_joined_when_off": measured[False][3]}
         report["rows"].append(row)
         print(json.dumps(row), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ One JSON file of rows.
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import json
 import logging
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     app = build_app(engine, "bench", args.predictor, max_queue=4 * max(levels), drain_seconds=5,
                     batch_invariant=args.batch_invariant)
     freeze_loaded_objects()  # as `moeprefetch serve` does before it listens
+    atexit.register(thaw_loaded_objects)  # given back however the run ends (else Triton reports 'leaked' objects)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -220,7 +222,6 @@ def main(argv: list[str] | None = None) -> int:
         row = engine_level(engine, prompts, level, level * args.requests_per_client, args.max_tokens, args.predictor)
         row["server_overhead"] = row["decode_tokens_per_s"] / served[level]["decode_tokens_per_s"] - 1
         emit({**row, **common, "system": f"engine_b{level}"})
-    thaw_loaded_objects()
     engine.close()
     return 0
 

@@ -53,7 +53,7 @@ def test_a_batch_that_goes_idle_leaves_a_settled_table(checkpoint_factory, polic
 
 @pytest.mark.parametrize("variant,slots,predictor,lookahead", [
     ("v3", None, "none", 1), ("v3", 6, "none", 1), ("v3", 6, "mtp+next_layer_gate", 1), ("v3", 6, "mtp", 3),
-    ("qwen3", 5, "next_layer_gate", 2), ("glm4", 6, "mtp+next_layer_gate", 2)])
+    ("qwen3", 5, "next_layer_gate", 1), ("glm4", 6, "mtp+next_layer_gate", 2)])
 def test_requests_joining_a_running_batch_get_their_tokens_alone(checkpoint_factory, variant, slots, predictor,
                                                                  lookahead):
     path = checkpoint_factory(variant)

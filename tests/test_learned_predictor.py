@@ -416,11 +416,11 @@ def test_bypass_and_reuse_weight_say_when_a_calls_predictor_leaves_them_without_
 def test_next_layer_gate_refuses_a_lookahead_past_the_last_moe_layer():
     with MoEPrefetchEngine.from_pretrained(REFERENCE, progress=False, expert_cache_slots=24) as engine:
         layers = len(engine.args.moe_layers)
-        engine.generate([[5, 6]], max_new_tokens=1, predictor="next_layer_gate", lookahead=layers)
-        with pytest.raises(RequestError, match=f"this model has {layers}, so at most {layers}"):
-            engine.generate([[5, 6]], max_new_tokens=1, predictor="next_layer_gate", lookahead=layers + 1)
+        engine.generate([[5, 6]], max_new_tokens=1, predictor="next_layer_gate", lookahead=layers - 1)
+        with pytest.raises(RequestError, match=f"this model has {layers}, so at most {layers - 1}"):
+            engine.generate([[5, 6]], max_new_tokens=1, predictor="next_layer_gate", lookahead=layers)
         with pytest.raises(RequestError, match="too far for next_layer_gate"):  # previous reads no lookahead
-            engine.generate([[5, 6]], max_new_tokens=1, predictor="previous+next_layer_gate", lookahead=layers + 1)
+            engine.generate([[5, 6]], max_new_tokens=1, predictor="previous+next_layer_gate", lookahead=layers)
         # in a combination with a reader of tokens ahead, the gate looks as far as the layers go
         engine.generate([[5, 6]], max_new_tokens=1, predictor="mtp+next_layer_gate", lookahead=layers + 1)
     with pytest.raises(RequestError, match="too far for next_layer_gate"):

@@ -51,9 +51,11 @@ def test_a_prefill_window_computes_the_bits_of_its_chunks_one_by_one(checkpoint_
     assert (moved[0] < moved[1]) if slots else (moved == [0, 0])
 
 
-def _prefill_together_and_alone(engine: MoEPrefetchEngine, prompts: list[list[int]]) -> tuple[list, list, list]:
+def _prefill_together_and_alone(engine: MoEPrefetchEngine, prompts: list[list[int]],
+                                before_alone=None) -> tuple[list, list, list]:
     """The prompts' hidden states, cache rows and expert records read from host: packed into shared windows
-    (`session.prefill_rows`), then one prompt at a time (`prefill_row_windows`), each from a cold cache."""
+    (`session.prefill_rows`), then one prompt at a time (`prefill_row_windows`; `before_alone()` first), each from a
+    cold cache."""
     from moeprefetch.residency.state import C
     from moeprefetch.session import prefill_row_windows, prefill_rows, run_through
 
@@ -68,6 +70,8 @@ def _prefill_together_and_alone(engine: MoEPrefetchEngine, prompts: list[list[in
         if together:
             hidden.append(prefill_rows(engine, cache, prompts))
         else:
+            if before_alone is not None:
+                before_alone()
             hidden.append([run_through(prefill_row_windows(engine, cache, b, p)) for b, p in enumerate(prompts)])
         counters = res.end_call()
         caches.append(cache)
@@ -106,7 +110,8 @@ def test_prompts_that_share_prefill_windows_keep_the_bits_each_gets_alone(checkp
 def test_chunks_joined_in_one_grouped_launch_keep_the_bits_each_gets_alone(checkpoint_factory, expert_dtype, device):
     """Every expert resident, Triton's grouped kernel (quantized experts on CUDA; here also in its interpreter): a
     window's chunks that take the same tiles run in one launch, up to a chunk's tokens, and each prompt still gets
-    the hidden states and cache rows it gets alone, bit for bit; a launch never holds more than the joint limit."""
+    the hidden states and cache rows it gets alone (each chunk in its own launch), bit for bit; a launch never holds
+    more than the joint limit."""
     from moeprefetch.kernels import HAS_TRITON
     from moeprefetch.kernels.grouped import GroupedExperts
 
@@ -124,16 +129,22 @@ def test_chunks_joined_in_one_grouped_launch_keep_the_bits_each_gets_alone(check
     prefill = res._prefill
     assert prefill.joint_tokens == 4  # the engine's prefill chunk
     prefill.joint_tokens = 12
-    launched = []
-    alone = prefill._in_place
-    prefill._in_place = lambda position, x, *rest: (launched.append(x.shape[0]), alone(position, x, *rest))[1]
+    launched: list[list[int]] = [[]]  # tokens per launch: together, then (chunk_by_chunk) alone
+    one = prefill._in_place
+    prefill._in_place = lambda position, x, *rest: (launched[-1].append(x.shape[0]), one(position, x, *rest))[1]
+
+    def chunk_by_chunk():
+        prefill.joint_tokens = None  # the baseline: each chunk in its own launch, as before joint launches
+        launched.append([])
+
     g = torch.Generator().manual_seed(13)
     prompts = [torch.randint(0, engine.args.vocab_size, (n,), generator=g).tolist() for n in (7, 3, 10, 1, 5, 2)]
-    hidden, caches, _ = _prefill_together_and_alone(engine, prompts)
+    hidden, caches, _ = _prefill_together_and_alone(engine, prompts, before_alone=chunk_by_chunk)
     assert all(torch.equal(a, b) for a, b in zip(*hidden))
     for a, b in zip(caches[0].layers, caches[1].layers):
         assert all(torch.equal(vars(a)[n], vars(b)[n]) for n in vars(a))
-    assert max(launched) > 4 and max(launched) <= 12  # chunks joined, within the limit
+    together, alone = launched
+    assert 4 < max(together) <= 12 and max(alone) <= 4  # chunks joined within the limit; alone, one chunk each
     engine.close()
 
 

@@ -1564,6 +1564,50 @@ def test_parameters_no_endpoint_reads_are_refused_by_name_and_labels_pass(live):
     assert "tool_calls" in _error_of(response, 400, "messages[0]")["message"]
 
 
+def test_every_parameter_of_openais_client_is_known_and_vllms_neutral_extras_pass():
+    """Each parameter the official client can send to an endpoint is read, labelled or refused by name as not
+    supported (never 'unknown'); vLLM's sampling extras pass at their neutral values and are refused otherwise; a
+    tool result's tool_call_id reaches the template and an earlier answer's reasoning is dropped."""
+    from openai.types import completion_create_params as completions
+    from openai.types.chat import completion_create_params as chat
+
+    from moeprefetch.serve.protocol import (CHAT_PARAMS, COMPLETION_PARAMS, APIError, Limits, parse_chat,
+                                            parse_completion)
+
+    assert set(completions.CompletionCreateParamsBase.__annotations__) <= COMPLETION_PARAMS
+    assert set(chat.CompletionCreateParamsBase.__annotations__) <= CHAT_PARAMS
+
+    class Lines:
+        chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"  # present
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            self.seen = messages
+            return [1, 2, 3]
+
+    limits = Limits(model="m", context=64)
+    neutral = {"min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": [],
+               "skip_special_tokens": True, "chat_template_kwargs": {}, "safety_identifier": "s",
+               "prompt_cache_key": "k", "verbosity": "medium"}
+    parse_completion({"prompt": [1, 2], **neutral}, None, limits)
+    for name, value in (("min_p", 0.05), ("repetition_penalty", 1.1), ("verbosity", "low"), ("moderation", {})):
+        with pytest.raises(APIError, match=f"{name} is not supported by this server") as err:
+            parse_completion({"prompt": [1, 2], name: value}, None, limits)
+        assert err.value.param == name
+    with pytest.raises(APIError, match="safety_identifier must be a string"):
+        parse_completion({"prompt": [1, 2], "safety_identifier": 5}, None, limits)
+    tokenizer = Lines()
+    parse_chat({"messages": [{"role": "user", "content": "x"},
+                             {"role": "assistant", "content": "y", "reasoning_content": "thought"},
+                             {"role": "tool", "content": "42", "tool_call_id": "call-1"}]}, tokenizer, limits)
+    assert tokenizer.seen == [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+                              {"role": "tool", "content": "42", "tool_call_id": "call-1"}]
+    deep: list = []
+    for _ in range(990):  # nested nearly as deep as the decoder allows: a 400, not a 500
+        deep = [deep]
+    with pytest.raises(APIError, match="temperature must be a number, got a deeply nested list"):
+        parse_completion({"prompt": [1, 2], "temperature": deep}, None, limits)
+
+
 def test_refusals_quote_the_values_as_json_and_bound_what_the_tokenizer_would_see():
     """Error sentences show what the client sent in JSON's spelling; a named participant reaches the prompt; more
     messages than the context has tokens, or a stop string longer than any text it holds, are refused before the

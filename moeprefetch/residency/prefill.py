@@ -58,6 +58,7 @@ class PrefillExperts:
         self._loop_row = 0  # the loop path's staging rows, used in turn
         self.copied_ahead = 0  # experts copied ahead of their layer's plan, this call
         self.unused_ahead = 0  # of which the layer then did not use (the bytes moved for nothing)
+        self.joined_chunks = 0  # chunks computed in a launch with others (`_in_place_joint`), this call
 
     def __call__(self, layer: int, xs: list[torch.Tensor], ids: list[torch.Tensor], weights: list[torch.Tensor]
                  ) -> list[torch.Tensor]:
@@ -126,6 +127,7 @@ class PrefillExperts:
             runs[-1].append(c)
         for tiles, runs in groups.items():
             for run in runs:
+                self.joined_chunks += len(run) if len(run) > 1 else 0
                 joined = [torch.cat([t[m] for m in run]) if len(run) > 1 else t[run[0]] for t in (xs, ids, weights)]
                 y = self._in_place(position, *joined, None, u_of_expert, tiles)
                 for m, part in zip(run, y.split([xs[m].shape[0] for m in run])):
@@ -238,7 +240,7 @@ class PrefillExperts:
 
     def begin_call(self) -> None:
         self.forget_ahead()
-        self.copied_ahead = self.unused_ahead = 0
+        self.copied_ahead = self.unused_ahead = self.joined_chunks = 0
 
     # ---- the CPU ------------------------------------------------------------------------------------------------
     def _loop(self, position: int, xs: list[torch.Tensor], weights: list[torch.Tensor], plan: LayerPlan

@@ -337,6 +337,7 @@ class Residency:
             "prefill_stall_seconds": self.staging.collect_stall_seconds() if self.staging is not None else 0.0,
             "prefill_experts_ahead": self._prefill.copied_ahead,  # copied before their layer's router ran
             "prefill_experts_ahead_unused": self._prefill.unused_ahead,  # of which the layer did not use
+            "prefill_chunks_joined": self._prefill.joined_chunks,  # (chunk, layer)s computed in a launch with others
         }
 
     # ---- decode: one MoE layer inside the step's graph ----------------------------------------------------------

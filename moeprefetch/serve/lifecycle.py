@@ -111,6 +111,9 @@ class HeaderDeadline(H11Protocol):
         """What is not HTTP/1.1 (a garbled request line, a Content-Length that is no number, a bad chunk size) gets
         a JSON error as every other refusal does; uvicorn's own answer is text/plain."""
         self._cancel_header_timer()
+        if self.cycle is not None and self.cycle.response_started:  # an answer is under way: nothing may follow it
+            self.transport.close()
+            return
         error = APIError(400, f"the request is not valid HTTP/1.1 ({msg.rstrip('.')}); the connection closes",
                          code="bad_request")
         body = json.dumps(error.body()).encode()

@@ -28,23 +28,31 @@ NOT_HONOURED: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("functions", (None, [])), ("function_call", (None, "none", "auto")),
     ("response_format", (None, {"type": "text"})), ("modalities", (None, ["text"])), ("audio", (None,)),
     ("prediction", (None,)), ("store", (None, False)), ("service_tier", (None, "auto", "default")),
-    ("reasoning_effort", (None,)), ("web_search_options", (None,)),
-    ("parallel_tool_calls", (None, True, False)),  # about tool calls, which are refused anyway
+    ("reasoning_effort", (None,)), ("web_search_options", (None,)), ("verbosity", (None, "medium")),
+    ("moderation", (None,)), ("parallel_tool_calls", (None, True, False)),  # about tool calls, refused anyway
+    # vLLM's sampling extras, which its clients and benchmarks send: their neutral values pass
+    ("min_p", (None, 0)), ("repetition_penalty", (None, 1)), ("min_tokens", (None, 0)), ("stop_token_ids", (None, [])),
+    ("skip_special_tokens", (None, True)), ("chat_template_kwargs", (None, {})),
 )
-# the parameters each endpoint reads (with NOT_HONOURED's names and chat's refused echo); any other name is refused
-# with a 400 naming it, as OpenAI's API does ("Unrecognized request argument"), so that a client's sampling option
-# (vLLM's min_p or repetition_penalty, say) is never silently dropped. top_k and ignore_eos are vLLM's, honoured;
-# user and metadata label a request and change nothing.
+# labels of a request (what it is for, caching hints): any string, or an object, changing nothing
+LABELS = {"user": str, "safety_identifier": str, "prompt_cache_key": str, "prompt_cache_retention": str,
+          "metadata": dict, "prompt_cache_options": dict}
+# the parameters each endpoint reads (with NOT_HONOURED's names, the LABELS and chat's refused echo); any other name
+# is refused with a 400 naming it, as OpenAI's API does ("Unrecognized request argument"), so that a client's
+# sampling option is never silently dropped. top_k and ignore_eos are vLLM's, honoured.
 COMMON_PARAMS = frozenset({
     "model", "n", "temperature", "top_p", "top_k", "seed", "max_tokens", "max_completion_tokens", "stream",
     "stream_options", "ignore_eos", "presence_penalty", "frequency_penalty", "logit_bias", "stop", "logprobs",
-    "top_logprobs", "user", "metadata", *(name for name, _ in NOT_HONOURED)})
+    "top_logprobs", *LABELS, *(name for name, _ in NOT_HONOURED)})
 COMPLETION_PARAMS = COMMON_PARAMS | {"prompt", "echo"}
 CHAT_PARAMS = COMMON_PARAMS | {"messages", "echo"}
-# a chat message's keys: role, content and name are read; the others a client may echo back from an answer
-# (OpenAI's clients serialise a returned message with these set to null) pass only empty
-MESSAGE_KEYS = ("role", "content", "name")
-MESSAGE_ECHOED_KEYS = ("refusal", "tool_calls", "function_call", "audio", "annotations", "tool_call_id")
+# a chat message's keys: role, content, name and a tool result's tool_call_id are read (and reach the template); an
+# earlier answer's reasoning is dropped, as reasoning models' own templates drop it from the history; the others a
+# client may echo back from an answer (OpenAI's clients serialise a returned message with these set to null) pass
+# only empty
+MESSAGE_KEYS = ("role", "content", "name", "tool_call_id")
+MESSAGE_DROPPED_KEYS = ("reasoning_content", "reasoning")
+MESSAGE_ECHOED_KEYS = ("refusal", "tool_calls", "function_call", "audio", "annotations")
 
 
 # an error's `code` where the raiser names none: OpenAI's clients read a string or null there, never a number
@@ -152,7 +160,10 @@ def _text(value: str, param: str) -> str:
 def shown(value: Any, limit: int = 40) -> str:
     """A client's value as JSON writes it ("0.5" a string, true a flag), cut to `limit` characters: an error
     sentence quotes what was sent, not Python's spelling of it."""
-    text = json.dumps(value, ensure_ascii=True)
+    try:
+        text = json.dumps(value, ensure_ascii=True)
+    except RecursionError:  # nested nearly as deep as the decoder allows
+        return f"a deeply nested {type(value).__name__}"
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
@@ -238,9 +249,9 @@ def parse_common(body: Any, limits: Limits, known: frozenset[str], endpoint: str
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     refuse_unknown(body, known, endpoint)
-    for name in ("user", "metadata"):  # labels: any string, or an object of them
-        if body.get(name) is not None and not isinstance(body[name], str if name == "user" else dict):
-            raise APIError(400, f"{name} must be {'a string' if name == 'user' else 'an object'}, got "
+    for name, kind in LABELS.items():
+        if body.get(name) is not None and not isinstance(body[name], kind):
+            raise APIError(400, f"{name} must be {'a string' if kind is str else 'an object'}, got "
                                 f"{shown(body[name])}", name)
     model = body.get("model")
     if model is not None and model != limits.model:
@@ -369,15 +380,18 @@ def _message(message: dict[str, Any], index: int) -> dict[str, str]:
         raise APIError(400, f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, got "
                             f"{shown(message['role'])}", f"messages[{index}].role")
     for key, value in message.items():
-        if key not in MESSAGE_KEYS and (key not in MESSAGE_ECHOED_KEYS or value not in (None, "", [], {})):
+        if key not in MESSAGE_KEYS + MESSAGE_DROPPED_KEYS and (key not in MESSAGE_ECHOED_KEYS
+                                                               or value not in (None, "", [], {})):
             raise APIError(400, f"messages[{index}] has {shown(key, 60)}, which this server does not read (a "
-                                "message is role, content and name); leave it out", f"messages[{index}]")
+                                "message is role, content, name and a tool result's tool_call_id); leave it out",
+                           f"messages[{index}]")
     out = {"role": message["role"], "content": _content(message.get("content"), index, message["role"])}
-    if message.get("name") is not None:
-        if not isinstance(message["name"], str) or not message["name"]:
-            raise APIError(400, f"messages[{index}].name must be a non-empty string, got {shown(message['name'])}",
-                           f"messages[{index}].name")
-        out["name"] = _text(message["name"], f"messages[{index}].name")
+    for key in ("name", "tool_call_id"):
+        if message.get(key) is not None:
+            if not isinstance(message[key], str) or not message[key]:
+                raise APIError(400, f"messages[{index}].{key} must be a non-empty string, got "
+                                    f"{shown(message[key])}", f"messages[{index}].{key}")
+            out[key] = _text(message[key], f"messages[{index}].{key}")
     return out
 
 
