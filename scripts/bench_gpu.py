@@ -740,6 +740,15 @@ class WorkloadRun:
             row["same_tokens_as_all_resident"] = row["sequences"] == self.reference
         return row
 
+    def resident_row(self, engine: MoEPrefetchEngine, system: str, predictor: str) -> None:
+        """A predictor's row on the all-resident engine: its own compute at no link bytes."""
+        try:
+            self.emit({**self.base, "vram_budget_gib": None, "cache_fraction": 1.0,
+                       **run_row(engine, system, self.prompts, self.args.new_tokens, predictor=predictor,
+                                 runs=self.args.runs, **self.sampling)})
+        except Exception as exc:
+            self.fail(system, exc)
+
     def timeline_row(self, engine: MoEPrefetchEngine, system: str, predictor: str, **options: Any) -> None:
         """A per-op split of the first prompt's generation (its own row: a failed profile loses no other row)."""
         try:
@@ -826,14 +835,9 @@ def resident_rows(run: WorkloadRun) -> None:
                expert_bytes=engine.residency.expert_bytes, total_experts=run.total_experts)
     run.emit({**run.base, **row, "vram_budget_gib": None})
     run.reference = row["sequences"]
-    resident = {**run.base, "vram_budget_gib": None, "cache_fraction": 1.0}
     if engine.has_mtp and asked(args, "all_resident_mtp"):
         # the compute the MTP machinery adds (shadow row and head) when no byte crosses the link
-        try:
-            run.emit({**resident, **run_row(engine, "all_resident_mtp", run.prompts, args.new_tokens,
-                                            predictor="mtp", runs=args.runs, **run.sampling)})
-        except Exception as exc:
-            run.fail("all_resident_mtp", exc)
+        run.resident_row(engine, "all_resident_mtp", "mtp")
         if args.profile:
             run.timeline_row(engine, "all_resident_mtp_timeline", "mtp")
     if engine.has_mtp and args.systems:  # speculation with every expert resident (issue 39's first aim)
@@ -842,11 +846,7 @@ def resident_rows(run: WorkloadRun) -> None:
             run.timeline_row(engine, "all_resident_speculative_timeline", "none", speculative="mtp")
     if engine.runner.learned_head is not None and asked(args, "all_resident_learned"):
         # the learned head's own cost (and link 1 of the MTP head, when the head reads it) at no link bytes
-        try:
-            run.emit({**resident, **run_row(engine, "all_resident_learned", run.prompts, args.new_tokens,
-                                            predictor="learned", runs=args.runs, **run.sampling)})
-        except Exception as exc:
-            run.fail("all_resident_learned", exc)
+        run.resident_row(engine, "all_resident_learned", "learned")
     if args.profile:
         run.timeline_row(engine, "all_resident_timeline", "none")
     engine.close()

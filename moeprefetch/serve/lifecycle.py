@@ -114,20 +114,20 @@ class HeaderDeadline(H11Protocol):
         if self.cycle is not None and self.cycle.response_started:  # an answer is under way: nothing may follow it
             self.transport.close()
             return
-        error = APIError(400, f"the request is not valid HTTP/1.1 ({msg.rstrip('.')}); the connection closes",
-                         code="bad_request")
-        body = json.dumps(error.body()).encode()
-        self.transport.write(BAD_REQUEST % (len(body), body))
-        self.transport.close()
+        self._answer_and_close(BAD_REQUEST, APIError(
+            400, f"the request is not valid HTTP/1.1 ({msg.rstrip('.')}); the connection closes", code="bad_request"))
 
     def _headers_too_slow(self) -> None:
         self._header_timer = None
         if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
             return
-        error = APIError(408, f"the request's headers did not arrive within {self.header_timeout:g} s",
-                         code="request_timeout")
+        self._answer_and_close(REQUEST_TIMEOUT, APIError(
+            408, f"the request's headers did not arrive within {self.header_timeout:g} s", code="request_timeout"))
+
+    def _answer_and_close(self, response: bytes, error: APIError) -> None:
+        """An error written below the app (`response`: its status line and headers), then the connection closed."""
         body = json.dumps(error.body()).encode()
-        self.transport.write(REQUEST_TIMEOUT % (len(body), body))
+        self.transport.write(response % (len(body), body))
         self.transport.close()
 
 
