@@ -358,6 +358,9 @@ def _serve(ns: argparse.Namespace) -> int:
         raise MoEPrefetchError("the API key (--api-key or $MOEPREFETCH_API_KEY) is empty: give a key, or leave both "
                                "out to serve without one")
     kwargs = _engine_kwargs(ns)
+    if (ns.bypass or ns.reuse_weight) and "learned" not in (ns.predictor or "none").split("+"):  # before the load
+        raise MoEPrefetchError("--bypass and --reuse-weight act on the learned routing head's predictions, which the "
+                               "server's predictor must run: add --predictor learned (or a combination with it)")
     if kwargs["distributed"]:
         raise MoEPrefetchError("serve runs in one process: --distributed is for generate (the ranks would need one "
                                "scheduler between them)")
