@@ -140,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests-per-client", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-seq-len", type=int, default=None,
+                        help="the engine's context (default: a request's prompt and output tokens and 8); it also "
+                             "bounds the prefill chunk and window, so the default's windows hold two 64-token "
+                             "prompts: a served model's longer context prefills a wave of requests in one window")
     parser.add_argument("--predictor", default=None)
     parser.add_argument("--expert-dtype", default="model", help="the experts' format (model, fp8, int8, int4)")
     parser.add_argument("--routing-trace", type=Path, default=None,
@@ -156,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     budget = f"{args.budget_gib}GiB" if args.scale == "full" else None
     engine = MoEPrefetchEngine.from_pretrained(
         path, device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, progress=False,
-        max_batch_size=max(levels), max_seq_len=args.prompt_tokens + args.max_tokens + 8, vram_budget=budget,
+        max_batch_size=max(levels), max_seq_len=args.max_seq_len or args.prompt_tokens + args.max_tokens + 8,
+        vram_budget=budget,
         expert_cache_slots=None if budget else 8, expert_dtype=args.expert_dtype,
         routing_trace=str(args.routing_trace) if args.routing_trace else None)
     app = build_app(engine, "bench", args.predictor, max_queue=4 * max(levels), drain_seconds=5,
@@ -184,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     stream_request(url, prompts[0], 8)  # warm-up: compiles kernels and captures the batch's one-row step graph
     common = dict(workload="v2lite", vram_budget_gib=args.budget_gib, max_batch_size=max(levels),
                   expert_dtype=args.expert_dtype, cache_slots=engine.plan.expert_slots,
-                  batch_invariant=args.batch_invariant,
+                  batch_invariant=args.batch_invariant, max_seq_len=engine.options.max_seq_len,
+                  prefill_window=engine.options.prefill_window,
                   routing_trace=args.routing_trace.name if args.routing_trace else None,
                   predictor=engine.options.predictor if args.predictor is None else args.predictor)
 
