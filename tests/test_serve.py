@@ -1209,8 +1209,8 @@ def test_serve_options_and_the_api_key_from_the_environment(monkeypatch):
     assert main(["serve", "--admit-wait-ms", "-1"]) == 2 and main(["serve", "--admit-wait-ms", "5000"]) == 2
     assert main(["serve", "--allowed-hosts", " , "]) == 2
     assert main(["serve", "--model-name", " "]) == 2  # clients send it: an empty one could never be asked for
-    # an empty key (`--api-key "$KEY"` with KEY unset) would serve everyone: refused, from either source
     assert main(["serve", "--bypass"]) == 2  # acts on the learned head only: refused before the model loads
+    # an empty key (`--api-key "$KEY"` with KEY unset) would serve everyone: refused, from either source
     assert main(["serve", "--api-key", ""]) == 2
     monkeypatch.setenv("MOEPREFETCH_API_KEY", " ")
     assert main(["serve"]) == 2
