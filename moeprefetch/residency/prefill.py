@@ -58,7 +58,7 @@ class PrefillExperts:
         self._loop_row = 0  # the loop path's staging rows, used in turn
         self.copied_ahead = 0  # experts copied ahead of their layer's plan, this call
         self.unused_ahead = 0  # of which the layer then did not use (the bytes moved for nothing)
-        self.joined_chunks = 0  # chunks computed in a launch with others (`_in_place_joint`), this call
+        self.joined_chunks = 0  # (chunk, layer)s computed in a launch with others (`_in_place_joint`), this call
 
     def __call__(self, layer: int, xs: list[torch.Tensor], ids: list[torch.Tensor], weights: list[torch.Tensor]
                  ) -> list[torch.Tensor]:
@@ -119,14 +119,15 @@ class PrefillExperts:
         over the experts once, not once per prompt. cuBLAS's grouped GEMM (bf16 on Hopper) makes no such promise:
         its chunks run alone."""
         res, out = self.res, [None] * len(xs)
-        groups: dict = {}  # tiles -> runs of chunks, each within joint_tokens
+        groups: dict = {}  # tiles -> runs of chunks as [chunks, tokens], each within joint_tokens
         for c, i in enumerate(ids):
-            runs = groups.setdefault(res.grouped.tiles_for(i.numel(), res.n_experts), [[]])
-            if runs[-1] and sum(xs[m].shape[0] for m in runs[-1]) + xs[c].shape[0] > self.joint_tokens:
-                runs.append([])
-            runs[-1].append(c)
+            runs, tokens = groups.setdefault(res.grouped.tiles_for(i.numel(), res.n_experts), []), xs[c].shape[0]
+            if not runs or runs[-1][1] + tokens > self.joint_tokens:
+                runs.append([[], 0])
+            runs[-1][0].append(c)
+            runs[-1][1] += tokens
         for tiles, runs in groups.items():
-            for run in runs:
+            for run, _ in runs:
                 self.joined_chunks += len(run) if len(run) > 1 else 0
                 joined = [torch.cat([t[m] for m in run]) if len(run) > 1 else t[run[0]] for t in (xs, ids, weights)]
                 y = self._in_place(position, *joined, None, u_of_expert, tiles)
