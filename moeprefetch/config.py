@@ -90,7 +90,7 @@ class ModelArgs:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     quant: QuantArgs | None = None
-    int4: Int4CheckpointArgs | None = None  # a 4-bit weight-only checkpoint (GPTQ, compressed-tensors)
+    int4: Int4CheckpointArgs | None = None  # a 4-bit weight-only checkpoint (GPTQ, AWQ, compressed-tensors)
     # grouped-query attention (families.py: "gqa"); for those, the MLA fields above hold head_dim as the rotary and
     # value size and 0 for the latent ranks
     num_key_value_heads: int = 0
@@ -194,7 +194,7 @@ def _quant_args(raw: dict[str, Any]) -> QuantArgs | None:
     method = qc.get("quant_method", "fp8")
     if method != "fp8":
         raise CheckpointError(f"quantization method {method!r} is not supported (supported: fp8 block quantisation, "
-                              f"4-bit compressed-tensors pack-quantized and GPTQ)")
+                              f"4-bit compressed-tensors pack-quantized, GPTQ and AWQ)")
     fmt = qc.get("fmt", "e4m3")
     if fmt not in ("e4m3", "float8_e4m3fn"):
         raise CheckpointError(f"FP8 format {fmt!r} is not supported (supported: e4m3)")

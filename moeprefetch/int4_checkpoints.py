@@ -1,9 +1,9 @@
 """Pre-quantised 4-bit weight-only checkpoints in the layouts published MoE checkpoints ship in.
 
-Two formats are read (and written, by `write_int4_checkpoint`, for tests and fixtures). Both describe one Linear weight
-W [out, in] ("in" = the input features, the reduction dimension) by 4-bit codes q in 0..15, a scale per output row
-and group of `group` consecutive inputs and a zero point per row and group; `read_parts` returns them as `Int4Parts`,
-the one form every consumer sees:
+Three formats are read (and written, by `write_int4_checkpoint`, for tests and fixtures). Each describes one Linear
+weight W [out, in] ("in" = the input features, the reduction dimension) by 4-bit codes q in 0..15, a scale per output
+row and group of `group` consecutive inputs and a zero point per row and group; `read_parts` returns them as
+`Int4Parts`, the one form every consumer sees:
 
     W[o, i] = (q[o, i] - zero[o, i // group]) * scale[o, i // group]        (zero = 8 when symmetric)
 
@@ -77,13 +77,56 @@ GPTQ (AutoGPTQ, GPTQModel, transformers/optimum, vLLM)
     (``GPTQConfig``: ``format`` with the legacy alias ``checkpoint_format``, default ``"gptq"``); vLLM
     vllm/model_executor/layers/quantization/gptq.py (shapes, ``packed_dim``, v1 zeros + 1).
 
+AWQ ``version: "gemm"`` (AutoAWQ, GPTQModel, transformers, vLLM)
+    config.json ``quantization_config`` (AutoAWQ's ``AwqConfig.to_transformers_dict``): ``quant_method: "awq"``,
+    ``bits: 4``, ``group_size`` (-1 = per channel), ``zero_point``, ``version: "gemm"``, ``modules_to_not_convert``
+    (null, or names: a module is left unquantised when any of them is a *substring* of its name). vLLM also reads the
+    older quant_config.json spellings ``w_bit`` and ``q_group_size``. GPTQModel adds ``format`` and
+    ``checkpoint_format`` (= the version), ``sym``, ``desc_act``, ``pack_dtype``, ``dynamic``, ``meta``; newer
+    transformers (``AwqConfig`` as a ``GPTQConfig``) add ``format``/``checkpoint_format``, ``backend`` (a load-time
+    kernel choice, except ``"llm-awq"``, which names llm-awq's own layout) and GPTQConfig's fields, ``sym`` among
+    them, so ``zero_point`` alone decides the symmetry (as in vLLM). Tensors per quantised module ``<base>``:
+
+    * ``<base>.qweight`` int32 [in, out / 8]: packed along the *output* dimension in AWQ's interleaved order: nibble k
+      (bits 4k .. 4k + 3) of word [i, j] holds output column 8j + AWQ_ORDER[k], AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7];
+      so column 8j + c is read from nibble AWQ_REVERSE_ORDER[c], AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7].
+    * ``<base>.qzeros`` int32 [groups, out / 8]: the zero points 0..15 as they are (no GPTQ v1 offset), packed along
+      the output dimension in the same interleaved order.
+    * ``<base>.scales`` fp16 [groups, out] (GPTQModel keeps bf16 scales bf16); ``<base>.bias`` fp16 when the module
+      has one; no g_idx.
+
+    W[o, i] = (q[i, o] - zeros[i // group, o]) * scales[i // group, o]. Quantiser (AutoAWQ's
+    ``pseudo_quantize_tensor`` after its activation-aware scale search and clipping, which are not reproduced here):
+    with ``zero_point`` scale = clamp(max - min, min=1e-5) / 15, zero = clamp(-round(min / scale), 0, 15), q =
+    clamp(round(w / scale) + zero, 0, 15), the scale stored in fp16 and q recomputed with it by
+    ``WQLinear_GEMM.from_linear``; AutoAWQ's min and max do not include 0, write_int4_checkpoint's do (as the other
+    formats' quantisers), so that zero stays exact. ``zero_point: false`` is GPTQModel's ``sym: true``: scale =
+    clamp(amax, min=1e-5) / 7, q = clamp(round(w / scale), -8, 7) + 8, and qzeros still holds 8 everywhere (AutoAWQ
+    itself cannot write it: its GEMM module asserts zero points). AutoAWQ and vLLM need in % group_size == 0 and out %
+    8 == 0; write_int4_checkpoint needs the latter.
+    Sources (github.com/casper-hansen/AutoAWQ at 88e4c76b): awq/modules/linear/gemm.py (``WQLinear_GEMM``: buffer
+    shapes and dtypes, ``from_linear``'s ``order_map``), awq/utils/packing_utils.py (``AWQ_ORDER``,
+    ``AWQ_REVERSE_ORDER``, ``dequantize_gemm``), awq/quantize/quantizer.py (``pseudo_quantize_tensor``,
+    ``_apply_quant``), awq/models/_config.py (``AwqConfig``, ``to_transformers_dict``), awq/utils/module.py
+    (``exclude_layers_to_not_quantize``: substring match). GPTQModel (at f4c327a1): gptqmodel/quantization/config.py
+    (``AWQConfig``: ``zero_point = not sym``, ``version`` = ``format``; AWQ formats gemm, gemv, gemv_fast, marlin,
+    bitblas, llm-awq), gptqmodel/looper/awq_processor.py (``pseudo_quantize_tensor``: symmetric zero point 8),
+    gptqmodel/nn_modules/qlinear/gemm_awq.py (``pack``: the same order). transformers:
+    src/transformers/utils/quantization_config.py (``AwqConfig``: versions gemm, gemv, exllama, ipex; ``backend``;
+    exllama models are never saved), src/transformers/integrations/awq.py (``replace_with_awq_linear``: substring
+    skip). vLLM: vllm/model_executor/layers/quantization/awq.py (``AWQConfig.from_config`` keys, shapes,
+    ``is_layer_skipped_awq``), vllm/model_executor/layers/quantization/awq_triton.py (``awq_dequantize_kernel``: the
+    reverse AWQ order [0, 4, 1, 5, 2, 6, 3, 7]), vllm/model_executor/layers/quantization/awq_marlin.py.
+
 Refused, each with one CheckpointError sentence naming what is supported: other bit widths (8-bit pack-quantized,
 2/3/8-bit GPTQ), float 4-bit (nvfp4/mxfp4) and the other compressed-tensors formats (marlin-24, nvfp4-pack-quantized,
 int-quantized, float-quantized, dense, sparse ones), activation or KV-cache quantisation, tensor/block strategies,
 dynamic weights, config groups that differ in group size or symmetry, rotations (``transform_config``, GPTQModel
 ``rotation``), GPTQ ``desc_act`` without static groups and any act-order g_idx (compressed-tensors ``actorder:
 "group"``; a stored g_idx that is not i // group), GPTQ marlin/bitblas/qqq checkpoint formats and non-int32
-``pack_dtype``, and AWQ, AutoRound, bitsandbytes-4bit, HQQ and the like. Ragged groups (in not a multiple of the group
+``pack_dtype``, AWQ versions other than gemm (gemv, gemv_fast, marlin and llm-awq have their own layouts; exllama
+and ipex are load-time kernels that transformers or AutoAWQ repack on load, not verified here as stored layouts),
+AWQ with desc_act, and AutoRound, bitsandbytes-4bit, HQQ and the like. Ragged groups (in not a multiple of the group
 size) are read and written with ceil(in / group) groups, the last one short; the real kernels (Marlin, exllama) want
 in to be a multiple of the group size, so published checkpoints have none.
 """
@@ -105,15 +148,23 @@ from .errors import CheckpointError
 
 COMPRESSED_TENSORS = "compressed-tensors"
 GPTQ = "gptq"
+AWQ = "awq"
+METHODS = (COMPRESSED_TENSORS, GPTQ, AWQ)
 PACK_QUANTIZED = "pack-quantized"
 GPTQ_FORMATS = ("gptq", "gptq_v2")
+AWQ_GEMM = "gemm"
+# AutoAWQ's packing_utils.py: nibble k of a word holds element AWQ_ORDER[k] of its eight; element c is read from
+# nibble AWQ_REVERSE_ORDER[c] (the inverse permutation, vLLM's awq_triton.py)
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 SYMMETRIC_ZERO = 8
 SUPPORTED = (
     "supported: compressed-tensors 'pack-quantized' 4-bit int weight-only (group or channel strategy, symmetric or "
-    "not) and GPTQ 4-bit (checkpoint_format 'gptq' or 'gptq_v2', desc_act false or with static_groups)"
+    "not), GPTQ 4-bit (checkpoint_format 'gptq' or 'gptq_v2', desc_act false or with static_groups) and AWQ 4-bit "
+    "(version 'gemm', with or without zero_point)"
 )
 # other low-bit weight-only families: refused here, so that the sentence names what is read instead of "not fp8"
-OTHER_FOUR_BIT_METHODS = ("awq", "awq_marlin", "gptq_marlin", "marlin", "bitblas", "mxfp4", "hqq", "auto-round",
+OTHER_FOUR_BIT_METHODS = ("awq_marlin", "gptq_marlin", "marlin", "bitblas", "mxfp4", "hqq", "auto-round",
                           "intel/auto-round", "autoround", "exl2", "aqlm", "qqq")
 CT_FORMATS_KNOWN = ("dense", "sparse-bitmask", "sparse-24-bitmask", "int-quantized", "float-quantized",
                     "naive-quantized", "pack-quantized", "marlin-24", "mixed-precision", "nvfp4-pack-quantized",
@@ -121,6 +172,7 @@ CT_FORMATS_KNOWN = ("dense", "sparse-bitmask", "sparse-24-bitmask", "int-quantiz
 CT_PRESETS = {"W4A16": True, "W4A16_ASYM": False}  # 4-bit int weight-only presets -> symmetric
 CT_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 GPTQ_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+AWQ_SUFFIXES = ("qweight", "qzeros", "scales")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 # what write_int4_checkpoint leaves unquantised by default: the output head and the MoE routers (mlp.gate,
@@ -133,11 +185,13 @@ DEFAULT_IGNORE = ("lm_head", r"re:.*\.gate$", r"re:.*shared_expert_gate$")
 class Int4CheckpointArgs:
     """A 4-bit weight-only checkpoint's quantisation, parsed from config.json's quantization_config."""
 
-    method: str  # "compressed-tensors" | "gptq"
+    method: str  # "compressed-tensors" | "gptq" | "awq"
     group_size: int  # input columns per scale group; 0 = per channel (one group spanning all inputs)
     symmetric: bool
-    ignore: tuple[str, ...] = ()  # compressed-tensors: module names / "re:" patterns left unquantised; () for GPTQ
-    checkpoint_format: str = PACK_QUANTIZED  # "pack-quantized" | "gptq" (v1: zeros stored minus one) | "gptq_v2"
+    # modules left unquantised: compressed-tensors names / "re:" patterns, AWQ modules_to_not_convert; () for GPTQ
+    ignore: tuple[str, ...] = ()
+    # "pack-quantized" | "gptq" (v1: zeros stored minus one) | "gptq_v2" | "gemm" (AWQ)
+    checkpoint_format: str = PACK_QUANTIZED
 
     @property
     def gptq_zero_offset(self) -> int:
@@ -151,6 +205,8 @@ class Int4CheckpointArgs:
         return min(self.group_size, in_features)
 
     def is_ignored(self, module: str) -> bool:
+        if self.method == AWQ:  # AutoAWQ, transformers and vLLM skip a module when an entry is a substring of its name
+            return any(key in module for key in self.ignore)
         return matches_any(module, self.ignore)
 
 
@@ -172,7 +228,7 @@ def _refuse(message: str) -> CheckpointError:
 def parse_int4_config(quantization_config: dict | None) -> Int4CheckpointArgs | None:
     """The 4-bit checkpoint format a quantization_config describes; None when it is not one of this module's methods
     (no config, FP8, an unknown method: the FP8 path decides); CheckpointError with one sentence naming what is
-    supported for a compressed-tensors or GPTQ config this module cannot read, or another 4-bit method."""
+    supported for a compressed-tensors, GPTQ or AWQ config this module cannot read, or another 4-bit method."""
     if not quantization_config:
         return None
     if not isinstance(quantization_config, dict):
@@ -182,6 +238,8 @@ def parse_int4_config(quantization_config: dict | None) -> Int4CheckpointArgs | 
         return _parse_compressed_tensors(quantization_config)
     if method == GPTQ:
         return _parse_gptq(quantization_config)
+    if method == AWQ:
+        return _parse_awq(quantization_config)
     if method in OTHER_FOUR_BIT_METHODS or (method == "bitsandbytes" and quantization_config.get("load_in_4bit")):
         raise _refuse(f"quantization method {method!r} is not supported")
     return None
@@ -280,14 +338,50 @@ def _parse_gptq(qc: dict) -> Int4CheckpointArgs:
     if qc.get("desc_act") and not static_groups:
         raise _refuse("GPTQ desc_act (act-order: a permuted g_idx) without static_groups is not supported")
     symmetric = bool(qc.get("sym", True))
+    _check_dynamic("GPTQ", qc, group_size, symmetric, static_groups)
+    return Int4CheckpointArgs(GPTQ, 0 if group_size == -1 else group_size, symmetric, (), fmt)
+
+
+def _check_dynamic(label: str, qc: dict, group_size: int, symmetric: bool, static_groups: bool = False) -> None:
+    """GPTQModel's per-module overrides (``dynamic``, GPTQ and AWQ alike): refused when one changes the layout."""
     for pattern, override in (qc.get("dynamic") or {}).items():
         if str(pattern).startswith("-:") or not isinstance(override, dict):
             continue  # "-:" = that module is left unquantised
         for key, value in (("bits", 4), ("group_size", group_size), ("sym", symmetric), ("desc_act", False)):
             if key in override and override[key] != value and not (key == "desc_act" and static_groups):
-                raise _refuse(f"GPTQ dynamic override {pattern!r} sets {key}={override[key]!r}, which differs from "
+                raise _refuse(f"{label} dynamic override {pattern!r} sets {key}={override[key]!r}, which differs from "
                               f"the checkpoint's and is not supported")
-    return Int4CheckpointArgs(GPTQ, 0 if group_size == -1 else group_size, symmetric, (), fmt)
+
+
+def _parse_awq(qc: dict) -> Int4CheckpointArgs:
+    bits = qc.get("bits", qc.get("w_bit"))  # w_bit / q_group_size: AutoAWQ's quant_config.json spellings
+    if bits != 4:
+        raise _refuse(f"AWQ with {bits}-bit weights is not supported")
+    # the stored layout: version (AutoAWQ, GPTQModel), else format / checkpoint_format (GPTQModel, newer transformers)
+    version = str(qc.get("version") or qc.get("format") or qc.get("checkpoint_format") or AWQ_GEMM).lower()
+    if str(qc.get("backend", "")).lower() == "llm-awq":  # transformers: llm-awq's own packing
+        version = "llm-awq"
+    if version != AWQ_GEMM:
+        raise _refuse(f"AWQ version {version!r} is not supported")
+    pack_dtype = str(qc.get("pack_dtype", "int32")).lower().removeprefix("torch.")
+    if pack_dtype != "int32":
+        raise _refuse(f"AWQ pack_dtype {pack_dtype!r} is not supported")
+    if qc.get("rotation"):
+        raise _refuse(f"an AWQ checkpoint with rotation {qc['rotation']!r} (rotated weights) is not supported")
+    if qc.get("desc_act"):
+        raise _refuse("AWQ with desc_act (act-order: a permuted input order) is not supported")
+    group_size = qc.get("group_size", qc.get("q_group_size", 128))
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or (group_size <= 0 and group_size != -1):
+        raise CheckpointError(f"AWQ group_size must be a positive int or -1, got {group_size!r}")
+    zero_point = qc.get("zero_point", True)  # AutoAWQ's and transformers' default
+    if not isinstance(zero_point, bool):
+        raise CheckpointError(f"AWQ zero_point must be true or false, got {zero_point!r}")
+    ignore = qc.get("modules_to_not_convert") or []
+    if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
+        raise CheckpointError(f"AWQ quantization_config.modules_to_not_convert must be null or a list of strings, "
+                              f"not {ignore!r}")
+    _check_dynamic("AWQ", qc, group_size, not zero_point)
+    return Int4CheckpointArgs(AWQ, 0 if group_size == -1 else group_size, not zero_point, tuple(ignore), AWQ_GEMM)
 
 
 # ---- decoded weights ----------------------------------------------------------------------------------------------
@@ -380,17 +474,34 @@ def gptq_v2_words(words: torch.Tensor) -> torch.Tensor:
     return _to_int32((_to_unsigned(words) + 0x11111111) % _WORD)
 
 
+def pack_awq(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 [R, C], C a multiple of 8 -> int32 [R, C / 8] in AWQ's interleaved order: nibble k of word j
+    holds element 8j + AWQ_ORDER[k] (AWQ's qweight [in, out / 8] and qzeros [groups, out / 8])."""
+    if codes.dim() != 2 or codes.shape[1] % 8:
+        raise ValueError(f"pack_awq packs 2-D codes with a multiple of 8 columns, got shape {tuple(codes.shape)}")
+    rows, cols = codes.shape
+    interleaved = codes.reshape(rows, cols // 8, 8)[:, :, list(AWQ_ORDER)].reshape(rows, cols)
+    return pack_int4(interleaved, 1)
+
+
+def unpack_awq(words: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_awq: int32 [R, W] -> uint8 codes [R, 8W], element 8j + c from nibble AWQ_REVERSE_ORDER[c]."""
+    nibbles = unpack_int4(words, 1, words.shape[-1] * 8)  # nibble k of word j at 8j + k
+    rows = nibbles.shape[0]
+    return nibbles.view(rows, -1, 8)[:, :, list(AWQ_REVERSE_ORDER)].reshape(rows, -1).contiguous()
+
+
 # ---- reading ------------------------------------------------------------------------------------------------------
 class Int4Tensors:
     """The 4-bit weights of one checkpoint: which modules are quantised, and each one decoded into Int4Parts."""
 
     def __init__(self, reader: CheckpointReader, args: Int4CheckpointArgs):
-        if args.method not in (COMPRESSED_TENSORS, GPTQ):
+        if args.method not in METHODS:
             raise CheckpointError(f"4-bit checkpoint method {args.method!r} is unknown ({SUPPORTED})")
         self.reader = reader
         self.args = args
         self._marker = "weight_packed" if args.method == COMPRESSED_TENSORS else "qweight"
-        self._suffixes = CT_SUFFIXES if args.method == COMPRESSED_TENSORS else GPTQ_SUFFIXES
+        self._suffixes = {COMPRESSED_TENSORS: CT_SUFFIXES, GPTQ: GPTQ_SUFFIXES, AWQ: AWQ_SUFFIXES}[args.method]
         tail = "." + self._marker
         self._bases = tuple(sorted(n[: -len(tail)] for n in reader.tensors if n.endswith(tail)))
 
@@ -425,6 +536,8 @@ class Int4Tensors:
         if self.args.method == COMPRESSED_TENSORS:
             return self._ct_shape(base, self._need(base, "weight_packed"))
         qweight = self._need(base, "qweight")
+        if self.args.method == AWQ:  # [in, out / 8]
+            return qweight.shape[-1] * 8, qweight.shape[0]
         scales = self._need(base, "scales")
         return scales.shape[-1], qweight.shape[0] * 8
 
@@ -490,6 +603,8 @@ class Int4Tensors:
         """The codes, scales and zero points of `<base>`, validated; CheckpointError naming the tensor on any defect."""
         if self.args.method == COMPRESSED_TENSORS:
             return self._read_compressed_tensors(base)
+        if self.args.method == AWQ:
+            return self._read_awq(base)
         return self._read_gptq(base)
 
     def read_float(self, base: str) -> torch.Tensor:
@@ -526,9 +641,8 @@ class Int4Tensors:
         self._check_g_idx(base, "weight_g_idx", cols, group)
         return Int4Parts(unpack_int4(packed, 1, cols), scale.contiguous(), zero, group)
 
-    def _read_gptq(self, base: str) -> Int4Parts:
-        qweight = self._read(base, "qweight", (torch.int32,), 2)
-        cols, out = qweight.shape[0] * 8, qweight.shape[1]
+    def _scales_and_qzeros(self, base: str, out: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """GPTQ's and AWQ's scales (fp32 [groups, out]) and qzeros words ([groups, out / 8]), validated; the group."""
         group = self.args.group_for(cols)
         groups = -(-cols // group)
         what = f"for a [{out}, {cols}] weight in groups of {group}"
@@ -539,15 +653,34 @@ class Int4Tensors:
         self._check_scale(scales_name, scales)
         qzeros = self._read(base, "qzeros", (torch.int32,), 2)
         self._check_shape(f"{base}.qzeros", qzeros, (groups, -(-out // 8)), what + " (eight zero points per int32)")
+        return scales, qzeros, group
+
+    def _grouped_parts(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> Int4Parts:
+        """Int4Parts from codes [out, in] and [groups, out] scales and zero points; a symmetric checkpoint's zero
+        points are all 8 (GPTQ v1 0x77777777 words, AWQ without zero_point) and are dropped."""
+        zero = zeros.t().float().contiguous()
+        if self.args.symmetric and bool((zeros == SYMMETRIC_ZERO).all()):
+            zero = None
+        return Int4Parts(q, scales.t().contiguous(), zero, group)
+
+    def _read_gptq(self, base: str) -> Int4Parts:
+        qweight = self._read(base, "qweight", (torch.int32,), 2)
+        cols, out = qweight.shape[0] * 8, qweight.shape[1]
+        scales, qzeros, group = self._scales_and_qzeros(base, out, cols)
         if self.args.gptq_zero_offset:
             qzeros = gptq_v2_words(qzeros)
         zeros = unpack_int4(qzeros, 1, out)  # [groups, out]
         self._check_g_idx(base, "g_idx", cols, group)
         q = unpack_int4(qweight, 0, cols).t().contiguous()  # [in, out] -> [out, in]
-        zero = zeros.t().float().contiguous()
-        if self.args.symmetric and bool((zeros == SYMMETRIC_ZERO).all()):
-            zero = None
-        return Int4Parts(q, scales.t().contiguous(), zero, group)
+        return self._grouped_parts(q, scales, zeros, group)
+
+    def _read_awq(self, base: str) -> Int4Parts:
+        qweight = self._read(base, "qweight", (torch.int32,), 2)
+        cols, out = qweight.shape[0], qweight.shape[1] * 8  # [in, out / 8]: packed along the outputs
+        scales, qzeros, group = self._scales_and_qzeros(base, out, cols)
+        zeros = unpack_awq(qzeros)  # [groups, out]
+        q = unpack_awq(qweight).t().contiguous()  # [in, out] -> [out, in]
+        return self._grouped_parts(q, scales, zeros, group)
 
 
 # ---- quantising and writing (fixtures) ----------------------------------------------------------------------------
@@ -565,7 +698,7 @@ def quantize_int4(weight: torch.Tensor, method: str, group_size: int = 128, symm
                   scale_dtype: torch.dtype | None = None) -> Int4Parts:
     """Round-to-nearest 4-bit quantisation of one weight [out, in] as `method`'s tools do it (module docstring), with
     the scales rounded to the dtype they are stored in (compressed-tensors: `scale_dtype`, default the weight's;
-    GPTQ: fp16). group_size <= 0 = per channel."""
+    GPTQ and AWQ: fp16). group_size <= 0 = per channel."""
     if weight.dim() != 2:
         raise ValueError(f"quantize_int4 takes a 2-D weight, got shape {tuple(weight.shape)}")
     cols = weight.shape[1]
@@ -575,33 +708,60 @@ def quantize_int4(weight: torch.Tensor, method: str, group_size: int = 128, symm
     high = w.amax(dim=2).clamp(min=0.0)
     if method == COMPRESSED_TENSORS:
         stored = scale_dtype or (weight.dtype if weight.dtype in FLOAT_DTYPES else torch.bfloat16)
-        eps = torch.finfo(torch.float32).eps
-        if symmetric:
-            scale = (torch.maximum(-low, high) / 7.5).clamp(min=eps).to(stored).float()
-            signed = torch.round(w / scale[..., None]).clamp(-8, 7)
-            zero = None
-        else:
-            scale = ((high - low) / 15.0).clamp(min=eps).to(stored).float()
-            zp = torch.round(-8.0 - low / scale).clamp(-8, 7)
-            signed = (torch.round(w / scale[..., None]) + zp[..., None]).clamp(-8, 7)
-            zero = zp + SYMMETRIC_ZERO
-        codes = signed + SYMMETRIC_ZERO
+        codes, scale, zero = _rtn_compressed_tensors(w, low, high, symmetric, stored)
     elif method == GPTQ:
-        if symmetric:
-            low = -torch.maximum(-low, high)
-            high = -low
-        both_zero = (low == 0) & (high == 0)
-        low = torch.where(both_zero, -1.0, low)
-        high = torch.where(both_zero, 1.0, high)
-        scale32 = (high - low) / 15.0
-        zp = torch.full_like(scale32, float(SYMMETRIC_ZERO)) if symmetric else torch.round(-low / scale32)
-        codes = torch.round((w + (zp * scale32)[..., None]) / scale32[..., None]).clamp(0, 15)
-        scale = scale32.to(torch.float16).float()
-        zero = None if symmetric else zp
+        codes, scale, zero = _rtn_gptq(w, low, high, symmetric)
+    elif method == AWQ:
+        codes, scale, zero = _rtn_awq(w, low, high, symmetric)
     else:
-        raise ValueError(f"unknown 4-bit method {method!r} (compressed-tensors or gptq)")
+        raise ValueError(f"unknown 4-bit method {method!r} (compressed-tensors, gptq or awq)")
     q = codes.flatten(1)[:, :cols].to(torch.uint8)
     return Int4Parts(q, scale.contiguous(), zero, group)
+
+
+# each _rtn_* takes grouped fp32 weights [out, groups, group] and their range (including 0) [out, groups]; returns
+# the codes 0..15 (same shape as w), the scales as stored (fp32 values) and the zero points (None = symmetric)
+def _rtn_compressed_tensors(w: torch.Tensor, low: torch.Tensor, high: torch.Tensor, symmetric: bool,
+                            stored: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    eps = torch.finfo(torch.float32).eps
+    if symmetric:
+        scale = (torch.maximum(-low, high) / 7.5).clamp(min=eps).to(stored).float()
+        signed = torch.round(w / scale[..., None]).clamp(-8, 7)
+        zero = None
+    else:
+        scale = ((high - low) / 15.0).clamp(min=eps).to(stored).float()
+        zp = torch.round(-8.0 - low / scale).clamp(-8, 7)
+        signed = (torch.round(w / scale[..., None]) + zp[..., None]).clamp(-8, 7)
+        zero = zp + SYMMETRIC_ZERO
+    return signed + SYMMETRIC_ZERO, scale, zero
+
+
+def _rtn_gptq(w: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
+              symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    if symmetric:
+        low = -torch.maximum(-low, high)
+        high = -low
+    both_zero = (low == 0) & (high == 0)
+    low = torch.where(both_zero, -1.0, low)
+    high = torch.where(both_zero, 1.0, high)
+    scale32 = (high - low) / 15.0
+    zp = torch.full_like(scale32, float(SYMMETRIC_ZERO)) if symmetric else torch.round(-low / scale32)
+    codes = torch.round((w + (zp * scale32)[..., None]) / scale32[..., None]).clamp(0, 15)
+    return codes, scale32.to(torch.float16).float(), None if symmetric else zp
+
+
+def _rtn_awq(w: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
+             symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """AutoAWQ's pseudo_quantize_tensor (GPTQModel's for zero_point false) with the fp16 scale that
+    WQLinear_GEMM.from_linear rounds the codes with; `low`/`high` include 0, which AutoAWQ's range does not."""
+    if symmetric:
+        scale = (torch.maximum(-low, high).clamp(min=1e-5) / 7.0).to(torch.float16).float()
+        codes = torch.round(w / scale[..., None]).clamp(-8, 7) + SYMMETRIC_ZERO
+        return codes, scale, None
+    scale = ((high - low).clamp(min=1e-5) / 15.0).to(torch.float16).float()
+    zp = (-torch.round(low / scale)).clamp(0, 15)
+    codes = (torch.round(w / scale[..., None]) + zp[..., None]).clamp(0, 15)
+    return codes, scale, zp
 
 
 def compressed_tensors_tensors(base: str, parts: Int4Parts, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -631,6 +791,19 @@ def gptq_tensors(base: str, parts: Int4Parts, checkpoint_format: str = "gptq") -
         f"{base}.qzeros": qzeros,
         f"{base}.scales": parts.scale.t().to(torch.float16).contiguous(),
         f"{base}.g_idx": (torch.arange(cols) // parts.group).to(torch.int32),
+    }
+
+
+def awq_tensors(base: str, parts: Int4Parts) -> dict[str, torch.Tensor]:
+    """The tensors AutoAWQ's WQLinear_GEMM saves for one module (GPTQModel's gemm format is the same)."""
+    out, cols = parts.shape
+    if out % 8:
+        raise ValueError(f"AWQ packs weights whose out is a multiple of 8, {base} is [{out}, {cols}]; leave it "
+                         f"unquantised with ignore")
+    return {
+        f"{base}.qweight": pack_awq(parts.q.t().contiguous()),  # [in, out / 8]
+        f"{base}.qzeros": pack_awq(parts.zero_or_default().t().to(torch.uint8)),  # [groups, out / 8]
+        f"{base}.scales": parts.scale.t().to(torch.float16).contiguous(),
     }
 
 
@@ -669,6 +842,15 @@ def gptq_config(group_size: int, symmetric: bool, checkpoint_format: str = "gptq
     }
 
 
+def awq_config(group_size: int, symmetric: bool, ignore: Sequence[str]) -> dict[str, Any]:
+    """The quantization_config AutoAWQ writes (AwqConfig.to_transformers_dict); symmetric = zero_point false, as
+    GPTQModel writes it; `ignore` = the modules left unquantised, by full name."""
+    return {
+        "quant_method": AWQ, "zero_point": not symmetric, "group_size": group_size if group_size > 0 else -1,
+        "bits": 4, "version": AWQ_GEMM, "modules_to_not_convert": list(ignore) or None,
+    }
+
+
 def is_linear_weight(name: str, tensor_shape: Sequence[int]) -> bool:
     """A 2-D '<module>.weight' of a Linear layer: not an embedding, not a norm (the writer's candidates)."""
     if not name.endswith(".weight") or len(tensor_shape) != 2:
@@ -681,16 +863,14 @@ def write_int4_checkpoint(src_dir: str | Path, out_dir: str | Path, method: str,
                           symmetric: bool = True, ignore: Sequence[str] = DEFAULT_IGNORE,
                           checkpoint_format: str | None = None) -> Path:
     """Copy the float checkpoint `src_dir` to `out_dir` with every Linear weight (2-D `*.weight`, not an embedding or
-    norm) quantised to 4 bits in `method`'s published layout ("compressed-tensors" pack-quantized or "gptq"), except
-    the modules `ignore` names (names or "re:" patterns; by default lm_head and the MoE routers), and the matching
-    quantization_config in config.json (GPTQ also quantize_config.json). group_size <= 0 = per channel. GPTQ writes
-    checkpoint_format "gptq" (v1) unless "gptq_v2" is asked for. Shards, the index and every other file are kept."""
+    norm) quantised to 4 bits in `method`'s published layout ("compressed-tensors" pack-quantized, "gptq" or "awq"
+    gemm), except the modules `ignore` names (names or "re:" patterns, for every method; by default lm_head and the
+    MoE routers), and the matching quantization_config in config.json (GPTQ also quantize_config.json; AWQ lists the
+    ignored modules in modules_to_not_convert, symmetric = zero_point false). group_size <= 0 = per channel. GPTQ
+    writes checkpoint_format "gptq" (v1) unless "gptq_v2" is asked for. Shards, the index and every other file are
+    kept."""
     src, out = Path(src_dir), Path(out_dir)
-    if method not in (COMPRESSED_TENSORS, GPTQ):
-        raise ValueError(f"unknown 4-bit method {method!r} (compressed-tensors or gptq)")
-    checkpoint_format = checkpoint_format or (PACK_QUANTIZED if method == COMPRESSED_TENSORS else "gptq")
-    if method == GPTQ and checkpoint_format not in GPTQ_FORMATS:
-        raise ValueError(f"GPTQ checkpoint_format must be one of {GPTQ_FORMATS}, got {checkpoint_format!r}")
+    checkpoint_format = _writer_format(method, checkpoint_format)
     if src.resolve() == out.resolve():
         raise ValueError("write_int4_checkpoint needs an output directory other than its source")
     config_file = src / "config.json"
@@ -704,15 +884,7 @@ def write_int4_checkpoint(src_dir: str | Path, out_dir: str | Path, method: str,
 
     reader = CheckpointReader(src)
     out.mkdir(parents=True, exist_ok=True)
-    quantised: set[str] = set()
-    ignored: list[str] = []
-    for name, info in reader.tensors.items():
-        if is_linear_weight(name, info.shape) and info.dtype in ("F64", "F32", "F16", "BF16"):
-            base = name[: -len(".weight")]
-            if matches_any(base, ignore):
-                ignored.append(base)
-            else:
-                quantised.add(base)
+    quantised, ignored = _writer_targets(reader, ignore)
     weight_map: dict[str, str] = {}
     total = 0
     by_file: dict[Path, list[str]] = {}
@@ -721,18 +893,9 @@ def write_int4_checkpoint(src_dir: str | Path, out_dir: str | Path, method: str,
     for file, names in by_file.items():
         tensors: dict[str, torch.Tensor] = {}
         for name in sorted(names, key=lambda n: reader.tensors[n].offset):
-            tensor = reader.read(name)
             base = name.rsplit(".", 1)[0]
-            if name.endswith(".weight") and base in quantised:
-                parts = quantize_int4(tensor, method, group_size, symmetric)
-                if method == COMPRESSED_TENSORS:
-                    tensors.update(compressed_tensors_tensors(base, parts, tensor.dtype))
-                else:
-                    tensors.update(gptq_tensors(base, parts, checkpoint_format))
-            elif method == GPTQ and name.endswith(".bias") and base in quantised:
-                tensors[name] = tensor.to(torch.float16)  # GPTQModel stores a quantised module's bias in fp16
-            else:
-                tensors[name] = tensor
+            tensors.update(_stored_tensors(name, reader.read(name), base in quantised, method, group_size, symmetric,
+                                           checkpoint_format))
         tensors = {k: v.contiguous() for k, v in tensors.items()}
         save_file(tensors, str(out / file.name), metadata={"format": "pt"})
         for name, tensor in tensors.items():
@@ -746,6 +909,8 @@ def write_int4_checkpoint(src_dir: str | Path, out_dir: str | Path, method: str,
             shutil.copy2(item, out / item.name)
     if method == COMPRESSED_TENSORS:
         config["quantization_config"] = compressed_tensors_config(group_size, symmetric, ignored)
+    elif method == AWQ:
+        config["quantization_config"] = awq_config(group_size, symmetric, ignored)
     else:
         config["quantization_config"] = gptq_config(group_size, symmetric, checkpoint_format)
         (out / "quantize_config.json").write_text(json.dumps(config["quantization_config"], indent=2) + "\n")
@@ -753,10 +918,55 @@ def write_int4_checkpoint(src_dir: str | Path, out_dir: str | Path, method: str,
     return out
 
 
+def _writer_format(method: str, checkpoint_format: str | None) -> str:
+    """The checkpoint_format write_int4_checkpoint writes for `method` (its default when None), validated."""
+    if method not in METHODS:
+        raise ValueError(f"unknown 4-bit method {method!r} (compressed-tensors, gptq or awq)")
+    default = {COMPRESSED_TENSORS: PACK_QUANTIZED, GPTQ: "gptq", AWQ: AWQ_GEMM}[method]
+    checkpoint_format = checkpoint_format or default
+    if method == GPTQ and checkpoint_format not in GPTQ_FORMATS:
+        raise ValueError(f"GPTQ checkpoint_format must be one of {GPTQ_FORMATS}, got {checkpoint_format!r}")
+    if method != GPTQ and checkpoint_format != default:
+        raise ValueError(f"{method} is written as {default!r} only, got checkpoint_format {checkpoint_format!r}")
+    return checkpoint_format
+
+
+def _writer_targets(reader: CheckpointReader, ignore: Sequence[str]) -> tuple[set[str], list[str]]:
+    """The Linear modules to quantise and those `ignore` leaves unquantised (float weights only)."""
+    quantised: set[str] = set()
+    ignored: list[str] = []
+    for name, info in reader.tensors.items():
+        if is_linear_weight(name, info.shape) and info.dtype in ("F64", "F32", "F16", "BF16"):
+            base = name[: -len(".weight")]
+            if matches_any(base, ignore):
+                ignored.append(base)
+            else:
+                quantised.add(base)
+    return quantised, ignored
+
+
+def _stored_tensors(name: str, tensor: torch.Tensor, quantised: bool, method: str, group_size: int, symmetric: bool,
+                    checkpoint_format: str) -> dict[str, torch.Tensor]:
+    """What the writer saves for one source tensor: a quantised module's weight as `method`'s tensors, its bias in
+    fp16 for GPTQ and AWQ (GPTQModel and AutoAWQ store it so), anything else as it is."""
+    if quantised and name.endswith(".weight"):
+        base = name[: -len(".weight")]
+        parts = quantize_int4(tensor, method, group_size, symmetric)
+        if method == COMPRESSED_TENSORS:
+            return compressed_tensors_tensors(base, parts, tensor.dtype)
+        if method == AWQ:
+            return awq_tensors(base, parts)
+        return gptq_tensors(base, parts, checkpoint_format)
+    if quantised and name.endswith(".bias") and method in (GPTQ, AWQ):
+        return {name: tensor.to(torch.float16)}
+    return {name: tensor}
+
+
 __all__ = [
-    "DEFAULT_IGNORE", "Int4CheckpointArgs", "Int4Parts", "Int4Tensors", "compressed_tensors_config",
-    "compressed_tensors_tensors", "gptq_config", "gptq_tensors", "gptq_v1_words", "gptq_v2_words", "is_linear_weight",
-    "matches_any", "pack_int4", "parse_int4_config", "quantize_int4", "unpack_int4", "write_int4_checkpoint",
+    "DEFAULT_IGNORE", "Int4CheckpointArgs", "Int4Parts", "Int4Tensors", "awq_config", "awq_tensors",
+    "compressed_tensors_config", "compressed_tensors_tensors", "gptq_config", "gptq_tensors", "gptq_v1_words",
+    "gptq_v2_words", "is_linear_weight", "matches_any", "pack_awq", "pack_int4", "parse_int4_config", "quantize_int4",
+    "unpack_awq", "unpack_int4", "write_int4_checkpoint",
 ]
 
 

@@ -103,7 +103,7 @@ class EngineConfig:
                                             "CPU; whole chunks; shorter windows need less memory)")
     expert_dtype: str | None = _opt(None, "expert records on the wire and in the cache: model (the compute dtype), "
                                           "fp8, int8, or int4 (4-bit groups, dequantised inside the expert kernels); "
-                                          "default: int4 for a 4-bit checkpoint (GPTQ, compressed-tensors), else "
+                                          "default: int4 for a 4-bit checkpoint (GPTQ, AWQ, compressed-tensors), else "
                                           "model")
     int4_group_size: int | None = _opt(None, f"int4: inputs per scale group, an even number (default: a 4-bit "
                                              f"checkpoint's own, else {INT4_GROUP_SIZE}; smaller groups are more exact "

@@ -1,7 +1,8 @@
-"""int4_checkpoints.py: compressed-tensors pack-quantized and GPTQ checkpoints in their published layouts. Bit orders
-pinned by hand-built words; written checkpoints read back to the quantiser's own codes, scales and zero points; reads
-against a float64 decoder written here from the published formulas; quantisation error within half a step; the
-embedded reference model end to end; every refusal one CheckpointError sentence."""
+"""int4_checkpoints.py: compressed-tensors pack-quantized, GPTQ and AWQ (gemm) checkpoints in their published layouts.
+Bit orders pinned by hand-built words (AWQ's interleaved packing also against a packer written here from the
+documented order); written checkpoints read back to the quantiser's own codes, scales and zero points; reads against
+a float64 decoder written here from the published formulas; quantisation error within half a step; the embedded
+reference model end to end; every refusal one CheckpointError sentence."""
 
 from __future__ import annotations
 
@@ -17,13 +18,15 @@ from safetensors.torch import load_file, save_file
 import moeprefetch
 from moeprefetch.checkpoint import CheckpointReader
 from moeprefetch.errors import CheckpointError
-from moeprefetch.int4_checkpoints import (DEFAULT_IGNORE, Int4CheckpointArgs, Int4Parts, Int4Tensors,
-                                          compressed_tensors_config, gptq_config, parse_int4_config, quantize_int4,
-                                          write_int4_checkpoint)
+from moeprefetch.int4_checkpoints import (DEFAULT_IGNORE, Int4CheckpointArgs, Int4Parts, Int4Tensors, awq_config,
+                                          compressed_tensors_config, gptq_config, pack_awq, parse_int4_config,
+                                          quantize_int4, unpack_awq, write_int4_checkpoint)
 
-CT, GPTQ = "compressed-tensors", "gptq"
+CT, GPTQ, AWQ = "compressed-tensors", "gptq", "awq"
 REFERENCE = Path(moeprefetch.__file__).parent / "reference_model"
-NOT_GPTQ_PACKABLE = "model.layers.0.self_attn.q_a_proj"  # [20, 40]: out is not a multiple of 8
+NOT_GPTQ_PACKABLE = "model.layers.0.self_attn.q_a_proj"  # [20, 40]: out is not a multiple of 8 (GPTQ and AWQ)
+# AutoAWQ's WQLinear_GEMM.from_linear order_map: nibble k of a word holds element AWQ_PACK_ORDER[k] of its eight
+AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
 def _int32(value: int) -> int:
@@ -106,6 +109,67 @@ def test_gptq_bit_order_and_v1_zero_points_are_pinned(tmp_path):
     assert _open(sym).read_parts("m").zero is None
 
 
+def test_awq_bit_order_is_pinned(tmp_path):
+    """qweight [in, out/8] and qzeros [groups, out/8], packed along the outputs: nibble k of word [i, j] holds output
+    column 8j + [0, 2, 4, 6, 1, 3, 5, 7][k], so the word 0x76543210 (nibble k = k) reads as columns 0..7 = 0, 4, 1,
+    5, 2, 6, 3, 7 (vLLM's reverse AWQ order); no zero-point offset."""
+    qweight = torch.tensor([[0x76543210], [_int32(0xFEDCBA98)], [0x11111111], [0]], dtype=torch.int32)  # in 4, out 8
+    scales = torch.tensor([[1.0, 2.0, 0.5, 1.0, 1.0, 1.0, 1.0, 0.25], [4.0] * 8], dtype=torch.float16)  # groups of 2
+    qzeros = torch.tensor([[0x00000053], [_int32(0x88888888)]], dtype=torch.int32)  # group 0: zero 3 (col 0), 5 (col 2)
+    path = _write_dir(tmp_path / "asym", awq_config(2, False, []), {"m.qweight": qweight, "m.scales": scales,
+                                                                      "m.qzeros": qzeros})
+    int4 = _open(path)
+    assert int4.weight_shape("m") == (8, 4) and int4.tensor_names("m") == ("m.qweight", "m.qzeros", "m.scales")
+    parts = int4.read_parts("m")
+    assert parts.q[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert parts.q[:, 1].tolist() == [8, 12, 9, 13, 10, 14, 11, 15]
+    assert parts.q[:, 2].tolist() == [1] * 8 and parts.q[:, 3].tolist() == [0] * 8
+    assert parts.zero.tolist() == [[3.0, 8.0], [0.0, 8.0], [5.0, 8.0]] + [[0.0, 8.0]] * 5
+    got = int4.read_float("m")
+    assert got[0].tolist() == [(0 - 3) * 1.0, (8 - 3) * 1.0, (1 - 8) * 4.0, (0 - 8) * 4.0]
+    assert got[2].tolist() == [(1 - 5) * 0.5, (9 - 5) * 0.5, -28.0, -32.0]
+    assert got[7].tolist() == [7 * 0.25, 15 * 0.25, -28.0, -32.0]
+    # zero_point false (GPTQModel's sym): qzeros hold 8 everywhere and read as symmetric
+    eights = torch.full((2, 1), _int32(0x88888888), dtype=torch.int32)
+    sym = _write_dir(tmp_path / "sym", awq_config(2, True, []), {"m.qweight": qweight, "m.scales": scales,
+                                                                  "m.qzeros": eights})
+    parts = _open(sym).read_parts("m")
+    assert parts.zero is None and parts.q[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+def _reference_awq_pack(codes: torch.Tensor) -> torch.Tensor:
+    """Pure torch from the documented layout: word [r, j] = sum_k codes[r, 8j + ORDER[k]] << 4k, as int32 bits."""
+    rows, cols = codes.shape
+    words = torch.zeros(rows, cols // 8, dtype=torch.int64)
+    for k, column in enumerate(AWQ_PACK_ORDER):
+        words |= codes[:, column::8].to(torch.int64) << (4 * k)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _reference_awq_unpack(words: torch.Tensor) -> torch.Tensor:
+    rows, count = words.shape
+    codes = torch.empty(rows, count * 8, dtype=torch.uint8)
+    for k, column in enumerate(AWQ_PACK_ORDER):
+        codes[:, column::8] = ((words.to(torch.int64) >> (4 * k)) & 15).to(torch.uint8)
+    return codes
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_awq_packing_round_trips_against_a_reference_packer(seed):
+    g = torch.Generator().manual_seed(seed)
+    rows, cols = int(torch.randint(1, 40, (1,), generator=g)), 8 * int(torch.randint(1, 12, (1,), generator=g))
+    codes = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8)
+    codes[0, :8] = 15  # a word with its top nibble >= 8 is a negative int32
+    words = pack_awq(codes)
+    assert words.dtype == torch.int32 and tuple(words.shape) == (rows, cols // 8)
+    assert torch.equal(words, _reference_awq_pack(codes))
+    assert torch.equal(unpack_awq(words), codes) and torch.equal(_reference_awq_unpack(words), codes)
+    random_words = torch.randint(-2**31, 2**31, (rows, cols // 8), generator=g, dtype=torch.int64).to(torch.int32)
+    assert torch.equal(unpack_awq(random_words), _reference_awq_unpack(random_words))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_awq(codes[:, :7])
+
+
 # ---- written checkpoints ------------------------------------------------------------------------------------------
 def _toy_weights() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(37)
@@ -134,12 +198,12 @@ def _toy_weights() -> dict[str, torch.Tensor]:
     }
 
 
-COMBOS = [(m, s, g) for m in (CT, GPTQ) for s in (True, False) for g in (32, 128, 0)]
+COMBOS = [(m, s, g) for m in (CT, GPTQ, AWQ) for s in (True, False) for g in (32, 128, 0)]
 
 
 def _combo_id(combo) -> str:
     method, symmetric, group = combo
-    return f"{'ct' if method == CT else 'gptq'}-{'sym' if symmetric else 'asym'}-{'channel' if group == 0 else group}"
+    return f"{'ct' if method == CT else method}-{'sym' if symmetric else 'asym'}-{'channel' if group == 0 else group}"
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +216,7 @@ def toy_source(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module", params=COMBOS, ids=_combo_id)
 def written(request, toy_source, tmp_path_factory):
     method, symmetric, group = request.param
-    ignore = DEFAULT_IGNORE + ((NOT_GPTQ_PACKABLE,) if method == GPTQ else ())
+    ignore = DEFAULT_IGNORE + ((NOT_GPTQ_PACKABLE,) if method != CT else ())
     out = write_int4_checkpoint(toy_source, tmp_path_factory.mktemp(_combo_id(request.param)), method, group,
                                 symmetric, ignore=ignore)
     return request.param, out, load_file(str(toy_source / "model.safetensors"))
@@ -168,6 +232,14 @@ def test_written_config_parses_to_the_arguments(written):
         weights = config["quantization_config"]["config_groups"]["group_0"]["weights"]
         assert weights["strategy"] == ("channel" if group == 0 else "group")
         assert weights["group_size"] == (None if group == 0 else group)
+    elif method == AWQ:  # AutoAWQ's to_transformers_dict keys; the ignored modules by full name
+        qc = config["quantization_config"]
+        assert set(args.ignore) == {"lm_head", "model.layers.0.mlp.gate", NOT_GPTQ_PACKABLE}
+        assert args.is_ignored("model.layers.0.mlp.gate")
+        assert not args.is_ignored("model.layers.0.mlp.experts.0.up_proj")
+        assert (qc["bits"], qc["version"], qc["zero_point"]) == (4, "gemm", not symmetric)
+        assert qc["group_size"] == (-1 if group == 0 else group) and args.checkpoint_format == "gemm"
+        assert args.gptq_zero_offset == 0 and not (path / "quantize_config.json").exists()
     else:
         assert args.ignore == () and args.checkpoint_format == "gptq" and args.gptq_zero_offset == 1
         assert json.loads((path / "quantize_config.json").read_text()) == config["quantization_config"]
@@ -184,7 +256,7 @@ def test_written_tensors_have_the_published_names_dtypes_and_shapes(written):
         assert kept.dtype == source[name].dtype and torch.equal(kept, source[name])  # left as it was
         assert not int4.is_quantized(name.removesuffix(".weight"))
     expected_bases = {n.removesuffix(".weight") for n in source if "_proj" in n and n.endswith(".weight")
-                      and not (method == GPTQ and n.startswith(NOT_GPTQ_PACKABLE))}
+                      and not (method != CT and n.startswith(NOT_GPTQ_PACKABLE))}
     assert len(expected_bases) == (5 if method == CT else 4)
     assert set(int4.bases()) == expected_bases
     for base in expected_bases:
@@ -201,12 +273,15 @@ def test_written_tensors_have_the_published_names_dtypes_and_shapes(written):
                     "weight_shape": ("I64", (2,))}
             if not symmetric:
                 want["weight_zero_point"] = ("I32", (-(-out // 8), groups))
+        elif method == AWQ:  # zero points stored even without zero_point (all 8)
+            want = {"qweight": ("I32", (cols, out // 8)), "qzeros": ("I32", (groups, out // 8)),
+                    "scales": ("F16", (groups, out))}
         else:
             want = {"qweight": ("I32", (cols // 8, out)), "qzeros": ("I32", (groups, out // 8)),
                     "scales": ("F16", (groups, out)), "g_idx": ("I32", (cols,))}
         assert info == want, base
     bias = reader.info("model.layers.0.self_attn.o_proj.bias").dtype
-    assert bias == ("F16" if method == GPTQ else "F32")  # GPTQModel stores a quantised module's bias in fp16
+    assert bias == ("F32" if method == CT else "F16")  # GPTQModel and AutoAWQ store a quantised module's bias in fp16
 
 
 def test_written_parts_are_the_quantisers(written):
@@ -257,6 +332,25 @@ def _reference_gptq(f, base: str, v1: bool) -> torch.Tensor:
     return torch.from_numpy((scales[g_idx] * (q - z[g_idx])).T.copy())
 
 
+def _awq_nibbles(words: np.ndarray) -> np.ndarray:
+    """int32 [R, W] -> [R, 8W]: nibble k of word j is element 8j + AWQ_PACK_ORDER[k]."""
+    words = words.view(np.uint32)
+    out = np.empty((words.shape[0], words.shape[1], 8), dtype=np.int64)
+    for k, column in enumerate(AWQ_PACK_ORDER):
+        out[:, :, column] = (words >> np.uint32(4 * k)) & np.uint32(0xF)
+    return out.reshape(words.shape[0], -1)
+
+
+def _reference_awq(f, base: str, group: int) -> torch.Tensor:
+    """float64 from the published formula: w[o, i] = (q[i, o] - zeros[i // g, o]) * scales[i // g, o]."""
+    q = _awq_nibbles(f.get_tensor(base + ".qweight").numpy())  # [in, out]
+    z = _awq_nibbles(f.get_tensor(base + ".qzeros").numpy())  # [groups, out]
+    scales = f.get_tensor(base + ".scales").double().numpy()
+    cols = q.shape[0]
+    rows_group = np.arange(cols) // (cols if group == 0 else min(group, cols))
+    return torch.from_numpy(((q - z[rows_group]) * scales[rows_group]).T.copy())
+
+
 def test_read_float_matches_a_float64_reference_of_the_published_formula(written):
     (method, symmetric, group), path, _ = written
     int4 = _open(path)
@@ -264,6 +358,8 @@ def test_read_float_matches_a_float64_reference_of_the_published_formula(written
         for base in int4.bases():
             if method == CT:
                 ref = _reference_compressed_tensors(f, base, symmetric, group)
+            elif method == AWQ:
+                ref = _reference_awq(f, base, group)
             else:
                 ref = _reference_gptq(f, base, v1=True)
             got = int4.read_float(base)
@@ -287,14 +383,14 @@ def test_dequantised_error_is_within_half_a_step(written):
     int4 = _open(path)
     for base in int4.bases():
         weight = source[base + ".weight"]
-        stored = torch.float16 if method == GPTQ else weight.dtype
+        stored = weight.dtype if method == CT else torch.float16
         assert _bound_ratio(weight, int4.read_parts(base), stored) <= 1.0, base
     zero_row = int4.read_float("model.layers.0.mlp.experts.0.gate_proj")[1]
     assert torch.equal(zero_row, torch.zeros_like(zero_row))  # zero is representable in every format
 
 
-@pytest.mark.parametrize("method,symmetric,group", [(CT, False, 32), (GPTQ, True, 128)], ids=["ct-asym-32",
-                                                                                            "gptq-sym-128"])
+@pytest.mark.parametrize("method,symmetric,group", [(CT, False, 32), (GPTQ, True, 128), (AWQ, False, 128)],
+                         ids=["ct-asym-32", "gptq-sym-128", "awq-asym-128"])
 def test_the_reference_model_round_trips(tmp_path, method, symmetric, group):
     """The embedded model: every projection quantised (experts, shared experts, attention, MTP), the routers and
     lm_head kept, the shards and index rewritten, the tokenizer files copied."""
@@ -309,7 +405,7 @@ def test_the_reference_model_round_trips(tmp_path, method, symmetric, group):
         assert (out / name).read_bytes() == (REFERENCE / name).read_bytes()
     for base in int4.bases():
         weight = source.read(base + ".weight")
-        stored = torch.float16 if method == GPTQ else weight.dtype
+        stored = weight.dtype if method == CT else torch.float16
         assert _bound_ratio(weight, int4.read_parts(base), stored) <= 1.0, base
     assert int4.is_quantized("model.layers.1.mlp.experts.3.gate_proj")
 
@@ -317,6 +413,10 @@ def test_the_reference_model_round_trips(tmp_path, method, symmetric, group):
 def test_gptq_writer_refuses_what_gptq_cannot_pack(toy_source, tmp_path):
     with pytest.raises(ValueError, match="multiples of 8"):
         write_int4_checkpoint(toy_source, tmp_path / "q", GPTQ)
+    with pytest.raises(ValueError, match="out is a multiple of 8"):
+        write_int4_checkpoint(toy_source, tmp_path / "a", AWQ)
+    with pytest.raises(ValueError, match="'gemm' only"):
+        write_int4_checkpoint(toy_source, tmp_path / "v", AWQ, checkpoint_format="gemv")
 
 
 def test_gptq_v2_is_written_and_read_without_the_offset(toy_source, tmp_path):
@@ -367,7 +467,20 @@ def _one_sentence(err: pytest.ExceptionInfo) -> str:
     ({**gptq_config(128, True), "checkpoint_format": "marlin", "format": "marlin"}, "checkpoint_format 'marlin'"),
     ({**gptq_config(128, True), "pack_dtype": "int16"}, "pack_dtype"),
     ({**gptq_config(128, True), "dynamic": {r"+:.*down_proj": {"bits": 8}}}, "dynamic override"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128}, "'awq' is not supported"),
+    ({**awq_config(128, False, []), "bits": 8}, "AWQ with 8-bit weights"),
+    ({"quant_method": "awq", "w_bit": 3, "q_group_size": 128, "zero_point": True}, "AWQ with 3-bit weights"),
+    ({**awq_config(128, False, []), "version": "gemv"}, "AWQ version 'gemv'"),
+    ({**awq_config(128, False, []), "version": "GEMV_FAST"}, "AWQ version 'gemv_fast'"),
+    ({**awq_config(128, False, []), "version": "marlin"}, "AWQ version 'marlin'"),
+    ({**awq_config(128, False, []), "version": "exllama"}, "AWQ version 'exllama'"),
+    ({**awq_config(128, False, []), "version": "ipex"}, "AWQ version 'ipex'"),
+    ({**awq_config(128, False, []), "version": None, "format": "gemv_fast"}, "AWQ version 'gemv_fast'"),
+    ({**awq_config(128, False, []), "backend": "llm-awq"}, "AWQ version 'llm-awq'"),
+    ({**awq_config(128, False, []), "desc_act": True}, "AWQ with desc_act"),
+    ({**awq_config(128, False, []), "pack_dtype": "int16"}, "AWQ pack_dtype 'int16'"),
+    ({**awq_config(128, False, []), "rotation": "hadamard"}, "rotation"),
+    ({**awq_config(128, False, []), "dynamic": {r"+:.*down_proj": {"group_size": 32}}}, "AWQ dynamic override"),
+    ({"quant_method": "awq_marlin", "bits": 4, "group_size": 128}, "'awq_marlin' is not supported"),
 ])
 def test_unreadable_configs_are_refused_in_one_sentence(config, match):
     with pytest.raises(CheckpointError, match=match) as err:
@@ -394,6 +507,33 @@ def test_configs_that_are_read():
     assert v2.checkpoint_format == "gptq_v2" and v2.gptq_zero_offset == 0
     skipping = parse_int4_config({**legacy, "dynamic": {"-:.*mlp.gate": {}}})
     assert skipping.symmetric
+
+
+def test_awq_configs_that_are_read():
+    autoawq = {"quant_method": "awq", "zero_point": True, "group_size": 128, "bits": 4, "version": "GEMM",
+               "modules_to_not_convert": None}  # AutoAWQ's to_transformers_dict (older releases: version upper case)
+    assert parse_int4_config(autoawq) == Int4CheckpointArgs(AWQ, 128, False, (), "gemm")
+    old_keys = {"quant_method": "awq", "zero_point": True, "q_group_size": 64, "w_bit": 4, "version": "gemm"}
+    assert parse_int4_config(old_keys).group_size == 64
+    assert parse_int4_config({"quant_method": "awq", "bits": 4}) == Int4CheckpointArgs(AWQ, 128, False, (), "gemm")
+    assert parse_int4_config({**autoawq, "group_size": -1}).group_size == 0
+    gptqmodel_sym = {"bits": 4, "group_size": 128, "desc_act": False, "quant_method": "awq", "format": "gemm",
+                     "checkpoint_format": "gemm", "pack_dtype": "int32", "zero_point": False, "version": "gemm",
+                     "dynamic": {"-:.*mlp.gate": {}, "+:.*down_proj": {"sym": True}}, "meta": {}}
+    assert parse_int4_config(gptqmodel_sym) == Int4CheckpointArgs(AWQ, 128, True, (), "gemm")
+    # newer transformers: AwqConfig as a GPTQConfig, with its sym field; zero_point decides, backend is a kernel
+    newer = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "sym": True, "backend": "auto",
+             "format": "gemm", "checkpoint_format": "gemm", "desc_act": False, "modules_to_not_convert": ["mlp.gate"]}
+    args = parse_int4_config(newer)
+    assert (args.group_size, args.symmetric, args.ignore) == (32, False, ("mlp.gate",))
+    assert args.is_ignored("model.layers.3.mlp.gate") and not args.is_ignored("model.layers.3.mlp.experts.0.up_proj")
+    for bad, match in ((0, "group_size"), (True, "group_size"), ("128", "group_size")):
+        with pytest.raises(CheckpointError, match=match):
+            parse_int4_config({**autoawq, "group_size": bad})
+    with pytest.raises(CheckpointError, match="zero_point must be true or false"):
+        parse_int4_config({**autoawq, "zero_point": "yes"})
+    with pytest.raises(CheckpointError, match="modules_to_not_convert"):
+        parse_int4_config({**autoawq, "modules_to_not_convert": "lm_head"})
 
 
 def _tampered(source: Path, tmp_path: Path, edit) -> Int4Tensors:
@@ -451,6 +591,29 @@ def test_defective_gptq_weights_name_the_tensor(small_gptq, tmp_path, edit, matc
     assert BASE in _one_sentence(err)
 
 
+@pytest.fixture(scope="module")
+def small_awq(tmp_path_factory, toy_source) -> Path:
+    return write_int4_checkpoint(toy_source, tmp_path_factory.mktemp("small_awq"), AWQ, 32, False,
+                                 ignore=DEFAULT_IGNORE + (NOT_GPTQ_PACKABLE,))
+
+
+@pytest.mark.parametrize("edit,match", [  # BASE: qweight [48, 32], scales [2, 256], qzeros [2, 32]
+    (lambda t: t.pop(BASE + ".scales"), f"'{BASE}.scales' is missing"),
+    (lambda t: t.pop(BASE + ".qzeros"), f"'{BASE}.qzeros' is missing"),
+    (lambda t: t.update({BASE + ".scales": t[BASE + ".scales"][:1]}), r"shape \[1, 256\], expected \[2, 256\]"),
+    (lambda t: t.update({BASE + ".qzeros": t[BASE + ".qzeros"][:, :4]}), "eight zero points per int32"),
+    (lambda t: t.update({BASE + ".qweight": t[BASE + ".qweight"].float()}), "expected a 2-D int32"),
+    (lambda t: t.update({BASE + ".scales": t[BASE + ".scales"] * float("inf")}), "non-finite"),
+    # a GPTQ-shaped qweight [in / 8, out] under an AWQ config reads as another shape, which the scales refute
+    (lambda t: t.update({BASE + ".qweight": t[BASE + ".qweight"][:6]}), r"expected \[1, 256\]"),
+])
+def test_defective_awq_weights_name_the_tensor(small_awq, tmp_path, edit, match):
+    int4 = _tampered(small_awq, tmp_path, edit)
+    with pytest.raises(CheckpointError, match=match) as err:
+        int4.read_parts(BASE)
+    assert BASE in _one_sentence(err)
+
+
 def test_the_writer_refuses_a_quantised_source(small_ct, tmp_path):
     with pytest.raises(CheckpointError, match="already quantised"):
         write_int4_checkpoint(small_ct, tmp_path / "again", CT)
@@ -482,7 +645,8 @@ def _dequantised_copy(path: Path, out: Path) -> Path:
 
 
 @pytest.mark.parametrize("variant,method,symmetric,group", [("v3", CT, False, 16), ("qwen3", GPTQ, True, 32),
-                                                           ("v3", GPTQ, False, 32)])
+                                                           ("v3", GPTQ, False, 32), ("v3", AWQ, False, 32),
+                                                           ("qwen3", AWQ, True, 16)])
 def test_a_4bit_checkpoint_loads_with_its_codes_verbatim_and_computes_its_model(checkpoint_factory, tmp_path,
                                                                                  variant, method, symmetric, group):
     """A published-layout 4-bit checkpoint loads as int4 experts by default, with the checkpoint's own codes, scales
@@ -507,8 +671,8 @@ def test_a_4bit_checkpoint_loads_with_its_codes_verbatim_and_computes_its_model(
     base = f"model.layers.{layer}.mlp.experts.1.gate_proj"
     parts = stored.read_parts(base)
     assert torch.equal(fmt.view(record, "gate")[0], pack_nibbles(parts.q))
-    # the records keep the checkpoint's scale dtype (GPTQ: fp16), so its scales are stored as they were published
-    assert fmt.scale_dtype == stored.scale_dtype() and (method != GPTQ or fmt.scale_dtype == torch.float16)
+    # the records keep the checkpoint's scale dtype (GPTQ, AWQ: fp16), so its scales are stored as they were published
+    assert fmt.scale_dtype == stored.scale_dtype() and (method == CT or fmt.scale_dtype == torch.float16)
     assert torch.equal(fmt.view(record, "gate_scale")[0].float(), parts.scale)
     with MoEPrefetchEngine.from_pretrained(reference, progress=False, max_seq_len=64) as float_engine:
         float_logits = float_engine.forward([prompts[0]])
