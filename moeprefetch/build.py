@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
@@ -153,8 +154,17 @@ def predictor_spec(spec: str, lookahead: int, has_mtp: bool, learned: HeadConfig
     return parsed
 
 
+# a one-token prompt and one new token, and the two positions the decode step writes beyond them (requests.py)
+MIN_SEQ_LEN = 4
+
+
+def has_tokenizer(path: Path) -> bool:
+    """Whether a checkpoint directory ships a tokenizer (else prompts must be token ids)."""
+    return (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
+
+
 def _load_tokenizer(path: Path):
-    if not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
+    if not has_tokenizer(path):
         return None
     from transformers import AutoTokenizer
 
@@ -181,6 +191,36 @@ def validate_hot_set(hot_set: Any, layers: list[int], n_experts: int) -> list[Ex
             raise RequestError(f"hot_set entry {item!r} names no routed expert of this model (MoE layers {layers})")
         keys.append((layer, expert))
     return keys
+
+
+def validate_routing_profile(profile: Any, layers: list[int], n_experts: int) -> dict[ExpertKey, int]:
+    """A routing profile ({(layer, expert): uses}, as `routing_profile` gives one), checked against the model."""
+    if not isinstance(profile, Mapping):
+        raise RequestError(f"profile must be a dict of (layer, expert) pairs to use counts, got "
+                           f"{type(profile).__name__}")
+    keys = validate_hot_set(list(profile), layers, n_experts)
+    counts = {}
+    for key, item in zip(keys, profile.items()):
+        count = item[1]
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+            raise RequestError(f"profile counts must be non-negative integers, got {count!r} for {item[0]!r}")
+        counts[key] = counts.get(key, 0) + int(count)
+    return counts
+
+
+def hot_set_room(slots: int, top_k: int) -> int:
+    """How many experts a static hot set may pin: all but top-k slots, so a row's experts can always be admitted
+    (a step of more rows reads what finds no unpinned slot in place: the same tokens, bytes not kept)."""
+    return max(slots - top_k, 0)
+
+
+def note_step_working_set(pinned: int, slots: int, top_k: int, step_rows: int) -> None:
+    """Pins that leave fewer unpinned slots than a full decode step's experts of one layer (top-k per row it may
+    compute) make such steps read some experts in place: said once, where the hot set is set."""
+    if pinned and slots - pinned < top_k * step_rows:
+        logger.info("static policy: %d pinned experts leave %d of %d slots for steps of up to %d rows (top-%d "
+                    "each); a fuller step reads some experts in place (the same tokens)", pinned, slots - pinned,
+                    slots, step_rows, top_k)
 
 
 def build_engine(cls: type["MoEPrefetchEngine"], path: str | Path, config: EngineConfig) -> "MoEPrefetchEngine":
@@ -252,6 +292,8 @@ def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev
     logger.info(plan.describe())
     for note in plan.notes:
         logger.info(note)
+    for warning in plan.warnings:
+        logger.warning(warning)
     if group is not None:  # what decides the number and shapes of the collectives must be the same on every rank
         # verify_confidence decides how many tokens a verify step keeps, so how many steps (and collectives) run;
         # draft_experts="auto" agrees on each call's choice (a collective the other ranks must make too)
@@ -266,10 +308,12 @@ def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev
         raise RequestError("hot_set is only used by policy='static'")
     # each rank pins its own
     pinned = [key for key in hot if placement is None or placement.owns(expert_layers.index(key[0]), key[1])]
-    if not plan.all_resident and len(pinned) > plan.expert_slots - args.num_experts_per_tok:
+    if not plan.all_resident and len(pinned) > hot_set_room(plan.expert_slots, args.num_experts_per_tok):
         raise RequestError(
             f"the static hot set ({len(pinned)} experts) leaves fewer than top-k ({args.num_experts_per_tok}) of the "
             f"{plan.expert_slots} cache slots free")
+    if not plan.all_resident:
+        note_step_working_set(len(pinned), plan.expert_slots, args.num_experts_per_tok, options.max_step_rows)
     forced = None
     if options.routing_trace is not None:  # before the weights load: a wrong trace is one sentence, at once
         forced = ForcedRouting.load(options.routing_trace, len(args.moe_layers), args.n_routed_experts,
@@ -318,6 +362,9 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
     predictor_spec(predictor, config.lookahead if config.predictor else default_lookahead(predictor, config.lookahead),
                    has_mtp, learned, len(args.moe_layers))
     seq_len = config.max_seq_len or min(args.max_position_embeddings, 4096)
+    if seq_len < MIN_SEQ_LEN:
+        raise RequestError(f"max_seq_len={seq_len} cannot hold a one-token prompt and one new token: the decode step "
+                           f"needs {MIN_SEQ_LEN} positions")
     if seq_len > args.max_position_embeddings:
         raise RequestError(
             f"max_seq_len={seq_len} exceeds the model's max_position_embeddings ({args.max_position_embeddings})")

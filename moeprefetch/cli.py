@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 from .checkpoint import REFERENCE_MODEL
 from .errors import MoEPrefetchError
@@ -83,11 +83,19 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help=EngineConfig.help("distributed") + " (torchrun --nproc-per-node N -m moeprefetch ...)")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument error in one line and exit status 2, as the engine's own errors (argparse would print the whole
+    usage block first); sub-command parsers are of the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)  # -v works before or after the sub-command
+    common = OneLineParser(add_help=False)  # -v works before or after the sub-command
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="log progress and memory plans")
-    parser = argparse.ArgumentParser(prog="moeprefetch", parents=[common], description="Run DeepSeek-style MoE "
+    parser = OneLineParser(prog="moeprefetch", parents=[common], description="Run DeepSeek-style MoE "
                                      "models with expert offloading and MTP-driven prefetching.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -113,7 +121,8 @@ def _parser() -> argparse.ArgumentParser:
                           "(it learns across calls, so one call of the CLI measures plain decode)")
     gen.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming it")
     gen.add_argument("--stats-json", default=None, help="write result.stats.to_dict() here")
-    gen.add_argument("--events-jsonl", default=None, help="write every expert event here")
+    gen.add_argument("--events-jsonl", default=None,
+                     help="write the call's counters here as JSON lines: one line for the call, then one per MoE layer")
 
     srv = sub.add_parser("serve", parents=[common], help="serve the OpenAI HTTP API (needs the extra .[serve])")
     srv.add_argument("path", nargs="?", default=str(REFERENCE_MODEL))
@@ -203,6 +212,7 @@ def _train_arguments(trn: argparse.ArgumentParser) -> None:
 
 
 def _generate(ns: argparse.Namespace) -> int:
+    from .build import has_tokenizer
     from .engine import MoEPrefetchEngine
     from .options import EngineConfig
 
@@ -218,6 +228,9 @@ def _generate(ns: argparse.Namespace) -> int:
         except ValueError:
             raise MoEPrefetchError(f"--prompt-ids must be comma-separated integers, got {ids!r}") from None
     if not prompts:
+        if not has_tokenizer(Path(ns.path)):  # the default prompt is text
+            raise MoEPrefetchError(f"{ns.path} has no tokenizer (no tokenizer.json), so there is no default prompt: "
+                                   f"give token ids with --prompt-ids")
         prompts = [DEFAULT_PROMPT]
     # a batch as large as the prompts unless one was asked for (0 included: the options reject it in one sentence)
     kwargs["max_batch_size"] = ns.max_batch_size if ns.max_batch_size is not None else max(len(prompts), 1)
@@ -309,6 +322,9 @@ def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
                                   distributed=ns.distributed, fill_confidence=ns.fill_confidence,
                                   fill_link=ns.fill_link, routing_trace=ns.routing_trace,
                                   reuse_weight=ns.reuse_weight, bypass=ns.bypass)
+    if ns.lookahead is not None and ns.lookahead > 1 and ns.predictor is None:
+        raise MoEPrefetchError(f"--lookahead {ns.lookahead} means nothing to the default predictor 'none': give "
+                               f"--predictor too (next_layer_gate, mtp, ...)")
     for name in ("max_seq_len", "prefill_chunk", "prefill_window", "predictor", "lookahead", "min_confidence",
                  "max_batch_size", "expert_dtype", "int4_group_size", "int4_symmetric", "predictor_path"):
         if getattr(ns, name, None) is not None:

@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from .checkpoint import REFERENCE_MODEL
-from .build import ResolvedConfig, build_engine
+from .build import (ResolvedConfig, build_engine, hot_set_room, note_step_working_set,
+                    validate_routing_profile)
 from .options import EngineConfig, check_fraction
 from .config import ModelArgs
 from .decode import DecodeStep, StepShape
@@ -177,30 +178,31 @@ class MoEPrefetchEngine:
         return {res.global_key(k): c for k, c in enumerate(counts) if c}
 
     def set_hot_set_from_profile(self, share: float = 0.5,
-                                 profile: dict[ExpertKey, int] | None = None) -> list[ExpertKey]:
+                                 profile: Mapping[ExpertKey, int] | None = None) -> list[ExpertKey]:
         """`static` policy: pin the most-used experts of a routing profile (default: what this engine has routed so
-        far) in `share` of the usable cache slots; the rest stays LRU. Returns the hot set."""
+        far) in `share` of the cache slots, leaving at least top-k unpinned; the rest stays LRU. Returns the hot
+        set."""
         self._check_open()
         if self.options.policy != "static":
             raise RequestError("a hot set is only used by policy='static'")
         check_fraction("share", share)
-        counts = profile if profile is not None else self.routing_profile
-        if self.residency.placement is not None:  # each rank pins the hottest of its own experts
-            counts = {key: c for key, c in counts.items() if self.residency.owns(*key)}
-        # a step's experts must always find unpinned slots: top-k for each row it may compute
-        working = self.args.num_experts_per_tok * self.options.max_step_rows
-        room = max(self.residency.n_slots - working, 0)
-        wanted = int(share * self.residency.n_slots)
+        res, top_k = self.residency, self.args.num_experts_per_tok
+        if profile is None:
+            counts = self.routing_profile
+        else:
+            counts = validate_routing_profile(profile, list(res.layers), self.args.n_routed_experts)
+        if res.placement is not None:  # each rank pins the hottest of its own experts
+            counts = {key: c for key, c in counts.items() if res.owns(*key)}
+        wanted, room = int(share * res.n_slots), hot_set_room(res.n_slots, top_k)
         if wanted and not room:
-            raise RequestError(f"the expert cache's {self.residency.n_slots} slots leave no room for a hot set: a "
-                               f"decode step of up to {self.options.max_step_rows} rows (max_batch_size x rows a "
-                               f"sequence) needs {working} unpinned; load with more slots or fewer rows")
+            raise RequestError(f"the expert cache's {res.n_slots} slots leave no room for a hot set: a row's top-k "
+                               f"({top_k}) must stay unpinned; load with more slots")
         if wanted > room:
-            logger.warning("static policy: %d of the %d experts asked for fit beside a step's working set of %d "
-                           "slots", room, wanted, working)
-        size = min(wanted, room)
-        hot = [key for key, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:size]]
-        self.residency.set_hot_set(hot)
+            logger.warning("static policy: %d of the %d experts asked for fit beside top-k unpinned slots", room,
+                           wanted)
+        hot = [key for key, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[: min(wanted, room)]]
+        note_step_working_set(len(hot), res.n_slots, top_k, self.options.max_step_rows)
+        res.set_hot_set(hot)
         logger.info("static policy: %d experts pinned from a profile of %d", len(hot), len(counts))
         return hot
 
@@ -359,7 +361,8 @@ class MoEPrefetchEngine:
 
     def stream(self, prompts: Any, max_new_tokens: int = 32, **kwargs: Any) -> Iterator[TokenEvent]:
         """Iterate over tokens as they are generated (same arguments as `generate`, without `callback`)."""
-        kwargs.pop("callback", None)
+        if "callback" in kwargs:
+            raise RequestError("stream takes no callback: iterate over the events it returns (generate takes one)")
         names = ("temperature", "top_k", "top_p", "seed", "predictor", "lookahead", "speculative", "stop_at_eos",
                  "event_log", "min_confidence")
         defaults = (0.0, 0, 1.0, None, None, None, None, True, None, None)

@@ -65,6 +65,7 @@ class MemoryPlan:
     streamed_bytes: int = 0
     stream_ahead: int = 0
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # what differs from what was asked for
 
     @property
     def expert_cache_bytes(self) -> int:
@@ -160,7 +161,7 @@ def _plan_slots(request: PlanInputs) -> MemoryPlan:
         plan = MemoryPlan(None, resident_bytes, kv_bytes, workspace_bytes, expert_record_bytes, total_experts, slots,
                           False)
         if expert_cache_slots > total_experts:
-            plan.notes.append(f"expert_cache_slots={expert_cache_slots} is more than the model's {total_experts} "
+            plan.warnings.append(f"expert_cache_slots={expert_cache_slots} is more than the model's {total_experts} "
                               f"routed experts: {total_experts} slots, filled from host RAM as experts are first "
                               f"used (without a cache size every expert is loaded into VRAM up front)")
         return plan

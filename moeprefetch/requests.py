@@ -4,6 +4,7 @@ changes, so a bad request raises one clear `RequestError` and the engine serves 
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -84,6 +85,8 @@ def build_request(args: ModelArgs, tokenizer: Any, options: ResolvedConfig, path
             raise RequestError(f"event_log {event_log!r} cannot be written: {parent} is not a writable directory")
     token_prompts = tokenize(prompts, tokenizer, args, path)
     check_positive_int("max_new_tokens", max_new_tokens)
+    if not isinstance(stop_at_eos, bool):  # "no" would be true
+        raise RequestError(f"stop_at_eos must be True or False, got {stop_at_eos!r}")
     if seed is None:
         seed = int(torch.randint(0, 2**62, ()).item())
     sampling = SamplingParams(temperature, top_k, top_p, seed, bias_pairs(logit_bias), presence_penalty,
@@ -126,15 +129,25 @@ def build_request(args: ModelArgs, tokenizer: Any, options: ResolvedConfig, path
                    float(min_confidence))
 
 
+def is_token_id(value: Any) -> bool:
+    """An integer (Python's or numpy's), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+
+
+def is_numpy_array(value: Any) -> bool:
+    """A numpy array (numpy is not a dependency, so not imported to ask)."""
+    return type(value).__module__ == "numpy" and hasattr(value, "ndim") and hasattr(value, "tolist")
+
+
 def tokenize(prompts: Any, tokenizer: Any, args: ModelArgs, path: Path) -> list[list[int]]:
     """Prompts in any accepted form -> token-id lists, checked against the vocabulary."""
     if isinstance(prompts, str):
         prompts = [prompts]
-    elif isinstance(prompts, torch.Tensor):
-        prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
+    elif isinstance(prompts, torch.Tensor) or is_numpy_array(prompts):
+        prompts = prompts.tolist() if prompts.ndim == 2 else [prompts.tolist()]
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise RequestError("prompts must be a string, a non-empty list of strings or a list of token-id lists")
-    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+    if all(is_token_id(p) for p in prompts):
         prompts = [list(prompts)]
     out: list[list[int]] = []
     for i, prompt in enumerate(prompts):
@@ -143,9 +156,8 @@ def tokenize(prompts: Any, tokenizer: Any, args: ModelArgs, path: Path) -> list[
                 raise RequestError(
                     f"prompt {i} is text but {path} has no tokenizer (no tokenizer.json); pass token ids")
             ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"]) if prompt else []
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                       for t in prompt):
-            ids = list(prompt)
+        elif (isinstance(prompt, (list, tuple)) or is_numpy_array(prompt)) and all(is_token_id(t) for t in prompt):
+            ids = [int(t) for t in prompt]
         else:
             raise RequestError(f"prompt {i} must be a string or a list of integer token ids")
         if not ids:

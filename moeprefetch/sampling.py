@@ -5,8 +5,9 @@ alternatives beside it.
 Each sampled token uses Gumbel noise computed from a hash of (seed, sequence index, position, vocabulary index) with
 integer arithmetic, so it needs no generator state: it runs inside a CUDA graph, and the token drawn at a position
 depends only on its logits. On CUDA the noise and its arg-max are one kernel (`kernels/sampling.py`), elsewhere its
-torch reference, which the kernel matches. Batched and one-by-one generation, and
-speculative and plain decoding, draw the same tokens.
+torch reference, which the kernel matches. A sequence draws the same tokens whatever runs beside it, and with
+speculative as with plain decoding; the sequence index is the prompt's place in its call, so the same prompt at
+another place draws other tokens (n samples of one prompt differ).
 
 Bias and penalties (OpenAI's and vLLM's meaning) change the logits every choice is made from, greedy included:
 logits + bias - presence * [token generated before] - frequency * (times generated before), counting the call's

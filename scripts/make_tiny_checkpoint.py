@@ -292,7 +292,7 @@ def _write_shards(out: Path, state: dict[str, torch.Tensor], max_shard_size: str
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", help="output directory")
-    parser.add_argument("--model-type", default="deepseek_v3", choices=["deepseek_v3", "deepseek_v2"])
+    parser.add_argument("--model-type", default="deepseek_v3", choices=sorted(DEFAULTS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-mtp", action="store_true")
     parser.add_argument("--fp8", action="store_true")

@@ -37,8 +37,8 @@ def test_budget_fills_the_rest_with_slots_and_never_exceeds_it():
 def test_no_budget_means_all_resident_and_slots_are_clamped():
     assert plan().all_resident and plan().expert_slots == 1664
     assert plan(expert_cache_slots=5000).expert_slots == 1664
-    assert "expert_cache_slots=5000 is more than the model's 1664" in plan(expert_cache_slots=5000).notes[0]
-    assert not plan(expert_cache_slots=1664).notes
+    assert "expert_cache_slots=5000 is more than the model's 1664" in plan(expert_cache_slots=5000).warnings[0]
+    assert not plan(expert_cache_slots=1664).warnings
     assert plan(budget_bytes=200 * GiB).all_resident
 
 

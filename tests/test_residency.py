@@ -75,7 +75,7 @@ def test_lru_evicts_the_least_recently_used_and_never_what_this_step_used():
     t.plan(0, [[2, 3]])
     t.start()
     t.plan(0, [[0, 1]])  # 0, 1 used again: 2, 3 are now least recent
-    out = t.plan(1, [[4, 5]])  # needs 2 victims: slots of 2 and 3, never 0 and 1 (used this step)
+    t.plan(1, [[4, 5]])  # needs 2 victims: slots of 2 and 3, never 0 and 1 (used this step)
     t.plan(1, [[6, 7]])  # publishes; no victim left this step: 6 and 7 are read from host, not admitted
     assert t.resident() == {0, 1, t.key(1, 4), t.key(1, 5)}
     assert t.count("evictions") == 2 and t.count("admitted") == 6

@@ -52,6 +52,7 @@ BAD_REQUESTS = [
     (dict(predictor=""), "non-empty name"),
     (dict(lookahead=0), "lookahead must be a positive integer"),
     (dict(speculative="eagle"), "speculative must be None, 'mtp' or 'auto'"),
+    (dict(stop_at_eos="no"), "stop_at_eos must be True or False, got 'no'"),
     (dict(prompts=[[3]] * 9), "exceed max_batch_size=8"),
 ]
 
@@ -63,6 +64,27 @@ def test_bad_request_then_the_same_engine_serves(engine, expected, kwargs, messa
         engine.generate(request.pop("prompts"), **request)
     assert engine.generate([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False).sequences == expected
     assert not engine.residency.problems()
+
+
+def test_stream_refuses_what_it_does_not_take(engine, expected):
+    for kwargs, message in ((dict(foo=1), r"unknown argument\(s\) to stream: foo"),
+                            (dict(callback=print), "stream takes no callback: iterate over the events")):
+        with pytest.raises(RequestError, match=message):
+            engine.stream([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False, **kwargs)
+    events = list(engine.stream([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False))
+    assert [[e.token for e in events]] == expected
+
+
+def test_numpy_token_ids_are_prompts_as_lists_are(engine, expected):
+    """Token ids from numpy (a tokenizer's return_tensors="np", an array row, numpy integers) run as lists do; numpy
+    floats and bools are refused as Python's are."""
+    np = pytest.importorskip("numpy")
+    for prompts in (np.array([[3, 4, 5]]), np.array([3, 4, 5]), [np.array([3, 4, 5])], [[np.int64(3), 4, np.int32(5)]],
+                    [np.int64(3), np.int64(4), np.int64(5)]):
+        assert engine.generate(prompts, max_new_tokens=6, stop_at_eos=False).sequences == expected
+    for bad in (np.array([[3.0, 4.0]]), [[np.float64(3), 4]], [[np.bool_(True), 4]]):
+        with pytest.raises(RequestError, match="must be a string or a list of integer token ids"):
+            engine.generate(bad, max_new_tokens=2)
 
 
 @pytest.mark.parametrize(
@@ -78,6 +100,7 @@ def test_bad_request_then_the_same_engine_serves(engine, expected, kwargs, messa
         (dict(device="tpu"), RequestError, "not a valid torch device|not supported"),
         (dict(expert_dtype="fp4"), RequestError, "expert_dtype must be one of"),
         (dict(max_seq_len=100000), RequestError, "exceeds the model's max_position_embeddings"),
+        (dict(max_seq_len=3), RequestError, "max_seq_len=3 cannot hold a one-token prompt and one new token"),
         (dict(prefetch_budget=-1), RequestError, "prefetch_budget must be a number >= 0"),
         (dict(draft_experts="some"), RequestError, "draft_experts must be one of cached, all, auto"),
         (dict(spare_recent=-1), RequestError, "spare_recent must be an integer from 0 to 64"),
@@ -148,12 +171,23 @@ def test_cli_bad_arguments_exit_without_traceback(checkpoint_factory, capsys):
         (["generate", path, "--prompt-ids", "1,2", "--temperature", "1e300"], "temperature must be at most"),
         (["generate", path, "--prompt-ids", "1,2", "--bypass"], "bypass acts on a learned routing head"),
         (["generate", path, "--prompt-ids", "1,2", "--max-batch-size", "100000000"], "host RAM is too small"),
+        (["generate", path, "--prompt-ids", "1,2", "--lookahead", "3"], "--lookahead 3 means nothing to the default"),
+        (["generate", path, "--max-new-tokens", "2"], "give token ids with --prompt-ids"),
     ]:
         assert main(argv) == 2
         captured = capsys.readouterr()
         err = captured.err
         assert err.startswith("error: ") and message in err and "Traceback" not in err
         assert captured.out == ""  # nothing echoed before the error
+    # what argparse itself refuses: one line too (not its usage block), exit 2
+    for argv, message in [(["generate", path, "--seed", "x"], "argument --seed: invalid int value: 'x'"),
+                          (["generate", path, "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+                          (["bogus"], "invalid choice: 'bogus'")]:
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.startswith("error: ") and message in err
+        assert err.count("\n") == 1 and "usage:" not in err and "--help" in err
 
 
 def test_cli_report_on_bad_results_and_verbose_anywhere(checkpoint_factory, tmp_path, capsys):

@@ -181,6 +181,7 @@ def test_bad_requests_get_openai_style_errors(live):
         (dict(model="tiny", prompt="x", stop=["a"] * 9), 400, "stop"),
         (dict(model="tiny", prompt=[3, 99999]), 400, None),
         (dict(model="other", prompt="x"), 404, "model"),
+        (dict(model=5, prompt="x"), 400, "model"),
         (dict(model="tiny", prompt="x", ignore_eos="yes"), 400, "ignore_eos"),
     ]
     for body, status, param in cases:

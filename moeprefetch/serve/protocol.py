@@ -254,6 +254,8 @@ def parse_common(body: Any, limits: Limits, known: frozenset[str], endpoint: str
             raise APIError(400, f"{name} must be {'a string' if kind is str else 'an object'}, got "
                                 f"{shown(body[name])}", name)
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise APIError(400, f"model must be a string, got {shown(model)}", "model")
     if model is not None and model != limits.model:
         raise APIError(404, f"model {model!r} is not served here; this server serves {limits.model!r}", "model",
                        "not_found_error", code="model_not_found")
