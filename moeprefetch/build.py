@@ -225,7 +225,7 @@ def note_step_working_set(pinned: int, slots: int, top_k: int, step_rows: int) -
 
 def build_engine(cls: type["MoEPrefetchEngine"], path: str | Path, config: EngineConfig) -> "MoEPrefetchEngine":
     config.check()
-    path = Path(path)
+    path = Path(path).expanduser()
     device = config.device
     if config.distributed and str(device) == "cuda":  # each rank takes cuda:LOCAL_RANK
         device = local_device(torch.device("cuda"))

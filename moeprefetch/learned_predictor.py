@@ -138,7 +138,7 @@ def load_predictor(path: str | Path, engine_or_checkpoint: "MoEPrefetchEngine | 
     """A saved predictor, refused unless it was trained on this checkpoint's routers."""
     from safetensors import safe_open
 
-    path = Path(path)
+    path = Path(path).expanduser()
     if not path.is_file():
         raise RequestError(f"predictor {path} is not a file")
     try:

@@ -66,7 +66,7 @@ def load_trace(path: str | Path, n_experts: int | None = None) -> DecodeTrace:
     """Read a trace file; `n_experts` (default: the largest id + 1) bounds the expert ids."""
     if n_experts is not None and not 1 <= n_experts <= MAX_EXPERTS:
         raise TraceError(f"the experts per layer must be from 1 to {MAX_EXPERTS}, got {n_experts}")
-    path = Path(path)
+    path = Path(path).expanduser()
     if not path.is_file():
         raise TraceError(f"routing trace {path} is not a file")
     tokens: list[list[list[int]]] = []

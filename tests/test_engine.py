@@ -298,7 +298,8 @@ def test_bad_bias_penalties_and_logprobs_are_refused_and_change_nothing(v3, kwar
     assert v3.generate([[3, 4]], 5, stop_at_eos=False).sequences == before
 
 
-def test_from_pretrained_without_a_path_loads_the_bundled_model_and_direct_construction_says_how():
+def test_from_pretrained_without_a_path_loads_the_bundled_model_and_direct_construction_says_how(tmp_path,
+                                                                                                  monkeypatch):
     from moeprefetch.checkpoint import REFERENCE_MODEL
 
     with MoEPrefetchEngine.from_pretrained(progress=False, max_seq_len=32) as default, \
@@ -307,6 +308,13 @@ def test_from_pretrained_without_a_path_loads_the_bundled_model_and_direct_const
         prompt = [[5, 6, 7, 8]]
         expected = named.generate(prompt, max_new_tokens=4).sequences
         assert default.generate(prompt, max_new_tokens=4).sequences == expected
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models").symlink_to(REFERENCE_MODEL.parent)
+    monkeypatch.setenv("HOME", str(home))  # a path written as in a shell: ~ is the user's home
+    with MoEPrefetchEngine.from_pretrained(f"~/models/{REFERENCE_MODEL.name}", progress=False,
+                                           max_seq_len=32) as tilde:
+        assert tilde.generate(prompt, max_new_tokens=4).sequences == expected
     for build in (lambda: MoEPrefetchEngine(), lambda: MoEPrefetchEngine(REFERENCE_MODEL),
                   lambda: MoEPrefetchEngine(REFERENCE_MODEL, vram_budget="1GiB")):
         with pytest.raises(RequestError, match=r"MoEPrefetchEngine.from_pretrained\(path"):
