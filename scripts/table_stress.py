@@ -222,8 +222,8 @@ class Stepper:
             out = res.decode_experts(p, x_t[p : p + 1].contiguous(), ids_t[p : p + 1], self.act, None, None,
                                      w_t[p : p + 1].contiguous(), b, reserve=self.oracle, count_recall=self.oracle)
             out_t[p].copy_(out[0])
-            if res.experts.use_kernels:  # one-row steps keep y as [u, 1, H]
-                y_t[p].copy_(res.experts._y.view(-1)[: self.k * res.fmt.hidden].view(self.k, -1))
+            if res.experts.use_kernels:  # y is [u, rows padded, H]: the one row's products
+                y_t[p].copy_(res.experts.products(b.step_rows)[: self.k, 0])
             u_t[p, 0].copy_(b.u_key[: self.k])
             u_t[p, 1].copy_(b.u_slot[: self.k])
             u_t[p, 2].copy_(b.u_dst[: self.k])

@@ -472,8 +472,7 @@ class RoutedExperts:
         n = assign.shape[0]
         for launch in self.product_launches(x, assign, u_key, u_slot, u_dst, step_rows or self.max_rows):
             launch()  # y[u, row]; the ranks' all-reduce comes before the combine
-        n_pad = self._n_pad(step_rows or self.max_rows)
-        y = self._y.view(-1)[: self._y.shape[0] * n_pad * self.layout.hidden].view(-1, n_pad, self.layout.hidden)
+        y = self.products(step_rows or self.max_rows)
         gathered = y[assign.clamp(min=0).long(), torch.arange(n, device=x.device)[:, None]]  # [N, k, H]
         return torch.where((assign >= 0)[..., None], gathered, 0.0)
 
@@ -511,6 +510,11 @@ class RoutedExperts:
                    y_ptr=self._y, DOWN_W=lay.down_w, DOWN_S=lay.down_s, DOWN_Z=lay.down_z,
                    SCOLS=triton.cdiv(lay.intermediate, lay.block_cols), BH=t.block_h, **common),
         ]
+
+    def products(self, step_rows: int) -> torch.Tensor:
+        """The last call's expert products as y[u, row, H] fp32 (rows padded: `_n_pad`), for steps of `step_rows`."""
+        n_pad = self._n_pad(step_rows)
+        return self._y.view(-1)[: self._y.shape[0] * n_pad * self.layout.hidden].view(-1, n_pad, self.layout.hidden)
 
     def _n_pad(self, step_rows: int) -> int:
         """Rows per expert in y's layout for steps of `step_rows` rows (the GEMV's or a tl.dot tile's)."""
