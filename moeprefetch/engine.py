@@ -370,7 +370,17 @@ class MoEPrefetchEngine:
         adjustments = {name: kwargs.pop(name) for name in SAMPLING_EXTRAS if name in kwargs}
         if kwargs:
             raise RequestError(f"unknown argument(s) to stream: {', '.join(kwargs)}")
-        return self._events(self.new_request(prompts, max_new_tokens, *values, **adjustments))
+        return self._streamed(self._events(self.new_request(prompts, max_new_tokens, *values, **adjustments)))
+
+    @staticmethod
+    def _streamed(events: Iterator[TokenEvent]) -> Iterator[TokenEvent]:
+        """A stream's events. Ctrl-C while the engine computes ends the call cleanly, as in `generate`, and then
+        reaches the consumer as KeyboardInterrupt: a stream has no result to mark interrupted, and its loop must not
+        end as if the generation had finished."""
+        result = yield from events
+        if result is not None and result.interrupted:
+            raise KeyboardInterrupt
+        return result
 
     def new_request(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, predictor, lookahead,
                     speculative, stop_at_eos, event_log, min_confidence=None, *, logit_bias=None,

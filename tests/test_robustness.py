@@ -306,13 +306,33 @@ def test_ctrl_c_returns_the_tokens_so_far_and_leaves_a_consistent_cache(checkpoi
     assert again == full
 
 
-def test_ctrl_c_from_the_streaming_iterator_consumer_stops_cleanly(checkpoint_factory):
+def test_ctrl_c_from_the_streaming_iterator_consumer_stops_cleanly(checkpoint_factory, monkeypatch):
+    from moeprefetch import decode
+
     engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False, expert_cache_slots=8)
+    full = engine.generate([[3, 4, 5]], max_new_tokens=12, stop_at_eos=False).sequences[0]
     stream = engine.stream([[3, 4, 5]], max_new_tokens=12, stop_at_eos=False)
     next(stream), next(stream)
     stream.close()  # the consumer walks away mid-generation
     assert not engine.residency.problems()
     assert len(engine.generate([[3, 4, 5]], max_new_tokens=4).sequences[0]) >= 1
+    # Ctrl-C while the engine computes a streamed token: the call settles, then the consumer's loop sees it
+    original, calls = decode.DecodeStep._routed, {"n": 0}
+
+    def interrupted(self, *args):
+        calls["n"] += 1
+        if calls["n"] == 8:
+            raise KeyboardInterrupt
+        return original(self, *args)
+
+    monkeypatch.setattr(decode.DecodeStep, "_routed", interrupted)
+    seen = []
+    with pytest.raises(KeyboardInterrupt):
+        for event in engine.stream([[3, 4, 5]], max_new_tokens=12, stop_at_eos=False):
+            seen.append(event.token)
+    monkeypatch.setattr(decode.DecodeStep, "_routed", original)
+    assert 1 <= len(seen) < 12 and seen == full[: len(seen)] and not engine.residency.problems()
+    assert engine.generate([[3, 4, 5]], max_new_tokens=12, stop_at_eos=False).sequences[0] == full
 
 
 # ---- long runs ----------------------------------------------------------------------------------------------------
