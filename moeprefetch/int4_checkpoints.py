@@ -325,14 +325,8 @@ def _parse_gptq(qc: dict) -> Int4CheckpointArgs:
         fmt = "marlin"
     if fmt not in GPTQ_FORMATS:
         raise _refuse(f"GPTQ checkpoint_format {fmt!r} is not supported")
-    pack_dtype = str(qc.get("pack_dtype", "int32")).lower().removeprefix("torch.")
-    if pack_dtype != "int32":
-        raise _refuse(f"GPTQ pack_dtype {pack_dtype!r} is not supported")
-    if qc.get("rotation"):
-        raise _refuse(f"a GPTQ checkpoint with rotation {qc['rotation']!r} (rotated weights) is not supported")
-    group_size = qc.get("group_size", 128)
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or (group_size <= 0 and group_size != -1):
-        raise CheckpointError(f"GPTQ group_size must be a positive int or -1, got {group_size!r}")
+    _check_packing("GPTQ", qc)
+    group_size = _group_size("GPTQ", qc.get("group_size", 128))
     meta = qc.get("meta") if isinstance(qc.get("meta"), dict) else {}
     static_groups = bool(qc.get("static_groups") or meta.get("static_groups"))
     if qc.get("desc_act") and not static_groups:
@@ -340,6 +334,22 @@ def _parse_gptq(qc: dict) -> Int4CheckpointArgs:
     symmetric = bool(qc.get("sym", True))
     _check_dynamic("GPTQ", qc, group_size, symmetric, static_groups)
     return Int4CheckpointArgs(GPTQ, 0 if group_size == -1 else group_size, symmetric, (), fmt)
+
+
+def _check_packing(label: str, qc: dict) -> None:
+    """GPTQModel's pack_dtype and rotation (GPTQ and AWQ alike): only int32 words of unrotated weights are read."""
+    pack_dtype = str(qc.get("pack_dtype", "int32")).lower().removeprefix("torch.")
+    if pack_dtype != "int32":
+        raise _refuse(f"{label} pack_dtype {pack_dtype!r} is not supported")
+    if qc.get("rotation"):
+        raise _refuse(f"a {label} checkpoint with rotation {qc['rotation']!r} (rotated weights) is not supported")
+
+
+def _group_size(label: str, group_size: Any) -> int:
+    """A GPTQ or AWQ group_size, checked: positive, or -1 for one group a row."""
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or (group_size <= 0 and group_size != -1):
+        raise CheckpointError(f"{label} group_size must be a positive int or -1, got {group_size!r}")
+    return group_size
 
 
 def _check_dynamic(label: str, qc: dict, group_size: int, symmetric: bool, static_groups: bool = False) -> None:
@@ -363,16 +373,10 @@ def _parse_awq(qc: dict) -> Int4CheckpointArgs:
         version = "llm-awq"
     if version != AWQ_GEMM:
         raise _refuse(f"AWQ version {version!r} is not supported")
-    pack_dtype = str(qc.get("pack_dtype", "int32")).lower().removeprefix("torch.")
-    if pack_dtype != "int32":
-        raise _refuse(f"AWQ pack_dtype {pack_dtype!r} is not supported")
-    if qc.get("rotation"):
-        raise _refuse(f"an AWQ checkpoint with rotation {qc['rotation']!r} (rotated weights) is not supported")
+    _check_packing("AWQ", qc)
     if qc.get("desc_act"):
         raise _refuse("AWQ with desc_act (act-order: a permuted input order) is not supported")
-    group_size = qc.get("group_size", qc.get("q_group_size", 128))
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or (group_size <= 0 and group_size != -1):
-        raise CheckpointError(f"AWQ group_size must be a positive int or -1, got {group_size!r}")
+    group_size = _group_size("AWQ", qc.get("group_size", qc.get("q_group_size", 128)))
     zero_point = qc.get("zero_point", True)  # AutoAWQ's and transformers' default
     if not isinstance(zero_point, bool):
         raise CheckpointError(f"AWQ zero_point must be true or false, got {zero_point!r}")
