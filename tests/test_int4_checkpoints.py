@@ -683,6 +683,35 @@ def test_a_4bit_checkpoint_loads_with_its_codes_verbatim_and_computes_its_model(
     assert args.int4 is not None and args.int4.method == method
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("variant,method,symmetric,group", [("v3", CT, False, 16), ("qwen3", GPTQ, True, 32),
+                                                           ("v3", AWQ, False, 32)])
+def test_a_4bit_checkpoint_on_cuda_keeps_its_tokens_offloaded_and_computes_its_model(checkpoint_factory, tmp_path,
+                                                                                      variant, method, symmetric,
+                                                                                      group):
+    """On CUDA (bf16, the 4-bit expert kernels): each published layout's tokens are the same every expert resident
+    and with 3 slots (slot reads, zero-copy host reads, admissions), and its logits are the dequantised float
+    checkpoint's to bf16's precision."""
+    from moeprefetch import MoEPrefetchEngine
+
+    path = moeprefetch.int4_checkpoints.write_int4_checkpoint(checkpoint_factory(variant), tmp_path / "int4", method,
+                                                              group, symmetric)
+    reference = _dequantised_copy(path, tmp_path / "float")
+    prompts = [[3, 4, 5, 6], [7, 8]]
+    on_gpu = dict(progress=False, max_seq_len=64, device="cuda", dtype=torch.bfloat16)
+    with MoEPrefetchEngine.from_pretrained(path, **on_gpu) as engine:
+        assert engine.options.expert_dtype == "int4" and engine.residency.experts.use_kernels
+        logits = engine.forward([prompts[0]]).float()
+        expected = engine.generate(prompts, max_new_tokens=8, stop_at_eos=False).sequences
+    with MoEPrefetchEngine.from_pretrained(path, expert_cache_slots=3, **on_gpu) as offloaded:
+        assert offloaded.generate(prompts, max_new_tokens=8, stop_at_eos=False).sequences == expected
+    with MoEPrefetchEngine.from_pretrained(reference, **on_gpu) as float_engine:
+        float_logits = float_engine.forward([prompts[0]]).float()
+    error = ((logits - float_logits).abs().max() / float_logits.abs().max()).item()
+    assert error < 3e-2, error
+
+
 def test_a_4bit_checkpoint_in_other_groups_or_dtypes_is_converted(checkpoint_factory, tmp_path, caplog):
     """Groups other than the checkpoint's requantise its experts (said once in the log); expert_dtype='model'
     dequantises them; both still compute nearly the checkpoint's model."""
