@@ -130,8 +130,8 @@ def build_request(args: ModelArgs, tokenizer: Any, options: ResolvedConfig, path
 
 
 def is_token_id(value: Any) -> bool:
-    """An integer (Python's or numpy's), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+    """An integer (Python's or numpy's), not a bool (numpy's bool is no Integral)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def is_numpy_array(value: Any) -> bool:
