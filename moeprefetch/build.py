@@ -243,6 +243,10 @@ def _build(cls: type["MoEPrefetchEngine"], path: Path, config: EngineConfig, dev
     int4 = present_int4_weights(reader, args.int4) if args.int4 is not None else None
     tokenizer = _load_tokenizer(path)
     has_mtp = _has_mtp(args, reader)
+    if not args.moe_layers and not has_mtp:
+        reader.close()
+        raise CheckpointError(f"{path} has no MoE layer (all {args.num_hidden_layers} layers are dense): moeprefetch "
+                              f"runs Mixture-of-Experts models, and a dense model has no experts to offload")
     # before the weights load: a head of another checkpoint is one sentence, at once
     head = load_predictor(config.predictor_path, path) if config.predictor_path is not None else None
     options = resolve_options(config, args, has_mtp, dev, torch_dtype, head.config if head is not None else None)

@@ -127,9 +127,10 @@ class ModelArgs:
 
     @property
     def softmax_scale(self) -> float:
-        """Attention scale: 1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under YaRN."""
+        """Attention scale: 1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under YaRN in the MLA families
+        (DeepSeek's attention does so; transformers' grouped-query families scale only cos and sin: `rope.py`)."""
         scale = self.qk_head_dim**-0.5
-        if self.rope.rope_type == "yarn" and self.rope.mscale_all_dim:
+        if self.attention == "mla" and self.rope.rope_type == "yarn" and self.rope.mscale_all_dim:
             m = yarn_mscale(self.rope.factor, self.rope.mscale_all_dim)
             scale = scale * m * m
         return scale

@@ -566,11 +566,13 @@ class MoEPrefetchEngine:
         return self._trace
 
     def _abort_call(self) -> None:
-        self.residency.abort()
-        if self.streamer is not None:
-            self.streamer.abort()
-        self._active = False
-        self._free_cuda()
+        try:
+            self.residency.abort()
+            if self.streamer is not None:
+                self.streamer.abort()
+        finally:  # a failure in settling must not leave the engine busy for every later call
+            self._active = False
+            self._free_cuda()
 
     def synchronize(self) -> None:
         """Wait for the device (a session's timing boundaries)."""

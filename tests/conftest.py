@@ -54,6 +54,9 @@ YARN = {
     "beta_slow": 1,
 }
 
+GQA_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "mscale_all_dim": 1.0}
+
 # name -> (model_type, overrides). Together they cover every router variant, groups on and off, q_lora on and
 # off, YaRN, interleaved and plain RoPE, dense prefixes and shared-expert counts.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -95,6 +98,11 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "glm4_plain": ("glm4_moe", dict(use_qk_norm=False, attention_bias=False, partial_rotary_factor=1.0, n_group=1,
                                     norm_topk_prob=False)),
     "glm4_lite": ("glm4_moe_lite", {}),
+    # YaRN with mscale_all_dim on grouped-query attention: transformers scales cos and sin only (the softmax scale
+    # takes mscale^2 in the MLA families alone)
+    "qwen3_yarn_mscale": ("qwen3_moe", dict(rope_parameters=GQA_YARN, max_position_embeddings=64)),
+    "glm4_yarn_mscale": ("glm4_moe", dict(rope_parameters=dict(GQA_YARN, partial_rotary_factor=0.5),
+                                          max_position_embeddings=64)),
 }
 
 

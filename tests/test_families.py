@@ -151,6 +151,19 @@ def test_a_missing_shape_field_is_one_clear_error(checkpoint_factory, tmp_path, 
         MoEPrefetchEngine.from_pretrained(path, progress=False)
 
 
+@pytest.mark.parametrize("variant,overrides", [
+    ("qwen3", dict(decoder_sparse_step=5, intermediate_size=64)),  # 3 layers, none on the stride
+    ("v2_greedy", dict(first_k_dense_replace=3, intermediate_size=64)),
+    ("glm4_lite", dict(mlp_layer_types=["dense"] * 3, with_mtp=False))])
+def test_a_checkpoint_without_an_moe_layer_is_one_sentence(checkpoint_factory, variant, overrides):
+    """transformers runs a config whose every layer is dense; it has no experts to offload, which loading says."""
+    from moeprefetch.errors import CheckpointError
+
+    path = checkpoint_factory(variant, num_hidden_layers=3, **overrides)
+    with pytest.raises(CheckpointError, match="has no MoE layer .*a dense model has no experts to offload"):
+        MoEPrefetchEngine.from_pretrained(path, progress=False)
+
+
 def test_cli_info_and_generate_on_a_gqa_checkpoint(checkpoint_factory, capsys):
     from moeprefetch.cli import main
 

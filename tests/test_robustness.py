@@ -287,6 +287,32 @@ def test_out_of_memory_during_a_step_leaves_the_engine_usable(checkpoint_factory
     assert engine.generate([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False).sequences == expected
 
 
+def test_a_failure_while_settling_a_failed_call_leaves_the_engine_usable(checkpoint_factory, monkeypatch):
+    """A call fails, and settling the expert table after it fails too: the error reaches the caller and the engine
+    is not left busy for every later call."""
+    engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False, expert_cache_slots=8)
+    expected = engine.generate([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False).sequences
+    original_abort = engine.residency.abort
+
+    def failing_abort():
+        original_abort()
+        raise RuntimeError("settling failed")
+
+    def failing_forward(*args):
+        raise RuntimeError("the forward failed")
+
+    def failing_end_call():
+        raise RuntimeError("ending failed")
+
+    monkeypatch.setattr(engine.runner, "forward_block", failing_forward)
+    monkeypatch.setattr(engine.residency, "abort", failing_abort)
+    monkeypatch.setattr(engine.residency, "end_call", failing_end_call)  # the table as broken as its settling
+    with pytest.raises(RuntimeError, match="settling failed"):
+        engine.forward([[3, 4, 5]])
+    monkeypatch.undo()
+    assert engine.generate([[3, 4, 5]], max_new_tokens=6, stop_at_eos=False).sequences == expected
+
+
 def test_ctrl_c_returns_the_tokens_so_far_and_leaves_a_consistent_cache(checkpoint_factory):
     engine = MoEPrefetchEngine.from_pretrained(checkpoint_factory("v3"), progress=False, expert_cache_slots=8)
     full = engine.generate([[3, 4, 5]], max_new_tokens=12, stop_at_eos=False, predictor="mtp").sequences[0]
