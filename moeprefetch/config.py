@@ -295,6 +295,7 @@ def _mla_args(raw: dict[str, Any], get, hf: Any, model_type: str, path: Path) ->
         raise CheckpointError(
             f"topk_method {topk_method!r} is not supported (supported: noaux_tc, greedy, group_limited_greedy)"
         )
+    scoring, topk_method = _transformers_router(model_type, is_v3, scoring, topk_method)
     n_group = int(get("n_group", 1) or 1)
     router = _router_fields(int(get("n_routed_experts")), int(get("num_experts_per_tok")), n_group,
                             int(get("topk_group", n_group) or n_group), topk_method != "greedy")
@@ -306,12 +307,41 @@ def _mla_args(raw: dict[str, Any], get, hf: Any, model_type: str, path: Path) ->
         q_lora_rank=raw.get("q_lora_rank", getattr(hf, "q_lora_rank", None)), kv_lora_rank=int(get("kv_lora_rank")),
         qk_nope_head_dim=int(get("qk_nope_head_dim")), qk_rope_head_dim=int(get("qk_rope_head_dim")),
         v_head_dim=int(get("v_head_dim")), n_shared_experts=int(get("n_shared_experts", 0) or 0),
-        first_k_dense_replace=_dense_prefix(raw, get, path), moe_layer_freq=int(get("moe_layer_freq", 1) or 1),
+        first_k_dense_replace=_dense_prefix(raw, get, path), moe_layer_freq=_moe_layer_freq(get, model_type),
         scoring_func=scoring, topk_method=topk_method, norm_topk_prob=_norm_topk_prob(raw, hf, is_v3),
         routed_scaling_factor=float(get("routed_scaling_factor", 1.0)), num_nextn_predict_layers=_mtp_layers(raw),
         mlp_bias=bool(get("mlp_bias", False)),
         sparse_layers=_listed_sparse_layers(raw, hf, common["num_hidden_layers"]),
     )
+
+
+def _moe_layer_freq(get, model_type: str) -> int:
+    """transformers' DeepSeek models put an MoE block in every layer past the dense prefix, whatever
+    moe_layer_freq says (every released checkpoint says 1), and write their checkpoints so: this one follows."""
+    freq = get("moe_layer_freq", 1)
+    if freq not in (None, 1):
+        logger.warning("moe_layer_freq=%r is ignored for %s, as transformers does: every layer past the dense prefix "
+                       "is MoE", freq, model_type)
+    return 1
+
+
+def _transformers_router(model_type: str, is_v3: bool, scoring: str, topk_method: str) -> tuple[str, str]:
+    """The router transformers runs for these fields: DeepseekV3 (and GLM-4.7-Flash) always route with sigmoid
+    scores, the correction bias and group-limited top-k (noaux_tc), DeepseekV2 always with softmax and its
+    topk_method (greedy or group_limited_greedy; it has no noaux_tc). Fields it ignores are ignored here too, said
+    once, so a checkpoint gives transformers' tokens."""
+    if is_v3:
+        if (scoring, topk_method) != ("sigmoid", "noaux_tc"):
+            logger.warning("scoring_func=%r and topk_method=%r are ignored for %s, as transformers does: it routes "
+                           "with sigmoid scores and noaux_tc", scoring, topk_method, model_type)
+        return "sigmoid", "noaux_tc"
+    if topk_method == "noaux_tc":
+        raise CheckpointError("topk_method 'noaux_tc' is not supported for deepseek_v2 (transformers' DeepseekV2 "
+                              "routes with greedy or group_limited_greedy)")
+    if scoring != "softmax":
+        logger.warning("scoring_func=%r is ignored for deepseek_v2, as transformers' DeepseekV2 does: it routes with "
+                       "softmax scores", scoring)
+    return "softmax", topk_method
 
 
 def _gqa_attention_fields(raw: dict[str, Any], get, hf: Any) -> dict[str, Any]:

@@ -98,6 +98,11 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "glm4_plain": ("glm4_moe", dict(use_qk_norm=False, attention_bias=False, partial_rotary_factor=1.0, n_group=1,
                                     norm_topk_prob=False)),
     "glm4_lite": ("glm4_moe_lite", {}),
+    # router fields transformers ignores (DeepseekV3 routes with sigmoid and noaux_tc, DeepseekV2 with softmax), and
+    # moe_layer_freq, which its DeepSeek models ignore too (an MoE block in every layer past the dense prefix)
+    "v3_ignored_router_fields": ("deepseek_v3", dict(scoring_func="softmax", topk_method="greedy", moe_layer_freq=2,
+                                                     first_k_dense_replace=0, num_hidden_layers=3)),
+    "v2_ignored_router_fields": ("deepseek_v2", dict(scoring_func="sigmoid", moe_layer_freq=2)),
     # YaRN with mscale_all_dim on grouped-query attention: transformers scales cos and sin only (the softmax scale
     # takes mscale^2 in the MLA families alone)
     "qwen3_yarn_mscale": ("qwen3_moe", dict(rope_parameters=GQA_YARN, max_position_embeddings=64)),

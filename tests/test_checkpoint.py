@@ -125,6 +125,17 @@ def test_unknown_model_type(ckpt):
         _load(ckpt)
 
 
+@pytest.mark.parametrize("model_type,fields,match", [
+    ("deepseek_v2", dict(topk_method="noaux_tc"), "topk_method 'noaux_tc' is not supported for deepseek_v2"),
+    ("deepseek_v3", dict(topk_method="random"), "topk_method 'random' is not supported"),
+    ("deepseek_v3", dict(scoring_func="tanh"), "scoring_func 'tanh' is not supported")])
+def test_a_router_transformers_cannot_run_is_one_sentence(ckpt, model_type, fields, match):
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(dict(config, model_type=model_type, **fields)))
+    with pytest.raises(CheckpointError, match=match):
+        _load(ckpt)
+
+
 @pytest.mark.parametrize("field", ["hidden_size", "n_routed_experts", "kv_lora_rank", "num_experts_per_tok"])
 def test_config_missing_a_required_field(ckpt, field):
     config = json.loads((ckpt / "config.json").read_text())
