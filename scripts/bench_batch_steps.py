@@ -21,8 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_gpu import V2LITE, environment, tiny, write_random_checkpoint  # noqa: E402
-from moeprefetch import MoEPrefetchEngine  # noqa: E402
+from bench_gpu import environment, random_v2lite_engine  # noqa: E402
 from moeprefetch.batching import ContinuousBatch  # noqa: E402
 from moeprefetch.decode import run_rows  # noqa: E402
 from moeprefetch.sampling import SamplingParams, row_paths  # noqa: E402
@@ -61,23 +60,19 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=50)
     ns = parser.parse_args()
     device = torch.device(ns.device)
-    shape = tiny(V2LITE) if ns.scale == "tiny" else V2LITE
-    path = write_random_checkpoint(ns.workdir / "v2lite_serve", shape, device)
     levels = [int(r) for r in ns.rows.split(",")]
-    engine = MoEPrefetchEngine.from_pretrained(
-        path, device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, progress=False,
-        max_batch_size=max(levels), max_seq_len=128, expert_dtype=ns.expert_dtype,
-        vram_budget=f"{ns.budget_gib}GiB" if ns.scale == "full" else None)
+    engine = random_v2lite_engine(ns.workdir, "v2lite_serve", ns.scale, device, ns.budget_gib,
+                                  max_batch_size=max(levels), max_seq_len=128, expert_dtype=ns.expert_dtype)
     report = {"environment": environment(device), "plan": engine.plan.describe(), "command": sys.argv, "rows": []}
     generator = torch.Generator().manual_seed(3)
     for mix, params in MIXES.items():
         for rows in levels:
             batch = ContinuousBatch(engine, "none")
             for _ in range(rows):
-                prompt = torch.randint(3, shape["vocab_size"], (16,), generator=generator).tolist()
+                prompt = torch.randint(3, engine.args.vocab_size, (16,), generator=generator).tolist()
                 batch.admit(prompt, 64, params)
             live = [s for s in batch.sampling[:rows] if s is not None]
-            for variant, paths in (("row_paths", row_paths(live, shape["vocab_size"])), ("every_path", EVERY_PATH)):
+            for variant, paths in (("row_paths", row_paths(live, engine.args.vocab_size)), ("every_path", EVERY_PATH)):
                 row = {"mix": mix, "rows": rows, "variant": variant, "expert_dtype": ns.expert_dtype,
                        "cache_slots": engine.plan.expert_slots,
                        "ms_per_step": round(timed_steps(batch, rows, paths, ns.steps), 3)}

@@ -229,6 +229,18 @@ def scale_placement(device: torch.device) -> dict[str, float]:
 FP8_BLOCK = (128, 128)
 
 
+def random_v2lite_engine(workdir: Path, name: str, scale: str, device: torch.device, budget_gib: float,
+                         **options: Any) -> MoEPrefetchEngine:
+    """The serving and prefill benches' engine: V2-Lite's shape (tiny at --scale tiny) on random weights written
+    under workdir/name, in bf16 on CUDA (fp32 elsewhere), at `budget_gib` GiB at full scale (no budget at tiny
+    scale); `options` are the bench's own engine options."""
+    shape = tiny(V2LITE) if scale == "tiny" else V2LITE
+    path = write_random_checkpoint(workdir / name, shape, device)
+    return MoEPrefetchEngine.from_pretrained(
+        path, device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, progress=False,
+        vram_budget=f"{budget_gib}GiB" if scale == "full" else None, **options)
+
+
 def write_random_checkpoint(out: Path, shape: dict[str, Any], device: torch.device, seed: int = 0,
                             shard_bytes: int = 4 * GiB, fp8_experts: bool = False) -> Path:
     """A random-weight checkpoint with real tensor names, generated shard by shard (bounded host RAM). With

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_gpu import V2LITE, environment, tiny, write_random_checkpoint  # noqa: E402
+from bench_gpu import environment, random_v2lite_engine  # noqa: E402
 from moeprefetch import MoEPrefetchEngine  # noqa: E402
 
 
@@ -64,12 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     device = torch.device(args.device)
     batches = [int(b) for b in args.batches.split(",")]
-    shape = tiny(V2LITE) if args.scale == "tiny" else V2LITE
-    path = write_random_checkpoint(args.workdir / "v2lite_joint", shape, device)
-    engine = MoEPrefetchEngine.from_pretrained(
-        path, device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, progress=False,
-        max_batch_size=max(batches), max_seq_len=args.max_seq_len, expert_dtype=args.expert_dtype,
-        vram_budget=f"{args.budget_gib}GiB" if args.scale == "full" else None)
+    engine = random_v2lite_engine(args.workdir, "v2lite_joint", args.scale, device, args.budget_gib,
+                                  max_batch_size=max(batches), max_seq_len=args.max_seq_len,
+                                  expert_dtype=args.expert_dtype)
     prefill = engine.residency._prefill
     joint_limit = prefill.joint_tokens
     g = torch.Generator().manual_seed(5)
@@ -78,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
               "prefill_chunk": engine.options.prefill_chunk, "prefill_window": engine.options.prefill_window,
               "rows": []}
     for batch in batches:
-        prompts = [torch.randint(3, shape["vocab_size"], (args.prompt_tokens,), generator=g).tolist()
+        prompts = [torch.randint(3, engine.args.vocab_size, (args.prompt_tokens,), generator=g).tolist()
                    for _ in range(batch)]
         measured = {}
         for joint in (False, True):

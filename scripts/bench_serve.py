@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_gpu import V2LITE, environment, link_bandwidth, prompts_for, tiny, write_random_checkpoint  # noqa: E402
+from bench_gpu import environment, link_bandwidth, prompts_for, random_v2lite_engine  # noqa: E402
 from moeprefetch import MoEPrefetchEngine  # noqa: E402
 
 logger = logging.getLogger("bench_serve")
@@ -155,14 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     device = torch.device(args.device)
     levels = [int(c) for c in args.concurrency.split(",")]
-    shape = tiny(V2LITE) if args.scale == "tiny" else V2LITE
-    path = write_random_checkpoint(args.workdir / "v2lite_serve", shape, device)
-    budget = f"{args.budget_gib}GiB" if args.scale == "full" else None
-    engine = MoEPrefetchEngine.from_pretrained(
-        path, device=str(device), dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, progress=False,
-        max_batch_size=max(levels), max_seq_len=args.max_seq_len or args.prompt_tokens + args.max_tokens + 8,
-        vram_budget=budget,
-        expert_cache_slots=None if budget else 8, expert_dtype=args.expert_dtype,
+    engine = random_v2lite_engine(
+        args.workdir, "v2lite_serve", args.scale, device, args.budget_gib, max_batch_size=max(levels),
+        max_seq_len=args.max_seq_len or args.prompt_tokens + args.max_tokens + 8,
+        expert_cache_slots=None if args.scale == "full" else 8, expert_dtype=args.expert_dtype,
         routing_trace=str(args.routing_trace) if args.routing_trace else None)
     app = build_app(engine, "bench", args.predictor, max_queue=4 * max(levels), drain_seconds=5,
                     batch_invariant=args.batch_invariant)
@@ -176,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{port}"
     scheduler = app.state.server.scheduler
-    prompts = prompts_for(path, None, shape["vocab_size"], 16, args.prompt_tokens, seed=3)
+    prompts = prompts_for(engine.path, None, engine.args.vocab_size, 16, args.prompt_tokens, seed=3)
     report: dict[str, Any] = {"environment": environment(device), "link": link_bandwidth(device),
                               "plan": engine.plan.describe(), "rows": []}
     # client processes started fresh (spawn: the server process holds CUDA and threads), one per concurrent stream,
