@@ -12,7 +12,7 @@
 # GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU,
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
 # Usage: STAGE=qwen3|serve|serve_all|joint_prefill|joint_launch|gemv_rows|batched_reads|verify|spec_deep|deep_model|shared_rows|shared_rows_deep|batch_shapes|spec_ref17|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
-#   timelines_v2lite|distributed|deep_train|deep_bench|v2lite_trace|int4_tests|int4_bench|int4_gemv|learned_deep| \
+#   timelines_v2lite|distributed|deep_train|deep_bench|deep_fp8|v2lite_trace|int4_tests|int4_bench|int4_gemv|learned_deep| \
 #   divergence|table_stress \
 #   [LIMIT=seconds] \
 #   bash scripts/device_pending.sh OUT_DIR [bench options]
@@ -269,6 +269,18 @@ case "${STAGE:-tests}" in
     # later call on the warm machine (or carrying the returned parts) benchmarks it without training first
     [ -f .device-data/deep/model.safetensors.index.json ] || \
       { train_deep; tar -C .device-data -cf - deep | split -b 15M - "$out/deep.tar.part-"; } ;;
+  deep_fp8)
+    # issue 36's FP8 aim on the deep model (never measured before the thirty-fourth session): trained first when
+    # .device-data/deep holds none (carry .device-data/corpus_min); experts padded to 17.3 MB in bf16, quantised to
+    # FP8 on load (8.65 MB records), 30 % cached, sampled at 1.0; SYSTEMS overrides the rows, EXPERT_DTYPE=int4 for
+    # the 4-bit rows
+    [ -f .device-data/deep/model.safetensors.index.json ] || \
+      { train_deep; tar -C .device-data -cf - deep | split -b 15M - "$out/deep.tar.part-"; }
+    timeout "${LIMIT:-500}" python3 scripts/bench_gpu.py --out "$out/bench_deep_${EXPERT_DTYPE:-fp8}.json" \
+      --workloads deep --runs "${RUNS:-1}" --temperature "${TEMPERATURE:-1.0}" --cache-fraction 0.3 \
+      --expert-dtype "${EXPERT_DTYPE:-fp8}" \
+      --systems "${SYSTEMS:-all_resident,none,oracle_next~idle,mtp+next_layer_gate~idle,mtp~idle,oracle}" "$@" \
+      2>&1 | filter ;;
   spec_ref17)
     # issue 39 on the shipped reference model (ref17: trained, its MTP head kept ~74 % of drafts on the CPU; nothing
     # to train first): plain decode against chains of 1 to 3 drafts, every expert resident, with the timelines of a
