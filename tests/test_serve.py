@@ -1067,6 +1067,11 @@ def test_deep_json_and_lone_surrogates_are_one_sentence_400s(live):
         assert "lone UTF-16 surrogate" in error["message"]
     error = _error_of(post(b'{"model": "tiny", "prompt": "\xed\xa0\x80"}'), 400, None)  # a surrogate as UTF-8 bytes
     assert "UTF-8" in error["message"]
+    # a byte-order mark before the JSON is ignored (RFC 8259 allows it); a second one is not JSON
+    answer = post(b'\xef\xbb\xbf{"model": "tiny", "prompt": "a", "max_tokens": 2}')
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+    error = _error_of(post(b'\xef\xbb\xbf\xef\xbb\xbf{"model": "tiny", "prompt": "a"}'), 400, None)
+    assert "not valid JSON" in error["message"]
     # integers longer than Python converts (4,300 digits): as a value, and as a logit_bias key
     error = _error_of(post(b'{"model": "tiny", "prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}"), 400, None)
     assert "number too long" in error["message"]

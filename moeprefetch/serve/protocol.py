@@ -134,7 +134,9 @@ class Job:
 def decode_body(raw: bytes) -> Any:
     """The request body's bytes -> its JSON value (400 for what is not JSON, or nests too deep to parse)."""
     try:
-        text = raw.decode("utf-8")  # strict: UTF-8-encoded surrogates are refused here too
+        # strict: UTF-8-encoded surrogates are refused here too. A leading byte-order mark is dropped: RFC 8259 lets a
+        # parser ignore one, and clients on Windows (PowerShell's UTF-8 files) send it
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise APIError(400, "the request body is not valid UTF-8 text") from None
     try:
