@@ -76,7 +76,9 @@ DOT_CANDIDATES = (  # (block_i, block_h, block_k, num_warps, num_stages, weights
     (64, 64, 128, 4, 3, 1), (64, 64, 128, 4, 4, 1), (64, 64, 64, 4, 5, 1), (128, 128, 64, 4, 4, 1),
     (128, 64, 64, 4, 4, 1), (64, 64, 128, 8, 3, 1), (128, 128, 64, 8, 4, 1),
 )
-SHAPES = {"v2lite": (2048, 1408, 64, 6), "v3": (7168, 2048, 256, 8)}  # hidden, intermediate, experts, top-k
+# hidden, intermediate, experts, top-k; "deep": the deep benchmark model's experts as bench_gpu pads them to V2-Lite's
+# 17.3 MB (hidden 128: gate/up rows of 128 inputs, down projections of only 128 rows)
+SHAPES = {"v2lite": (2048, 1408, 64, 6), "v3": (7168, 2048, 256, 8), "deep": (128, 22528, 64, 6)}
 
 
 def tiles_sweep(out: Path, shape: str = "v2lite", candidates: tuple = (), gemv: bool = True,
@@ -151,30 +153,32 @@ HOST_CASES = ((0, False), (1, False), (3, False), (6, False), (3, True), (6, Tru
 
 def host_sweep(out: Path, layers: int = 8, step_rows: tuple[int, ...] = (1,),
                cases: tuple[tuple[int, bool], ...] = HOST_CASES, candidates: tuple[tuple[int, ...], ...] = (),
-               expert_dtype: str = "model") -> int:
+               expert_dtype: str = "model", shape: str = "v2lite") -> int:
     """Batch-1 MoE layers whose missed experts the kernel reads from pinned host memory (zero-copy), with each GEMV
     tile choice: `layers` layers back to back in one CUDA graph, each with its own experts (more bytes than L2 holds,
     so no replay reads a cached expert), with 1, 3 or 6 of the 6 experts missed, with and without admission into a
     victim slot; and all 6 from VRAM (the same tiles serve resident experts, whose bits must match). `step_rows`: the
     step shapes to time (a decode step of batch b computes up to 2b rows, so batch 1 runs the 2-row kernel).
-    `expert_dtype` int4: the engine's 4-bit records (groups of 128, asymmetric, fp16 metadata), random bytes (the
-    timing does not depend on the values), with the 4-bit candidates (`INT4_HOST_CANDIDATES`) by default."""
+    `expert_dtype` int4: the engine's 4-bit records (groups of 128, asymmetric, fp16 metadata), with the 4-bit
+    candidates (`INT4_HOST_CANDIDATES`) by default; fp8: 128 x 128 blocks, as quantised on load; both random bytes
+    (the timing does not depend on the values). `shape`: an expert shape of SHAPES (its top-k experts a layer)."""
     dev = torch.device("cuda")
     int4 = expert_dtype == "int4"
-    fmt = ExpertFormat.build(2048, 1408, torch.bfloat16, *(("int4",) if int4 else ()))
-    rec, top_k, per_layer = fmt.record_bytes, 6, 6
+    hidden, inter, _, top_k = SHAPES[shape]
+    fmt = ExpertFormat.build(hidden, inter, torch.bfloat16, expert_dtype)
+    rec, per_layer = fmt.record_bytes, top_k
     n_host = layers * per_layer
     host = torch.empty(n_host, rec, dtype=torch.uint8).pin_memory()
-    if int4:
+    if fmt.quantized:
         host.random_(0, 256)
     else:
         host.view(torch.bfloat16).normal_(0, 0.02)
     pool = torch.empty(2 * n_host, rec, dtype=torch.uint8, device=dev)
     pool[:n_host].copy_(host)
     results = []
-    x = torch.randn(1, 2048, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(1, hidden, device=dev, dtype=torch.bfloat16)
     w = torch.rand(1, top_k, device=dev)
-    o = torch.empty(1, 2048, device=dev)
+    o = torch.empty(1, hidden, device=dev)
     assign = torch.arange(top_k, dtype=torch.int32, device=dev)[None]
     default = INT4_HOST_CANDIDATES if int4 else HOST_CANDIDATES
     for tiles_tuple, rows_of_step, case in itertools.product(candidates or default, step_rows, cases):
@@ -213,7 +217,7 @@ def host_sweep(out: Path, layers: int = 8, step_rows: tuple[int, ...] = (1,),
         print(row, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": layers,
-                               "expert_dtype": expert_dtype, "expert_payload_bytes": fmt.payload_bytes,
+                               "shape": shape, "expert_dtype": expert_dtype, "expert_payload_bytes": fmt.payload_bytes,
                                "expert_record_bytes": rec, "rows": results}, indent=1))
     return 0
 
@@ -380,10 +384,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--staged", action="store_true", help="--host-sweep: also the misses copied into their "
                         "slots by the copy engine first (then read from VRAM)")
     parser.add_argument("--tiles", default="", help="the sweeps: only these tiles (;-separated)")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="v2lite", help="--tiles-sweep: the expert shape")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="v2lite",
+                        help="--tiles-sweep, --host-sweep: the expert shape")
     parser.add_argument("--expert-dtype", default="model", help="--tiles-sweep: the experts' format (int4: the GEMV "
-                        "tiles only, unless --tiles names tl.dot ones); --host-sweep and --grouped-sweep: model "
-                        "or int4")
+                        "tiles only, unless --tiles names tl.dot ones); --host-sweep: model, fp8 or int4; "
+                        "--grouped-sweep: model or int4")
     parser.add_argument("--sequences", default="", help="--host-sweep: decode steps of these many rows, each "
                         "routed at random (comma list), instead of batch-1 layers")
     parser.add_argument("--missed-share", type=float, default=0.7, help="--sequences: the share of each layer's "
@@ -417,7 +422,7 @@ def run_sweep(ns: argparse.Namespace) -> int | None:
             return batched_host_sweep(ns.out, tuple(int(b) for b in ns.sequences.split(",")), ns.missed_share,
                                       candidates=tiles)
         return host_sweep(ns.out, step_rows=tuple(int(r) for r in ns.step_rows.split(",")), cases=cases,
-                          candidates=tiles, expert_dtype=ns.expert_dtype)
+                          candidates=tiles, expert_dtype=ns.expert_dtype, shape=ns.shape)
     return None
 
 

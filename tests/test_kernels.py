@@ -58,11 +58,20 @@ def _experts(fmt: ExpertFormat, count: int, generator: torch.Generator) -> tuple
 def _format(hidden: int, inter: int, dtype: torch.dtype, expert_dtype: str) -> ExpertFormat:
     """An expert format for the tests: 8-bit block (32, 32) scales; "int4" asymmetric and "int4-sym" symmetric
     groups of 32 inputs (ragged against 72-wide rows and against the 64/128 tiles), "int4-g64" groups of 64 (a
-    64-input tile lies in one group)."""
+    64-input tile lies in one group); "fp8-b128" FP8 blocks of (32, 128), as FP8 checkpoints publish 128-wide ones (a
+    tile of 64 or 128 inputs lies in one block column: the kernels load a scale per row)."""
     if expert_dtype.startswith("int4"):
         return ExpertFormat.build(hidden, inter, dtype, "int4", group_size=64 if expert_dtype.endswith("g64") else 32,
                                   symmetric=expert_dtype == "int4-sym")
+    if expert_dtype == "fp8-b128":
+        return ExpertFormat.build(hidden, inter, dtype, "fp8", (32, 128))
     return ExpertFormat.build(hidden, inter, dtype, expert_dtype, (32, 32))
+
+
+def _shape(expert_dtype: str) -> tuple[int, int]:
+    """(hidden, intermediate) of a test format: ragged against the 64/128 tiles; with 128-wide FP8 blocks, rows of
+    three and two block columns (the last ragged), so the tiles step across blocks."""
+    return (320, 200) if expert_dtype == "fp8-b128" else (96, 72)
 
 
 def _float64_expert(x: torch.Tensor, fmt: ExpertFormat, record: torch.Tensor) -> torch.Tensor:
@@ -79,6 +88,8 @@ def _float64_expert(x: torch.Tensor, fmt: ExpertFormat, record: torch.Tensor) ->
     (torch.bfloat16, "fp8", 2e-2, 8, True), (torch.bfloat16, "model", 2e-2, 16, True),
     (torch.float32, "int4", 1e-5, 3, False), (torch.float32, "int4-sym", 1e-5, 8, False),
     (torch.bfloat16, "int4", 2e-2, 8, True), (torch.bfloat16, "int4-sym", 2e-2, 4, False),
+    (torch.float32, "fp8-b128", 1e-5, 3, False), (torch.float32, "fp8-b128", 1e-5, 8, True),
+    (torch.bfloat16, "fp8-b128", 2e-2, 4, False),
 ])
 def test_routed_experts_match_float64_from_slots_and_host(dtype, expert_dtype, tolerance, max_rows, weights_first):
     """Both multiplies: tl.dot tiles (more than GEMV_MAX_ROWS rows per step; rows by weights or weights by rows)
@@ -86,7 +97,7 @@ def test_routed_experts_match_float64_from_slots_and_host(dtype, expert_dtype, t
     from moeprefetch.kernels.experts import DEFAULT_TILES, GEMV_MAX_ROWS, RoutedExperts
 
     g = torch.Generator().manual_seed(zlib.crc32(f"{dtype}{expert_dtype}".encode()) % 1000)  # same in every process
-    fmt = _format(96, 72, dtype, expert_dtype)  # ragged against the 64/128 tiles
+    fmt = _format(*_shape(expert_dtype), dtype, expert_dtype)
     host, _ = _experts(fmt, 6, g)
     if DEVICE == "cuda":
         host = host.pin_memory()
@@ -766,7 +777,8 @@ def test_grouped_tiles_follow_the_calls_shape_not_its_routing():
 @pytest.mark.parametrize("dtype,expert_dtype,tolerance,long_blocks", [
     (torch.float32, "model", 1e-5, False), (torch.bfloat16, "fp8", 2e-2, False), (torch.float32, "int8", 1e-5, False),
     (torch.bfloat16, "model", 2e-2, True), (torch.float32, "int4", 1e-5, False), (torch.bfloat16, "int4-sym", 2e-2, True),
-    (torch.float32, "int4-g64", 1e-5, False), (torch.bfloat16, "int4-g64", 2e-2, True)])
+    (torch.float32, "int4-g64", 1e-5, False), (torch.bfloat16, "int4-g64", 2e-2, True),
+    (torch.float32, "fp8-b128", 1e-5, False)])
 def test_grouped_prefill_experts_match_float64(dtype, expert_dtype, tolerance, long_blocks):
     """Blocks of one expert's pairs (one expert with more pairs than a block), experts in slots and in host memory;
     with the 64-pair blocks of short prompts and the 128-pair blocks of long ones; 4-bit groups of 32 inside a
@@ -775,7 +787,7 @@ def test_grouped_prefill_experts_match_float64(dtype, expert_dtype, tolerance, l
     from moeprefetch.model import combine_expert_outputs
 
     g = torch.Generator().manual_seed(11)
-    fmt = _format(96, 72, dtype, expert_dtype)
+    fmt = _format(*_shape(expert_dtype), dtype, expert_dtype)
     host, _ = _experts(fmt, 5, g)
     if DEVICE == "cuda":
         host = host.pin_memory()
