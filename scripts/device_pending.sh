@@ -12,7 +12,7 @@
 # GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU,
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
 # Usage: STAGE=qwen3|serve|serve_all|joint_prefill|joint_launch|gemv_rows|batched_reads|verify|spec_deep|deep_model|shared_rows|shared_rows_deep|batch_shapes|spec_ref17|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
-#   timelines_v2lite|distributed|deep_train|deep_bench|deep_fp8|v2lite_trace|int4_tests|int4_bench|int4_gemv|learned_deep| \
+#   timelines_v2lite|distributed|deep_train|deep_bench|deep_fp8|fp8_reads|v2lite_trace|int4_tests|int4_bench|int4_gemv|learned_deep| \
 #   divergence|table_stress \
 #   [LIMIT=seconds] \
 #   bash scripts/device_pending.sh OUT_DIR [bench options]
@@ -281,6 +281,24 @@ case "${STAGE:-tests}" in
       --expert-dtype "${EXPERT_DTYPE:-fp8}" \
       --systems "${SYSTEMS:-all_resident,none,oracle_next~idle,mtp+next_layer_gate~idle,mtp~idle,oracle}" "$@" \
       2>&1 | filter ;;
+  fp8_reads)
+    # FP8 experts read in place over PCIe (thirty-fourth session): the deep model's FP8 reactive row moved its misses
+    # at 29 GB/s on a 49 GB/s link. One layer's GEMV (2-row step, the engine's tiles) at the deep model's padded
+    # shape and at V2-Lite's, with this tree's kernel and, when OLD_EXPERTS names an earlier kernels/experts.py (an
+    # untracked copy), with that one; then the FP8 kernel tests and the deep model's FP8 rows (carry .device-data/deep)
+    for version in new ${OLD_EXPERTS:+old}; do
+      if [ "$version" = old ]; then cp moeprefetch/kernels/experts.py /tmp/experts_new.py; cp "$OLD_EXPERTS" moeprefetch/kernels/experts.py; fi
+      for shape in deep v2lite; do
+        timeout 90 python3 scripts/bench_kernels.py --host-sweep --shape "$shape" --expert-dtype fp8 --step-rows 2 \
+          --tiles 16,16,128,4,3 --out "$out/host_fp8_${shape}_$version.json" 2>&1 | grep -E "^\{|Error" | cut -c1-220
+      done
+    done
+    [ -n "${OLD_EXPERTS:-}" ] && cp /tmp/experts_new.py moeprefetch/kernels/experts.py
+    timeout 120 python3 -m pytest "$(junit)" tests/test_kernels.py -q -p no:cacheprovider --tb=short -k "fp8" 2>&1 | \
+      grep -v -E "Warning:|warn" | tail -3
+    timeout "${LIMIT:-250}" python3 scripts/bench_gpu.py --out "$out/bench_deep_fp8.json" --workloads deep --runs 1 \
+      --temperature 1.0 --cache-fraction 0.3 --expert-dtype fp8 \
+      --systems "${SYSTEMS:-all_resident,none,oracle_next~idle,oracle}" "$@" 2>&1 | filter ;;
   spec_ref17)
     # issue 39 on the shipped reference model (ref17: trained, its MTP head kept ~74 % of drafts on the CPU; nothing
     # to train first): plain decode against chains of 1 to 3 drafts, every expert resident, with the timelines of a
