@@ -284,13 +284,14 @@ case "${STAGE:-tests}" in
   fp8_reads)
     # FP8 experts read in place over PCIe (thirty-fourth session): the deep model's FP8 reactive row moved its misses
     # at 29 GB/s on a 49 GB/s link. One layer's GEMV (2-row step, the engine's tiles) at the deep model's padded
-    # shape and at V2-Lite's, with this tree's kernel and, when OLD_EXPERTS names an earlier kernels/experts.py (an
-    # untracked copy), with that one; then the FP8 kernel tests and the deep model's FP8 rows (carry .device-data/deep)
+    # shape and at V2-Lite's, 128- and 256-wide reductions (the engine's and one with two FP8 block columns a tile),
+    # with this tree's kernel and, when OLD_EXPERTS names an earlier kernels/experts.py (an untracked copy), with
+    # that one (which gathers a 256-wide tile's scales per weight); then the FP8 kernel tests and the deep model's FP8 rows (carry .device-data/deep)
     for version in new ${OLD_EXPERTS:+old}; do
       if [ "$version" = old ]; then cp moeprefetch/kernels/experts.py /tmp/experts_new.py; cp "$OLD_EXPERTS" moeprefetch/kernels/experts.py; fi
       for shape in deep v2lite; do
         timeout 90 python3 scripts/bench_kernels.py --host-sweep --shape "$shape" --expert-dtype fp8 --step-rows 2 \
-          --tiles 16,16,128,4,3 --out "$out/host_fp8_${shape}_$version.json" 2>&1 | grep -E "^\{|Error" | cut -c1-220
+          --tiles "16,16,128,4,3;16,16,256,4,3" --out "$out/host_fp8_${shape}_$version.json" 2>&1 | grep -E "^\{|Error" | cut -c1-220
       done
     done
     [ -n "${OLD_EXPERTS:-}" ] && cp /tmp/experts_new.py moeprefetch/kernels/experts.py

@@ -201,17 +201,23 @@ def test_routed_experts_take_each_step_shapes_measured_tiles(expert_dtype):
     assert error < (1e-5 if expert_dtype == "model" else 2e-2), error
 
 
-@pytest.mark.parametrize("group,block_k,scale_dtype", [(32, 128, torch.float16), full_only(128, 64, torch.float16),
-                                                       (48, 128, torch.bfloat16), full_only(16, 32, torch.float32)])
-def test_int4_groups_tiled_every_way_match_float64(group, block_k, scale_dtype):
-    """The 4-bit tile's metadata paths: groups inside a tile (loaded once per group), a group spanning several
-    tiles (one per tile), groups that straddle tiles (gathered per byte); from a slot and admitted from host; with
-    each dtype a record stores its scales and zero points in."""
+@pytest.mark.parametrize("expert_dtype,group,block_k,scale_dtype", [
+    ("int4", 32, 128, torch.float16), full_only("int4", 128, 64, torch.float16), ("int4", 48, 128, torch.bfloat16),
+    full_only("int4", 16, 32, torch.float32), ("fp8", 64, 256, None), ("fp8", 128, 64, None),
+    full_only("fp8", 48, 128, None)])
+def test_quantized_groups_tiled_every_way_match_float64(expert_dtype, group, block_k, scale_dtype):
+    """The metadata paths of 4-bit and FP8 tiles: groups (FP8: block columns) inside a tile (loaded once per
+    group), a group spanning several tiles (one per tile and row), groups that straddle tiles (gathered per
+    weight); from a slot and admitted from host; with each dtype a 4-bit record stores its scales and zero points
+    in."""
     from moeprefetch.kernels.experts import GEMV_TILES, RoutedExperts
 
     g = torch.Generator().manual_seed(group * 1000 + block_k)
-    fmt = ExpertFormat.build(192, 144, torch.float32, "int4", group_size=group,  # ragged against every tile
-                             scale_dtype=scale_dtype)
+    if expert_dtype == "int4":
+        fmt = ExpertFormat.build(192, 144, torch.float32, "int4", group_size=group,  # ragged against every tile
+                                 scale_dtype=scale_dtype)
+    else:  # blocks of 24 rows: a 16-row tile's rows reach into two of them
+        fmt = ExpertFormat.build(192, 144, torch.float32, "fp8", (24, group))
     host, _ = _experts(fmt, 3, g)
     if DEVICE == "cuda":
         host = host.pin_memory()  # read in place: zero-copy

@@ -253,6 +253,14 @@ if HAS_TRITON:
                     scale = _load_metadata(s_ptr, src_s, dst_s, admit, region_s, row_offs,
                                            rows_on[:, None] & (k0 < ROW_LEN))
                     tile = (raw.to(tl.float32) * scale).to(OUT_DTYPE)
+                elif BK % BC == 0:  # whole block columns in the tile: a scale per row and column, broadcast
+                    TG: tl.constexpr = BK // BC
+                    groups = k0 // BC + tl.arange(0, TG)
+                    g_offs = (offs_r[:, None] // BR) * SCOLS + groups[None, :]
+                    scale = _load_metadata(s_ptr, src_s, dst_s, admit, region_s, g_offs,
+                                           rows_on[:, None] & (groups[None, :] * BC < ROW_LEN))
+                    by_group = tl.reshape(raw.to(tl.float32), (raw.shape[0], TG, BC)) * scale[:, :, None]
+                    tile = tl.reshape(by_group, (raw.shape[0], BK)).to(OUT_DTYPE)
                 else:
                     scale = _load_metadata(s_ptr, src_s, dst_s, admit, region_s, s_offs, mask)
                     tile = (raw.to(tl.float32) * scale).to(OUT_DTYPE)
