@@ -167,8 +167,8 @@ def test_routed_experts_take_each_step_shapes_measured_tiles(expert_dtype):
     """The engine's own tile choice by a step's rows: the CUDA-core GEMV up to GEMV_MAX_ROWS, tl.dot with 16-row
     tiles above it, and the one-stage DOT_WIDE_TILES once tiles are wider than 16 rows, for unquantised records only
     (where host_batched_h200.json measured it); a 32-row step from slots and host matches float64."""
-    from moeprefetch.kernels.experts import (DEFAULT_TILES, DOT_WIDE_TILES, GEMV_TILES, INT4_GEMV_TILES,
-                                             RoutedExperts)
+    from moeprefetch.kernels.experts import (DEFAULT_TILES, DOT_WIDE_TILES, EIGHT_BIT_GEMV_TILES, GEMV_TILES,
+                                             INT4_GEMV_TILES, RoutedExperts)
 
     g = torch.Generator().manual_seed(7)
     fmt = _format(96, 72, torch.float32, expert_dtype)
@@ -183,7 +183,8 @@ def test_routed_experts_take_each_step_shapes_measured_tiles(expert_dtype):
     u_key = torch.tensor([2, 0, 5] + [-1] * 37, dtype=torch.int32, device=DEVICE)
     u_slot = torch.tensor([0, -1, -1] + [-1] * 37, dtype=torch.int32, device=DEVICE)
     u_dst = torch.full_like(u_key, -1)
-    gemv = INT4_GEMV_TILES if expert_dtype == "int4" else GEMV_TILES
+    gemv = {"int4": INT4_GEMV_TILES, "fp8": EIGHT_BIT_GEMV_TILES}.get(expert_dtype, GEMV_TILES)
+    assert EIGHT_BIT_GEMV_TILES.block_k == 256 != GEMV_TILES.block_k  # two FP8 block columns a tile
     wide = DOT_WIDE_TILES if expert_dtype == "model" else DEFAULT_TILES
     assert DOT_WIDE_TILES.num_stages == 1 and DEFAULT_TILES.num_stages == 3
     for step_rows, tiles in ((4, gemv), (8, DEFAULT_TILES), (16, DEFAULT_TILES), (32, wide)):
@@ -890,6 +891,7 @@ def test_the_tile_table_is_what_the_kernels_run(tmp_path):
     assert experts.DOT_WIDE_TILES == tiles.Tiles(**routed["dot_wide"]["tiles"])
     assert experts.GEMV_TILES == tiles.Tiles(**routed["gemv"]["tiles"])
     assert experts.INT4_GEMV_TILES == tiles.Tiles(**routed["gemv_int4"]["tiles"])
+    assert experts.EIGHT_BIT_GEMV_TILES == tiles.Tiles(**routed["gemv_8bit"]["tiles"])
     assert grouped.LONG_BLOCK_TILES == tiles.GroupedTiles(**groups["long"]["tiles"])
     assert grouped.BLOCK_M == groups["short"]["tiles"]["block_m"]
     root = Path(__file__).resolve().parent.parent

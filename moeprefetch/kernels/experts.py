@@ -31,7 +31,7 @@ import torch
 
 from . import HAS_TRITON, INTERPRET, Launch
 from .definitions import expert_ffn
-from .tiles import DOT_TILES, DOT_WIDE_TILES, GEMV_TILES, INT4_GEMV_TILES, Tiles
+from .tiles import DOT_TILES, DOT_WIDE_TILES, EIGHT_BIT_GEMV_TILES, GEMV_TILES, INT4_GEMV_TILES, Tiles
 
 if TYPE_CHECKING:  # a record format (`expert_records.ExpertFormat`) is read only through its attributes here
     from ..expert_records import ExpertFormat
@@ -437,7 +437,8 @@ if HAS_TRITON:
 class RoutedExperts:
     """The fused routed-expert computation over one slot pool and host arena, with fixed scratch buffers (so the
     launches can be captured in a CUDA graph). Steps of at most GEMV_MAX_ROWS rows multiply on the CUDA cores with
-    GEMV_TILES, larger ones with tl.dot and DEFAULT_TILES (DOT_WIDE_TILES above 16-row tiles of unquantised
+    the format's GEMV tiles (GEMV_TILES; EIGHT_BIT_GEMV_TILES and INT4_GEMV_TILES, whose wider reductions read as
+    many bytes a load), larger ones with tl.dot and DEFAULT_TILES (DOT_WIDE_TILES above 16-row tiles of unquantised
     records); `tiles` fixes one choice for all (benchmarks)."""
 
     def __init__(self, fmt: ExpertFormat, pool: torch.Tensor, host: torch.Tensor | None, act_name: str,
@@ -507,8 +508,8 @@ class RoutedExperts:
         n_pad = self._n_pad(step_rows)
         # tiles wider than 16 rows take the one-stage choice where it was measured (unquantised records)
         wide = n_pad > ROW_PAD_MIN and not lay.quantized
-        t = self.tiles or ((INT4_GEMV_TILES if lay.int4 else GEMV_TILES) if gemv else
-                           DOT_WIDE_TILES if wide else DEFAULT_TILES)
+        gemv_tiles = INT4_GEMV_TILES if lay.int4 else EIGHT_BIT_GEMV_TILES if lay.quantized else GEMV_TILES
+        t = self.tiles or (gemv_tiles if gemv else DOT_WIDE_TILES if wide else DEFAULT_TILES)
         u_count = min(u_key.shape[0], n * k)  # u is numbered in first-use order: u < rows x k
         assert n <= min(step_rows, self.max_rows) and u_count <= self.max_experts and x.is_contiguous()
         assert x.shape[1] == lay.hidden, (x.shape, lay.hidden)  # the kernels index rows by the expert's shape

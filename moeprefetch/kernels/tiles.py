@@ -49,11 +49,12 @@ def _choice(cls, entry: dict, name: str):
 
 
 def load_table(path: Path = TABLE_PATH) -> dict:
-    """The table as dataclasses: {"dot", "dot_wide", "gemv", "gemv_int4": Tiles; "grouped_short",
+    """The table as dataclasses: {"dot", "dot_wide", "gemv", "gemv_8bit", "gemv_int4": Tiles; "grouped_short",
     "grouped_short_int4", "grouped_long": GroupedTiles; "long_from_pairs_per_expert": int}."""
     raw = json.loads(path.read_text())
     routed, grouped = raw["routed_experts"], raw["grouped_experts"]
-    table = {name: _choice(Tiles, routed[name], name) for name in ("dot", "dot_wide", "gemv", "gemv_int4")}
+    table = {name: _choice(Tiles, routed[name], name) for name in ("dot", "dot_wide", "gemv", "gemv_8bit",
+                                                                    "gemv_int4")}
     table.update({f"grouped_{name}": _choice(GroupedTiles, grouped[name], name)
                   for name in ("short", "short_int4", "long")})
     table["long_from_pairs_per_expert"] = int(grouped["long_from_pairs_per_expert"])
@@ -64,6 +65,7 @@ _TABLE = load_table()  # read once at import; constants from here on
 DOT_TILES: Tiles = _TABLE["dot"]  # steps of more than GEMV_MAX_ROWS rows (tl.dot), up to 16-row tiles
 DOT_WIDE_TILES: Tiles = _TABLE["dot_wide"]  # tl.dot steps with tiles of more than 16 rows
 GEMV_TILES: Tiles = _TABLE["gemv"]  # steps of up to GEMV_MAX_ROWS rows, on the CUDA cores
+EIGHT_BIT_GEMV_TILES: Tiles = _TABLE["gemv_8bit"]  # the same with FP8 or int8 records
 INT4_GEMV_TILES: Tiles = _TABLE["gemv_int4"]  # the same with 4-bit records
 SHORT_BLOCK_TILES: GroupedTiles = _TABLE["grouped_short"]
 SHORT_BLOCK_INT4_TILES: GroupedTiles = _TABLE["grouped_short_int4"]  # the same with 4-bit records
