@@ -12,8 +12,8 @@
 # GPU token test across policies; STAGE=distributed (on nvidia-h200-x2): issue 18's two-GPU test and rows (one GPU,
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
 # Usage: STAGE=qwen3|serve|serve_all|joint_prefill|joint_launch|gemv_rows|batched_reads|verify|spec_deep|deep_model|shared_rows|shared_rows_deep|batch_shapes|spec_ref17|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
-#   timelines_v2lite|distributed|deep_train|deep_bench|deep_fp8|fp8_reads|v2lite_trace|int4_tests|int4_bench|int4_gemv|learned_deep| \
-#   divergence|table_stress \
+#   timelines_v2lite|distributed|deep_train|deep_bench|deep_fp8|fp8_reads|v2lite_trace|int4_tests|int4_bench| \
+#   int4_gemv|learned_deep|divergence|table_stress \
 #   [LIMIT=seconds] \
 #   bash scripts/device_pending.sh OUT_DIR [bench options]
 # Triton's compile cache travels between calls of a session (a cold cache cost the tests stage its whole 450 s
@@ -282,16 +282,19 @@ case "${STAGE:-tests}" in
       --systems "${SYSTEMS:-all_resident,none,oracle_next~idle,mtp+next_layer_gate~idle,mtp~idle,oracle}" "$@" \
       2>&1 | filter ;;
   fp8_reads)
-    # FP8 experts read in place over PCIe (thirty-fourth session): the deep model's FP8 reactive row moved its misses
-    # at 29 GB/s on a 49 GB/s link. One layer's GEMV (2-row step, the engine's tiles) at the deep model's padded
-    # shape and at V2-Lite's, 128- and 256-wide reductions (the engine's and one with two FP8 block columns a tile),
-    # with this tree's kernel and, when OLD_EXPERTS names an earlier kernels/experts.py (an untracked copy), with
-    # that one (which gathers a 256-wide tile's scales per weight); then the FP8 kernel tests and the deep model's FP8 rows (carry .device-data/deep)
+    # FP8 experts read in place over PCIe and from VRAM (thirty-fourth session; its first deep FP8 rows read misses at
+    # 29 GB/s, which turned out to be that machine's link). One layer's GEMV (2-row step) at the deep model's padded
+    # shape and at V2-Lite's, 128- and 256-wide reductions, with this tree's kernel and, when OLD_EXPERTS names an
+    # earlier kernels/experts.py (an untracked copy), with that one; then the FP8 kernel tests and the deep model's
+    # FP8 rows (carry .device-data/deep)
     for version in new ${OLD_EXPERTS:+old}; do
-      if [ "$version" = old ]; then cp moeprefetch/kernels/experts.py /tmp/experts_new.py; cp "$OLD_EXPERTS" moeprefetch/kernels/experts.py; fi
+      if [ "$version" = old ]; then
+        cp moeprefetch/kernels/experts.py /tmp/experts_new.py; cp "$OLD_EXPERTS" moeprefetch/kernels/experts.py
+      fi
       for shape in deep v2lite; do
         timeout 90 python3 scripts/bench_kernels.py --host-sweep --shape "$shape" --expert-dtype fp8 --step-rows 2 \
-          --tiles "16,16,128,4,3;16,16,256,4,3" --out "$out/host_fp8_${shape}_$version.json" 2>&1 | grep -E "^\{|Error" | cut -c1-220
+          --tiles "16,16,128,4,3;16,16,256,4,3" --out "$out/host_fp8_${shape}_$version.json" 2>&1 | \
+          grep -E "^\{|Error" | cut -c1-220
       done
     done
     [ -n "${OLD_EXPERTS:-}" ] && cp /tmp/experts_new.py moeprefetch/kernels/experts.py

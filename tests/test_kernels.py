@@ -59,7 +59,8 @@ def _format(hidden: int, inter: int, dtype: torch.dtype, expert_dtype: str) -> E
     """An expert format for the tests: 8-bit block (32, 32) scales; "int4" asymmetric and "int4-sym" symmetric
     groups of 32 inputs (ragged against 72-wide rows and against the 64/128 tiles), "int4-g64" groups of 64 (a
     64-input tile lies in one group); "fp8-b128" FP8 blocks of (32, 128), as FP8 checkpoints publish 128-wide ones (a
-    tile of 64 or 128 inputs lies in one block column: the kernels load a scale per row)."""
+    tile of 64 or 128 inputs lies in one block column, a 256-wide GEMV tile spans two: the kernels load a scale per
+    row and block column)."""
     if expert_dtype.startswith("int4"):
         return ExpertFormat.build(hidden, inter, dtype, "int4", group_size=64 if expert_dtype.endswith("g64") else 32,
                                   symmetric=expert_dtype == "int4-sym")

@@ -245,10 +245,9 @@ if HAS_TRITON:
                         scale, zero = _load_group_metadata(s_ptr, src_s, dst_s, admit, region_s, region_z, s_offs,
                                                            mask, ZERO)
                     tile = ((code - zero) * scale).to(OUT_DTYPE)
-                elif BC % BK == 0:  # FP8 blocks: the tile lies in one block column, so a scale per row,
-                    # broadcast. Gathered per weight they were a 4-byte load for every weight byte, which halved
-                    # the rate of FP8 experts read in place over PCIe where few programs share a layer's reads
-                    # (the deep model's 128-row down projections, H100: 29 GB/s against the link's 49)
+                elif BC % BK == 0:  # 8-bit blocks: the tile lies in one block column, so a scale per row,
+                    # broadcast. Gathered per weight they were a 4-byte load for every weight byte: a resident FP8
+                    # layer took 10-19 % longer (H100, experiments/results/host_fp8_h100.json)
                     row_offs = (offs_r[:, None] // BR) * SCOLS + k0 // BC
                     scale = _load_metadata(s_ptr, src_s, dst_s, admit, region_s, row_offs,
                                            rows_on[:, None] & (k0 < ROW_LEN))
