@@ -72,7 +72,7 @@ def _format(hidden: int, inter: int, dtype: torch.dtype, expert_dtype: str) -> E
 def _shape(expert_dtype: str) -> tuple[int, int]:
     """(hidden, intermediate) of a test format: ragged against the 64/128 tiles; with 128-wide FP8 blocks, rows of
     three and two block columns (the last ragged), so the tiles step across blocks."""
-    return (320, 200) if expert_dtype == "fp8-b128" else (96, 72)
+    return (288, 136) if expert_dtype == "fp8-b128" else (96, 72)
 
 
 def _float64_expert(x: torch.Tensor, fmt: ExpertFormat, record: torch.Tensor) -> torch.Tensor:
@@ -90,7 +90,7 @@ def _float64_expert(x: torch.Tensor, fmt: ExpertFormat, record: torch.Tensor) ->
     (torch.float32, "int4", 1e-5, 3, False), (torch.float32, "int4-sym", 1e-5, 8, False),
     (torch.bfloat16, "int4", 2e-2, 8, True), (torch.bfloat16, "int4-sym", 2e-2, 4, False),
     (torch.float32, "fp8-b128", 1e-5, 3, False), (torch.float32, "fp8-b128", 1e-5, 8, True),
-    (torch.bfloat16, "fp8-b128", 2e-2, 4, False),
+    full_only(torch.bfloat16, "fp8-b128", 2e-2, 4, False),
 ])
 def test_routed_experts_match_float64_from_slots_and_host(dtype, expert_dtype, tolerance, max_rows, weights_first):
     """Both multiplies: tl.dot tiles (more than GEMV_MAX_ROWS rows per step; rows by weights or weights by rows)
