@@ -116,8 +116,8 @@ def replay(trace: DecodeTrace, setup: ReplaySetup) -> ReplayResult:
     budget = math.ceil(setup.prefetch_budget * k) if setup.fills else 0
     cfg = ResidencyConfig(positions=positions, main_positions=positions, n_experts=experts, n_slots=setup.slots,
                           record_bytes=setup.expert_bytes, ring=ahead + 1, entries=64, max_inflight=32,
-                          budget_per_target=budget, spare_recent=0 if setup.predictor == "oracle" else
-                          setup.spare_recent, policy=setup.policy, frequency_halflife=float(setup.halflife))
+                          budget_per_target=budget, spare_recent=_spare_recent(setup), policy=setup.policy,
+                          frequency_halflife=float(setup.halflife))
     st = TableState.allocate(cfg, max(k, experts), torch.device("cpu"))
     st.decode_step.fill_(-1)
     needed = trace.needed()  # [T, P, E]
@@ -151,6 +151,12 @@ def replay(trace: DecodeTrace, setup: ReplaySetup) -> ReplayResult:
     return ReplayResult(setup, trace.tokens, total.uses, total.hit + total.prefetched + total.late, total.miss,
                         total.prefetch_issued, total.prefetched, total.prefetch_wasted, total.zero_copy_bytes,
                         total.fill_bytes)
+
+
+def _spare_recent(setup: ReplaySetup) -> int:
+    """As the engine's oracles (`session.configure_residency`): predictions read from the trace are never wrong, so
+    their prefetches spare nothing; only `previous` guesses."""
+    return setup.spare_recent if setup.predictor == "previous" else 0
 
 
 class _Buffers:

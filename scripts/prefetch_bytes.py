@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="prompts from this token-id file (.npy, e.g. the corpus' heldout_ids.npy), 64 each")
     parser.add_argument("--fill-confidence", type=float, default=EngineConfig.fill_confidence,
                         help="engine option fill_confidence: weaker predictions only protect")
+    parser.add_argument("--spare-recent", type=int, default=EngineConfig.spare_recent,
+                        help="engine option spare_recent: prefetches never evict experts used in the last N steps")
     parser.add_argument("--lookahead", type=int, default=None, help="tokens (or layers) ahead the predictions reach")
     parser.add_argument("--temperature", type=float, default=0.0, help="sample the generations (0: greedy; a small "
                         "trained model's greedy continuations loop, and loops route far more cacheably than text)")
@@ -136,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    dtype=getattr(torch, args.dtype),
                                                    predictor_path=args.predictor_path,
                                                    fill_confidence=args.fill_confidence,
-                                                   reuse_weight=args.reuse_weight)
+                                                   reuse_weight=args.reuse_weight,
+                                                   spare_recent=args.spare_recent)
         sampling = dict(temperature=args.temperature, seed=args.seed)
         traces = [record_routing(engine, prompt, args.new_tokens, **sampling) for prompt in prompts]
         tokens = sum(trace.decode_tokens for trace in traces)
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  lrfu_halflife=halflife)
             row = {**base, "policy": policy, "lrfu_halflife": halflife, "system": system, "prefetch_lead": lead,
                    "fill_confidence": args.fill_confidence, "lookahead": args.lookahead,
-                   "reuse_weight": args.reuse_weight,
+                   "reuse_weight": args.reuse_weight, "spare_recent": args.spare_recent,
                    **measure(engine, prompts, args.new_tokens, predictor, float(cut or 0.0),
                               None if predictor in ("none", "oracle_next") else args.lookahead, **sampling)}
             row.pop("sequences")  # counts only in the report

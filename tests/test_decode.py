@@ -268,14 +268,21 @@ def test_draft_experts_change_what_the_mtp_head_reads_never_the_tokens(reference
 
 
 def test_sparing_recent_experts_changes_the_fills_never_the_tokens(reference):
+    """Sparing holds a real predictor's prefetches back; an oracle's prefetches are never wrong, so the one-token
+    oracle spares nothing whatever the option says."""
     path, prompts, expected, _, _ = reference
-    issued = {}
+    issued, oracle = {}, {}
     for spare in (0, 1, 3):
         engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=7, spare_recent=spare)
         result = engine.generate(prompts, max_new_tokens=10, stop_at_eos=False, predictor="mtp+next_layer_gate")
         assert result.sequences == expected, spare
         issued[spare] = result.stats.to_dict()["prefetch_issued"]
+        result = engine.generate(prompts, max_new_tokens=10, stop_at_eos=False, predictor="oracle_next")
+        assert result.sequences == expected, spare
+        stats = result.stats.to_dict()
+        oracle[spare] = stats["prefetch_issued"], stats["decode_misses_per_token"]
     assert issued[0] > issued[1] >= issued[3]  # the longer the memory, the fewer victims a prefetch may take
+    assert oracle[0] == oracle[1] == oracle[3] and oracle[0][0] > 0
 
 
 

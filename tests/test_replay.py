@@ -67,6 +67,16 @@ def test_fills_turn_predicted_misses_into_prefetches_and_count_their_bytes():
     assert fetch.prefetch_useful + fetch.prefetch_wasted <= fetch.prefetch_issued
 
 
+def test_a_perfect_predictors_fills_spare_nothing():
+    """Fills landing at once, a cache that holds two tokens' experts and perfect next-token fills that may evict
+    anything unprotected: not one miss. Sparing the last steps' experts (asked for here, ignored for an oracle)
+    would leave the fills without victims and the needs to demand reads."""
+    layers, k = 5, 3
+    trace = skewed_trace(40, layers, 12, k, 5)
+    fetch = replay(trace, ReplaySetup(slots=2 * layers * k, predictor="oracle_next", fills=True, spare_recent=3))
+    assert fetch.prefetch_issued > layers * k and fetch.misses == 0
+
+
 def test_bad_replay_settings_are_one_sentence():
     trace = skewed_trace(3, 2, 4, 1, 5)
     with pytest.raises(RequestError, match=r"from the trace's top-k \(2: a token's experts of one layer at once\)"):
