@@ -69,7 +69,7 @@ class EngineConfig:
                                "this and reuse_weight act in calls whose predictor runs the head (a call with "
                                "another logs that they do nothing there; a server refuses one)")
     spare_recent: int = _opt(1, "prefetches never evict an expert used in the last N steps (0: any victim; lrfu, "
-                                "lru and static policies; the oracle uses Belady's victims)")
+                                "lru and static policies; the oracles' prefetches, never wrong, spare nothing)")
     prefetch_lead: int = _opt(0, "a prefetch is reserved at most this many MoE layers before its need (0: no limit, as "
                                  "soon as predicted, fastest on the H200); a fill reserved early holds its slot longer")
     late_prefetch: str = _opt("wait", "an expert whose prefetch is still in flight when its layer runs: wait a "
