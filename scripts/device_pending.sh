@@ -13,7 +13,7 @@
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
 # Usage: STAGE=qwen3|serve|serve_all|joint_prefill|joint_launch|gemv_rows|batched_reads|verify|spec_deep|deep_model|shared_rows|shared_rows_deep|batch_shapes|spec_ref17|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
 #   timelines_v2lite|distributed|deep_train|deep_bench|deep_fp8|fp8_reads|v2lite_trace|int4_tests|int4_bench| \
-#   int4_gemv|learned_deep|divergence|table_stress \
+#   int4_gemv|learned_deep|divergence|table_stress|sparing \
 #   [LIMIT=seconds] \
 #   bash scripts/device_pending.sh OUT_DIR [bench options]
 # Triton's compile cache travels between calls of a session (a cold cache cost the tests stage its whole 450 s
@@ -281,6 +281,22 @@ case "${STAGE:-tests}" in
       --expert-dtype "${EXPERT_DTYPE:-fp8}" \
       --systems "${SYSTEMS:-all_resident,none,oracle_next~idle,mtp+next_layer_gate~idle,mtp~idle,oracle}" "$@" \
       2>&1 | filter ;;
+  sparing)
+    # issue 36 after oracle_next stopped sparing recent experts (thirty-fifth session, `26af468`): the 8-bit kernel
+    # tests (256-wide gemv_8bit, never run in the engine before), then the deep model at 30 % cached, sampled at 1.0,
+    # with FP8 experts and in bf16: reactive, the one-token oracle with and without yielding the link, the best MTP
+    # row and the full oracle (carry .device-data/deep; FP8_S bounds the FP8 rows, the bf16 rows take the rest)
+    t0=$(date +%s)
+    timeout 150 python3 -m pytest "$(junit)" tests/test_kernels.py -q -p no:cacheprovider --tb=short -x \
+      -k "fp8 or int8 or 8bit or eight" 2>&1 | grep -v -E "Warning:|warnings.warn" | tail -4
+    timeout 50 python3 -m pytest "$(junit)" tests/test_gpu.py -q -p no:cacheprovider --tb=short -k dequantisation 2>&1 | \
+      tail -2
+    timeout "${FP8_S:-230}" python3 scripts/bench_gpu.py --out "$out/bench_deep_fp8.json" --workloads deep --runs 1 \
+      --temperature 1.0 --cache-fraction 0.3 --expert-dtype fp8 \
+      --systems all_resident,none,oracle_next~idle,oracle_next,mtp+next_layer_gate~idle,oracle 2>&1 | filter
+    timeout $(( ${LIMIT:-575} - ($(date +%s) - t0) )) python3 scripts/bench_gpu.py --out "$out/bench_deep.json" \
+      --workloads deep --runs 1 --temperature 1.0 --cache-fraction 0.3 \
+      --systems all_resident,none,oracle_next~idle,oracle_next,oracle,mtp+next_layer_gate~idle 2>&1 | filter ;;
   fp8_reads)
     # FP8 experts read in place over PCIe and from VRAM (thirty-fourth session; its first deep FP8 rows read misses at
     # 29 GB/s, which turned out to be that machine's link). One layer's GEMV (2-row step) at the deep model's padded
