@@ -30,3 +30,16 @@ def test_a_tiny_decode_run_gives_every_asked_row_with_the_all_resident_tokens(tm
     assert rows["none@int8"]["host_expert_gib"] is None or rows["none@int8"]["host_expert_gib"] > 0
     assert rows["floor"]["belady_bytes_per_token"] >= 0
     assert rows["all_resident"]["ms_per_token"] > 0
+
+
+def test_a_share_of_the_experts_is_kept_when_the_all_resident_row_is_skipped():
+    """--cache-fraction sizes the trained models' caches from the experts the all-resident row counted; a run whose
+    --systems skips that row hands the share to the engine instead of a fixed slot count."""
+    bench = load_script("bench_gpu")
+    args = bench.build_parser().parse_args(["--workloads", "deep", "--cache-fraction", "0.3", "--systems", "none"])
+    run = bench.WorkloadRun("deep", None, args, None, {}, print, [], {}, {}, {})
+    assert bench.offloaded_options(run)["expert_cache_fraction"] == 0.3
+    assert "expert_cache_slots" not in bench.offloaded_options(run)
+    run.total_experts = 1728
+    options = bench.offloaded_options(run)
+    assert options["expert_cache_slots"] == 518 and "expert_cache_fraction" not in options
