@@ -520,7 +520,7 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
         "reuse_weight": engine.options.reuse_weight,
         "bypass": engine.options.bypass,
         "verify_rows": engine.options.verify_rows,  # what ran (a checkpoint without an MTP layer runs separate)
-        "spare_recent": engine.options.spare_recent,
+        "spare_recent": engine.residency.cfg.spare_recent,  # what the calls ran (oracles spare nothing)
         "max_inflight_experts": engine.options.max_inflight_experts,
         "routing_trace": engine.options.routing_trace,
         "speculative": speculative,

@@ -29,6 +29,7 @@ def test_a_tiny_decode_run_gives_every_asked_row_with_the_all_resident_tokens(tm
     assert rows["none@int4"]["host_expert_gib"] is None  # every int4 expert resident: nothing on the host
     assert rows["none@int8"]["host_expert_gib"] is None or rows["none@int8"]["host_expert_gib"] > 0
     assert rows["floor"]["belady_bytes_per_token"] >= 0
+    assert rows["oracle_next"]["spare_recent"] == 0 and rows["none"]["spare_recent"] == 1  # what each call ran
     assert rows["all_resident"]["ms_per_token"] > 0
 
 
