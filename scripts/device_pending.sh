@@ -282,10 +282,11 @@ case "${STAGE:-tests}" in
       --systems "${SYSTEMS:-all_resident,none,oracle_next~idle,mtp+next_layer_gate~idle,mtp~idle,oracle}" "$@" \
       2>&1 | filter ;;
   sparing)
-    # issue 36 after oracle_next stopped sparing recent experts (thirty-fifth session, `26af468`): the 8-bit kernel
-    # tests (256-wide gemv_8bit, never run in the engine before), then the deep model at 30 % cached, sampled at 1.0,
-    # with FP8 experts and in bf16: reactive, the one-token oracle with and without yielding the link, the best MTP
-    # row and the full oracle (carry .device-data/deep; FP8_S bounds the FP8 rows, the bf16 rows take the rest)
+    # issue 36 after oracle_next stopped sparing recent experts (thirty-fifth session, `26af468`; that session's one
+    # call ended after the FP8 reactive row, so these are owed): the 8-bit kernel tests (256-wide gemv_8bit), then
+    # the deep model at 30 % cached, sampled at 1.0, with FP8 experts and in bf16: reactive, the one-token oracle
+    # with and without yielding the link, the best MTP row and the full oracle (carry .device-data/deep; FP8_S
+    # bounds the FP8 rows, the bf16 rows take the rest)
     t0=$(date +%s)
     timeout 150 python3 -m pytest "$(junit)" tests/test_kernels.py -q -p no:cacheprovider --tb=short -x \
       -k "fp8 or int8 or 8bit or eight" 2>&1 | grep -v -E "Warning:|warnings.warn" | tail -4
