@@ -153,11 +153,13 @@ def main(argv: list[str] | None = None) -> int:
             predictor, _, cut = system.partition("@")
             engine.options = dataclasses.replace(engine.options, prefetch_lead=lead, policy=policy,
                                                  lrfu_halflife=halflife)
+            measured = measure(engine, prompts, args.new_tokens, predictor, float(cut or 0.0),
+                               None if predictor in ("none", "oracle_next") else args.lookahead, **sampling)
             row = {**base, "policy": policy, "lrfu_halflife": halflife, "system": system, "prefetch_lead": lead,
                    "fill_confidence": args.fill_confidence, "lookahead": args.lookahead,
-                   "reuse_weight": args.reuse_weight, "spare_recent": args.spare_recent,
-                   **measure(engine, prompts, args.new_tokens, predictor, float(cut or 0.0),
-                              None if predictor in ("none", "oracle_next") else args.lookahead, **sampling)}
+                   "reuse_weight": args.reuse_weight,
+                   "spare_recent": engine.residency.cfg.spare_recent,  # what the calls ran (oracles spare nothing)
+                   **measured}
             row.pop("sequences")  # counts only in the report
             rows.append(row)
             logger.info("%s (%s, half-life %g) lead %d: %.2f experts/token, %.2f misses/token", system, policy,
