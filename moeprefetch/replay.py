@@ -29,7 +29,7 @@ from .analysis import ahead_misses, belady_bypass_misses, belady_misses
 from .errors import RequestError
 from .options import check_halflife
 from .residency import plan as table
-from .residency.state import E_ACTIVE, POLICIES, ResidencyConfig, TableState
+from .residency.state import E_ACTIVE, POLICIES, ResidencyConfig, TableState, effective_spare_recent
 from .traces import DecodeTrace
 
 V2LITE_EXPERT_BYTES = 3 * 2048 * 1408 * 2  # one DeepSeek-V2-Lite routed expert in bf16 (17.3 MB)
@@ -114,9 +114,11 @@ def replay(trace: DecodeTrace, setup: ReplaySetup) -> ReplayResult:
     positions, experts, k = len(trace.layers), trace.n_experts, trace.top_k
     ahead = setup.ahead
     budget = math.ceil(setup.prefetch_budget * k) if setup.fills else 0
+    # predictions read from the trace are exact; only `previous` guesses
+    spare = effective_spare_recent(setup.spare_recent, setup.predictor != "previous", setup.policy)
     cfg = ResidencyConfig(positions=positions, main_positions=positions, n_experts=experts, n_slots=setup.slots,
                           record_bytes=setup.expert_bytes, ring=ahead + 1, entries=64, max_inflight=32,
-                          budget_per_target=budget, spare_recent=_spare_recent(setup), policy=setup.policy,
+                          budget_per_target=budget, spare_recent=spare, policy=setup.policy,
                           frequency_halflife=float(setup.halflife))
     st = TableState.allocate(cfg, max(k, experts), torch.device("cpu"))
     st.decode_step.fill_(-1)
@@ -153,10 +155,6 @@ def replay(trace: DecodeTrace, setup: ReplaySetup) -> ReplayResult:
                         total.fill_bytes)
 
 
-def _spare_recent(setup: ReplaySetup) -> int:
-    """As the engine's oracles (`session.configure_residency`): predictions read from the trace are never wrong, so
-    their prefetches spare nothing; only `previous` guesses."""
-    return setup.spare_recent if setup.predictor == "previous" else 0
 
 
 class _Buffers:

@@ -22,6 +22,7 @@ from .decode import Advance, DecodeStep, RowState, StepShape, decode_rows
 from .errors import RequestError
 from .predictors import PredictorSpec
 from .residency import counters_by_layer
+from .residency.state import effective_spare_recent
 from .sampling import SamplingParams, TokenLogprob, logprobs_of
 
 if TYPE_CHECKING:
@@ -423,13 +424,7 @@ def configure_residency(engine: SessionEngine, spec: PredictorSpec, rows: int, m
     options, top_k = engine.options, engine.args.num_experts_per_tok
     budget = max(int(math.ceil(options.prefetch_budget * top_k * rows)), 0)
     inflight = options.max_inflight_experts or max(2 * top_k * rows, 4)
-    # Sparing keeps wrong prefetches off the working set; an oracle's prefetches are never wrong, so for it sparing
-    # only turns fills into demand reads (the thirty-fifth session's deep model, 30 % cached, sampled, CPU counts:
-    # oracle_next missed 34.3 experts a token sparing one step, 2.8 sparing none; BENCHMARKS "Sparing and the
-    # one-token ceiling"). LFU's queue is not in recency order, which the sparing rule relies on. LRFU's is not
-    # either, but sparing still pays there: prefetches stop at the first recently used slot of the queue (reference
-    # model at 25 % cached, mtp @ 0.05: 5.07 experts per token with sparing, 5.38 without; BENCHMARKS)
-    spare = 0 if spec.oracle or options.policy == "lfu" else options.spare_recent
+    spare = effective_spare_recent(options.spare_recent, spec.oracle, options.policy)
     engine.residency.configure(ring=spec.ring, budget_per_target=budget, max_inflight=inflight,
                                min_confidence=min_confidence, spare_recent=spare,
                                wait_late=options.late_prefetch == "wait", prefetch_lead=options.prefetch_lead,

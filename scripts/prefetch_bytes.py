@@ -114,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="prompts from this token-id file (.npy, e.g. the corpus' heldout_ids.npy), 64 each")
     parser.add_argument("--fill-confidence", type=float, default=EngineConfig.fill_confidence,
                         help="engine option fill_confidence: weaker predictions only protect")
+    parser.add_argument("--prefetch-budget", type=float, default=EngineConfig.prefetch_budget,
+                        help="prefetches per (step, layer) as a multiple of top-k (0: predictions only protect)")
+    parser.add_argument("--bypass", action="store_true", help="'learned': misses the head thinks less likely needed "
+                        "soon than their victims are read in place, not admitted")
     parser.add_argument("--spare-recent", type=int, default=EngineConfig.spare_recent,
                         help="engine option spare_recent: prefetches never evict experts used in the last N steps")
     parser.add_argument("--lookahead", type=int, default=None, help="tokens (or layers) ahead the predictions reach")
@@ -139,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    predictor_path=args.predictor_path,
                                                    fill_confidence=args.fill_confidence,
                                                    reuse_weight=args.reuse_weight,
-                                                   spare_recent=args.spare_recent)
+                                                   spare_recent=args.spare_recent,
+                                                   prefetch_budget=args.prefetch_budget, bypass=args.bypass)
         sampling = dict(temperature=args.temperature, seed=args.seed)
         traces = [record_routing(engine, prompt, args.new_tokens, **sampling) for prompt in prompts]
         tokens = sum(trace.decode_tokens for trace in traces)
@@ -157,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                                None if predictor in ("none", "oracle_next") else args.lookahead, **sampling)
             row = {**base, "policy": policy, "lrfu_halflife": halflife, "system": system, "prefetch_lead": lead,
                    "fill_confidence": args.fill_confidence, "lookahead": args.lookahead,
-                   "reuse_weight": args.reuse_weight,
+                   "reuse_weight": args.reuse_weight, "prefetch_budget": args.prefetch_budget,
+                   "bypass": args.bypass,
                    "spare_recent": engine.residency.cfg.spare_recent,  # what the calls ran (oracles spare nothing)
                    **measured}
             row.pop("sequences")  # counts only in the report

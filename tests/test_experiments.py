@@ -233,3 +233,29 @@ def test_bench_batch_steps_times_each_mix_with_its_paths_and_every_path(tmp_path
     assert {(r["mix"], r["rows"], r["variant"]) for r in rows} == {
         (m, n, v) for m in ("greedy", "temperature", "top_p") for n in (1, 2) for v in ("row_paths", "every_path")}
     assert all(r["ms_per_step"] > 0 for r in rows)
+
+
+def test_prefetch_bytes_counts_protection_without_fills_and_fills_beside_misses(tmp_path):
+    """scripts/prefetch_bytes.py on the reference model with its shipped routing head: with `--prefetch-budget 0`
+    the learned head only protects (nothing issued, every expert moved is a miss); with the default budget the same
+    head also fills, so it moves more experts than it misses. Belady's row bounds the misses of every row that admits
+    each miss (a bypassing one may go below it)."""
+    import json
+
+    from conftest import load_script
+
+    script = load_script("prefetch_bytes")
+    head = ROOT / "moeprefetch" / "reference_model" / "routing_head.safetensors"
+    out = tmp_path / "bytes.json"
+    common = ["--model", "reference", "--slots", "24", "--prompts", "2", "--new-tokens", "8", "--leads", "0",
+              "--predictors", "none,learned", "--predictor-path", str(head), "--reuse-weight", "0.7", "--out", str(out)]
+    assert script.main(common + ["--prefetch-budget", "0", "--bypass"]) == 0
+    assert script.main(common) == 0
+    rows = json.loads(out.read_text())["rows"]
+    protect, fill = (r for r in rows if r.get("system") == "learned")
+    assert protect["prefetch_budget"] == 0 and protect["bypass"] and protect["prefetch_waste"] is None
+    assert protect["experts_per_token"] == pytest.approx(protect["misses_per_token"])
+    assert fill["prefetch_budget"] > 0 and fill["prefetch_waste"] is not None
+    assert fill["experts_per_token"] > fill["misses_per_token"]
+    belady = [r["experts_per_token"] for r in rows if r["system"] == "belady"]
+    assert all(r["misses_per_token"] >= belady[-1] - 1e-9 for r in rows if r["system"] != "belady" and not r["bypass"])

@@ -77,6 +77,21 @@ def test_a_perfect_predictors_fills_spare_nothing():
     assert fetch.prefetch_issued > layers * k and fetch.misses == 0
 
 
+def test_previous_spares_as_the_engine_would_under_every_policy():
+    """`previous` guesses, so under LRU and LRFU its fills spare the last steps' experts (the counts change with
+    spare_recent); LFU's queue is not in recency order, so the engine spares nothing there and neither does replay
+    (the counts are the same whatever spare_recent says)."""
+    trace = skewed_trace(80, 3, 32, 4, 6)
+
+    def counts(policy: str, spare: int) -> tuple:
+        result = replay(trace, ReplaySetup(slots=8, policy=policy, predictor="previous", fills=True,
+                                           spare_recent=spare))
+        return result.misses, result.prefetch_issued, result.fill_bytes
+
+    assert counts("lfu", 0) == counts("lfu", 3)
+    assert counts("lru", 0) != counts("lru", 3)
+
+
 def test_bad_replay_settings_are_one_sentence():
     trace = skewed_trace(3, 2, 4, 1, 5)
     with pytest.raises(RequestError, match=r"from the trace's top-k \(2: a token's experts of one layer at once\)"):
