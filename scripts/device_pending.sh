@@ -286,7 +286,9 @@ case "${STAGE:-tests}" in
     # call ended after the FP8 reactive row, so these are owed): the 8-bit kernel tests (256-wide gemv_8bit), then
     # the deep model at 30 % cached, sampled at 1.0, with FP8 experts and in bf16: reactive, the one-token oracle
     # with and without yielding the link, the best MTP row and the full oracle (carry .device-data/deep; FP8_S
-    # bounds the FP8 rows, the bf16 rows take the rest)
+    # bounds the FP8 rows, the bf16 rows take the rest). The bf16 rows end with protection only (no fills): the
+    # learned head (thirty-sixth session's, trained on the CPU: .device-data/deep/routing_head.safetensors) with and
+    # without bypass, and the MTP shadow row, which on the CPU moved 11.2 %, 10.6 % and 3.4 % fewer experts than reactive
     t0=$(date +%s)
     timeout 150 python3 -m pytest "$(junit)" tests/test_kernels.py -q -p no:cacheprovider --tb=short -x \
       -k "fp8 or int8 or 8bit or eight" 2>&1 | grep -v -E "Warning:|warnings.warn" | tail -4
@@ -297,7 +299,8 @@ case "${STAGE:-tests}" in
       --systems all_resident,none,oracle_next~idle,oracle_next,mtp+next_layer_gate~idle,oracle 2>&1 | filter
     timeout $(( ${LIMIT:-575} - ($(date +%s) - t0) )) python3 scripts/bench_gpu.py --out "$out/bench_deep.json" \
       --workloads deep --runs 1 --temperature 1.0 --cache-fraction 0.3 \
-      --systems all_resident,none,oracle_next~idle,oracle_next,oracle,mtp+next_layer_gate~idle 2>&1 | filter ;;
+      --systems all_resident,none,oracle_next~idle,oracle_next,oracle,learned~budget0~reuse0.7,mtp~budget0,\
+learned~budget0~reuse0.7~bypass,mtp+next_layer_gate~idle 2>&1 | filter ;;
   fp8_reads)
     # FP8 experts read in place over PCIe and from VRAM (thirty-fourth session; its first deep FP8 rows read misses at
     # 29 GB/s, which turned out to be that machine's link). One layer's GEMV (2-row step) at the deep model's padded
