@@ -259,3 +259,33 @@ def test_prefetch_bytes_counts_protection_without_fills_and_fills_beside_misses(
     assert fill["experts_per_token"] > fill["misses_per_token"]
     belady = [r["experts_per_token"] for r in rows if r["system"] == "belady"]
     assert all(r["misses_per_token"] >= belady[-1] - 1e-9 for r in rows if r["system"] != "belady" and not r["bypass"])
+
+
+def test_protection_ceilings_split_steps_and_bound_every_horizon_by_beladys_floor(tmp_path):
+    """experiments/protection_ceilings.py: a recorded trace splits into the prefill's distinct experts and one list
+    per decode step; on the reference model every K-token protection line lies above Belady's floor with bypass,
+    which lies at or below Belady's."""
+    import importlib.util
+    import json
+
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location("protection_ceilings", ROOT / "experiments" / "protection_ceilings.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    uses = [(1, 3), (2, 0), (1, 3), (1, 5), (2, 1), (1, 2), (2, 2), (2, 4)]
+    prefill, steps = module.decode_steps(uses, 3, 2)
+    assert prefill == [(1, 3), (2, 0)]
+    assert steps == [[(1, 5), (2, 1)], [(1, 2), (2, 2), (2, 4)]]
+    ids = tmp_path / "heldout.npy"
+    np.save(ids, np.random.default_rng(0).integers(2, 250, size=2100))
+    out = tmp_path / "ceilings.json"
+    assert module.main(["--checkpoint", str(ROOT / "moeprefetch" / "reference_model"), "--slots", "40", "--prompts",
+                        "2", "--new-tokens", "12", "--heldout-ids", str(ids), "--dtype", "float32",
+                        "--aheads", "0,1,4", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    misses = report["misses_per_token"]
+    assert report["decode_steps"] == 2 * 11
+    assert misses["belady_bypass"] <= misses["belady"] + 1e-9
+    assert all(misses[f"ahead_{k}"] >= misses["belady_bypass"] - 1e-9 for k in (0, 1, 4))
+    assert misses["ahead_0"] > misses["belady"]
