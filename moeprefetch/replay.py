@@ -155,8 +155,6 @@ def replay(trace: DecodeTrace, setup: ReplaySetup) -> ReplayResult:
                         total.fill_bytes)
 
 
-
-
 class _Buffers:
     def __init__(self, k: int, unique: int):
         self.assign = torch.full((1, k), -1, dtype=torch.int32)
