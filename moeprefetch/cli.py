@@ -198,8 +198,9 @@ def _train_arguments(trn: argparse.ArgumentParser) -> None:
                         "tokenizer: .npy arrays, or text of integers separated by spaces, commas or newlines")
     trn.add_argument("--out", required=True, help="the predictor file to write (.safetensors)")
     trn.add_argument("--leads", type=int, default=1, help="tokens ahead to predict (t+1 .. t+leads)")
-    trn.add_argument("--horizon", type=int, default=0, help="also learn which experts any of the next H tokens "
-                     "need (victims by predicted reuse, reuse_weight; 0: none)")
+    trn.add_argument("--horizon", type=int, default=None, help="also learn which experts any of the next H tokens "
+                     "need, what victims are ranked by (reuse_weight; default 8; 0: none, the leads' own "
+                     "probabilities rank them)")
     trn.add_argument("--steps", type=int, default=1500, help="optimizer steps")
     trn.add_argument("--device", default="cpu")
     trn.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
@@ -486,7 +487,8 @@ def _train_predictor(ns: argparse.Namespace) -> int:
     if not Path(ns.path).is_dir():
         raise MoEPrefetchError(f"checkpoint {ns.path} is not a directory")
     settings = TrainSettings(leads=ns.leads, steps=ns.steps, eval_share=ns.eval_share, max_tokens=ns.max_tokens,
-                             horizon=ns.horizon, record_dtype=ns.dtype)
+                             horizon=TrainSettings.horizon if ns.horizon is None else ns.horizon,
+                             record_dtype=ns.dtype)
     source = [Path(t) for t in ns.text] if ns.text else [t for name in ns.ids for t in _read_ids(Path(name))]
     result = train_predictor(ns.path, source, ns.out, device=ns.device, settings=settings,
                              progress=True, resume=not ns.no_resume)

@@ -168,7 +168,11 @@ class TrainSettings:
     seed: int = 0
     save_every: int = 250
     use_mtp: bool = True  # feed the MTP output too, when the checkpoint has an MTP layer
-    horizon: int = 0  # > 0: also learn "needed by any of the next `horizon` tokens" (victims' reuse)
+    # > 0: also learn "needed by any of the next `horizon` tokens" (victims' reuse, `reuse_weight`). 8: on the deep
+    # benchmark model (CPU, 518 slots, sampled, bypass) protection by a head of leads 1 and horizon 8 moved 13.2 %
+    # fewer experts than reactive; heads of leads 2 ranking by their leads' probabilities 10.4 %, by 16 tokens 11.2 %
+    # (BENCHMARKS "Protection that moves fewer bytes than reactive"). The CLI's help says 8 too.
+    horizon: int = 8
     # the compute dtype the routing is recorded in (default: the engine's on that device, bf16 on CUDA and fp32 on
     # the CPU): the one decode runs in, whose routing of the same tokens differs slightly from fp32's
     record_dtype: str | None = None

@@ -47,7 +47,8 @@ def reference_engine(one_thread):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, reference_engine, one_thread):
     out = tmp_path_factory.mktemp("predictor") / "predictor.safetensors"
-    settings = TrainSettings(leads=2, steps=200, window=256, max_tokens=6000, eval_share=0.2)
+    # no horizon block: the round trip checks "needed soon" made from the two leads' own probabilities
+    settings = TrainSettings(leads=2, steps=200, window=256, max_tokens=6000, eval_share=0.2, horizon=0)
     result = train_predictor(REFERENCE, TEXT_FILES, out, settings=settings, progress=False,
                              engine=reference_engine)
     return out, result
@@ -275,6 +276,7 @@ def test_cli_trains_a_head_that_generate_then_loads_and_refuses_binary_text(tmp_
                  "--max-tokens", "3000", "--dtype", "float32", "--json", str(report)])
     assert code == 0, capsys.readouterr().err
     assert out.is_file() and json.loads(report.read_text())["steps"] == 3
+    assert load_predictor(out, REFERENCE).config.horizon == TrainSettings.horizon == 8  # victims' "needed soon"
     capsys.readouterr()
     code = main(["generate", str(REFERENCE), "--prompt-ids", "5,6,7", "--max-new-tokens", "3", "--cache-slots",
                  "40", "--predictor", "learned", "--predictor-path", str(out)])
