@@ -220,13 +220,13 @@ case "${STAGE:-tests}" in
   learned_deep)
     # issue 38 on the deep model: train it (150 s) when .device-data/deep holds none, record its routing (bf16, as
     # decode runs) over 600k training tokens on the GPU and train its routing head (HEAD_LEADS tokens ahead, a
-    # HEAD_HORIZON-token "needed soon" block for victims; HEAD_HIDDEN_ONLY=1: the final hidden state only, so decode
+    # HEAD_HORIZON-token "needed soon" block for victims; 1 and 8 by default, the best pair on the CPU, 36th session; HEAD_HIDDEN_ONLY=1: the final hidden state only, so decode
     # runs no MTP link for it) next to it, evaluated on 160k held-out tokens; the learned predictor's GPU tests; the
     # model and head come back in 15 MB parts. (The thirteenth session's call needed PYTHONPATH for the script.)
     nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current --format=csv,noheader
     [ -f .device-data/deep/model.safetensors.index.json ] || train_deep
     PYTHONPATH=$PWD timeout 300 python3 experiments/learned_predictor_reference.py --checkpoint .device-data/deep \
-      --device cuda --corpus .device-data/corpus_min --leads "${HEAD_LEADS:-2}" --horizon "${HEAD_HORIZON:-0}" \
+      --device cuda --corpus .device-data/corpus_min --leads "${HEAD_LEADS:-1}" --horizon "${HEAD_HORIZON:-8}" \
       --steps "${HEAD_STEPS:-3000}" --threads 8 ${HEAD_HIDDEN_ONLY:+--no-mtp} \
       --head .device-data/deep/routing_head.safetensors --out "$out/learned_predictor_deep.json" 2>&1 | \
       grep -v -E "Warning:|warnings.warn" | tail -14
