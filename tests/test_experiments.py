@@ -270,7 +270,8 @@ def test_protection_ceilings_split_steps_and_bound_every_horizon_by_beladys_floo
 
     import numpy as np
 
-    spec = importlib.util.spec_from_file_location("protection_ceilings", ROOT / "experiments" / "protection_ceilings.py")
+    spec = importlib.util.spec_from_file_location("protection_ceilings",
+                                                  ROOT / "experiments" / "protection_ceilings.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     uses = [(1, 3), (2, 0), (1, 3), (1, 5), (2, 1), (1, 2), (2, 2), (2, 4)]
