@@ -289,7 +289,8 @@ case "${STAGE:-tests}" in
     # bounds the FP8 rows, the bf16 rows take the rest). The bf16 rows end with protection only (no fills): the
     # learned head (thirty-sixth session's, horizon 8, trained on the CPU: .device-data/deep/routing_head.safetensors)
     # with and without bypass, and the MTP shadow row, which on the CPU moved 12.3 %, 11.7 % and 3.4 % fewer experts
-    # than reactive
+    # than reactive. Carry .device-data/deep with that head only: the tree and the model with the session's three
+    # other heads beside it (routing_head_h0/h16/l2h8) pass the 64 MiB carry limit
     t0=$(date +%s)
     timeout 150 python3 -m pytest "$(junit)" tests/test_kernels.py -q -p no:cacheprovider --tb=short -x \
       -k "fp8 or int8 or 8bit or eight" 2>&1 | grep -v -E "Warning:|warnings.warn" | tail -4
