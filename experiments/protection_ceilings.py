@@ -18,21 +18,23 @@ import logging
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 from moeprefetch import MoEPrefetchEngine  # noqa: E402
 from moeprefetch.analysis import ahead_misses, belady_misses, record_routing  # noqa: E402
+from prefetch_bytes import heldout_prompts  # noqa: E402  (the same prompts as its rows)
 
 logger = logging.getLogger("protection_ceilings")
 
 
 def decode_steps(uses: list, first_decode: int, layers_per_step: int) -> tuple[list, list[list]]:
     """(the prefill's distinct experts, one list of experts per decode step) from a recorded trace: decode uses come
-    layer by layer, each layer's distinct experts, one step after another."""
+    layer by layer, each layer's distinct experts, one step after another; every step uses all `layers_per_step`
+    MoE layers, or the trace was not split where its steps begin."""
     prefill = list(dict.fromkeys(uses[:first_decode]))
     steps, current, last_layer = [], [], None
     for layer, expert in uses[first_decode:]:
@@ -43,7 +45,8 @@ def decode_steps(uses: list, first_decode: int, layers_per_step: int) -> tuple[l
         last_layer = layer
     if current:
         steps.append(current)
-    assert all(len({key[0] for key in step}) <= layers_per_step for step in steps)
+    if any(len({key[0] for key in step}) != layers_per_step for step in steps):
+        raise ValueError(f"a decode step of this trace does not use all {layers_per_step} MoE layers")
     return prefill, steps
 
 
@@ -61,11 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    held = np.load(ns.heldout_ids).astype(np.int64).tolist()
-    prompts = [held[i * 1000:i * 1000 + 64] for i in range(ns.prompts)]  # as prefetch_bytes.py --heldout-ids
+    prompts = heldout_prompts(ns.heldout_ids, ns.prompts)
     engine = MoEPrefetchEngine.from_pretrained(ns.checkpoint, progress=False, expert_cache_slots=ns.slots,
                                                dtype=getattr(torch, ns.dtype))
-    slots, n_layers = engine.residency.n_slots, len(engine.residency.layers)
+    slots, n_layers = engine.residency.n_slots, engine.residency.cfg.main_positions  # decode routes these
     aheads = [int(a) for a in ns.aheads.split(",")]
     totals = {f"ahead_{a}": 0 for a in aheads} | {"belady": 0, "belady_bypass": 0}
     tokens = 0

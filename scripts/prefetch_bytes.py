@@ -60,6 +60,15 @@ def model_and_prompts(name: str, count: int, workdir: Path) -> tuple[Path, list[
     return path, [torch.randint(2, 250, (24,), generator=generator).tolist() for _ in range(count)]
 
 
+def heldout_prompts(path: Path, count: int) -> list[list[int]]:
+    """`count` prompts of 64 tokens from a token-id file (.npy), 1,000 tokens apart: the rows of every script that
+    counts a trained checkpoint's held-out text see the same prompts."""
+    import numpy as np
+
+    held = np.load(path).astype(np.int64).tolist()
+    return [held[i * 1000:i * 1000 + 64] for i in range(count)]
+
+
 def measure(engine: MoEPrefetchEngine, prompts: list[list[int]], new_tokens: int, predictor: str,
             min_confidence: float = 0.0, lookahead: int | None = None, temperature: float = 0.0,
             seed: int = 0) -> dict[str, Any]:
@@ -134,10 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path, prompts = model_and_prompts(args.model, args.prompts, Path(tmp))
         if args.heldout_ids is not None:  # a trained checkpoint's own held-out text, 64 tokens a prompt
-            import numpy as np
-
-            held = np.load(args.heldout_ids).astype(np.int64).tolist()
-            prompts = [held[i * 1000:i * 1000 + 64] for i in range(args.prompts)]
+            prompts = heldout_prompts(args.heldout_ids, args.prompts)
         engine = MoEPrefetchEngine.from_pretrained(path, progress=False, expert_cache_slots=args.slots,
                                                    dtype=getattr(torch, args.dtype),
                                                    predictor_path=args.predictor_path,
