@@ -986,11 +986,18 @@ def offloaded_timelines(run: WorkloadRun, engine: MoEPrefetchEngine) -> None:
     'speculative_mtp' (or 'speculative_mtp+<predictor>') profiles verify steps."""
     default = ("none", "oracle", "mtp+next_layer_gate" if engine.has_mtp else "next_layer_gate")
     chosen = run.args.profile_predictors.split(",") if run.args.profile_predictors else default
-    for predictor in chosen:
+    run_options = engine.options
+    for name in chosen:  # a name may carry a row's modifiers ('learned~budget0~reuse0.7~bypass': `modified_row`)
+        predictor = name.split("~")[0]
+        overrides = modified_row(name, {predictor: (predictor, predictor, None, None, 0.0, {})})[5]
         speculative = "mtp" if predictor.startswith("speculative_mtp") else None
         underlying = predictor.removeprefix("speculative_mtp").removeprefix("+") or "none" if speculative \
             else predictor
-        run.timeline_row(engine, f"timeline_{predictor}", underlying, speculative=speculative)
+        engine.options = dataclasses.replace(run_options, **overrides)
+        try:
+            run.timeline_row(engine, f"timeline_{name}", underlying, speculative=speculative)
+        finally:
+            engine.options = run_options
 
 
 def floor_row(run: WorkloadRun, engine: MoEPrefetchEngine, fraction: float) -> None:
@@ -1566,7 +1573,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--profile", action="store_true", help="also record per-op time splits (eager runs)")
-    parser.add_argument("--profile-predictors", default="", help="the offloaded timelines to record (comma list)")
+    parser.add_argument("--profile-predictors", default="",
+                        help="the offloaded timelines to record (comma list; names may carry row modifiers, ~budget0)")
     parser.add_argument("--oracle-lookahead", type=int, default=1,
                         help="decode steps the oracle prefetches ahead (rows before 2026-12-01 afternoon asked for 2 "
                              "but planned 1: the window held one step)")

@@ -13,7 +13,7 @@
 # then two, at 12 GiB per GPU and 12 GiB split). LIMIT overrides the time limit of the bench stages that read it.
 # Usage: STAGE=qwen3|serve|serve_all|joint_prefill|joint_launch|gemv_rows|batched_reads|verify|spec_deep|deep_model|shared_rows|shared_rows_deep|batch_shapes|spec_ref17|spec_v2lite|lead|tests|batches|offloaded_batches|cuts|leads|leads_v2lite|policies|timelines| \
 #   timelines_v2lite|distributed|deep_train|deep_bench|deep_fp8|fp8_reads|v2lite_trace|int4_tests|int4_bench| \
-#   int4_gemv|learned_deep|divergence|table_stress|sparing \
+#   int4_gemv|learned_deep|divergence|table_stress|sparing|learned_rows|timelines_deep \
 #   [LIMIT=seconds] \
 #   bash scripts/device_pending.sh OUT_DIR [bench options]
 # Triton's compile cache travels between calls of a session (a cold cache cost the tests stage its whole 450 s
@@ -303,6 +303,30 @@ case "${STAGE:-tests}" in
       --workloads deep --runs 1 --temperature 1.0 --cache-fraction 0.3 \
       --systems all_resident,none,oracle_next~idle,oracle_next,oracle,learned~budget0~reuse0.7,mtp~budget0,\
 learned~budget0~reuse0.7~bypass,mtp+next_layer_gate~idle 2>&1 | filter ;;
+  learned_rows)
+    # issues 36 and 38 (thirty-seventh session): the deep model at 30 % cached, sampled at 1.0, after that session's
+    # first call measured the learned head's protection in bf16 (25.67 ms against reactive 27.75, H100): the head's
+    # confident predictions also filled into idle link time (cuts 0.6 and 0.8, beside protection and bypass), then
+    # the FP8 rows with every predictor kind (carry .device-data/deep with its one head, routing_head.safetensors)
+    t0=$(date +%s)
+    timeout "${BF16_S:-200}" python3 scripts/bench_gpu.py --out "$out/bench_deep_learned.json" --workloads deep \
+      --runs 1 --temperature 1.0 --cache-fraction 0.3 \
+      --systems all_resident,learned~idle~fill0.6~reuse0.7~bypass,learned~idle~fill0.8~reuse0.7~bypass 2>&1 | filter
+    timeout $(( ${LIMIT:-560} - ($(date +%s) - t0) )) python3 scripts/bench_gpu.py --out "$out/bench_deep_fp8.json" \
+      --workloads deep --runs 1 --temperature 1.0 --cache-fraction 0.3 --expert-dtype fp8 \
+      --systems all_resident,none,learned~budget0~reuse0.7~bypass,learned~idle~fill0.6~reuse0.7~bypass,\
+oracle_next~idle,oracle,mtp~budget0 2>&1 | filter ;;
+  timelines_deep)
+    # issue 36's split of a token's time (thirty-seventh session): the deep model at 30 % cached, bf16, sampled at
+    # 1.0: CUDA-trace timelines of reactive, the learned head protecting (the fastest real row), the one-token oracle
+    # filling on the idle link and the full oracle; then the 60 % cached rows (carry .device-data/deep with its head)
+    t0=$(date +%s)
+    timeout "${TIMELINE_S:-300}" python3 scripts/bench_gpu.py --out "$out/bench_deep_timelines.json" --workloads deep \
+      --runs 1 --temperature 1.0 --cache-fraction 0.3 --systems all_resident,none --profile \
+      --profile-predictors none,learned~budget0~reuse0.7~bypass,oracle_next~idle,oracle 2>&1 | filter
+    timeout $(( ${LIMIT:-560} - ($(date +%s) - t0) )) python3 scripts/bench_gpu.py --out "$out/bench_deep_60.json" \
+      --workloads deep --runs 1 --temperature 1.0 --cache-fraction 0.6 \
+      --systems all_resident,none,learned~budget0~reuse0.7~bypass,oracle_next~idle,oracle,mtp~budget0 2>&1 | filter ;;
   fp8_reads)
     # FP8 experts read in place over PCIe and from VRAM (thirty-fourth session; its first deep FP8 rows read misses at
     # 29 GB/s, which turned out to be that machine's link). One layer's GEMV (2-row step) at the deep model's padded

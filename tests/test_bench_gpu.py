@@ -44,3 +44,33 @@ def test_a_share_of_the_experts_is_kept_when_the_all_resident_row_is_skipped():
     run.total_experts = 1728
     options = bench.offloaded_options(run)
     assert options["expert_cache_slots"] == 518 and "expert_cache_fraction" not in options
+
+
+def test_offloaded_timelines_run_each_named_row_with_its_modifiers_and_restore_the_engine_options():
+    """--profile-predictors names rows as --systems does ('learned~budget0~reuse0.7~bypass'): each timeline is
+    recorded under that row's options, and the engine's own options come back after it."""
+    import types
+
+    from moeprefetch.options import EngineConfig
+
+    bench = load_script("bench_gpu")
+    args = bench.build_parser().parse_args(
+        ["--workloads", "deep", "--profile", "--profile-predictors", "none,learned~budget0~reuse0.7~bypass,oracle~idle"])
+    engine = types.SimpleNamespace(options=EngineConfig(), has_mtp=True)
+    seen = []
+
+    def timeline_row(engine_, system, predictor, speculative=None):
+        seen.append((system, predictor, engine_.options.prefetch_budget, engine_.options.reuse_weight,
+                     engine_.options.bypass, engine_.options.fill_link))
+
+    run = types.SimpleNamespace(args=args, timeline_row=timeline_row)
+    before = engine.options
+    bench.offloaded_timelines(run, engine)
+    assert engine.options is before
+    default = before
+    assert seen == [("timeline_none", "none", default.prefetch_budget, default.reuse_weight, default.bypass,
+                     default.fill_link),
+                    ("timeline_learned~budget0~reuse0.7~bypass", "learned", 0.0, 0.7, True, default.fill_link),
+                    ("timeline_oracle~idle", "oracle", default.prefetch_budget, default.reuse_weight, default.bypass,
+                     "idle")]
+    assert default.fill_link != "idle" and default.reuse_weight != 0.7  # the modifiers changed something
