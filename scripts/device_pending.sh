@@ -318,12 +318,13 @@ learned~budget0~reuse0.7~bypass,mtp+next_layer_gate~idle 2>&1 | filter ;;
 oracle_next~idle,oracle,mtp~budget0 2>&1 | filter ;;
   timelines_deep)
     # issue 36's split of a token's time (thirty-seventh session): the deep model at 30 % cached, bf16, sampled at
-    # 1.0: CUDA-trace timelines of reactive, the learned head protecting (the fastest real row), the one-token oracle
+    # 1.0: CUDA-trace timelines of reactive, the learned head protecting (the fastest real row), the MTP shadow row
+    # protecting (3 ms a token slower than reactive though it misses fewer experts), the one-token oracle
     # filling on the idle link and the full oracle; then the 60 % cached rows (carry .device-data/deep with its head)
     t0=$(date +%s)
     timeout "${TIMELINE_S:-300}" python3 scripts/bench_gpu.py --out "$out/bench_deep_timelines.json" --workloads deep \
       --runs 1 --temperature 1.0 --cache-fraction 0.3 --systems all_resident,none --profile \
-      --profile-predictors none,learned~budget0~reuse0.7~bypass,oracle_next~idle,oracle 2>&1 | filter
+      --profile-predictors none,learned~budget0~reuse0.7~bypass,mtp~budget0,oracle_next~idle,oracle 2>&1 | filter
     timeout $(( ${LIMIT:-560} - ($(date +%s) - t0) )) python3 scripts/bench_gpu.py --out "$out/bench_deep_60.json" \
       --workloads deep --runs 1 --temperature 1.0 --cache-fraction 0.6 \
       --systems all_resident,none,learned~budget0~reuse0.7~bypass,oracle_next~idle,oracle,mtp~budget0 2>&1 | filter ;;
