@@ -327,7 +327,7 @@ oracle_next~idle,oracle,mtp~budget0 2>&1 | filter ;;
       --profile-predictors none,learned~budget0~reuse0.7~bypass,mtp~budget0,oracle_next~idle,oracle 2>&1 | filter
     timeout $(( ${LIMIT:-560} - ($(date +%s) - t0) )) python3 scripts/bench_gpu.py --out "$out/bench_deep_60.json" \
       --workloads deep --runs 1 --temperature 1.0 --cache-fraction 0.6 \
-      --systems all_resident,none,learned~budget0~reuse0.7~bypass,oracle_next~idle,oracle,mtp~budget0 2>&1 | filter ;;
+      --systems all_resident,none,learned~budget0~reuse0.7~bypass,oracle_next~idle,oracle 2>&1 | filter ;;
   fp8_reads)
     # FP8 experts read in place over PCIe and from VRAM (thirty-fourth session; its first deep FP8 rows read misses at
     # 29 GB/s, which turned out to be that machine's link). One layer's GEMV (2-row step) at the deep model's padded

@@ -290,3 +290,36 @@ def test_protection_ceilings_split_steps_and_bound_every_horizon_by_beladys_floo
     assert misses["belady_bypass"] <= misses["belady"] + 1e-9
     assert all(misses[f"ahead_{k}"] >= misses["belady_bypass"] - 1e-9 for k in (0, 1, 4))
     assert misses["ahead_0"] > misses["belady"]
+
+
+def test_victim_signals_features_are_what_a_token_start_knows_and_auc_ranks():
+    """experiments/victim_signals.py: at token t's start the head's guesses are token t-1's (none across a window
+    boundary), frequency decays by the half-life after counting each use, and AUC is the share of (needed, not
+    needed) pairs ranked right."""
+    import importlib.util
+    import math
+
+    import numpy as np
+    import torch
+
+    spec = importlib.util.spec_from_file_location("victim_signals", ROOT / "experiments" / "victim_signals.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ids = np.array([[[0], [2]], [[1], [2]], [[0], [1]]])  # 3 tokens, 2 layers, top-1 of 3 experts
+    probs = np.full((3, 1, 2, 3), 0.25)
+    probs[0, 0, 1, 1] = 0.9  # token 0's guess that layer 1 expert 1 is next
+    soon = np.full((3, 2, 3), 0.5)
+    soon[1, 0, 0] = 0.8
+    window = np.array([0, 0, 1])
+    x, used = module.features(ids, probs, soon, window, experts=3, halflife=1.0)
+    assert used.tolist() == [[True, False, False, False, False, True], [False, True, False, False, False, True],
+                             [True, False, False, False, True, False]]
+    logit = lambda p: math.log(p / (1 - p))  # noqa: E731
+    assert x[1, 4, 3] == np.float32(logit(0.9)) and x[1, 3, 3] == np.float32(logit(0.25))  # token 0's guesses
+    assert x[2, 0, 0] == np.float32(logit(1e-4))  # a new window: no guesses
+    assert x[0, 0, 0] == np.float32(logit(1e-4))
+    # frequency at token 2's start: key 5 used at tokens 0 and 1, halved after each token: 1 x 0.5 + 1 = 1.5
+    assert math.isclose(float(x[2, 5, 1]), math.log(1.5 + 0.05), rel_tol=1e-6)
+    assert math.isclose(float(x[2, 0, 1]), math.log(0.5 + 0.05), rel_tol=1e-6)  # key 0 used at token 0 only
+    assert math.isclose(float(x[2, 0, 2]), math.log1p(2), rel_tol=1e-6)  # two tokens since its use
+    assert module.auc(torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0.0, 0.0, 1.0, 1.0])) == 0.75
