@@ -324,7 +324,7 @@ oracle_next~idle,oracle,mtp~budget0 2>&1 | filter ;;
     t0=$(date +%s)
     timeout "${TIMELINE_S:-300}" python3 scripts/bench_gpu.py --out "$out/bench_deep_timelines.json" --workloads deep \
       --runs 1 --temperature 1.0 --cache-fraction 0.3 --systems all_resident,none --profile \
-      --profile-predictors none,learned~budget0~reuse0.7~bypass,mtp~budget0,oracle_next~idle,oracle 2>&1 | filter
+      --profile-predictors "${PROFILE:-none,learned~budget0~reuse0.7~bypass,mtp~budget0,oracle_next~idle,oracle}" 2>&1 | filter
     timeout $(( ${LIMIT:-560} - ($(date +%s) - t0) )) python3 scripts/bench_gpu.py --out "$out/bench_deep_60.json" \
       --workloads deep --runs 1 --temperature 1.0 --cache-fraction 0.6 \
       --systems all_resident,none,learned~budget0~reuse0.7~bypass,oracle_next~idle,oracle 2>&1 | filter ;;
