@@ -62,7 +62,8 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         int4_group_size=cfg.model.get("int4_group_size", EngineConfig.int4_group_size),
         int4_symmetric=cfg.model.get("int4_symmetric", EngineConfig.int4_symmetric),
         lrfu_halflife=float(cfg.cache.get("lrfu_halflife", EngineConfig.lrfu_halflife)),
-        prefetch_budget=float(cfg.predictor.prefetch_budget), max_inflight_experts=cfg.predictor.max_inflight_experts,
+        prefetch_budget=_optional(cfg.predictor.get("prefetch_budget"), float),
+        max_inflight_experts=cfg.predictor.max_inflight_experts,
         draft_experts=cfg.predictor.get("draft_experts", "cached"),
         verify_confidence=float(cfg.predictor.get("verify_confidence", EngineConfig.verify_confidence)),
         draft_tokens=int(cfg.predictor.get("draft_tokens", EngineConfig.draft_tokens)),
@@ -72,9 +73,14 @@ def engine_config(cfg: DictConfig) -> EngineConfig:
         fill_confidence=float(cfg.predictor.get("fill_confidence", EngineConfig.fill_confidence)),
         fill_link=str(cfg.predictor.get("fill_link", EngineConfig.fill_link)), cuda_graphs=bool(cfg.device.cuda_graphs),
         predictor_path=_predictor_path(cfg),
-        reuse_weight=float(cfg.predictor.get("reuse_weight", EngineConfig.reuse_weight)),
-        bypass=bool(cfg.predictor.get("bypass", EngineConfig.bypass)),
+        reuse_weight=_optional(cfg.predictor.get("reuse_weight"), float),
+        bypass=_optional(cfg.predictor.get("bypass"), bool),
         max_batch_size=int(cfg.workload.batch), progress=False)
+
+
+def _optional(value: Any, kind: type) -> Any:
+    """A predictor setting left out or null: None, the engine's default for the call's predictor."""
+    return None if value is None else kind(value)
 
 
 @lru_cache(maxsize=4)

@@ -58,7 +58,7 @@ class ResolvedConfig:
     lrfu_halflife: float
     predictor: str
     lookahead: int
-    prefetch_budget: float
+    prefetch_budget: float | None  # None: the call's predictor decides (`session.prefetch_settings`)
     max_inflight_experts: int | None
     max_seq_len: int
     max_batch_size: int
@@ -68,8 +68,8 @@ class ResolvedConfig:
     min_confidence: float
     fill_confidence: float  # predictions below it only protect (fills cost link bytes, protection none)
     fill_link: str  # shared | idle (fills for later layers yield the link to a layer's host reads)
-    reuse_weight: float  # predictor='learned': how much its reuse probabilities weigh in the victims' order
-    bypass: bool  # predictor='learned': misses less likely needed soon than their victims are not admitted
+    reuse_weight: float | None  # predictor='learned': how much its reuse probabilities weigh in the victims' order
+    bypass: bool | None  # predictor='learned': misses less likely needed soon than their victims are not admitted
     routing_trace: str | None  # benchmarks: decode routing forced from this trace file
     spare_recent: int
     prefetch_lead: int  # MoE layers: a fill is reserved at most this far before its need (0: no limit)
@@ -94,6 +94,11 @@ class ResolvedConfig:
     def max_step_rows(self) -> int:
         """Rows a decode step computes at most: every sequence's real row and its shadow or draft rows."""
         return self.rows_per_sequence * self.max_batch_size
+
+
+def optional_float(value: float | None) -> float | None:
+    """An option whose None means "the call decides" (`session.prefetch_settings`)."""
+    return None if value is None else float(value)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -385,12 +390,12 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
     return ResolvedConfig(
         device=device, dtype=dtype, policy=config.policy, lrfu_halflife=float(config.lrfu_halflife),
         predictor=predictor, lookahead=config.lookahead,
-        prefetch_budget=float(config.prefetch_budget), max_inflight_experts=config.max_inflight_experts,
+        prefetch_budget=optional_float(config.prefetch_budget), max_inflight_experts=config.max_inflight_experts,
         max_seq_len=seq_len, max_batch_size=config.max_batch_size,
         prefill_chunk=chunk, prefill_window=auto_prefill_window(seq_len, chunk, device, config.prefill_window),
         expert_dtype=config.expert_dtype, min_confidence=float(config.min_confidence),
         fill_confidence=float(config.fill_confidence), fill_link=config.fill_link,
-        reuse_weight=float(config.reuse_weight), bypass=bool(config.bypass),
+        reuse_weight=optional_float(config.reuse_weight), bypass=None if config.bypass is None else bool(config.bypass),
         routing_trace=str(config.routing_trace) if config.routing_trace is not None else None,
         spare_recent=config.spare_recent, prefetch_lead=config.prefetch_lead,
         draft_experts=config.draft_experts, verify_confidence=float(config.verify_confidence),

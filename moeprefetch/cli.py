@@ -52,7 +52,8 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help=EngineConfig.help("fill_confidence"))
     parser.add_argument("--reuse-weight", type=float, default=defaults.reuse_weight,
                         help=EngineConfig.help("reuse_weight"))
-    parser.add_argument("--bypass", action="store_true", default=defaults.bypass, help=EngineConfig.help("bypass"))
+    parser.add_argument("--bypass", action=argparse.BooleanOptionalAction, default=defaults.bypass,
+                        help=EngineConfig.help("bypass"))
     parser.add_argument("--fill-link", choices=FILL_LINK, default=defaults.fill_link,
                         help=EngineConfig.help("fill_link"))
     parser.add_argument("--routing-trace", default=None, help=EngineConfig.help("routing_trace"))

@@ -92,7 +92,8 @@ class MoEPrefetchEngine:
         `none`: reactive fetching, the fastest measured offloaded), `lookahead`,
         `min_confidence` are defaults that `generate` may override; `policy` (lru, lrfu, lfu or static) applies from
         the next call when `options` change. `prefetch_budget` caps fills per (step, layer) at that multiple of
-        top-k per row, `max_inflight_experts` the fills in flight.
+        top-k per row (default 1.5; 0, protection only, for `predictor="learned"` alone, whose `reuse_weight` and
+        `bypass` also default to 0.7 and on: `session.prefetch_settings`), `max_inflight_experts` the fills in flight.
         `draft_experts="cached"` lets the MTP head draft with the experts already in VRAM (drafts change speed, never
         tokens); `"all"` reads every expert it routes to, from host when missing; `"auto"` runs whichever this
         engine measured faster per token (`speculation.py`). When the non-expert weights do not

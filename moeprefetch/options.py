@@ -52,7 +52,9 @@ class EngineConfig:
                                             "checkpoint, for predictor='learned'")
     lookahead: int = _opt(1, "MoE layers ahead for next_layer_gate, decode steps ahead for oracle, tokens ahead for "
                              "MTP drafts: how far predictions reach (their fills wait for prefetch_lead)")
-    prefetch_budget: float = _opt(1.5, "prefetches per (step, layer), as a multiple of top-k")
+    prefetch_budget: float | None = _opt(None, "prefetches per (step, layer), as a multiple of top-k (default 1.5; "
+                                               "0 for predictor='learned' alone: protection only, the fastest "
+                                               "measured offloaded, BENCHMARKS; 0 makes any predictor protect only)")
     max_inflight_experts: int | None = _opt(None, "prefetches in flight at most (default 2 x top-k per row)")
     min_confidence: float = _opt(0.0, "predictions below this confidence are neither fetched nor counted")
     fill_confidence: float = _opt(0.0, "predictions below this confidence are not prefetched; they still protect "
@@ -60,14 +62,15 @@ class EngineConfig:
     fill_link: str = _opt("shared", "shared: prefetch fills and a layer's reads of missed experts share the link; "
                                     "idle: fills for later layers wait while a layer reads experts from host, so "
                                     "they use only link time that would idle")
-    reuse_weight: float = _opt(0.0, "predictor='learned': victims by w x the head's probability that the expert is "
-                                     "needed soon (the next two tokens, or its horizon) + (1 - w) x the policy's "
-                                     "rank (0, the default: the policy alone; 0.9 cut misses on long held-out runs "
-                                     "but not on the bench's short ones, BENCHMARKS)")
-    bypass: bool = _opt(False, "predictor='learned': a miss that the head thinks less likely to be needed soon than "
-                               "its victim is read from host without admission, keeping the victim (issue 36); "
-                               "this and reuse_weight act in calls whose predictor runs the head (a call with "
-                               "another logs that they do nothing there; a server refuses one)")
+    reuse_weight: float | None = _opt(None, "predictor='learned': victims by w x the head's probability that the "
+                                            "expert is needed soon (its horizon, or the next two tokens) + (1 - w) x "
+                                            "the policy's rank (default 0.7 where the head runs, the fewest misses "
+                                            "measured, BENCHMARKS; 0: the policy alone)")
+    bypass: bool | None = _opt(None, "predictor='learned': a miss that the head thinks less likely to be needed soon "
+                                     "than its victim is read from host without admission, keeping the victim "
+                                     "(issue 36; default on where the head runs); this and reuse_weight act in calls "
+                                     "whose predictor runs the head (a call with another logs that they do nothing "
+                                     "there; a server refuses one)")
     spare_recent: int = _opt(1, "prefetches never evict an expert used in the last N steps (0: any victim; lrfu, "
                                 "lru and static policies; the oracles' prefetches, never wrong, spare nothing)")
     prefetch_lead: int = _opt(0, "a prefetch is reserved at most this many MoE layers before its need (0: no limit, as "
@@ -194,8 +197,11 @@ class EngineConfig:
         check_fraction("min_confidence", self.min_confidence, upper_open=False)
         check_fraction("fill_confidence", self.fill_confidence, upper_open=False)
         check_fraction("verify_confidence", self.verify_confidence, upper_open=False)
-        check_fraction("reuse_weight", self.reuse_weight, upper_open=False)
-        for name in ("bypass", "pin_memory", "cuda_graphs", "fused_kernels", "progress", "distributed"):
+        if self.reuse_weight is not None:
+            check_fraction("reuse_weight", self.reuse_weight, upper_open=False)
+        if self.bypass is not None and not isinstance(self.bypass, bool):
+            raise RequestError(f"bypass must be True, False or None (on where a learned head runs), got {self.bypass!r}")
+        for name in ("pin_memory", "cuda_graphs", "fused_kernels", "progress", "distributed"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.predictor_path is None and (self.bypass or self.reuse_weight):  # else silently without effect
@@ -203,7 +209,8 @@ class EngineConfig:
                                f"predictions: load one with predictor_path= (train it with moeprefetch "
                                f"train-predictor), or leave it out")
         budget = self.prefetch_budget
-        if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not math.isfinite(budget) or budget < 0:
+        if budget is not None and (not isinstance(budget, (int, float)) or isinstance(budget, bool)
+                                   or not math.isfinite(budget) or budget < 0):
             raise RequestError(f"prefetch_budget must be a number >= 0 (a multiple of top-k), got {budget!r}")
         check_one_cache_size([name for name in ("expert_cache_slots", "vram_budget", "expert_cache_fraction")
                               if getattr(self, name) is not None])

@@ -419,10 +419,31 @@ def prefill_mtp_row(engine: SessionEngine, caches, row: int, prompt: list[int], 
     return run_through(prefill_mtp_row_windows(engine, caches, row, prompt, first, hidden, belady))
 
 
+# what a call runs where the options leave it to the predictor (None): fills at 1.5 x top-k per (step, layer); the
+# learned head alone only protects, ranks victims at weight 0.7 and bypasses, its fastest row measured offloaded
+# (BENCHMARKS "Protection and the one-token ceiling on the GPU": 1.08 x reactive in bf16, 1.03 x with FP8 experts;
+# its fills from confidence 0.6 wasted 35-38 % and lost time, and 0.7 missed the fewest of the weights tried)
+DEFAULT_PREFETCH_BUDGET = 1.5
+LEARNED_REUSE_WEIGHT = 0.7
+
+
+def prefetch_settings(options: "EngineConfig", spec: PredictorSpec) -> tuple[float, float, bool]:
+    """(prefetches per (step, layer) as a multiple of top-k, reuse weight, bypass) that a call with `spec` runs: the
+    engine's options where given, else the predictor's defaults. Reuse and bypass act only where the head runs."""
+    learned_alone = spec.names == ("learned",)
+    budget = options.prefetch_budget if options.prefetch_budget is not None else \
+        0.0 if learned_alone else DEFAULT_PREFETCH_BUDGET
+    if not spec.learned:
+        return budget, 0.0, False
+    reuse = options.reuse_weight if options.reuse_weight is not None else LEARNED_REUSE_WEIGHT
+    return budget, reuse, options.bypass if options.bypass is not None else True
+
+
 def configure_residency(engine: SessionEngine, spec: PredictorSpec, rows: int, min_confidence: float) -> None:
     """The residency table's per-call settings for a predictor and the rows a step computes."""
     options, top_k = engine.options, engine.args.num_experts_per_tok
-    budget = max(int(math.ceil(options.prefetch_budget * top_k * rows)), 0)
+    budget_share, reuse_weight, bypass = prefetch_settings(options, spec)
+    budget = max(int(math.ceil(budget_share * top_k * rows)), 0)
     inflight = options.max_inflight_experts or max(2 * top_k * rows, 4)
     spare = effective_spare_recent(options.spare_recent, spec.oracle, options.policy)
     engine.residency.configure(ring=spec.ring, budget_per_target=budget, max_inflight=inflight,
@@ -430,8 +451,7 @@ def configure_residency(engine: SessionEngine, spec: PredictorSpec, rows: int, m
                                wait_late=options.late_prefetch == "wait", prefetch_lead=options.prefetch_lead,
                                policy=options.policy, frequency_halflife=options.lrfu_halflife,
                                fill_confidence=options.fill_confidence, fill_idle_link=options.fill_link == "idle",
-                               reuse_weight=options.reuse_weight if spec.learned else 0.0,
-                               bypass=options.bypass and spec.learned)
+                               reuse_weight=reuse_weight, bypass=bypass)
 
 
 def step_shape(engine: SessionEngine, batch: int, spec: PredictorSpec, mode: str, uses_mtp: bool,

@@ -517,8 +517,9 @@ def run_row(engine: MoEPrefetchEngine, system: str, prompts: list[list[int]], ne
         "min_confidence": min_confidence,
         "fill_confidence": engine.options.fill_confidence,
         "fill_link": engine.options.fill_link,
-        "reuse_weight": engine.options.reuse_weight,
-        "bypass": engine.options.bypass,
+        "reuse_weight": engine.residency.cfg.reuse_weight,  # what the calls ran (the learned head's defaults)
+        "bypass": engine.residency.cfg.bypass,
+        "fill_budget_per_layer": engine.residency.cfg.budget_per_target,  # fills per (step, layer); 0: protection only
         "verify_rows": engine.options.verify_rows,  # what ran (a checkpoint without an MTP layer runs separate)
         "spare_recent": engine.residency.cfg.spare_recent,  # what the calls ran (oracles spare nothing)
         "max_inflight_experts": engine.options.max_inflight_experts,

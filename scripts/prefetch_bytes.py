@@ -118,15 +118,18 @@ def main(argv: list[str] | None = None) -> int:
                         "lrfu:H for a half-life of H steps)")
     parser.add_argument("--predictor-path", default=None, help="a trained routing head, for the 'learned' rows")
     parser.add_argument("--reuse-weight", type=float, default=EngineConfig.reuse_weight,
-                        help="engine option reuse_weight (learned rows: victims by predicted reuse)")
+                        help="engine option reuse_weight (learned rows: victims by predicted reuse; default: the "
+                        "engine's, 0.7 where the head runs)")
     parser.add_argument("--heldout-ids", type=Path, default=None,
                         help="prompts from this token-id file (.npy, e.g. the corpus' heldout_ids.npy), 64 each")
     parser.add_argument("--fill-confidence", type=float, default=EngineConfig.fill_confidence,
                         help="engine option fill_confidence: weaker predictions only protect")
     parser.add_argument("--prefetch-budget", type=float, default=EngineConfig.prefetch_budget,
-                        help="prefetches per (step, layer) as a multiple of top-k (0: predictions only protect)")
-    parser.add_argument("--bypass", action="store_true", help="'learned': misses the head thinks less likely needed "
-                        "soon than their victims are read in place, not admitted")
+                        help="prefetches per (step, layer) as a multiple of top-k (0: predictions only protect; "
+                        "default: the engine's, 0 for 'learned' alone, else 1.5)")
+    parser.add_argument("--bypass", action=argparse.BooleanOptionalAction, default=EngineConfig.bypass,
+                        help="'learned': misses the head thinks less likely needed soon than their victims are read in "
+                        "place, not admitted (default: the engine's, on where the head runs)")
     parser.add_argument("--spare-recent", type=int, default=EngineConfig.spare_recent,
                         help="engine option spare_recent: prefetches never evict experts used in the last N steps")
     parser.add_argument("--lookahead", type=int, default=None, help="tokens (or layers) ahead the predictions reach")

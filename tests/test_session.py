@@ -85,3 +85,43 @@ def test_window_lengths_are_the_windows_prefill_windows_makes(length, chunk, win
     made = [sum(p.shape[1] for p in pieces) for _, pieces, _ in
             prefill_windows(engine, torch.arange(length)[None], 0, asked)]
     assert window_lengths(engine, length, asked) == made and sum(made) == length
+
+
+@pytest.mark.parametrize("predictor,given,expected", [
+    # the learned head alone protects only, at reuse weight 0.7, with bypass (its fastest rows measured offloaded)
+    ("learned", {}, (0.0, 0.7, True)),
+    # with another predictor the fills stay theirs; the head's victims and bypass keep their defaults
+    ("learned+next_layer_gate", {}, (1.5, 0.7, True)),
+    ("next_layer_gate", {}, (1.5, 0.0, False)),
+    ("none", {}, (1.5, 0.0, False)),
+    # what the options say wins, and reuse and bypass act only where the head runs
+    ("learned", {"prefetch_budget": 2.0, "reuse_weight": 0.0, "bypass": False}, (2.0, 0.0, False)),
+    ("mtp", {"prefetch_budget": 0.0, "reuse_weight": 0.9, "bypass": True}, (0.0, 0.0, False)),
+])
+def test_prefetch_settings_are_the_options_else_the_predictors_defaults(predictor, given, expected):
+    from moeprefetch.options import EngineConfig
+    from moeprefetch.predictors import PredictorSpec
+    from moeprefetch.session import prefetch_settings
+
+    options = EngineConfig(**given)
+    assert prefetch_settings(options, PredictorSpec.parse(predictor)) == expected
+
+
+def test_a_learned_call_with_default_options_protects_only_and_keeps_the_tokens():
+    """An engine given a routing head and nothing else: predictor='learned' issues no fill, ranks victims by the
+    head at 0.7 and bypasses; tokens equal the all-resident run's; the same engine's next_layer_gate call fills."""
+    from moeprefetch.cli import REFERENCE_MODEL
+
+    prompts = [[40, 41, 42, 43, 44, 45, 46, 47]]
+    with MoEPrefetchEngine.from_pretrained(REFERENCE_MODEL, progress=False) as resident:
+        expected = resident.generate(prompts, max_new_tokens=10, stop_at_eos=False).sequences
+    with MoEPrefetchEngine.from_pretrained(REFERENCE_MODEL, progress=False, expert_cache_slots=24,
+                                           predictor_path=str(REFERENCE_MODEL / "routing_head.safetensors")) as engine:
+        learned = engine.generate(prompts, max_new_tokens=10, stop_at_eos=False, predictor="learned")
+        cfg = engine.residency.cfg
+        assert (cfg.budget_per_target, cfg.reuse_weight, cfg.bypass) == (0, 0.7, True)
+        assert learned.sequences == expected
+        assert learned.stats.to_dict()["prefetch_issued"] == 0
+        gate = engine.generate(prompts, max_new_tokens=10, stop_at_eos=False, predictor="next_layer_gate")
+        assert gate.sequences == expected and gate.stats.to_dict()["prefetch_issued"] > 0
+        assert (engine.residency.cfg.reuse_weight, engine.residency.cfg.bypass) == (0.0, False)
