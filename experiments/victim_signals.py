@@ -117,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     for cols in ([0], [1], [2], [3], [0, 1], [0, 1, 2], [0, 1, 2, 3]):
         x_train = torch.from_numpy(x[train][:, :, cols].reshape(-1, len(cols)))[pick]
         y_train = torch.from_numpy(soon_label[train].reshape(-1))[pick]
-        row = {"signals": [SIGNALS[c] for c in cols], **fit(x_train, y_train,
-                                                              torch.from_numpy(x[test][:, :, cols].reshape(-1, len(cols))),
-                                                              torch.from_numpy(soon_label[test].reshape(-1)))}
+        x_test = torch.from_numpy(x[test][:, :, cols].reshape(-1, len(cols)))
+        row = {"signals": [SIGNALS[c] for c in cols],
+               **fit(x_train, y_train, x_test, torch.from_numpy(soon_label[test].reshape(-1)))}
         rows.append(row)
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     out = ns.out or ROOT / "experiments" / "results" / f"victim_signals_{ns.checkpoint.name}.json"

@@ -200,7 +200,8 @@ class EngineConfig:
         if self.reuse_weight is not None:
             check_fraction("reuse_weight", self.reuse_weight, upper_open=False)
         if self.bypass is not None and not isinstance(self.bypass, bool):
-            raise RequestError(f"bypass must be True, False or None (on where a learned head runs), got {self.bypass!r}")
+            raise RequestError(f"bypass must be True, False or None (on where a learned head runs), "
+                               f"got {self.bypass!r}")
         for name in ("pin_memory", "cuda_graphs", "fused_kernels", "progress", "distributed"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be True or False, got {getattr(self, name)!r}")

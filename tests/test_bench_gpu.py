@@ -55,7 +55,8 @@ def test_offloaded_timelines_run_each_named_row_with_its_modifiers_and_restore_t
 
     bench = load_script("bench_gpu")
     args = bench.build_parser().parse_args(
-        ["--workloads", "deep", "--profile", "--profile-predictors", "none,learned~budget0~reuse0.7~bypass,oracle~idle"])
+        ["--workloads", "deep", "--profile", "--profile-predictors",
+         "none,learned~budget0~reuse0.7~bypass,oracle~idle"])
     engine = types.SimpleNamespace(options=EngineConfig(), has_mtp=True)
     seen = []
 

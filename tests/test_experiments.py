@@ -236,10 +236,10 @@ def test_bench_batch_steps_times_each_mix_with_its_paths_and_every_path(tmp_path
 
 
 def test_prefetch_bytes_counts_protection_without_fills_and_fills_beside_misses(tmp_path):
-    """scripts/prefetch_bytes.py on the reference model with its shipped routing head: with `--prefetch-budget 0`
-    the learned head only protects (nothing issued, every expert moved is a miss); with a budget of 1.5 (the default
-    of every predictor but the head alone) the same head also fills, so it moves more experts than it misses. Belady's row bounds the misses of every row that admits
-    each miss (a bypassing one may go below it)."""
+    """scripts/prefetch_bytes.py on the reference model with its shipped routing head: with `--prefetch-budget 0` the
+    learned head only protects (nothing issued, every expert moved is a miss); with a budget of 1.5 (the default of
+    every predictor but the head alone) the same head also fills, so it moves more experts than it misses. Belady's row
+    bounds the misses of every row that admits each miss (a bypassing one may go below it)."""
     import json
 
     from conftest import load_script
