@@ -127,7 +127,7 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
         "policy": cfg.cache.policy,
         "lrfu_halflife": float(cfg.cache.get("lrfu_halflife", EngineConfig.lrfu_halflife)),
         "predictor": cfg.predictor.name,
-        "prefetch_budget": cfg.predictor.prefetch_budget,
+        "prefetch_budget": _optional(cfg.predictor.get("prefetch_budget"), float),  # None: the predictor's default
         "min_confidence": float(cfg.predictor.get("min_confidence", 0.0)),
         "draft_experts": cfg.predictor.get("draft_experts", "cached"),
         "verify_confidence": float(cfg.predictor.get("verify_confidence", EngineConfig.verify_confidence)),
@@ -137,8 +137,8 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
         "prefetch_lead": int(cfg.predictor.get("prefetch_lead", EngineConfig.prefetch_lead)),
         "fill_confidence": float(cfg.predictor.get("fill_confidence", EngineConfig.fill_confidence)),
         "fill_link": str(cfg.predictor.get("fill_link", EngineConfig.fill_link)),
-        "reuse_weight": float(cfg.predictor.get("reuse_weight", EngineConfig.reuse_weight)),
-        "bypass": bool(cfg.predictor.get("bypass", EngineConfig.bypass)),
+        "reuse_weight": _optional(cfg.predictor.get("reuse_weight"), float),
+        "bypass": _optional(cfg.predictor.get("bypass"), bool),
         "predictor_path": _predictor_path(cfg),
         "lookahead": int(cfg.lookahead),
         "speculative": cfg.speculative,
@@ -168,6 +168,9 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
         slots = engine.residency.n_slots
         row.update(status="ok", cache_slots=slots, total_experts=engine.plan.total_experts,
                    verify_rows=engine.options.verify_rows,  # what ran: without an MTP layer, separate
+                   # what the calls ran where the predictor's defaults decided (session.prefetch_settings)
+                   reuse_weight_run=engine.residency.cfg.reuse_weight, bypass_run=engine.residency.cfg.bypass,
+                   fill_budget_per_layer=engine.residency.cfg.budget_per_target,
                    cache_fraction=slots / engine.plan.total_experts, prompt_count=len(prompts),
                    expert_bytes=engine.residency.expert_bytes, memory=engine.memory_stats())
     except Exception as exc:  # a failed point is recorded, and the sweep goes on
