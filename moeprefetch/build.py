@@ -395,7 +395,7 @@ def resolve_options(config: EngineConfig, args: ModelArgs, has_mtp: bool, device
         prefill_chunk=chunk, prefill_window=auto_prefill_window(seq_len, chunk, device, config.prefill_window),
         expert_dtype=config.expert_dtype, min_confidence=float(config.min_confidence),
         fill_confidence=float(config.fill_confidence), fill_link=config.fill_link,
-        reuse_weight=optional_float(config.reuse_weight), bypass=None if config.bypass is None else bool(config.bypass),
+        reuse_weight=optional_float(config.reuse_weight), bypass=config.bypass,  # checked: True/False/None
         routing_trace=str(config.routing_trace) if config.routing_trace is not None else None,
         spare_recent=config.spare_recent, prefetch_lead=config.prefetch_lead,
         draft_experts=config.draft_experts, verify_confidence=float(config.verify_confidence),

@@ -990,7 +990,7 @@ def offloaded_timelines(run: WorkloadRun, engine: MoEPrefetchEngine) -> None:
     run_options = engine.options
     for name in chosen:  # a name may carry a row's modifiers ('learned~budget0~reuse0.7~bypass': `modified_row`)
         predictor = name.split("~")[0]
-        overrides = modified_row(name, {predictor: (predictor, predictor, None, None, 0.0, {})})[5]
+        overrides = row_overrides(name)
         speculative = "mtp" if predictor.startswith("speculative_mtp") else None
         underlying = predictor.removeprefix("speculative_mtp").removeprefix("+") or "none" if speculative \
             else predictor
@@ -1468,10 +1468,14 @@ def modified_row(name: str, known: dict[str, tuple]) -> tuple:
     reservation passes), prefetch_lead L (fills reserved at most L MoE layers before their need), lrfu_halflife H,
     verify_confidence V (speculative rows: drafts below V are not verified), draft_tokens D (speculative rows: a
     chain of D drafts checked per step; the engines are loaded for the largest D of --systems) and/or bypass=True."""
-    base, *mods = name.split("~")
-    system, predictor, speculative, lookahead, cut, overrides = known[base]
-    overrides = dict(overrides)
-    for mod in mods:
+    system, predictor, speculative, lookahead, cut, overrides = known[name.split("~")[0]]
+    return (name, predictor, speculative, lookahead, cut, {**overrides, **row_overrides(name)})
+
+
+def row_overrides(name: str) -> dict[str, Any]:
+    """The engine options a row name's modifiers set (`modified_row`), checked."""
+    overrides: dict[str, Any] = {}
+    for mod in name.split("~")[1:]:
         prefix = next((p for p in ROW_MODIFIERS if mod.startswith(p) and mod[len(p):]), None)
         if mod == "idle":
             overrides["fill_link"] = "idle"
@@ -1489,7 +1493,7 @@ def modified_row(name: str, known: dict[str, tuple]) -> tuple:
     for option in ("reuse_weight", "verify_confidence"):
         if option in overrides:
             check_fraction(option, overrides[option], upper_open=False)
-    return (name, predictor, speculative, lookahead, cut, overrides)
+    return overrides
 
 
 def longest_chain(systems: str) -> int:
